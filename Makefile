@@ -1,0 +1,45 @@
+# ngrpo-lightning: set-up and the two entry points.
+#   make train   create .venv if missing, install torch first, install the package, run the main job
+#   make test    the same set-up plus the dev (and, on x86-64 CPU machines, vLLM) extras, then the suite
+#
+# torch is installed FIRST and alone, so that resolving the other dependencies never pulls a
+# second (CUDA) build of it. On a GPU machine pick the CUDA build of the same version with
+# TORCH_PIP_ARGS, e.g. `make train TORCH_PIP_ARGS="--index-url <your CUDA wheel index>"`;
+# a machine whose default index already serves CUDA wheels needs nothing.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: train test setup setup-dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(TORCH_PIP_ARGS)
+	touch $@
+
+$(VENV)/.base: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.base
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.base
+setup-dev: $(VENV)/.dev
+
+train: setup
+	$(BIN)/ngrpo train $(ARGS)
+
+test: setup-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs mlruns .pytest_cache

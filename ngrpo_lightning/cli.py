@@ -1,0 +1,158 @@
+"""The ``ngrpo`` command line.
+
+    ngrpo train [key=value ...]     train (Hydra overrides: group=option, a.b=value)
+    ngrpo train --help              list the config groups and their options
+    ngrpo config [key=value ...]    print the composed config and exit
+
+Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
+objective, trainer, logger, experiment). Errors in the config print one clear line that
+names the key and exit with status 2; nothing is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+GROUPS = ("model", "data", "explorer", "objective", "trainer", "logger", "experiment")
+
+
+def config_dir() -> Path:
+    """The ``conf/`` folder: shipped inside the package, or beside it in a source checkout."""
+    for cand in (Path(__file__).parent / "conf", Path(__file__).resolve().parent.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise FileNotFoundError("ngrpo-lightning's conf/ folder is missing: reinstall the package")
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """Let ``explorer._target_=pkg.Cls explorer.x=1`` select a user class: it switches the
+    group to its ``custom`` option and turns the other keys of that group into additions."""
+    out, custom = list(overrides), set()
+    for o in overrides:
+        m = re.match(r"^\+?(explorer|objective)\._target_=", o)
+        if m:
+            custom.add(m.group(1))
+    for group in custom:
+        out = [f"+{o}" if o.startswith(f"{group}.") and not o.startswith(f"{group}._target_=") else o for o in out]
+        out = [o.lstrip("+") if o.lstrip("+").startswith(f"{group}._target_=") else o for o in out]
+        out = [o for o in out if not o.startswith(f"{group}=")] + [f"{group}=custom"]
+    return out
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose the run config from ``conf/`` and command-line overrides."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .build import ConfigError
+
+    overrides = normalize_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        OmegaConf.resolve(cfg)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(explain_compose_error(err, overrides)) from err
+    if missing:
+        raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
+    return cfg
+
+
+def explain_compose_error(err: Exception, overrides: list[str]) -> str:
+    """Hydra's message, plus the keys that *are* valid where an unknown key was given."""
+    msg = str(err).strip()
+    m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
+    if m:
+        key = m.group(1)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        try:
+            from hydra import compose as hydra_compose, initialize_config_dir
+
+            base = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in GROUPS]
+            with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+                cfg = hydra_compose(config_name="config", overrides=base)
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if isinstance(node, DictConfig):
+                return f"unknown config key {key!r}; valid keys{' of ' + parent if parent else ''}: {sorted(node.keys())}"
+        except Exception:  # fall back to Hydra's own message
+            pass
+    return msg.splitlines()[0] + ("\n" + "\n".join(msg.splitlines()[1:]) if "Available options" in msg else "")
+
+
+def print_groups() -> None:
+    print("Config groups (select with group=option; override any key with a.b=value):")
+    for g in GROUPS:
+        print(f"  {g:<10} {', '.join(group_options(g))}")
+    print("\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
+          "\n  ngrpo config experiment=grpo   # print the composed config")
+
+
+# ------------------------------------------------------------------- commands
+def train(cfg: DictConfig) -> dict:
+    """Run one training job; returns a summary dict."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import lightning as L
+
+    from .build import build_datamodule, build_logger, build_module, build_problems, build_trainer
+    from .tracking import log_config, summarize_run
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    problems = build_problems(cfg.data, cfg.seed)  # data errors first: before minutes of model loading
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, module.tokenizer, problems)
+    logger = build_logger(cfg)
+    trainer = build_trainer(cfg, logger)
+    if logger is not None:
+        log_config(logger, cfg)
+    t0 = time.perf_counter()
+    before = trainer.validate(module, datamodule=datamodule, verbose=False) if cfg.validate_before_fit and datamodule.val_problems else None
+    trainer.fit(module, datamodule=datamodule)
+    after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    return summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ngrpo", description="RL for language models on verifiable math with pluggable exploration.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "train a policy"), ("config", "print the composed config")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("-h", "--help", action="store_true")
+        p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    args = parser.parse_args(argv)
+    if args.help:
+        print(f"usage: ngrpo {args.command} [group=option ...] [key=value ...]\n")
+        print_groups()
+        return 0
+    from .build import ConfigError
+
+    try:
+        cfg = compose(args.overrides)
+        if args.command == "config":
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        summary = train(cfg)
+    except ConfigError as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    print(summary["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Turn problems into tokenized prompts.
+
+The user turn is ``question + "\\n" + instruction``; the instruction is the DeepSeek-R1 /
+DeepScaleR convention that asks for a ``\\boxed{}`` final answer, which is what the reward
+extracts. Prompts go through the tokenizer's chat template with the generation prompt
+appended, so the policy starts right at its assistant turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, question: str, instruction: str | None = DEFAULT_INSTRUCTION,
+                  system_prompt: str | None = None) -> str:
+    """The prompt text for ``question`` (None instruction = the default; "" = none).
+
+    Without a chat template (a base model), the plain ``question\\ninstruction\\n``.
+    """
+    if instruction is None:
+        instruction = DEFAULT_INSTRUCTION
+    content = f"{question}\n{instruction}" if instruction else question
+    if not has_chat_template(tokenizer):
+        prefix = f"{system_prompt}\n\n" if system_prompt else ""
+        return f"{prefix}{content}\n"
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": content})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class PromptDataset(Dataset):
+    """Rendered and tokenized prompts, once, up front; prompts over ``max_prompt_tokens``
+    are dropped (``num_dropped``) with a warning.
+
+    Items: ``{"id", "prompt_ids": list[int], "prompt_text", "answer"}``.
+    """
+
+    def __init__(self, problems, tokenizer, max_prompt_tokens: int = 4096,
+                 instruction: str | None = DEFAULT_INSTRUCTION, system_prompt: str | None = None):
+        if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be a positive integer, got {max_prompt_tokens!r}")
+        self.max_prompt_tokens = max_prompt_tokens
+        problems = list(problems)
+        texts = [render_prompt(tokenizer, p["question"], instruction, system_prompt) for p in problems]
+        # A chat template already contains BOS and the role markers: adding special tokens
+        # again would duplicate BOS. Plain prompts (no template) do need them.
+        encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))["input_ids"] if texts else []
+        self.items: list[dict[str, Any]] = []
+        for p, text, ids in zip(problems, texts, encoded):
+            if len(ids) <= max_prompt_tokens:
+                self.items.append({"id": str(p["id"]), "prompt_ids": list(ids), "prompt_text": text,
+                                   "answer": str(p["answer"])})
+        self.num_total = len(problems)
+        self.num_dropped = self.num_total - len(self.items)
+        if self.num_dropped:
+            log.warning("dropped %d of %d prompts longer than %d tokens", self.num_dropped, self.num_total,
+                        max_prompt_tokens)
+            if not self.items:
+                raise ValueError(f"all {self.num_total} prompts are longer than data.max_prompt_tokens="
+                                 f"{max_prompt_tokens} tokens")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+
+def collate_prompts(items: list[dict[str, Any]]) -> dict[str, list]:
+    """A batch as a dict of lists; no padding (the rollout engine pads)."""
+    keys = ("id", "prompt_ids", "prompt_text", "answer")
+    return {k: [item[k] for item in items] for k in keys}

@@ -1,0 +1,109 @@
+"""The Explorer contract: how the next input of one decoding step is formed.
+
+An explorer sees the logits of one decoding step and decides, for every row of the
+batch, (a) the token that is *emitted* (the text the reward sees) and (b) the input
+embedding fed to the next step. Most steps are discrete: the next input is simply
+``E[token]``. A *non-discrete* step feeds a mixture instead::
+
+    e = sum_j weights[j] * E[ids[j]]  +  noise_scale * randn(d, seed=noise_seed)
+
+Neighbor mixing (N-GRPO) uses K = k ids and no noise, Gumbel soft thinking the top-k
+ids, Gaussian noise (STHT) one id plus noise. Engines record exactly these fields for
+the non-discrete rows, and training rebuilds the same inputs from the record
+(:func:`ngrpo_lightning.rollout.reconstruction.build_inputs_embeds`), so an explorer
+never touches an engine or the training loop.
+
+Explorers are pure torch: no Lightning, no engine imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Explorer", "ExplorerStep", "EXPLORERS", "register_explorer"]
+
+EXPLORERS: dict[str, type["Explorer"]] = {}
+
+
+def register_explorer(name: str):
+    """Class decorator: make an explorer selectable as ``explorer.name=<name>`` in configs."""
+
+    def wrap(cls):
+        if name in EXPLORERS and EXPLORERS[name] is not cls:
+            raise ValueError(f"explorer name {name!r} is already registered by {EXPLORERS[name].__qualname__}")
+        EXPLORERS[name] = cls
+        cls.registered_name = name
+        return cls
+
+    return wrap
+
+
+@dataclass
+class ExplorerStep:
+    """What an explorer decides for one decoding step of a batch of B rows.
+
+    ``tokens`` is always set. The other fields describe the non-discrete rows and are
+    ``None`` when every row is discrete (plain sampling). For a row with ``mixed[b]``
+    false, the mixture fields of that row are ignored.
+    """
+
+    tokens: torch.Tensor  # [B] long: emitted token ids
+    mixed: torch.Tensor | None = None  # [B] bool: rows whose next input is a mixture
+    ids: torch.Tensor | None = None  # [B, K] long: mixture token ids
+    weights: torch.Tensor | None = None  # [B, K] float: mixture weights (rows sum to 1)
+    noise_seed: torch.Tensor | None = None  # [B] long: seed of the additive noise, if any
+    noise_scale: torch.Tensor | None = None  # [B] float: std of the additive noise (0 = none)
+
+    def __post_init__(self):
+        if self.mixed is not None and (self.ids is None or self.weights is None):
+            raise ValueError("ExplorerStep: a step with `mixed` rows needs `ids` and `weights`")
+
+
+class Explorer:
+    """Base class of all explorers. Subclasses implement :meth:`step`.
+
+    Attributes
+    ----------
+    temperature:
+        The policy's sampling temperature. Engines compute the rollout log-probs of the
+        emitted tokens as ``log_softmax(logits / temperature)`` and training uses the same
+        temperature, so every explorer must define it (1.0 if it does not sample).
+    uses_embeddings:
+        True if :meth:`step` needs the embedding matrix passed to :meth:`prepare`.
+    """
+
+    temperature: float = 1.0
+    uses_embeddings: bool = False
+    registered_name: str = ""
+
+    def prepare(self, embeddings: torch.Tensor) -> None:
+        """Called by the engine before every rollout with the policy's input embedding
+        matrix ``E`` (V x d), on the device where decoding runs. Build indices here."""
+        self.embeddings = embeddings
+
+    def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
+        """Decide one decoding step. ``logits`` is B x V (raw, untempered, float32)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Explorer state saved in checkpoints (counters, schedules). Stateless by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "embeddings")
+        return f"{type(self).__name__}({fields})"
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *, low_open: bool = False):
+    """Validate a numeric hyper-parameter at construction time with an error naming its key."""
+    bad = (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high)
+    if bad:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        bracket = "(" if low_open else "["
+        raise ValueError(f"explorer.{key}={value!r} is out of range: allowed {bracket}{lo}, {hi}]")

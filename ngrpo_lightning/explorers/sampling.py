@@ -1,0 +1,42 @@
+"""Token sampling with temperature and the usual truncation filters (top-k, top-p, min-p).
+
+Shared by every explorer whose discrete steps are "plain sampling", so that an unmixed
+step of N-GRPO is exactly a step of the GRPO baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Return logits with filtered-out entries set to -inf. Inputs are B x V, already tempered."""
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        cutoff = min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < cutoff, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample one token per row from ``softmax(filter(logits / temperature))``; greedy if temperature == 0."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p, min_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,41 @@
+"""Exploration metrics of a rollout batch: how often inputs were mixed, how spread the
+mixtures were, and how diverse each prompt's group of G samples is."""
+
+from __future__ import annotations
+
+import torch
+
+from ..rollout.batch import RolloutBatch
+
+
+def distinct_ngrams(sequences: list[list[int]], n: int) -> float:
+    """Distinct n-grams / total n-grams over a group of token sequences (1.0 = no repeats)."""
+    grams = [tuple(s[i:i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def mixture_entropy(weights: torch.Tensor) -> torch.Tensor:
+    """Entropy of each mixture's weights ([M, K] -> [M]); 0 for a one-hot mixture."""
+    w = weights.float().clamp(min=0)
+    return -(w * torch.log(w.clamp(min=1e-12))).sum(-1)
+
+
+def exploration_metrics(batch: RolloutBatch, extract=None) -> dict[str, float]:
+    """``explore/*`` metrics: mixed-step fraction, mixture-weight entropy, distinct n-grams
+    (n = 1..4) within groups and the fraction of distinct final answers within groups."""
+    if extract is None:
+        from ..rewards import extract_answer as extract
+    n_tokens = int(batch.response_mask.sum())
+    out = {"explore/mixed_frac": len(batch.records) / max(n_tokens, 1)}
+    out["explore/mixture_entropy"] = float(mixture_entropy(batch.records.weights).mean()) if len(batch.records) else 0.0
+    lengths = batch.response_lengths.tolist()
+    seqs = [row[:n].tolist() for row, n in zip(batch.response_ids, lengths)]
+    g = batch.group_size
+    groups = [seqs[i:i + g] for i in range(0, len(seqs), g)]
+    for n in range(1, 5):
+        out[f"explore/distinct_{n}gram"] = sum(distinct_ngrams(grp, n) for grp in groups) / max(len(groups), 1)
+    if batch.response_text:
+        answers = [extract(t) for t in batch.response_text]
+        per_group = [answers[i:i + g] for i in range(0, len(answers), g)]
+        out["explore/distinct_answers_frac"] = sum(len(set(a)) / len(a) for a in per_group) / max(len(per_group), 1)
+    return out

@@ -1,0 +1,63 @@
+"""The PolicyObjective contract: recorded rollouts -> one scalar loss.
+
+An objective is a pure function of per-token tensors (all [N, L], aligned with the
+response tokens)::
+
+    loss, metrics = objective(logp, old_logp, ref_logp, advantages, mask)
+
+``logp`` carries gradients; ``old_logp`` is the behaviour policy (the policy at rollout
+time), ``ref_logp`` the frozen reference (``None`` when no KL is used), ``advantages``
+one scalar per sequence ([N]) and ``mask`` the response mask. Objectives are classes
+only to hold validated hyper-parameters; the maths lives in a plain function beside each.
+Register new ones with :func:`register_objective` and select them by name in configs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["OBJECTIVES", "PolicyObjective", "register_objective"]
+
+OBJECTIVES: dict[str, type["PolicyObjective"]] = {}
+
+
+def register_objective(name: str):
+    """Class decorator: make an objective selectable as ``objective.name=<name>``."""
+
+    def wrap(cls):
+        if name in OBJECTIVES and OBJECTIVES[name] is not cls:
+            raise ValueError(f"objective name {name!r} is already registered by {OBJECTIVES[name].__qualname__}")
+        OBJECTIVES[name] = cls
+        cls.registered_name = name
+        return cls
+
+    return wrap
+
+
+class PolicyObjective:
+    """Base class. ``kl_coef`` > 0 tells the module to load a frozen reference model."""
+
+    kl_coef: float = 0.0
+    registered_name: str = ""
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+def check_objective_key(key: str, value: float, low: float = 0.0):
+    if value < low:
+        raise ValueError(f"objective.{key}={value!r} is out of range: must be >= {low}")

@@ -1,0 +1,86 @@
+"""GRPO: PPO-clipped token-level surrogate with an optional KL penalty to a reference.
+
+Per token, with ratio ``r = exp(logp - old_logp)`` and sequence advantage ``A``::
+
+    pg  = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
+    pg  = min(pg, -A * dual_clip)              if A < 0 and dual_clip is set
+    tok = pg + kl_coef * KL_est(logp, ref_logp)
+    loss = aggregate(tok, mask, loss_agg)
+
+``clip_high > clip_low`` is DAPO's clip-higher. With ``r == 1`` and no KL the gradient
+is the plain policy gradient ``-A * grad logp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import AGGREGATIONS, aggregate, masked_mean
+from .base import PolicyObjective, check_objective_key, register_objective
+from .kl import KL_ESTIMATORS, kl_penalty
+
+MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: a safety clamp, far beyond any clip range
+
+
+def grpo_loss(
+    logp, old_logp, ref_logp, advantages, mask, *,
+    clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
+):
+    """The GRPO loss and its metrics (see the module docstring)."""
+    adv = advantages[:, None].to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+    per_token = pg
+    metrics = {}
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("objective.kl_coef > 0 but no reference log-probs were given (is a reference model loaded?)")
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + kl_coef * kl
+        metrics["kl_ref"] = masked_mean(kl.detach(), mask)
+    loss = aggregate(per_token, mask, loss_agg)
+    with torch.no_grad():
+        m = mask.bool()
+        metrics.update(
+            pg_loss=aggregate(pg.detach(), mask, loss_agg),
+            clip_frac_low=masked_mean(((ratio < 1 - clip_low) & (adv < 0)).float(), mask),
+            clip_frac_high=masked_mean(((ratio > 1 + clip_high) & (adv > 0)).float(), mask),
+            ratio_mean=masked_mean(ratio.detach(), mask),
+            ratio_min=ratio.detach()[m].min() if m.any() else ratio.new_tensor(1.0),
+            ratio_max=ratio.detach()[m].max() if m.any() else ratio.new_tensor(1.0),
+            approx_kl_old=masked_mean(kl_penalty(logp.detach(), old_logp, "k3"), mask),
+        )
+    return loss, metrics
+
+
+@register_objective("grpo")
+class GRPO(PolicyObjective):
+    """GRPO objective (PPO clip + KL). See :func:`grpo_loss`.
+
+    Args:
+        clip_low / clip_high: clip range ``[1 - clip_low, 1 + clip_high]`` (paper: 0.2 / 0.2).
+        dual_clip: cap of ``-A * r`` for negative advantages (e.g. 3.0; None = off).
+        kl_coef: weight of the KL penalty; 0 = no reference model is loaded at all.
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+            ``seq-mean-token-sum-norm``.
+    """
+
+    def __init__(self, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.001, kl_estimator="k3", loss_agg="token-mean"):
+        check_objective_key("clip_low", clip_low)
+        check_objective_key("clip_high", clip_high)
+        check_objective_key("kl_coef", kl_coef)
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ValueError(f"objective.dual_clip={dual_clip!r} must be > 1 (or null to disable)")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"objective.kl_estimator={kl_estimator!r} is unknown: allowed {list(KL_ESTIMATORS)}")
+        if loss_agg not in AGGREGATIONS:
+            raise ValueError(f"objective.loss_agg={loss_agg!r} is unknown: allowed {list(AGGREGATIONS)}")
+        self.clip_low, self.clip_high, self.dual_clip = float(clip_low), float(clip_high), dual_clip
+        self.kl_coef, self.kl_estimator, self.loss_agg = float(kl_coef), kl_estimator, loss_agg
+
+    def __call__(self, logp, old_logp, ref_logp, advantages, mask):
+        return grpo_loss(logp, old_logp, ref_logp, advantages, mask, **vars(self))

@@ -1,0 +1,24 @@
+"""Per-token KL estimators between the policy and a reference (Schulman's k1/k2/k3).
+
+With ``log_r = log pi_ref(y) - log pi(y)`` for tokens ``y ~ pi``:
+k1 = -log_r (unbiased, high variance, can be negative), k2 = log_r^2 / 2 (biased,
+second order accurate), k3 = exp(log_r) - 1 - log_r (unbiased, non-negative, low variance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of the sampled tokens."""
+    log_r = (ref_logp - logp).clamp(-20.0, 20.0)  # clamp: one wild token must not overflow exp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"objective.kl_estimator={estimator!r} is unknown: allowed {list(KL_ESTIMATORS)}")

@@ -1,0 +1,19 @@
+"""Verifiable math rewards: answer extraction, math-verify equivalence, and a reward
+function whose checks run in worker processes under a hard time limit.
+
+``MathReward``/``RewardResult`` are imported lazily: verifier workers import this package
+on start-up, and must not pay for importing torch.
+"""
+
+from .extract import EXTRACT_METHODS, extract_answer
+from .verify import verify_answer
+
+__all__ = ["EXTRACT_METHODS", "STATUSES", "MathReward", "RewardResult", "extract_answer", "verify_answer"]
+
+
+def __getattr__(name: str):
+    if name in ("MathReward", "RewardResult", "STATUSES"):
+        from . import reward
+
+        return getattr(reward, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,69 @@
+"""Pull the final answer out of a model completion.
+
+Two methods:
+
+* ``boxed`` -- the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), brace-balanced
+  so that ``\\boxed{\\frac{1}{2}}`` yields ``\\frac{1}{2}``. The DeepSeek-R1 / DeepScaleR
+  prompt asks for exactly this. A last box that never closes (a completion truncated at
+  the token limit) counts as *no answer*: an earlier box is an intermediate result, not the
+  final answer, and rewarding it would reward truncation.
+* ``last_number`` -- the last number in the text (GSM8K-style fallback), with thousands
+  separators removed (``1,000`` -> ``1000``).
+"""
+
+from __future__ import annotations
+
+import re
+
+EXTRACT_METHODS = ("boxed", "last_number")
+
+# \b keeps \fboxsep / \boxedfoo from matching.
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+# Braces that count for balancing; escaped ones (\{ \} in set notation) do not.
+_BRACE_RE = re.compile(r"\\[{}]|[{}]")
+# A minus sign only when it cannot be a binary minus ("10-3" -> 3, not -3).
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\].])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def extract_answer(text: str, method: str = "boxed") -> str | None:
+    """The final answer in ``text`` by ``method`` (see module docstring); None if absent."""
+    if method == "boxed":
+        return _last_boxed(text)
+    if method == "last_number":
+        return _last_number(text)
+    raise ValueError(f"reward.extract={method!r} is unknown: allowed {list(EXTRACT_METHODS)}")
+
+
+def _last_boxed(text: str) -> str | None:
+    last = None
+    for last in _BOX_RE.finditer(text):
+        pass
+    if last is None:
+        return None
+    rest = text[last.end():]
+    body = rest.lstrip()
+    if not body.startswith("{"):
+        # "\boxed 42" (TeX allows an undelimited one-token argument).
+        if len(body) == len(rest):  # no whitespace after the command: not a box
+            return None
+        token = re.match(r"[^\s$]+", body)
+        return token.group(0) if token else None
+    start = len(rest) - len(body) + 1
+    depth = 0
+    for m in _BRACE_RE.finditer(rest, start - 1):
+        tok = m.group(0)
+        if tok == "{":
+            depth += 1
+        elif tok == "}":
+            depth -= 1
+            if depth == 0:
+                content = rest[start:m.start()].strip()
+                return content or None
+    return None  # unbalanced: truncated completion
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for last in _NUMBER_RE.finditer(text):
+        pass
+    return None if last is None else last.group(0).replace(",", "")

@@ -1,0 +1,235 @@
+"""A pool of verifier processes with a HARD per-item time limit.
+
+Why processes: math-verify/sympy can run for minutes on a pathological answer
+(``9^{9^{9^{9^{9}}}}``), and the only limit Python can enforce from outside a running C
+call is killing the process. Workers are *spawned* (not forked): the trainer holds
+threads and possibly CUDA state that must not be forked.
+
+Two limits per item:
+
+* soft, ``timeout_s``: SIGALRM inside the worker (:mod:`.limits`); cheap, the worker lives on.
+  It stops every case we have seen (``9^{9^{9^{9^{9}}}}`` included: CPython's big-int power
+  loop checks for signals between multiplications);
+* hard, ``timeout_s + kill_grace_s`` from the moment the worker STARTED the item (read from
+  a shared progress array, see :mod:`.worker`): the parent kills the whole pool, marks the
+  item ``timeout``, and re-runs the other unfinished items in a fresh pool.
+
+A worker crash (segfault, OOM kill) breaks the pool: the items in progress at that moment
+are marked ``error``, the rest are re-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+import weakref
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from . import worker
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often the parent looks for overrunning items
+_MAX_STALLED_ROUNDS = 2  # restarts without progress before the remaining items count as errors
+
+
+class VerifierPool:
+    """Lazily started, reused across calls; ``close()`` or interpreter exit shuts it down."""
+
+    def __init__(self, num_workers: int, start_timeout_s: float = 120.0):
+        self.num_workers = num_workers
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0  # pools killed because of an overrun or a crash
+        self._ctx = multiprocessing.get_context("spawn")
+        self._state = _PoolState()
+        self._call_id = 0
+        # Runs at close(), garbage collection or interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, self._state.shutdown)
+
+    def __getstate__(self) -> dict:
+        # Worker processes belong to the process that started them: a copy (deepcopy, or a
+        # module pickled to another process) gets its own pool, started on first use.
+        return {"num_workers": self.num_workers, "start_timeout_s": self.start_timeout_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return self._state.executor is not None
+
+    def start(self) -> list[int]:
+        """Start the workers (if needed) and wait until every one has imported the verifier.
+
+        Waiting for all of them makes hard deadlines independent of start-up time and
+        guarantees that the next batch spreads over every worker. Returns the worker PIDs.
+        """
+        st = self._state
+        if st.executor is not None and st.owner_pid != os.getpid():
+            st.executor = st.slots = st.counter = None  # inherited through fork: the workers are not ours
+        if st.executor is None:
+            st.slots = self._ctx.Array("d", self.num_workers * worker.SLOT_WIDTH, lock=False)
+            st.counter = self._ctx.Value("i", 0)
+            st.owner_pid = os.getpid()
+            st.executor = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=self._ctx,
+                                              initializer=worker.init_worker, initargs=(st.slots, st.counter))
+            # Workers are spawned on demand: one submit per worker starts all of them.
+            pings = [st.executor.submit(worker.ping) for _ in range(self.num_workers)]
+            deadline = time.monotonic() + self.start_timeout_s
+            while st.counter.value < self.num_workers:
+                failed = next((f.exception() for f in pings if f.done() and f.exception()), None)
+                if failed is not None:
+                    self._kill()
+                    raise RuntimeError(f"verifier workers failed to start: {failed} (a common cause: with the "
+                                       "spawn start method the main script needs an `if __name__ == '__main__':` "
+                                       "guard)") from failed
+                if time.monotonic() > deadline:
+                    self._kill()
+                    raise RuntimeError(f"verifier workers did not start within {self.start_timeout_s:g} s "
+                                       f"({self.num_workers} spawned processes importing math-verify)")
+                time.sleep(0.01)
+            wait(pings)
+        return self.worker_pids()
+
+    def worker_pids(self) -> list[int]:
+        slots = self._state.slots
+        if slots is None:
+            return []
+        return [int(slots[i]) for i in range(0, len(slots), worker.SLOT_WIDTH) if slots[i]]
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _kill(self) -> None:
+        if self._state.executor is not None:
+            self.restarts += 1
+        self._state.kill()
+
+    # ------------------------------------------------------------------ checking
+    def run(self, items: list[tuple[int, str, str]], *, check_fn, timeout_s: float, kill_after_s: float,
+            num_chunks: int) -> dict[int, tuple[str, int]]:
+        """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid)}``."""
+        results: dict[int, tuple[str, int]] = {}
+        pending = {item[0]: item for item in items}
+        stalled = 0  # consecutive rounds that resolved nothing (workers cannot even start)
+        while pending and stalled < _MAX_STALLED_ROUNDS:
+            before = len(pending)
+            try:
+                self._run_round(pending, results, check_fn, timeout_s, kill_after_s, num_chunks)
+            except BaseException:
+                self._kill()  # Ctrl-C or a bug: never leave a worker running a hung item
+                raise
+            stalled = stalled + 1 if len(pending) == before else 0
+        if pending:
+            log.error("gave up on %d answers: %d verifier pool restarts in a row made no progress",
+                      len(pending), stalled)
+        for index in pending:
+            results[index] = ("error", 0)
+        return results
+
+    def _run_round(self, pending, results, check_fn, timeout_s, kill_after_s, num_chunks) -> None:
+        self.start()
+        self._call_id += 1
+        call_id = self._call_id
+        ordered = [pending[i] for i in sorted(pending)]  # contiguous chunks keep a group's gold together
+        try:
+            futures = {self._state.executor.submit(worker.run_chunk, call_id, chunk, check_fn, timeout_s)
+                       for chunk in _split(ordered, num_chunks)}
+        except BrokenProcessPool:  # a worker died while idle (e.g. OOM killer): start afresh
+            self._kill()
+            return
+
+        def harvest(done) -> bool:
+            """Record finished chunks; True if the pool broke."""
+            broken = False
+            for fut in done:
+                try:
+                    pid, out = fut.result()
+                except BrokenProcessPool:
+                    broken = True
+                    continue
+                for index, status in out:
+                    results[index] = (status, pid)
+                    pending.pop(index, None)
+            return broken
+
+        while futures:
+            done, futures = wait(futures, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            broken = harvest(done)
+            overrun = self._in_progress(call_id, older_than=kill_after_s)
+            if not broken and not overrun:
+                continue
+            stuck = overrun or self._in_progress(call_id)
+            harvest([f for f in futures if f.done()])
+            self._kill()
+            status = "timeout" if overrun else "error"
+            for index, pid in stuck.items():
+                if index in pending:
+                    results[index] = (status, pid)
+                    pending.pop(index)
+            if overrun:
+                log.warning("killed the verifier pool: %d answers ran past the %.1f s hard limit",
+                            len(overrun), kill_after_s)
+            else:
+                log.error("a verifier worker died; %d answers in progress marked 'error'", len(stuck))
+            return
+
+    def _in_progress(self, call_id: int, older_than: float = 0.0) -> dict[int, int]:
+        """``{item_index: worker_pid}`` of items started more than ``older_than`` s ago."""
+        slots, now, found = self._state.slots, time.monotonic(), {}
+        for base in range(0, len(slots), worker.SLOT_WIDTH):
+            t0 = slots[base + 3]
+            cid, index, pid = slots[base + 1], slots[base + 2], slots[base]
+            if t0 and t0 == slots[base + 3] and cid == call_id and now - t0 > older_than:
+                found[int(index)] = int(pid)
+        return found
+
+
+class _PoolState:
+    """The executor and its shared arrays, separate from the pool so a finalizer can own it."""
+
+    def __init__(self):
+        self.executor = self.slots = self.counter = None
+        self.owner_pid = os.getpid()
+
+    def kill(self) -> None:
+        """Kill every worker now (one may be stuck in C code) and reap them."""
+        self._stop(graceful=False)
+
+    def shutdown(self) -> None:
+        """Let idle workers exit; kill any that do not within a few seconds."""
+        self._stop(graceful=True)
+
+    def _stop(self, graceful: bool) -> None:
+        ex, self.executor = self.executor, None
+        self.slots = self.counter = None
+        if ex is None or os.getpid() != self.owner_pid:
+            return  # a forked child (e.g. a DataLoader worker) must not touch its parent's workers
+        # No public way to kill workers before Python 3.14 (Executor.kill_workers).
+        procs = list((getattr(ex, "_processes", None) or {}).values())
+        if graceful:
+            ex.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if graceful:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        if not graceful:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _split(items: list, num_chunks: int) -> list[list]:
+    """``num_chunks`` contiguous chunks of near-equal size (fewer if there are fewer items)."""
+    n = max(1, min(num_chunks, len(items)))
+    size, extra = divmod(len(items), n)
+    chunks, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        chunks.append(items[start:end])
+        start = end
+    return chunks

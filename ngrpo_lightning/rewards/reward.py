@@ -1,0 +1,132 @@
+"""Binary math reward: 1.0 if the completion's final answer equals the gold answer.
+
+Answers are extracted in the calling process (cheap, linear-time scans) and only the
+short extracted strings are shipped to the verifier pool, so a 16k-token completion costs
+no IPC. Checking always happens in a worker process, for every batch size: an in-process
+check cannot be hard-limited (a signal does not interrupt a long C call, and a thread
+cannot be killed), and one hung check would stall training forever.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .extract import EXTRACT_METHODS, extract_answer
+from .pool import VerifierPool
+
+STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
+
+
+@dataclass
+class RewardResult:
+    """Per-completion scores and why each got its score."""
+
+    scores: torch.Tensor  # [N] float32, 1.0 correct / 0.0 otherwise
+    status: list[str]  # one of STATUSES per completion
+    answers: list[str | None] = field(default_factory=list)  # extracted answers (None: no answer)
+    worker_pids: list[int] = field(default_factory=list)  # debug: process that checked each item (0: none)
+    elapsed_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(STATUSES, 0)
+        for s in self.status:
+            out[s] += 1
+        return out
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Fraction of completions per status, e.g. ``reward/timeout_frac``."""
+        n = max(len(self.status), 1)
+        return {f"{prefix}{s}_frac": c / n for s, c in self.counts().items()}
+
+
+class MathReward:
+    """``reward(completions, golds) -> RewardResult``, safe against pathological answers.
+
+    Args:
+        extract: ``boxed`` or ``last_number`` (see :mod:`.extract`).
+        timeout_s: time limit per answer. Enforced softly inside the worker (SIGALRM), and
+            hard at ``timeout_s + kill_grace_s`` by killing the worker pool.
+        num_workers: verifier processes; default ``min(os.cpu_count(), 8)``.
+        parallel_threshold: batches with fewer answers to check go to ONE worker as a single
+            task (splitting costs more IPC than it saves); larger ones are cut into
+            ``4 * num_workers`` contiguous chunks spread over all workers. Either way the
+            check runs in a worker, never in-process (see module docstring).
+        kill_grace_s: slack past ``timeout_s`` before the hard kill.
+        check_fn: ``(answer, gold) -> bool`` run in the workers, default
+            :func:`~.verify.verify_answer`; must be picklable (a module-level function).
+        start_timeout_s: how long the workers may take to start.
+
+    The pool starts on the first call (or :meth:`start`), is reused across calls and is
+    shut down by :meth:`close`, ``with`` exit, garbage collection or interpreter exit.
+    """
+
+    def __init__(self, extract: str = "boxed", timeout_s: float = 2.0, num_workers: int | None = None,
+                 parallel_threshold: int = 32, kill_grace_s: float = 2.0, check_fn=None,
+                 start_timeout_s: float = 120.0):
+        if extract not in EXTRACT_METHODS:
+            raise ValueError(f"reward.extract={extract!r} is unknown: allowed {list(EXTRACT_METHODS)}")
+        if not timeout_s or timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if num_workers is None:
+            num_workers = min(os.cpu_count() or 1, 8)
+        if int(num_workers) < 1:
+            raise ValueError(f"reward.num_workers must be >= 1 (or null for min(cores, 8)), got {num_workers!r}")
+        if parallel_threshold < 0:
+            raise ValueError(f"reward.parallel_threshold must be >= 0, got {parallel_threshold!r}")
+        if kill_grace_s < 0:
+            raise ValueError(f"reward.kill_grace_s must be >= 0, got {kill_grace_s!r}")
+        if check_fn is not None:
+            try:
+                pickle.dumps(check_fn)
+            except Exception as e:
+                raise TypeError(f"check_fn must be picklable (a module-level function): verifier workers "
+                                f"are spawned processes; got {check_fn!r}") from e
+        self.extract = extract
+        self.timeout_s = float(timeout_s)
+        self.num_workers = int(num_workers)
+        self.parallel_threshold = int(parallel_threshold)
+        self.kill_grace_s = float(kill_grace_s)
+        self.check_fn = check_fn
+        self.pool = VerifierPool(self.num_workers, start_timeout_s=start_timeout_s)
+
+    def __call__(self, completions: list[str], golds: list[str]) -> RewardResult:
+        if len(completions) != len(golds):
+            raise ValueError(f"got {len(completions)} completions but {len(golds)} gold answers")
+        t0 = time.monotonic()
+        answers = [extract_answer(c or "", self.extract) for c in completions]
+        status = ["no_answer"] * len(answers)
+        pids = [0] * len(answers)
+        items = [(i, a, str(g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
+        if items:
+            chunks = 1 if len(items) < self.parallel_threshold else 4 * self.num_workers
+            checked = self.pool.run(items, check_fn=self.check_fn, timeout_s=self.timeout_s,
+                                    kill_after_s=self.timeout_s + self.kill_grace_s, num_chunks=chunks)
+            for i, (s, pid) in checked.items():
+                status[i], pids[i] = s, pid
+        scores = torch.tensor([1.0 if s == "correct" else 0.0 for s in status], dtype=torch.float32)
+        return RewardResult(scores, status, answers, pids, time.monotonic() - t0)
+
+    def start(self) -> list[int]:
+        """Start the workers now (e.g. during setup) instead of on the first call; their PIDs."""
+        return self.pool.start()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> MathReward:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"MathReward(extract={self.extract!r}, timeout_s={self.timeout_s:g}, "
+                f"num_workers={self.num_workers}, parallel_threshold={self.parallel_threshold})")

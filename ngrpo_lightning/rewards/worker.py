@@ -1,0 +1,76 @@
+"""Code that runs inside the verifier worker processes (see :mod:`.pool`).
+
+Kept free of torch: a spawned worker imports this module (and the package ``__init__``
+files above it) on start-up, and importing torch there would cost seconds and hundreds
+of MB per worker.
+
+Progress protocol: each worker owns one 4-float slot of a shared array,
+``[pid, call_id, item_index, start_time]``. It writes the slot before every item, so the
+parent can see which item a worker is on and for how long (``time.monotonic`` is
+system-wide on Linux, so the clocks agree), and kill it when it overruns the hard limit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .limits import soft_time_limit
+from .verify import verify_answer
+
+SLOT_WIDTH = 4
+_slots = None  # shared multiprocessing RawArray('d'), set by init_worker
+_slot = -1
+
+
+def init_worker(slots, counter) -> None:
+    """Pool initializer: claim a progress slot; leave Ctrl-C to the parent."""
+    global _slots, _slot
+    # Ctrl-C goes to the whole process group; the parent handles it and kills the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with counter.get_lock():
+        slot = counter.value
+        counter.value += 1
+    if (slot + 1) * SLOT_WIDTH <= len(slots):
+        _slots, _slot = slots, slot
+        _slots[slot * SLOT_WIDTH] = os.getpid()
+
+
+def ping() -> int:
+    return os.getpid()
+
+
+def run_chunk(call_id: int, items: list[tuple[int, str, str]], check_fn,
+              timeout_s: float) -> tuple[int, list[tuple[int, str]]]:
+    """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status), ...])``."""
+    out = []
+    for index, answer, gold in items:
+        _mark(call_id, index)
+        out.append((index, check_one(answer, gold, check_fn, timeout_s)))
+    _mark(0, -1, idle=True)
+    return os.getpid(), out
+
+
+def check_one(answer: str, gold: str, check_fn, timeout_s: float) -> str:
+    """``correct`` / ``wrong`` / ``timeout`` (soft limit) / ``error`` for one answer."""
+    try:
+        with soft_time_limit(timeout_s):
+            ok = (check_fn or verify_answer)(answer, gold)
+        return "correct" if ok else "wrong"
+    except TimeoutError:
+        return "timeout"
+    except Exception:  # a verifier bug must not take the training step down
+        return "error"
+
+
+def _mark(call_id: int, index: int, idle: bool = False) -> None:
+    if _slots is None:
+        return
+    base = _slot * SLOT_WIDTH
+    # Zero the start time first so the parent never pairs a new index with an old time.
+    _slots[base + 3] = 0.0
+    _slots[base + 1] = call_id
+    _slots[base + 2] = index
+    if not idle:
+        _slots[base + 3] = time.monotonic()

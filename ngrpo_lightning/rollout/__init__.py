@@ -1,0 +1,12 @@
+"""Rollouts: the batch and its records, reconstruction, engines, and the DataModule."""
+
+from .batch import RolloutBatch
+from .engine import RolloutEngine
+from .hf_engine import HFEngine
+from .reconstruction import build_inputs_embeds, mixture_embeddings
+from .records import InputRecords
+
+__all__ = ["HFEngine", "InputRecords", "RolloutBatch", "RolloutEngine", "build_inputs_embeds", "mixture_embeddings"]
+from .datamodule import ENGINES, RolloutDataModule, build_engine  # noqa: E402
+
+__all__ += ["ENGINES", "RolloutDataModule", "build_engine"]

@@ -1,0 +1,101 @@
+"""RolloutBatch: everything a training step needs from one round of rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from .records import InputRecords
+
+
+@dataclass
+class RolloutBatch:
+    """N = P x G rollouts: P prompts, G samples each, stored group by group
+    (rows ``g*G .. g*G+G-1`` share prompt ``g``).
+
+    Token layout of the training forward: ``[prompt_ids (left padded) | response_ids
+    (right padded)]``; ``response_mask`` covers the emitted tokens including EOS.
+    """
+
+    prompt_ids: torch.Tensor  # [N, P] long, left padded
+    prompt_mask: torch.Tensor  # [N, P] long
+    response_ids: torch.Tensor  # [N, L] long, right padded
+    response_mask: torch.Tensor  # [N, L] long
+    rollout_logprobs: torch.Tensor  # [N, L] float: log p(token) under the rollout's policy
+    records: InputRecords = field(default_factory=InputRecords)
+    group_size: int = 1
+    answers: list[str] = field(default_factory=list)  # gold answer per row
+    problem_ids: list[str] = field(default_factory=list)  # problem id per row
+    response_text: list[str] = field(default_factory=list)  # decoded response per row
+    truncated: torch.Tensor | None = None  # [N] bool: hit max_new_tokens without EOS
+    stats: dict[str, float] = field(default_factory=dict)  # engine timings, tokens/s, ...
+
+    # ----------------------------------------------------------------- shapes
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self) // self.group_size
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_offset(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    # ------------------------------------------------------------ utilities
+    def to(self, device) -> "RolloutBatch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, (torch.Tensor, InputRecords)):
+                moved[name] = value.to(device)
+        return RolloutBatch(**moved)
+
+    def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
+        """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so
+        select whole groups if group structure matters downstream."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda xs: [xs[i] for i in rows.tolist()] if xs else xs  # noqa: E731
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[rows],
+            prompt_mask=self.prompt_mask[rows],
+            response_ids=self.response_ids[rows],
+            response_mask=self.response_mask[rows],
+            rollout_logprobs=self.rollout_logprobs[rows],
+            records=self.records.select_rows(rows),
+            answers=pick(self.answers),
+            problem_ids=pick(self.problem_ids),
+            response_text=pick(self.response_text),
+            truncated=None if self.truncated is None else self.truncated[rows],
+        )
+
+    def trim(self) -> "RolloutBatch":
+        """Drop columns that are padding in every row (after selecting a sub-batch)."""
+        keep_p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
+        keep_l = int(self.response_mask.sum(-1).max().item()) if len(self) else 0
+        cut = self.prompt_ids.shape[1] - keep_p
+        rec = self.records
+        in_range = rec.pos < keep_l
+        rec = InputRecords(**{k: v[in_range] for k, v in vars(rec).items()})
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[:, cut:],
+            prompt_mask=self.prompt_mask[:, cut:],
+            response_ids=self.response_ids[:, :keep_l],
+            response_mask=self.response_mask[:, :keep_l],
+            rollout_logprobs=self.rollout_logprobs[:, :keep_l],
+            records=rec,
+        )

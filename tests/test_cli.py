@@ -1,0 +1,64 @@
+"""Bad input gets one clear error naming the problem; nothing is trained."""
+
+import json
+
+import pytest
+
+from ngrpo_lightning.cli import main
+
+
+def run_error(capsys, *args):
+    assert main(list(args)) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_key_lists_valid_keys(capsys):
+    err = run_error(capsys, "train", "optim.learning_rate=1e-5")
+    assert "optim.learning_rate" in err and "'lr'" in err and "'warmup_steps'" in err
+
+
+def test_unknown_group_option_lists_options(capsys):
+    err = run_error(capsys, "train", "explorer=bogus")
+    assert "bogus" in err and "temperature" in err
+
+
+def test_missing_model_path_is_named(capsys, tmp_path):
+    missing = tmp_path / "no_model_here"
+    err = run_error(capsys, "train", "model=hf", f"model.name_or_path={missing}", "logger=none")
+    assert str(missing) in err
+
+
+def test_malformed_data_file_names_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n{not json\n")
+    err = run_error(capsys, "train", "model=tiny", "data=files", f"data.train={bad}", "logger=none")
+    assert "train.jsonl:2" in err
+
+
+def test_missing_answer_field_is_named(capsys, tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
+    err = run_error(capsys, "train", "model=tiny", "data=files", f"data.train={bad}", "logger=none")
+    assert "answer" in err and "solution" in err
+
+
+def test_required_value_is_named(capsys):
+    err = run_error(capsys, "train", "data=files")
+    assert "data.train" in err
+
+
+def test_bad_dtype_is_named(capsys):
+    err = run_error(capsys, "train", "model=tiny", "model.dtype=float8", "logger=none")
+    assert "model.dtype" in err
+
+
+def test_help_lists_groups(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "explorer" in out and "temperature" in out and "experiment" in out
+
+
+def test_config_prints_composed_yaml(capsys):
+    assert main(["config", "experiment=grpo", "optim.lr=3e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 3.0e-06" in out and "experiment_name: grpo" in out

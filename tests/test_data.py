@@ -1,0 +1,284 @@
+"""Data: the procedural arithmetic task, problem loaders (jsonl / parquet / datasets) and
+prompt rendering + tokenization."""
+
+import ast
+import copy
+import json
+import logging
+import operator
+
+import pytest
+
+from ngrpo_lightning.data import (DEFAULT_INSTRUCTION, ArithmeticTask, Problem, PromptDataset, collate_prompts,
+                                  load_problems, render_prompt)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """The real SmolLM2 tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    from ngrpo_lightning.models import cache_dir, load_tokenizer
+
+    path = cache_dir() / "smollm2-135m-instruct"
+    if (path / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer("tiny")  # builds the cached model once
+
+
+# ----------------------------------------------------------------- arithmetic
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _independent_eval(question: str) -> int:
+    """Evaluate "What is <expr>?" with Python's own parser and precedence (numbers only)."""
+    assert question.startswith("What is ") and question.endswith("?"), question
+    tree = ast.parse(question[len("What is "):-1], mode="eval")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise AssertionError(f"unexpected syntax in {question!r}: {ast.dump(node)}")
+
+    return ev(tree)
+
+
+def test_arithmetic_is_deterministic_per_seed_and_split():
+    a = ArithmeticTask(50, seed=3, max_ops=3).problems()
+    b = ArithmeticTask(num_problems=50, seed=3, max_ops=3).problems()
+    assert a == b and len(a) == 50
+    assert a != ArithmeticTask(50, seed=4, max_ops=3).problems()
+    val = ArithmeticTask(50, seed=3, max_ops=3, split="validation").problems()
+    assert [p.question for p in val] != [p.question for p in a]
+    assert all(p.id.startswith("arith-validation-3-") for p in val)
+    assert len({p.id for p in a}) == 50
+
+
+@pytest.mark.parametrize("knobs", [{"max_ops": 1}, {"max_ops": 3}, {"max_operand": 5, "max_ops": 2}])
+def test_arithmetic_splits_are_disjoint(knobs):
+    train = {p.question for p in ArithmeticTask(2000, seed=0, **knobs)}
+    val = [p.question for p in ArithmeticTask(32, seed=0, split="validation", **knobs)]
+    test = [p.question for p in ArithmeticTask(32, seed=0, split="test", **knobs)]
+    assert len(set(val)) == len(val) == 32 and len(set(test)) == 32  # evaluation sets are distinct
+    assert not train & set(val) and not train & set(test) and not set(val) & set(test)
+
+
+@pytest.mark.parametrize("knobs", [
+    {},
+    {"min_ops": 2, "max_ops": 4, "max_operand": 99},
+    {"min_operand": -9, "max_operand": 9, "operators": ("-", "*")},
+    {"operators": ["*"], "max_ops": 3},
+])
+def test_arithmetic_answers_match_independent_evaluation(knobs):
+    problems = ArithmeticTask(300, seed=1, **knobs).problems()
+    for p in problems:
+        assert p.answer == str(_independent_eval(p.question)), p
+        assert p.question == f"What is {p.meta['expression']}?"
+    ops = knobs.get("operators", ("+", "-", "*"))
+    used = {tok for p in problems for tok in p.meta["expression"].split() if tok in "+-*"}
+    assert used == set(ops)
+
+
+def test_arithmetic_respects_knobs():
+    problems = ArithmeticTask(200, seed=0, min_operand=3, max_operand=7, min_ops=2, max_ops=3).problems()
+    for p in problems:
+        nums = [int(t.strip("()")) for t in p.meta["expression"].split() if t not in "+-*"]
+        assert all(3 <= n <= 7 for n in nums) and 2 <= p.meta["num_ops"] == len(nums) - 1 <= 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"min_operand": 10, "max_operand": 5}, r"data\.min_operand=10 .*data\.max_operand=5"),
+    ({"min_ops": 3, "max_ops": 2}, r"data\.min_ops=3 .*data\.max_ops=2"),
+    ({"max_ops": 0, "min_ops": 0}, r"data\.min_ops must be >= 1"),
+    ({"operators": ("+", "/")}, r"data\.operators.*'/'.*allowed: \['\+', '-', '\*'\]"),
+    ({"operators": ()}, r"data\.operators"),
+    ({"max_operand": 2.5}, r"data\.max_operand must be an integer"),
+    ({"split": "dev"}, r"split='dev'.*allowed \['train', 'validation', 'test'\]"),
+    ({"num_problems": -1}, r"num_problems"),
+])
+def test_arithmetic_knob_errors_name_the_key(kwargs, match):
+    kwargs = {"num_problems": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ArithmeticTask(**kwargs)
+
+
+def test_arithmetic_too_few_distinct_validation_problems():
+    # operands 0..1 with one "+": 4 questions in all, about 0.4 of them in validation.
+    with pytest.raises(ValueError, match=r"distinct validation problems.*data\.val_size"):
+        ArithmeticTask(10, max_operand=1, max_ops=1, operators=("+",), split="validation").problems()
+
+
+def test_problem_is_dict_like():
+    p = Problem("a", "What is 1 + 1?", "2")
+    assert p["question"] == "What is 1 + 1?" and p.get("meta") == {} and p.get("nope", 7) == 7
+    assert dict(p) == p.to_dict() == {"id": "a", "question": "What is 1 + 1?", "answer": "2", "meta": {}}
+    with pytest.raises(KeyError):
+        p["nope"]
+
+
+# -------------------------------------------------------------------- loaders
+RECORDS = [
+    {"problem": "What is 2 + 2?", "answer": 4, "uid": "q1", "solution": "..."},
+    {"problem": "Half of 1?", "answer": "\\frac{1}{2}", "uid": "q2", "solution": "..."},
+    {"problem": "Pick one.", "answer": "B", "uid": "q3", "solution": "..."},
+]
+
+
+def _write_jsonl(path, records, extra_lines=()):
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_round_trip(tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", RECORDS[:2], extra_lines=["", json.dumps(RECORDS[2])])
+    problems = load_problems(path)
+    assert [p.question for p in problems] == [r["problem"] for r in RECORDS]
+    assert [p.answer for p in problems] == ["4", "\\frac{1}{2}", "B"]  # answers are text
+    assert [p.id for p in problems] == ["train-0", "train-1", "train-2"]
+    assert problems[2].meta["source"].endswith("train.jsonl:4")  # the blank line still counts
+    assert [p.id for p in load_problems(str(path), id_field="uid", limit=2)] == ["q1", "q2"]
+    assert load_problems(path, limit=0) == []
+
+
+def test_jsonl_custom_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "gsm.jsonl", [{"question": "Q?", "final": 12.0}])
+    (p,) = load_problems(path, problem_field="question", answer_field="final")
+    assert (p.question, p.answer) == ("Q?", "12")
+
+
+def test_parquet_round_trip(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "val.parquet"
+    pq.write_table(pa.table({"problem": ["a?", "b?", "c?"], "answer": [0.5, 12.0, 3.0], "uid": [7, 8, 9]}), path)
+    problems = load_problems(path, id_field="uid")
+    assert [(p.id, p.question, p.answer) for p in problems] == [("7", "a?", "0.5"), ("8", "b?", "12"), ("9", "c?", "3")]
+    assert len(load_problems(str(path), limit=2)) == 2
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", RECORDS[:2], extra_lines=['{"problem": "x", "answer": '])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        load_problems(path)
+
+
+def test_missing_field_names_field_file_line_and_present_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "nofield.jsonl", [RECORDS[0], {"problem": "x", "solution": "y"}])
+    with pytest.raises(KeyError) as err:
+        load_problems(path)
+    msg = str(err.value)
+    assert "nofield.jsonl:2" in msg and "'answer'" in msg and "data.answer_field" in msg
+    assert "['problem', 'solution']" in msg
+    with pytest.raises(ValueError, match=r"field 'question' \(data\.problem_field\) is missing"):
+        load_problems(path, problem_field="question")
+    no_id = _write_jsonl(tmp_path / "noid.jsonl", [{"problem": "x", "answer": 1}])
+    with pytest.raises(ValueError, match=r"noid\.jsonl:1: field 'uid' \(data\.id_field\) is missing"):
+        load_problems(no_id, id_field="uid")
+
+
+def test_parquet_missing_column_names_field_and_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"question": ["a?"], "answer": ["1"]}), path)
+    with pytest.raises(KeyError, match=r"cols\.parquet.*'problem'.*\['answer', 'question'\]"):
+        load_problems(path)
+
+
+def test_missing_file_names_the_path(tmp_path):
+    for name in ("nope.jsonl", "nope.parquet", "sub/dir/missing"):
+        with pytest.raises(FileNotFoundError, match=name.replace(".", r"\.")):
+            load_problems(tmp_path / name)
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("problem,answer\n")
+    with pytest.raises(ValueError, match=r"data\.csv.*'\.csv'.*\.jsonl.*\.parquet"):
+        load_problems(path)
+
+
+def test_dataset_directories(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    records = [{**r, "answer": str(r["answer"])} for r in RECORDS]  # one type per column
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
+                          "test": datasets.Dataset.from_list(records[:1])}).save_to_disk(saved)
+    assert [p.answer for p in load_problems(saved)] == ["4", "\\frac{1}{2}", "B"]
+    assert [p.id for p in load_problems(saved, split="test", id_field="uid")] == ["q1"]
+    with pytest.raises(ValueError, match=r"no split 'validation'.*\['test', 'train'\]"):
+        load_problems(saved, split="validation")
+
+    files = tmp_path / "files"
+    files.mkdir()
+    _write_jsonl(files / "part.jsonl", RECORDS)
+    problems = load_problems(files, limit=2)
+    assert [p.question for p in problems] == [r["problem"] for r in RECORDS[:2]] and problems[0].id == "files-0"
+
+
+# -------------------------------------------------------------------- prompts
+def test_render_prompt_uses_chat_template(chat_tokenizer):
+    text = render_prompt(chat_tokenizer, "What is 2 + 3?")
+    assert "What is 2 + 3?\n" + DEFAULT_INSTRUCTION in text
+    assert DEFAULT_INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
+    assert text.endswith("<|im_start|>assistant\n")  # generation prompt: the model answers next
+    custom = render_prompt(chat_tokenizer, "Q?", instruction="Answer briefly.", system_prompt="You are terse.")
+    assert "<|im_start|>system\nYou are terse.<|im_end|>" in custom and "Q?\nAnswer briefly." in custom
+    assert "Please reason" not in custom
+    assert "Q?<|im_end|>" in render_prompt(chat_tokenizer, "Q?", instruction="")
+
+
+def test_render_prompt_without_chat_template(chat_tokenizer):
+    plain = copy.deepcopy(chat_tokenizer)
+    plain.chat_template = None
+    assert render_prompt(plain, "What is 2 + 3?") == f"What is 2 + 3?\n{DEFAULT_INSTRUCTION}\n"
+
+
+def test_prompt_dataset_items_and_tokens(chat_tokenizer):
+    problems = ArithmeticTask(6, seed=0).problems()
+    ds = PromptDataset(problems, chat_tokenizer, max_prompt_tokens=4096)
+    assert len(ds) == 6 and ds.num_dropped == 0
+    item = ds[0]
+    assert set(item) == {"id", "prompt_ids", "prompt_text", "answer"}
+    assert (item["id"], item["answer"]) == (problems[0].id, problems[0].answer)
+    assert item["prompt_text"] == render_prompt(chat_tokenizer, problems[0].question)
+    assert item["prompt_ids"] == chat_tokenizer(item["prompt_text"], add_special_tokens=False)["input_ids"]
+    bos = chat_tokenizer.bos_token_id
+    assert item["prompt_ids"][:2] != [bos, bos]  # no special token added twice
+    assert chat_tokenizer.decode(item["prompt_ids"]) == item["prompt_text"]
+
+
+def test_prompt_dataset_drops_long_prompts(chat_tokenizer, caplog):
+    short = Problem("s", "What is 1 + 1?", "2")
+    long = Problem("l", "What is " + " + ".join(["1"] * 300) + "?", "300")
+    limit = len(PromptDataset([short], chat_tokenizer)[0]["prompt_ids"]) + 5
+    with caplog.at_level(logging.WARNING):
+        ds = PromptDataset([short, long, short], chat_tokenizer, max_prompt_tokens=limit)
+    assert ds.num_dropped == 1 and len(ds) == 2 and [it["id"] for it in ds] == ["s", "s"]
+    assert f"dropped 1 of 3 prompts longer than {limit} tokens" in caplog.text
+    with pytest.raises(ValueError, match=r"all 1 prompts are longer than data\.max_prompt_tokens"):
+        PromptDataset([long], chat_tokenizer, max_prompt_tokens=limit)
+    with pytest.raises(ValueError, match=r"data\.max_prompt_tokens must be a positive integer"):
+        PromptDataset([short], chat_tokenizer, max_prompt_tokens=0)
+
+
+def test_collate_prompts_keeps_lists_unpadded(chat_tokenizer):
+    ds = PromptDataset([Problem("a", "What is 1 + 1?", "2"), Problem("b", "What is 12 * 12 - 7?", "137")],
+                       chat_tokenizer)
+    batch = collate_prompts([ds[0], ds[1]])
+    assert batch["id"] == ["a", "b"] and batch["answer"] == ["2", "137"]
+    assert [len(ids) for ids in batch["prompt_ids"]] == [len(ds[0]["prompt_ids"]), len(ds[1]["prompt_ids"])]
+    assert len(batch["prompt_ids"][0]) != len(batch["prompt_ids"][1])  # ragged: the engine pads
+    assert collate_prompts([]) == {"id": [], "prompt_ids": [], "prompt_text": [], "answer": []}

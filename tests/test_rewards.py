@@ -1,0 +1,240 @@
+"""Rewards: answer extraction, math-verify equivalence, and the process-pool reward with
+its soft (SIGALRM) and hard (kill the pool) time limits."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+# Only torch-free names at module level: the hard-limit test's check_fn lives in this
+# module, so spawned verifier workers import it (MathReward pulls in torch, lazily).
+from ngrpo_lightning import rewards
+from ngrpo_lightning.rewards import extract_answer, verify_answer
+
+TIMEOUT_S = 1.0
+GRACE_S = 1.0
+
+
+def _misbehave_on_marker(pred, gold):
+    """check_fn for the hard-limit tests. Gold "HANG": block SIGALRM (like a long C call that
+    never looks at signals) and sleep forever, so only killing the process helps.
+    Gold "CRASH": the worker dies (like a segfault or the OOM killer)."""
+    if gold == "HANG":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(3600)
+    if gold == "CRASH":
+        os._exit(3)
+    return verify_answer(pred, gold)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombies are dead
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _wait_dead(pids, timeout=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def reward():
+    with rewards.MathReward(timeout_s=TIMEOUT_S, num_workers=2, kill_grace_s=GRACE_S) as r:
+        yield r
+
+
+# ----------------------------------------------------------------- extraction
+@pytest.mark.parametrize("text,expected", [
+    (r"so the answer is \boxed{42}.", "42"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{\sqrt{2}}{2}"),
+    (r"first \boxed{1}, then \boxed{2}", "2"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not count
+    (r"\fbox{7}", "7"),
+    (r"\boxed 42 is it", "42"),
+    ("no box here, just 12", None),
+    (r"\boxed{}", None),
+    (r"\boxed{1} then the final \boxed{2", None),  # truncated last box: no final answer
+    (r"\fboxsep=3pt", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_answer(text) == expected
+    assert extract_answer(text, "boxed") == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so 10-3 = 7.", "7"),
+    ("total: 1,234 apples", "1234"),
+    ("it is -0.25", "-0.25"),
+    ("x-5", "5"),  # a binary minus is not a sign
+    ("no numbers", None),
+])
+def test_extract_last_number(text, expected):
+    assert extract_answer(text, "last_number") == expected
+
+
+def test_extract_unknown_method_names_key_and_choices():
+    with pytest.raises(ValueError, match=r"reward\.extract.*boxed.*last_number"):
+        extract_answer("x", "first_number")
+
+
+# --------------------------------------------------------------- verification
+@pytest.mark.parametrize("pred,gold", [
+    ("12", "12"), ("12.0", "12"), ("12", "12.0"),
+    ("1/2", r"\frac{1}{2}"), (r"\frac{1}{2}", "0.5"), ("0.5", "1/2"), (r"\dfrac12", "0.5"),
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),
+    ("1,000", "1000"), ("x = 12", "12"), (r"10\%", r"10\%"),
+    ("B", "B"), ("(B)", "B"), ("B", "(B)"), (r"\text{(B)}", "B"), ("b", "B"),
+])
+def test_verify_equal(pred, gold):
+    assert verify_answer(pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("13", "12"), ("-12", "12"), ("0.51", "1/2"), ("C", "B"), ("(C)", "B"),
+    (r"\sqrt{-1}", "I"),  # a choice letter is a letter, not the imaginary unit
+    ("", "12"), (None, "12"),
+])
+def test_verify_not_equal(pred, gold):
+    assert not verify_answer(pred, gold)
+
+
+# --------------------------------------------------------------------- reward
+def test_reward_scores_and_status(reward):
+    res = reward([r"\boxed{4}", r"\boxed{5}", "I don't know", r"\boxed{\frac{1}{2}}", r"\boxed{(B)}"],
+                 ["4", "4", "4", "0.5", "B"])
+    assert isinstance(res, rewards.RewardResult)
+    assert res.status == ["correct", "wrong", "no_answer", "correct", "correct"]
+    assert str(res.scores.dtype) == "torch.float32"
+    assert res.scores.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert res.answers[2] is None and res.worker_pids[2] == 0
+    assert res.counts() == {"correct": 3, "wrong": 1, "no_answer": 1, "timeout": 0, "error": 0}
+    m = res.metrics()
+    assert m["reward/correct_frac"] == pytest.approx(0.6)
+    assert m["reward/no_answer_frac"] == pytest.approx(0.2)
+    assert m["reward/timeout_frac"] == 0.0 and set(m) == {f"reward/{s}_frac" for s in res.counts()}
+
+
+def test_reward_empty_and_mismatch(reward):
+    res = reward([], [])
+    assert res.scores.shape == (0,) and res.status == [] and res.metrics()["reward/timeout_frac"] == 0.0
+    with pytest.raises(ValueError, match="3 completions but 2 gold"):
+        reward(["a", "b", "c"], ["1", "2"])
+
+
+def test_pathological_answer_times_out_others_scored(reward):
+    """Soft limit: sympy's big-int power loop checks signals, so SIGALRM stops it."""
+    completions = [r"\boxed{3}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{7}"]
+    t0 = time.monotonic()
+    res = reward(completions, ["3", "12", "7"])
+    elapsed = time.monotonic() - t0
+    assert res.status == ["correct", "timeout", "correct"]
+    assert res.scores.tolist() == [1.0, 0.0, 1.0]
+    assert res.metrics()["reward/timeout_frac"] == pytest.approx(1 / 3)
+    assert elapsed < TIMEOUT_S + 3.0
+    assert reward([r"\boxed{2}"], ["2"]).status == ["correct"]  # the worker lives on
+
+
+def test_hung_worker_is_killed_and_pool_recovers():
+    """Hard limit: an item that ignores SIGALRM is killed with its whole pool; the other
+    items of the batch are re-run in a fresh pool and still scored. Same for a crash."""
+    r = rewards.MathReward(timeout_s=TIMEOUT_S, num_workers=2, kill_grace_s=GRACE_S, check_fn=_misbehave_on_marker)
+    try:
+        t0 = time.monotonic()
+        old_pids = r.start()
+        start_s = time.monotonic() - t0  # the machine may be busy: scale the bound below
+        completions = [rf"\boxed{{{i}}}" for i in range(40)]
+        golds = [str(i) for i in range(40)]
+        golds[7] = "HANG"
+        t0 = time.monotonic()
+        res = r(completions, golds)
+        elapsed = time.monotonic() - t0
+        assert res.status[7] == "timeout" and res.scores[7] == 0.0
+        assert all(s == "correct" for i, s in enumerate(res.status) if i != 7)
+        assert elapsed < TIMEOUT_S + GRACE_S + 2 * start_s + 2.0  # + respawn of the pool
+        assert r.pool.restarts == 1
+        assert not _wait_dead(old_pids), "the killed workers must not linger"
+        new_pids = r.pool.worker_pids()
+        assert new_pids and not set(new_pids) & set(old_pids)
+        assert r([r"\boxed{1}", "nothing"], ["1", "1"]).status == ["correct", "no_answer"]
+
+        # A dying worker: its item is an error, the rest of the batch is re-run.
+        res = r([r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "CRASH", "3"])
+        assert res.status == ["correct", "error", "correct"]
+        assert r.pool.restarts == 2
+        new_pids = r.pool.worker_pids()
+    finally:
+        r.close()
+    assert not _wait_dead(new_pids), "close() must reap the workers"
+    r.close()  # idempotent
+
+
+def test_large_batch_spreads_over_workers(reward):
+    n = 256
+    res = reward([rf"\boxed{{{i}}}" for i in range(n)], [str(i if i % 4 else i + 1) for i in range(n)])
+    assert res.counts()["correct"] == 3 * n // 4 and res.counts()["wrong"] == n // 4
+    used = set(res.worker_pids)
+    assert len(used) > 1 and used <= set(reward.pool.worker_pids())
+
+
+def test_no_pool_leak_at_interpreter_exit(tmp_path):
+    """A pool that is never closed is shut down at exit (the pool owns that guarantee;
+    using it directly keeps torch out of the subprocess)."""
+    script = tmp_path / "leak.py"
+    script.write_text(textwrap.dedent("""
+        from ngrpo_lightning.rewards.pool import VerifierPool
+
+        if __name__ == "__main__":
+            pool = VerifierPool(num_workers=2)
+            out = pool.run([(0, "1", "1")], check_fn=None, timeout_s=2.0, kill_after_s=4.0, num_chunks=1)
+            assert out[0][0] == "correct", out
+            print(*pool.worker_pids())  # exits without close()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2 and not _wait_dead(pids)
+
+
+def test_reward_pickles_without_its_workers(reward):
+    import pickle
+
+    reward.start()
+    clone = pickle.loads(pickle.dumps(reward))
+    assert repr(clone) == repr(reward) and not clone.pool.started and reward.pool.started
+    clone.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"extract": "first"}, r"reward\.extract"),
+    ({"timeout_s": 0}, r"reward\.timeout_s"),
+    ({"num_workers": 0}, r"reward\.num_workers"),
+    ({"parallel_threshold": -1}, r"reward\.parallel_threshold"),
+])
+def test_reward_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rewards.MathReward(**kwargs)
+
+
+def test_check_fn_must_be_picklable():
+    with pytest.raises(TypeError, match="picklable"):
+        rewards.MathReward(check_fn=lambda p, g: True)

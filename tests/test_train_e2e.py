@@ -1,0 +1,51 @@
+"""End to end: `ngrpo train` on the tiny model into a temporary SQLite MLflow store."""
+
+import math
+
+import pytest
+from mlflow import MlflowClient
+
+from ngrpo_lightning.cli import compose, main, train
+
+TINY_RUN = [
+    "model=tiny", "trainer.max_steps=2", "data.train_size=16", "data.val_size=4", "data.prompts_per_step=2",
+    "rollout.group_size=2", "rollout.max_new_tokens=8", "logger.log_samples_every=1", "trainer.enable_progress_bar=false",
+]
+
+REQUIRED_METRICS = [
+    "train/reward", "train/accuracy", "train/response_length_mean", "train/response_length_max", "train/truncated_frac",
+    "train/loss", "train/kl_ref", "train/clip_frac_low", "train/clip_frac_high", "train/entropy", "train/grad_norm",
+    "lr-AdamW", "rollout/tokens_per_s", "time/step_s", "reward/timeout_frac", "explore/mixed_frac", "val/accuracy",
+]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+
+
+def test_two_training_steps_are_logged_to_mlflow(store, tmp_path):
+    cfg = compose(TINY_RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"])
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    client = MlflowClient(store)
+    run = client.get_run(summary["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "grpo"
+    for key in REQUIRED_METRICS:
+        history = client.get_metric_history(run.info.run_id, key)
+        assert history, f"metric {key} was not logged"
+        assert all(math.isfinite(m.value) for m in history), key
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
+    assert run.data.params["explorer.name"] == "temperature"
+    assert run.data.params["objective.kl_coef"] == "0.001"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "samples"} <= artifacts
+    assert len(client.list_artifacts(run.info.run_id, "samples")) == 2
+    assert "mlflow ui --backend-store-uri" in summary["text"]
+
+
+def test_cli_prints_summary_and_run_id(store, capsys):
+    assert main(["train", *TINY_RUN, "trainer.max_steps=1", "validate_before_fit=false", f"logger.tracking_uri={store}"]) == 0
+    out = capsys.readouterr().out
+    assert "Trained 1 steps" in out and "MLflow run:" in out
