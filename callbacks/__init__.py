@@ -1,5 +1,6 @@
-"""Lightning callbacks of ngrpo-lightning: sample tables (and, later, replay buffer, Pass@k)."""
+"""Lightning callbacks of ngrpo-lightning: sample tables and the replay buffer."""
 
+from .replay_buffer import ReplayBuffer
 from .sample_table import RolloutSamplesLogger
 
-__all__ = ["RolloutSamplesLogger"]
+__all__ = ["ReplayBuffer", "RolloutSamplesLogger"]

@@ -10,16 +10,27 @@ class RolloutSamplesLogger(L.Callback):
     """Every ``every_n_steps`` training steps, log ``num_samples`` rollouts of the step's
     batch as an MLflow table artifact ``samples/step_<step>.json`` (viewable in the UI).
 
-    Needs the module's ``training_step`` to return ``{"rewards": ..., "status": ...}``.
+    Steps are training steps (rollout batches; the first is logged), whatever the number of
+    optimizer updates per batch; the artifact is named by ``trainer.global_step`` (optimizer
+    steps, as in the run summary). Needs the module's ``training_step`` to return
+    ``{"rewards": ..., "status": ...}``.
     """
 
     def __init__(self, every_n_steps: int = 5, num_samples: int = 8, max_chars: int = 2000):
         self.every_n_steps, self.num_samples, self.max_chars = every_n_steps, num_samples, max_chars
+        self.batches_seen = 0
+
+    def state_dict(self) -> dict:
+        return {"batches_seen": self.batches_seen}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.batches_seen = int(state_dict.get("batches_seen", 0))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        step = trainer.global_step  # already incremented by the optimizer step of this batch
+        self.batches_seen += 1
+        step = trainer.global_step  # already incremented by the optimizer steps of this batch
         logger = trainer.logger
-        if not isinstance(logger, MLFlowLogger) or not outputs or (step - 1) % self.every_n_steps:
+        if not isinstance(logger, MLFlowLogger) or not outputs or (self.batches_seen - 1) % self.every_n_steps:
             return
         if trainer.global_rank != 0:
             return

@@ -117,6 +117,7 @@ def build_module(cfg: DictConfig):
     from .module import OptimConfig, RLModule
 
     explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
+    build_callbacks(cfg)  # bad train.* / replay.* values fail here, before minutes of model loading
     try:
         parse_dtype(cfg.model.dtype)
     except ValueError as err:
@@ -125,8 +126,30 @@ def build_module(cfg: DictConfig):
     reference = RLModule.reference_from(policy) if objective.needs_reference else None
     optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
-    return RLModule(policy, tokenizer, explorer, objective, build_reward(cfg.reward), reference=reference, optim=optim,
-                    advantage=cfg.advantage, eval_explorer=eval_explorer, detach_mixture=cfg.detach_mixture)
+    train = cfg.get("train") or {}
+    try:
+        return RLModule(policy, tokenizer, explorer, objective, build_reward(cfg.reward), reference=reference, optim=optim,
+                        advantage=cfg.advantage, eval_explorer=eval_explorer, detach_mixture=cfg.detach_mixture,
+                        dynamic_sampling=train.get("dynamic_sampling", False),
+                        max_extra_rollouts=train.get("max_extra_rollouts", 4))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    """Training callbacks the config asks for: a ``ReplayBuffer`` when a step makes more
+    than one update (``train.ppo_epochs``, ``train.num_mini_batches``) or replays past
+    successes (``replay.capacity`` > 0)."""
+    from callbacks import ReplayBuffer
+
+    train, replay = cfg.get("train") or {}, cfg.get("replay") or {}
+    epochs, minis, capacity = train.get("ppo_epochs", 1), train.get("num_mini_batches", 1), replay.get("capacity", 0)
+    try:
+        buffer = ReplayBuffer(ppo_epochs=epochs, num_mini_batches=minis, capacity=capacity,
+                              max_staleness=replay.get("max_staleness", 4), is_cap=replay.get("is_cap", 2.0), seed=cfg.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return [buffer] if epochs * minis > 1 or capacity else []
 
 
 # --------------------------------------------------------------------- logging
@@ -163,7 +186,7 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
     from callbacks import RolloutSamplesLogger
 
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    cbs = list(callbacks)
+    cbs = list(callbacks) + build_callbacks(cfg)
     if logger is not None:
         cbs.append(LearningRateMonitor(logging_interval="step"))
         if cfg.logger.log_samples_every:

@@ -24,11 +24,12 @@ GROUPS = ("model", "data", "explorer", "objective", "trainer", "logger", "experi
 
 
 def config_dir() -> Path:
-    """The ``conf/`` folder: shipped inside the package, or beside it in a source checkout."""
-    for cand in (Path(__file__).parent / "conf", Path(__file__).resolve().parent.parent / "conf"):
-        if (cand / "config.yaml").is_file():
-            return cand
-    raise FileNotFoundError("ngrpo-lightning's conf/ folder is missing: reinstall the package")
+    """The ``conf/`` folder (in a checkout ``ngrpo_lightning/conf`` links to the top-level ``conf/``;
+    wheels ship a copy)."""
+    path = Path(__file__).parent / "conf"
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"ngrpo-lightning's config folder {path} is missing: reinstall the package")
+    return path
 
 
 def group_options(group: str) -> list[str]:

@@ -1,15 +1,24 @@
-"""The LightningModule: one optimizer step of policy optimization per rollout batch.
+"""The LightningModule: policy optimization on rollouts of the current policy.
 
 A run composes an :class:`~ngrpo_lightning.explorers.Explorer` (how rollouts explore;
 used by the rollout DataModule) with a :class:`~ngrpo_lightning.objectives.PolicyObjective`
 (how rollouts become a loss). Each training step receives a :class:`RolloutBatch` of the
 current policy and does::
 
-    rewards -> group advantages -> old log-probs (policy, no grad) -> reference log-probs
-            -> loss (objective) -> backward -> clip -> optimizer step
+    rewards -> [replay: mix in stored trajectories] -> [dynamic sampling: drop groups with
+    equal rewards, roll out more] -> group advantages -> old log-probs (policy, no grad)
+    -> reference log-probs -> for each planned update: micro-batched loss -> backward
+    -> clip -> optimizer step -> lr scheduler step
+
+The updates come from the attached :class:`~ngrpo_lightning.updates.UpdatePlanner`
+callback (``callbacks.ReplayBuffer``: ``ppo_epochs x num_mini_batches`` of them); without
+one, a step is one update on the whole batch.
 
 Optimization is manual because one batch of rollouts may serve several optimizer updates
-(mini-batches, PPO epochs), and because rollouts must see the weights of the last update.
+and because rollouts must see the weights of the last update. Lightning counts
+``trainer.global_step`` in optimizer steps under manual optimization: ``max_steps`` is a
+number of optimizer updates, i.e. ``max_steps / (ppo_epochs * num_mini_batches)`` rollout
+batches. Logged metrics are indexed by rollout batch.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from .metrics.exploration import exploration_metrics
 from .objectives import PolicyObjective, group_advantages, masked_mean, zero_variance_groups
 from .rewards import MathReward
 from .rollout.batch import RolloutBatch
+from .updates import StepRollouts, UpdatePlanner
 
 
 @dataclass
@@ -38,9 +48,9 @@ class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # in optimizer steps
     grad_clip: float = 1.0
-    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole batch at once)
+    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
 
 
 class RLModule(L.LightningModule):
@@ -57,6 +67,11 @@ class RLModule(L.LightningModule):
         advantage: group advantage estimator (``grpo``, ``dr_grpo``, ``batch_std``).
         eval_explorer: how validation rollouts sample (plain sampling; never mixing).
         detach_mixture: stop gradients into the embedding matrix through mixed inputs.
+        dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal
+            and refill the batch with more rollouts (from the DataModule's
+            ``more_rollouts()``) up to its number of groups.
+        max_extra_rollouts: at most this many extra prompt batches per step; if the batch
+            is still short, the step trains on the groups it has.
     """
 
     def __init__(
@@ -71,6 +86,8 @@ class RLModule(L.LightningModule):
         advantage: str = "grpo",
         eval_explorer: Explorer | None = None,
         detach_mixture: bool = False,
+        dynamic_sampling: bool = False,
+        max_extra_rollouts: int = 4,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -80,11 +97,16 @@ class RLModule(L.LightningModule):
         self.optim = optim or OptimConfig()
         self.advantage, self.detach_mixture = advantage, detach_mixture
         if objective.needs_reference and reference is None:
-            raise ValueError("objective.kl_coef > 0 needs a reference model, but none was given")
+            raise ValueError(f"objective.kl_coef={objective.kl_coef} > 0 needs a reference model, but none was given "
+                             "(set objective.kl_coef=0 to train without one)")
         self.reference = reference if objective.needs_reference else None
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
         group_advantages(torch.zeros(2), 2, advantage)  # fail now on an unknown estimator name
+        if isinstance(max_extra_rollouts, bool) or not isinstance(max_extra_rollouts, int) or max_extra_rollouts < 0:
+            raise ValueError(f"train.max_extra_rollouts={max_extra_rollouts!r} must be an integer >= 0")
+        self.dynamic_sampling, self.max_extra_rollouts = bool(dynamic_sampling), max_extra_rollouts
+        self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
@@ -110,67 +132,147 @@ class RLModule(L.LightningModule):
         """Rewards of a rollout batch (a :class:`~ngrpo_lightning.rewards.RewardResult`)."""
         return self.reward(batch.response_text, batch.answers)
 
+    @property
+    def update_planner(self) -> UpdatePlanner | None:
+        """The attached callback that plans this module's updates (``callbacks.ReplayBuffer``), if any."""
+        trainer = self._trainer
+        planners = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, UpdatePlanner)]
+        if len(planners) > 1:
+            raise ValueError(f"at most one update planner callback may be attached, got {[type(p).__name__ for p in planners]}")
+        return planners[0] if planners else None
+
     def training_step(self, batch: RolloutBatch, batch_idx: int):
         scored = self.score(batch)
         rewards = scored.scores.to(self.device)
-        advantages = group_advantages(rewards, batch.group_size, self.advantage)
+        planner = self.update_planner
+        step = self.collect(batch, rewards, planner)
+        self.prepare(step, reuse_forward=planner is None)
+        updates = planner.plan_updates(step) if planner is not None else [step]
+        metrics = self.optimize(updates)
+        self.log_step(batch, scored, rewards, step, metrics)
+        return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
+
+    def collect(self, batch: RolloutBatch, rewards: torch.Tensor, planner: UpdatePlanner | None = None) -> StepRollouts:
+        """The rollouts this step trains on: the batch, with the planner's stored
+        trajectories mixed in and, under dynamic sampling, its zero-variance groups
+        replaced by informative groups of extra rollouts."""
+        pad_id = self.tokenizer.pad_token_id or 0
+        mix = planner.mix_in if planner is not None else (lambda s: s)
+        step = mix(StepRollouts.fresh(batch, rewards, pad_id))
+        if not self.dynamic_sampling:
+            return step
+        target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
+        while True:
+            informative = ~zero_variance_groups(piece.rewards, piece.group_size)
+            dropped += int((~informative).sum())
+            if informative.any():
+                kept.append(piece.select_groups(informative.nonzero().squeeze(-1).cpu()))
+            if sum(k.num_groups for k in kept) >= target or extra >= self.max_extra_rollouts:
+                break
+            more = self._more_rollouts()
+            extra += 1
+            piece = mix(StepRollouts.fresh(more, self.score(more).scores.to(self.device), pad_id))
+        if kept:  # surplus informative groups (beyond the batch's size) are discarded
+            joined = StepRollouts.concat(kept)
+            filled = joined.select_groups(torch.arange(min(target, joined.num_groups)))
+        else:  # nothing informative within the bound: the original batch (zero advantages)
+            filled = step
+        filled.stats = {**step.stats, "dynamic/dropped_groups": dropped, "dynamic/extra_rollouts": extra,
+                        "dynamic/kept_groups": filled.num_groups if kept else 0}
+        return filled
+
+    def _more_rollouts(self) -> RolloutBatch:
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if not hasattr(datamodule, "more_rollouts"):
+            raise RuntimeError("train.dynamic_sampling=true needs a datamodule with more_rollouts() "
+                               "(ngrpo_lightning.rollout.RolloutDataModule), passed as trainer.fit(..., datamodule=...)")
+        return datamodule.more_rollouts()
+
+    @torch.no_grad()
+    def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> None:
+        """Set the step's advantages, old (proximal) log-probs and reference log-probs.
+
+        With ``reuse_forward`` (one on-policy update per step: no planner) the old log-probs
+        are the detached log-probs of the update's own forward: the same weights compute the
+        same numbers, so a separate no-grad pass of the policy would be pure cost."""
+        step.advantages = group_advantages(step.rewards, step.group_size, self.advantage)
+        step.old_logp = None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch)
+        step.ref_logp = self._logprobs_no_grad(self.reference, step.batch) if self.reference is not None else None
+
+    def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """Response log-probs [N, L] of ``model``, computed ``optim.micro_batch_size`` rows at a time."""
         temperature = self.explorer.temperature or 1.0
-        with torch.no_grad():
-            old_logp, _ = response_logprobs(self.policy, batch, temperature)
-            ref_logp = response_logprobs(self.reference, batch, temperature)[0] if self.reference is not None else None
+        chunks = [batch.select(rows) if len(rows) < len(batch) else batch for rows, _ in self._micro_batches(batch)]
+        return torch.cat([response_logprobs(model, chunk, temperature)[0] for chunk in chunks])
 
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
-        opt.zero_grad(set_to_none=True)
-        metrics, entropies = {}, []
-        for rows, weight in self._micro_batches(batch):
-            mb = batch.select(rows) if len(rows) < len(batch) else batch
-            logp, entropy = response_logprobs(self.policy, mb, temperature, with_entropy=True, detach_mixture=self.detach_mixture)
-            loss, m = self.objective(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows], advantages[rows], mb.response_mask)
-            self.manual_backward(loss * weight)
-            entropies.append(masked_mean(entropy, mb.response_mask) * weight)
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v.detach() * weight
-            metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.optim.grad_clip or math.inf)
-        opt.step()
-        sched.step()
-
-        lengths = batch.response_lengths.float()
-        log = {f"train/{k}": v for k, v in metrics.items()}
-        log.update({
-            "train/reward": rewards.mean(),
-            "train/accuracy": (rewards > 0.5).float().mean(),  # rewards are 0/1: binary accuracy
-            "train/entropy": sum(entropies),
-            "train/grad_norm": grad_norm,
-            "train/advantage_mean": advantages.mean(),
-            "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
-            "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
-            "train/response_length_mean": lengths.mean(),
-            "train/response_length_max": lengths.max(),
-            "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
-            "train/rollout_logprob_diff_mean": masked_mean((batch.rollout_logprobs - old_logp).abs(), batch.response_mask),
-        })
-        log.update(scored.metrics())  # reward/* status fractions
-        log.update(exploration_metrics(batch))  # explore/*
-        log.update(batch.stats)  # rollout/* timings and throughput
-        now = time.perf_counter()
-        log["time/step_s"] = now - (self._last_step_end or self._fit_start)
-        self._last_step_end = now
-        self.log_dict({k: float(v) for k, v in log.items()}, on_step=True, batch_size=len(batch))
-        self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False, batch_size=len(batch))
-        return {"rewards": rewards.detach().cpu(), "status": scored.status}
+    def optimize(self, updates: list[StepRollouts]) -> dict[str, torch.Tensor]:
+        """One optimizer (and lr scheduler) step per update; returns the metrics of all
+        updates combined (means; ``*_min``/``*_max`` over updates)."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        temperature = self.explorer.temperature or 1.0
+        self.update_metrics = []
+        for update in updates:
+            opt.zero_grad(set_to_none=True)
+            parts, weights, old_parts = [], [], []
+            for rows, weight in self._micro_batches(update.batch):
+                mb = update.select(rows) if len(rows) < len(update) else update
+                logp, entropy = response_logprobs(self.policy, mb.batch, temperature, with_entropy=True,
+                                                  detach_mixture=self.detach_mixture)
+                if mb.old_logp is None:  # single on-policy update: see prepare(reuse_forward=True)
+                    mb.old_logp = logp.detach()
+                    old_parts.append(mb.old_logp)
+                loss, m = self.objective(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.batch.response_mask)
+                self.manual_backward(loss * weight)
+                parts.append({**m, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
+                weights.append(weight)
+            if old_parts:
+                update.old_logp = torch.cat(old_parts)
+            metrics = combine_metrics(parts, weights)
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.optim.grad_clip or math.inf)
+            opt.step()
+            sched.step()
+            self.update_metrics.append({k: float(v) for k, v in metrics.items()})
+        out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
+        out["updates"] = len(updates)
+        return out
 
     def _micro_batches(self, batch: RolloutBatch):
         """Yield (rows, weight): the loss of each micro-batch is scaled so that the sum of
         the micro-batch gradients equals the gradient of the whole batch's loss."""
         n, size = len(batch), self.optim.micro_batch_size or len(batch)
         tokens = batch.response_mask.sum().clamp(min=1)
-        token_level = getattr(self.objective, "loss_agg", "seq-mean") == "token-mean"
+        token_level = self.objective.loss_agg == "token-mean"
         for start in range(0, n, size):
             rows = torch.arange(start, min(start + size, n))
             share = batch.response_mask[rows].sum() / tokens if token_level else torch.tensor(len(rows) / n)
             yield rows, share.item()
+
+    def log_step(self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict) -> None:
+        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates."""
+        lengths = batch.response_lengths.float()
+        fresh = (~step.replayed)[:, None] * step.batch.response_mask
+        log = {f"train/{k}": v for k, v in metrics.items()}
+        advantages = step.advantages
+        log.update({
+            "train/reward": rewards.mean(),
+            "train/accuracy": (rewards > 0.5).float().mean(),  # rewards are 0/1: binary accuracy
+            "train/advantage_mean": advantages.mean(),
+            "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
+            "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
+            "train/response_length_mean": lengths.mean(),
+            "train/response_length_max": lengths.max(),
+            "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
+            "train/rollout_logprob_diff_mean": masked_mean((step.batch.rollout_logprobs - step.old_logp).abs(), fresh),
+        })
+        log.update(step.stats)  # replay/*, dynamic/*
+        log.update(scored.metrics())  # reward/* status fractions
+        log.update(exploration_metrics(batch))  # explore/*
+        log.update(batch.stats)  # rollout/* timings and throughput
+        now = time.perf_counter()
+        log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
+        self._last_step_end = now
+        self.log_dict({k: float(v) for k, v in log.items()}, on_step=True, batch_size=len(batch))
+        self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False, batch_size=len(batch))
 
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int):
@@ -184,3 +286,18 @@ class RLModule(L.LightningModule):
         self.log("val/reward", self.val_reward.compute())
         self.val_accuracy.reset()
         self.val_reward.reset()
+
+
+def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Weighted sums of metric dicts, except ``*_min`` (minimum) and ``*_max`` (maximum)."""
+    out: dict[str, torch.Tensor] = {}
+    for part, w in zip(parts, weights):
+        for k, v in part.items():
+            v = torch.as_tensor(v).detach().float()
+            if k.endswith("_min"):
+                out[k] = torch.minimum(out[k], v) if k in out else v
+            elif k.endswith("_max"):
+                out[k] = torch.maximum(out[k], v) if k in out else v
+            else:
+                out[k] = out.get(k, 0.0) + v * w
+    return out

@@ -43,3 +43,71 @@ def chat_prompt_ids(tokenizer, questions):
 def seeded():
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
+
+
+class ScriptedReward:
+    """A reward for tests: the k-th call scores rows with ``script[k]`` (a 0/1 pattern repeated
+    over the rows; the last pattern repeats), whatever the responses say."""
+
+    def __init__(self, *script):
+        self.script, self.calls = script, 0
+
+    def __call__(self, texts, answers):
+        from ngrpo_lightning.rewards.reward import RewardResult
+
+        pattern = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        scores = torch.tensor([float(pattern[i % len(pattern)]) for i in range(len(texts))])
+        return RewardResult(scores=scores, status=["correct" if s else "wrong" for s in scores.tolist()])
+
+
+def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **module_kwargs):
+    """(RLModule, RolloutDataModule) on a private copy of the tiny model: 2 prompts x 2 samples
+    of at most 6 tokens per step."""
+    import copy
+
+    from ngrpo_lightning.data import ArithmeticTask
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.module import OptimConfig, RLModule
+    from ngrpo_lightning.objectives import GRPO
+    from ngrpo_lightning.rollout import RolloutDataModule
+
+    policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    module = RLModule(policy, tokenizer, TemperatureExplorer(temperature=1.0), objective or GRPO(kl_coef=0.0), reward,
+                      optim=OptimConfig(lr=lr), **module_kwargs)
+    problems = ArithmeticTask(num_problems=num_problems, seed=0, split="train").problems()
+    datamodule = RolloutDataModule(tokenizer, problems, [], prompts_per_step=2, group_size=2, max_new_tokens=6, seed=0)
+    return module, datamodule
+
+
+def tiny_trainer(max_steps, callbacks=(), **kwargs):
+    import lightning as L
+
+    kwargs.setdefault("enable_checkpointing", False)
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks),
+                     **kwargs)
+
+
+def fake_step(problem_ids, rewards, group_size=2, lengths=None):
+    """A prepared StepRollouts without a model: row i has a response of lengths[i] tokens, a
+    prompt of 2 + i % 2 tokens and one mixed step at response position 0."""
+    from ngrpo_lightning.rollout import InputRecords, RolloutBatch
+    from ngrpo_lightning.updates import StepRollouts
+
+    n = len(problem_ids)
+    lengths = lengths or [3] * n
+    width = max(lengths)
+    prompt_ids = torch.tensor([[0, 10 + i, 20 + i] for i in range(n)])
+    prompt_mask = torch.tensor([[i % 2, 1, 1] for i in range(n)])
+    response_ids = torch.tensor([[100 * (i + 1) + t for t in range(width)] for i in range(n)])
+    response_mask = torch.tensor([[int(t < lengths[i]) for t in range(width)] for i in range(n)])
+    logp = -0.1 * torch.arange(1, n + 1, dtype=torch.float)[:, None] * response_mask
+    records = InputRecords(row=torch.arange(n), pos=torch.zeros(n, dtype=torch.long), ids=torch.arange(2 * n).view(n, 2),
+                           weights=torch.full((n, 2), 0.5), noise_seed=torch.full((n,), -1), noise_scale=torch.zeros(n))
+    batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logp.clone(), records, group_size=group_size,
+                         answers=["7"] * n, problem_ids=list(problem_ids), response_text=[f"r{i}" for i in range(n)],
+                         truncated=torch.zeros(n, dtype=torch.bool))
+    step = StepRollouts.fresh(batch, torch.tensor(rewards, dtype=torch.float))
+    step.advantages, step.old_logp = torch.zeros(n), logp.clone()
+    return step

@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from ngrpo_lightning.objectives import GRPO, aggregate, group_advantages, grpo_loss, kl_penalty, zero_variance_groups
+from ngrpo_lightning.objectives import (
+    GRPO, GSPO, OBJECTIVES, aggregate, group_advantages, grpo_loss, gspo_loss, kl_penalty, sequence_importance_weight,
+    zero_variance_groups,
+)
 
 
 def test_grpo_loss_matches_hand_computation_and_gradient():
@@ -105,3 +108,120 @@ def test_unknown_advantage_estimator_lists_allowed():
 def test_kl_needs_reference_logprobs():
     with pytest.raises(ValueError, match="reference"):
         GRPO(kl_coef=0.1)(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1))
+
+
+# ------------------------------------------------------------------ GRPO extras
+def test_dual_clip_gradient_and_metric():
+    logp = torch.tensor([[2.0, 0.1]], requires_grad=True)
+    old = torch.zeros(1, 2)  # ratios e^2 (dual-clipped at 3) and e^0.1 = 1.105 (unclipped, A < 0)
+    loss, m = grpo_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 2), dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 + math.exp(0.1)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, math.exp(0.1) / 2]]))
+    assert m["clip_frac_dual"].item() == pytest.approx(0.5)
+
+
+def test_grpo_kl_term_value_and_gradient():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    loss, m = grpo_loss(logp, logp.detach(), ref, torch.zeros(1), torch.ones(1, 2), kl_coef=0.5, kl_estimator="k1")
+    # A = 0: only the KL term. k1 = logp - ref = [0.5, -1.0] -> mean -0.25, times 0.5
+    assert loss.item() == pytest.approx(0.5 * -0.25)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.25, 0.25]]))
+    assert m["kl_ref"].item() == pytest.approx(-0.25)
+
+
+@pytest.mark.parametrize("mode, per_token", [
+    ("token-mean", [1 / 5] * 5),                           # every token alike: the long sequence counts 4x
+    ("seq-mean-token-mean", [1 / 8] * 4 + [1 / 2]),          # every sequence alike: short tokens weigh more
+    ("seq-mean-token-sum", [1 / 2] * 5),                   # sum per sequence, mean over sequences
+    ("seq-mean-token-sum-norm", [1 / (2 * 10)] * 5),       # Dr. GRPO: / (N x norm_length = 10)
+])
+def test_aggregation_gradient_weights_long_and_short_sequences(mode, per_token):
+    logp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    loss, _ = grpo_loss(logp, logp.detach(), None, torch.tensor([-1.0, -1.0]), mask, loss_agg=mode, norm_length=10)
+    loss.backward()  # ratio 1, A = -1: d loss / d logp = token weight
+    assert torch.allclose(logp.grad[mask.bool()], torch.tensor(per_token))
+
+
+# ------------------------------------------------------------------------ GSPO
+def test_gspo_matches_hand_computation_and_gradient():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.3, 0.0], [-0.5, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = gspo_loss(logp, old, None, adv, mask, clip_low=0.2, clip_high=0.2)
+    s0, s1 = math.exp((0.5 + 0.3) / 2), math.exp(-0.5 / 3)  # 1.49 (A > 0: clipped at 1.2), 0.846 (inside)
+    assert loss.item() == pytest.approx((-1.2 + s1) / 2, abs=1e-6)
+    loss.backward()
+    # sequence 0 clipped: no gradient; sequence 1: d/dlogp_t of (1/2) * s1 = s1 / (2 * 3) per token
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 0.0], [s1 / 6] * 3]), atol=1e-6)
+    assert m["ratio_max"].item() == pytest.approx(s0, rel=1e-6) and m["ratio_min"].item() == pytest.approx(s1, rel=1e-6)
+    assert m["clip_frac_high"].item() == pytest.approx(0.5) and m["clip_frac_low"].item() == 0.0
+
+
+def test_gspo_token_form_equals_sequence_level_gspo():
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 6)).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(3, 6)
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0]])
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    loss, _ = gspo_loss(logp, old, None, adv, mask, clip_low=10.0, clip_high=10.0)  # no clipping
+    (g_token,) = torch.autograd.grad(loss, logp)
+    n = mask.sum(-1)
+    s = torch.exp(((logp - old) * mask).sum(-1) / n)  # the sequence ratio, differentiated as a whole
+    (g_seq,) = torch.autograd.grad((-adv * s).mean(), logp)
+    assert torch.allclose(g_token, g_seq, atol=1e-6)
+
+
+def test_gspo_ratio_is_invariant_to_token_order():
+    torch.manual_seed(1)
+    logp, old = -torch.rand(2, 5), -torch.rand(2, 5)
+    mask, adv = torch.ones(2, 5), torch.tensor([1.0, -1.0])
+    perm = torch.randperm(5)
+    a, ma = gspo_loss(logp, old, None, adv, mask, clip_low=0.5, clip_high=0.5)
+    b, mb = gspo_loss(logp[:, perm], old[:, perm], None, adv, mask, clip_low=0.5, clip_high=0.5)
+    assert a.item() == pytest.approx(b.item(), abs=1e-6)
+    assert ma["ratio_mean"].item() == pytest.approx(mb["ratio_mean"].item())
+
+
+def test_gspo_weighs_sequences_equally_whatever_their_length():
+    logp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    loss, _ = GSPO(clip_low=0.1, clip_high=0.1)(logp, logp.detach(), None, torch.tensor([-1.0, -1.0]), mask)
+    loss.backward()
+    per_sequence = logp.grad.sum(-1)
+    assert torch.allclose(per_sequence, torch.tensor([0.5, 0.5]))  # each sequence 1/N in total
+    assert GSPO.loss_agg == "seq-mean-token-mean"
+
+
+def test_gspo_defaults_and_registry():
+    g = GSPO()
+    assert (g.clip_low, g.clip_high, g.kl_coef) == (3e-4, 4e-4, 0.0) and not g.needs_reference
+    assert OBJECTIVES["gspo"] is GSPO and OBJECTIVES["grpo"] is GRPO
+
+
+# ---------------------------------------------------------- importance weights
+def test_sequence_importance_weight_is_a_capped_geometric_mean():
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    behaviour = torch.tensor([[-1.2, -1.4], [-3.0, -2.0]])
+    mask = torch.tensor([[1, 1], [1, 1]])
+    w = sequence_importance_weight(logp, behaviour, mask, cap=2.0)
+    assert w[0].item() == pytest.approx(math.exp(0.3)) and w[1].item() == 2.0  # e^2 capped
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs, key", [
+    ({"clip_low": -1e-4}, "objective.clip_low"), ({"clip_high": -1.0}, "objective.clip_high"),
+    ({"kl_coef": -0.1}, "objective.kl_coef"), ({"kl_estimator": "k9"}, "objective.kl_estimator"),
+])
+def test_bad_gspo_config_names_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        GSPO(**kwargs)
+
+
+def test_bad_norm_length_names_the_key():
+    with pytest.raises(ValueError, match="objective.norm_length"):
+        GRPO(loss_agg="seq-mean-token-sum-norm", norm_length=0)

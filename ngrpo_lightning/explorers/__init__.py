@@ -1,14 +1,30 @@
-"""Explorers: how each decoding step's next input is formed (see :mod:`.base`)."""
+"""Explorers: how each decoding step's next input is formed (see :mod:`.base`).
 
-from .base import EXPLORERS, Explorer, ExplorerStep, register_explorer
+Registered names (``explorer.name=``): ``temperature`` (plain sampling), ``neighbor``
+(N-GRPO neighbor mixing), ``gaussian`` (STHT embedding noise), ``gumbel`` (Gumbel soft
+thinking). Any other :class:`Explorer` subclass works through ``explorer._target_=``.
+"""
+
+from .base import EXPLORERS, Explorer, ExplorerStep, check_choice, check_range, register_explorer
+from .gaussian import GaussianNoiseExplorer
+from .gumbel import GumbelSoftExplorer
+from .neighbor import NeighborMixingExplorer
+from .neighbor_index import METRICS, NeighborIndex
 from .sampling import filter_logits, sample_tokens
 from .temperature import TemperatureExplorer
 
 __all__ = [
     "EXPLORERS",
+    "METRICS",
     "Explorer",
     "ExplorerStep",
+    "GaussianNoiseExplorer",
+    "GumbelSoftExplorer",
+    "NeighborIndex",
+    "NeighborMixingExplorer",
     "TemperatureExplorer",
+    "check_choice",
+    "check_range",
     "filter_logits",
     "register_explorer",
     "sample_tokens",

@@ -13,7 +13,18 @@ the non-discrete rows, and training rebuilds the same inputs from the record
 (:func:`ngrpo_lightning.rollout.reconstruction.build_inputs_embeds`), so an explorer
 never touches an engine or the training loop.
 
-Explorers are pure torch: no Lightning, no engine imports.
+The contract, in the order an engine calls it before and during a rollout:
+
+1. ``set_special_ids(ids)``: the tokenizer's special token ids (and any embedding rows no
+   token maps to). Explorers that pick tokens by embedding geometry exclude them.
+2. ``prepare(embeddings)``: the policy's input embedding matrix ``E`` (V x d), on the
+   decoding device. Build or refresh indices here.
+3. ``step(logits, generator)`` once per decoding step: logits B x V (raw, float32) in, an
+   :class:`ExplorerStep` out. Draw all randomness from ``generator`` (on the logits'
+   device) so that rollouts are reproducible from the engine's seed.
+
+Explorers are pure torch: no Lightning, no engine imports. Register one by name with
+:func:`register_explorer`, or select any subclass by class path (``explorer._target_=``).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Explorer", "ExplorerStep", "EXPLORERS", "register_explorer"]
+__all__ = ["Explorer", "ExplorerStep", "EXPLORERS", "register_explorer", "check_range", "check_choice"]
 
 EXPLORERS: dict[str, type["Explorer"]] = {}
 
@@ -77,6 +88,12 @@ class Explorer:
     temperature: float = 1.0
     uses_embeddings: bool = False
     registered_name: str = ""
+    _special_ids: tuple[int, ...] = ()
+
+    def set_special_ids(self, ids) -> None:
+        """Called by the engine before :meth:`prepare` with the ids an explorer should never
+        pick by itself: the tokenizer's special tokens and padded embedding rows."""
+        self._special_ids = tuple(sorted({int(i) for i in ids}))
 
     def prepare(self, embeddings: torch.Tensor) -> None:
         """Called by the engine before every rollout with the policy's input embedding
@@ -107,3 +124,9 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
         hi = "inf" if high is None else f"{high}"
         bracket = "(" if low_open else "["
         raise ValueError(f"explorer.{key}={value!r} is out of range: allowed {bracket}{lo}, {hi}]")
+
+
+def check_choice(key: str, value, allowed) -> None:
+    """Validate a categorical hyper-parameter with an error naming its key and the choices."""
+    if value not in allowed:
+        raise ValueError(f"explorer.{key}={value!r} is unknown: allowed {sorted(allowed)}")

@@ -2,12 +2,14 @@
 
 from .advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from .aggregation import AGGREGATIONS, aggregate, masked_mean
-from .base import OBJECTIVES, PolicyObjective, register_objective
+from .base import OBJECTIVES, PolicyObjective, check_objective_choice, check_objective_key, register_objective
 from .grpo import GRPO, grpo_loss
+from .gspo import GSPO, gspo_loss, sequence_log_ratio
+from .importance import sequence_importance_weight
 from .kl import KL_ESTIMATORS, kl_penalty
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "GRPO", "KL_ESTIMATORS", "OBJECTIVES", "PolicyObjective",
-    "aggregate", "group_advantages", "grpo_loss", "kl_penalty", "masked_mean", "register_objective",
-    "zero_variance_groups",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "GRPO", "GSPO", "KL_ESTIMATORS", "OBJECTIVES", "PolicyObjective",
+    "aggregate", "check_objective_choice", "check_objective_key", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty", "masked_mean", "register_objective",
+    "sequence_importance_weight", "sequence_log_ratio", "zero_variance_groups",
 ]

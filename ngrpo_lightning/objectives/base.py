@@ -9,14 +9,20 @@ response tokens)::
 time), ``ref_logp`` the frozen reference (``None`` when no KL is used), ``advantages``
 one scalar per sequence ([N]) and ``mask`` the response mask. Objectives are classes
 only to hold validated hyper-parameters; the maths lives in a plain function beside each.
-Register new ones with :func:`register_objective` and select them by name in configs.
+Register new ones with :func:`register_objective` and select them by name in configs
+(``objective.name=<name>``), or by class path (``objective._target_=pkg.Class``).
+
+Two class attributes tell the module how to use an objective: ``kl_coef`` > 0 makes it
+load a frozen reference model, and ``loss_agg`` says how the loss weighs tokens
+(``token-mean``: micro-batches are weighted by their token counts; anything else: by
+their numbers of sequences), so that micro-batched gradients equal the full batch's.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["OBJECTIVES", "PolicyObjective", "register_objective"]
+__all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
 
 OBJECTIVES: dict[str, type["PolicyObjective"]] = {}
 
@@ -25,8 +31,10 @@ def register_objective(name: str):
     """Class decorator: make an objective selectable as ``objective.name=<name>``."""
 
     def wrap(cls):
-        if name in OBJECTIVES and OBJECTIVES[name] is not cls:
-            raise ValueError(f"objective name {name!r} is already registered by {OBJECTIVES[name].__qualname__}")
+        old = OBJECTIVES.get(name)
+        same = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
+        if old is not None and old is not cls and not same:  # a re-imported module may register again
+            raise ValueError(f"objective name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
         OBJECTIVES[name] = cls
         cls.registered_name = name
         return cls
@@ -35,9 +43,11 @@ def register_objective(name: str):
 
 
 class PolicyObjective:
-    """Base class. ``kl_coef`` > 0 tells the module to load a frozen reference model."""
+    """Base class. ``kl_coef`` > 0 tells the module to load a frozen reference model;
+    ``loss_agg`` is the loss's aggregation mode (see :mod:`.aggregation`)."""
 
     kl_coef: float = 0.0
+    loss_agg: str = "seq-mean-token-mean"
     registered_name: str = ""
 
     def __call__(
@@ -59,5 +69,12 @@ class PolicyObjective:
 
 
 def check_objective_key(key: str, value: float, low: float = 0.0):
-    if value < low:
+    """Fail with the config key's name when ``value`` is below ``low``."""
+    if value is None or value < low:
         raise ValueError(f"objective.{key}={value!r} is out of range: must be >= {low}")
+
+
+def check_objective_choice(key: str, value: str, allowed) -> None:
+    """Fail with the config key's name and the allowed values."""
+    if value not in allowed:
+        raise ValueError(f"objective.{key}={value!r} is unknown: allowed {list(allowed)}")

@@ -5,7 +5,7 @@ Per token, with ratio ``r = exp(logp - old_logp)`` and sequence advantage ``A``:
     pg  = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
     pg  = min(pg, -A * dual_clip)              if A < 0 and dual_clip is set
     tok = pg + kl_coef * KL_est(logp, ref_logp)
-    loss = aggregate(tok, mask, loss_agg)
+    loss = aggregate(tok, mask, loss_agg, norm_length)
 
 ``clip_high > clip_low`` is DAPO's clip-higher. With ``r == 1`` and no KL the gradient
 is the plain policy gradient ``-A * grad logp``.
@@ -16,15 +16,15 @@ from __future__ import annotations
 import torch
 
 from .aggregation import AGGREGATIONS, aggregate, masked_mean
-from .base import PolicyObjective, check_objective_key, register_objective
-from .kl import KL_ESTIMATORS, kl_penalty
+from .base import PolicyObjective, check_objective_choice, check_objective_key, register_objective
+from .kl import KL_ESTIMATORS, kl_penalty, reference_kl
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: a safety clamp, far beyond any clip range
 
 
 def grpo_loss(
     logp, old_logp, ref_logp, advantages, mask, *,
-    clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean",
+    clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean", norm_length=None,
 ):
     """The GRPO loss and its metrics (see the module docstring)."""
     adv = advantages[:, None].to(logp.dtype)
@@ -33,19 +33,16 @@ def grpo_loss(
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
-    per_token = pg
-    metrics = {}
-    if kl_coef > 0:
-        if ref_logp is None:
-            raise ValueError("objective.kl_coef > 0 but no reference log-probs were given (is a reference model loaded?)")
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
+    per_token, metrics = pg, {}
+    kl = reference_kl(logp, ref_logp, kl_coef, kl_estimator)
+    if kl is not None:
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = masked_mean(kl.detach(), mask)
-    loss = aggregate(per_token, mask, loss_agg)
+    loss = aggregate(per_token, mask, loss_agg, norm_length)
     with torch.no_grad():
         m = mask.bool()
         metrics.update(
-            pg_loss=aggregate(pg.detach(), mask, loss_agg),
+            pg_loss=aggregate(pg.detach(), mask, loss_agg, norm_length),
             clip_frac_low=masked_mean(((ratio < 1 - clip_low) & (adv < 0)).float(), mask),
             clip_frac_high=masked_mean(((ratio > 1 + clip_high) & (adv > 0)).float(), mask),
             ratio_mean=masked_mean(ratio.detach(), mask),
@@ -53,6 +50,8 @@ def grpo_loss(
             ratio_max=ratio.detach()[m].max() if m.any() else ratio.new_tensor(1.0),
             approx_kl_old=masked_mean(kl_penalty(logp.detach(), old_logp, "k3"), mask),
         )
+        if dual_clip is not None:
+            metrics["clip_frac_dual"] = masked_mean(((-adv * ratio > -adv * dual_clip) & (adv < 0)).float(), mask)
     return loss, metrics
 
 
@@ -67,20 +66,25 @@ class GRPO(PolicyObjective):
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
             ``seq-mean-token-sum-norm``.
+        norm_length: the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO: the
+            maximum response length, e.g. ``rollout.max_new_tokens``); None = the batch's
+            padded response length.
     """
 
-    def __init__(self, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.001, kl_estimator="k3", loss_agg="token-mean"):
+    def __init__(self, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.001, kl_estimator="k3",
+                 loss_agg="token-mean", norm_length=None):
         check_objective_key("clip_low", clip_low)
         check_objective_key("clip_high", clip_high)
         check_objective_key("kl_coef", kl_coef)
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"objective.dual_clip={dual_clip!r} must be > 1 (or null to disable)")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"objective.kl_estimator={kl_estimator!r} is unknown: allowed {list(KL_ESTIMATORS)}")
-        if loss_agg not in AGGREGATIONS:
-            raise ValueError(f"objective.loss_agg={loss_agg!r} is unknown: allowed {list(AGGREGATIONS)}")
+        check_objective_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        check_objective_choice("loss_agg", loss_agg, AGGREGATIONS)
+        if norm_length is not None:
+            check_objective_key("norm_length", norm_length, 1)
         self.clip_low, self.clip_high, self.dual_clip = float(clip_low), float(clip_high), dual_clip
         self.kl_coef, self.kl_estimator, self.loss_agg = float(kl_coef), kl_estimator, loss_agg
+        self.norm_length = None if norm_length is None else int(norm_length)
 
     def __call__(self, logp, old_logp, ref_logp, advantages, mask):
         return grpo_loss(logp, old_logp, ref_logp, advantages, mask, **vars(self))

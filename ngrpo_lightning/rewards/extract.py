@@ -9,13 +9,17 @@ Two methods:
   final answer, and rewarding it would reward truncation.
 * ``last_number`` -- the last number in the text (GSM8K-style fallback), with thousands
   separators removed (``1,000`` -> ``1000``).
+* ``boxed_or_last_number`` -- ``boxed`` when the text has a box, else ``last_number``: the
+  "flexible" format for small models that answer "The answer is 12." without boxing. Use
+  strict ``boxed`` for reasoning models, where a truncated derivation's last number is not
+  an answer.
 """
 
 from __future__ import annotations
 
 import re
 
-EXTRACT_METHODS = ("boxed", "last_number")
+EXTRACT_METHODS = ("boxed", "last_number", "boxed_or_last_number")
 
 # \b keeps \fboxsep / \boxedfoo from matching.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
@@ -31,6 +35,8 @@ def extract_answer(text: str, method: str = "boxed") -> str | None:
         return _last_boxed(text)
     if method == "last_number":
         return _last_number(text)
+    if method == "boxed_or_last_number":
+        return _last_boxed(text) if _BOX_RE.search(text) else _last_number(text)
     raise ValueError(f"reward.extract={method!r} is unknown: allowed {list(EXTRACT_METHODS)}")
 
 

@@ -90,7 +90,9 @@ class VerifierPool:
                 if time.monotonic() > deadline:
                     self._kill()
                     raise RuntimeError(f"verifier workers did not start within {self.start_timeout_s:g} s "
-                                       f"({self.num_workers} spawned processes importing math-verify)")
+                                       f"({self.num_workers} spawned processes importing math-verify; they re-import the main "
+                                       "script, so a script without an `if __name__ == '__main__':` guard runs again "
+                                       "in each of them)")
                 time.sleep(0.01)
             wait(pings)
         return self.worker_pids()

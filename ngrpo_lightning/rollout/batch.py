@@ -56,6 +56,43 @@ class RolloutBatch:
         return self.response_mask.sum(-1)
 
     # ------------------------------------------------------------ utilities
+    @classmethod
+    def concat(cls, batches: list["RolloutBatch"], pad_id: int = 0) -> "RolloutBatch":
+        """The rows of several batches (same ``group_size``), in order: prompts re-padded on
+        the left and responses on the right (with ``pad_id``), records renumbered. ``stats``
+        are the first batch's."""
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+        if len({b.group_size for b in batches}) > 1:
+            raise ValueError(f"cannot concatenate batches of group sizes {sorted({b.group_size for b in batches})}")
+        width_p = max(b.prompt_ids.shape[1] for b in batches)
+        width_l = max(b.response_ids.shape[1] for b in batches)
+        left = lambda t, v: torch.nn.functional.pad(t, (width_p - t.shape[1], 0), value=v)  # noqa: E731
+        right = lambda t, v: torch.nn.functional.pad(t, (0, width_l - t.shape[1]), value=v)  # noqa: E731
+        offsets = [0]
+        for b in batches[:-1]:
+            offsets.append(offsets[-1] + len(b))
+        records = InputRecords.concat([
+            InputRecords(**{**vars(b.records), "row": b.records.row + off}) for b, off in zip(batches, offsets)
+        ])
+        joined = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
+        return cls(
+            prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
+            prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in batches]),
+            response_ids=torch.cat([right(b.response_ids, pad_id) for b in batches]),
+            response_mask=torch.cat([right(b.response_mask, 0) for b in batches]),
+            rollout_logprobs=torch.cat([right(b.rollout_logprobs, 0.0) for b in batches]),
+            records=records,
+            group_size=batches[0].group_size,
+            answers=joined("answers"),
+            problem_ids=joined("problem_ids"),
+            response_text=joined("response_text"),
+            truncated=None if any(b.truncated is None for b in batches) else torch.cat([b.truncated for b in batches]),
+            stats=dict(batches[0].stats),
+        )
+
     def to(self, device) -> "RolloutBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():

@@ -5,6 +5,10 @@ DataModule hook Lightning calls on every batch, after moving it to the device) t
 into a :class:`RolloutBatch` by rolling out the *current* policy with the configured
 engine: the training explorer and G samples per prompt in training, plain sampling and
 ``val_samples`` per prompt in validation.
+
+:meth:`RolloutDataModule.more_rollouts` rolls out one more training prompt batch on
+demand, outside the dataloader: the module's dynamic sampling (DAPO) calls it to refill
+a batch that lost its zero-variance groups.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.seed, self.shuffle = seed, shuffle
         self.engine: RolloutEngine | None = None
         self.train_set = self.val_set = None
+        self.extra_prompts_drawn = 0  # position in the stream of more_rollouts()
 
     # ------------------------------------------------------------- datasets
     def setup(self, stage: str | None = None) -> None:
@@ -114,12 +119,38 @@ class RolloutDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, RolloutBatch):
             return batch
-        module = self.trainer.lightning_module
-        if self.engine is None:
-            self.engine = build_engine(self.engine_name, module, self.max_new_tokens, self.seed, **self.engine_kwargs)
+        module = self._module_with_engine()
         if self.trainer.training:
             return self.rollout(batch, module.explorer, self.group_size)
         return self.rollout(batch, module.eval_explorer, self.val_samples)
+
+    def _module_with_engine(self) -> L.LightningModule:
+        module = self.trainer.lightning_module
+        if self.engine is None:
+            self.engine = build_engine(self.engine_name, module, self.max_new_tokens, self.seed, **self.engine_kwargs)
+        return module
+
+    def more_rollouts(self) -> RolloutBatch:
+        """Roll out one more batch of ``prompts_per_step`` training prompts with the training
+        explorer (``group_size`` samples each), outside the dataloader.
+
+        Prompts come from a second stream over the training set: seeded shuffles, one per
+        pass, independent of the dataloader's order. Its position (``extra_prompts_drawn``)
+        is saved in checkpoints, so a resumed run draws the same prompts.
+        """
+        from ..data import collate_prompts
+
+        module = self._module_with_engine()
+        self.setup("fit")
+        size, count = len(self.train_set), self.prompts_per_step
+        rows: list[int] = []
+        while len(rows) < count:
+            shuffle, start = divmod(self.extra_prompts_drawn, size)
+            order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + 7919 * (shuffle + 1)))
+            take = order[start:start + count - len(rows)].tolist()
+            rows += take
+            self.extra_prompts_drawn += len(take)
+        return self.rollout(collate_prompts([self.train_set[i] for i in rows]), module.explorer, self.group_size)
 
     def rollout(self, prompts: dict, explorer, n: int) -> RolloutBatch:
         """Roll out a collated prompt batch ``n`` times each and attach gold answers and ids."""
@@ -134,8 +165,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        return {"seed": self.seed}
+        return {"seed": self.seed, "extra_prompts_drawn": self.extra_prompts_drawn}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed = state.get("seed", self.seed)
+        self.extra_prompts_drawn = state.get("extra_prompts_drawn", 0)
 

@@ -43,6 +43,12 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return ids
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+    """Ids an explorer should never pick by itself: the tokenizer's special tokens and the
+    embedding rows no token maps to (vocabularies padded beyond the tokenizer)."""
+    return sorted(set(tokenizer.all_special_ids) | set(range(len(tokenizer), vocab_size)))
+
+
 class HFEngine(RolloutEngine):
     """Rollouts with the policy module itself (no weight copy, no sync).
 
@@ -76,6 +82,7 @@ class HFEngine(RolloutEngine):
         t0 = time.perf_counter()
         embedding = model.get_input_embeddings().weight
         device = embedding.device
+        explorer.set_special_ids(special_token_ids(self.tokenizer, embedding.shape[0]))
         explorer.prepare(embedding.detach())
         gen = self.generator(device)
         temperature = explorer.temperature or 1.0  # log-probs of a greedy policy are taken at T=1

@@ -1,0 +1,53 @@
+"""Helpers shared by the benchmark scripts: prompts, timing, table printing, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` chat-templated prompts of the built-in task (realistic prompt lengths)."""
+    from ngrpo_lightning.data import ArithmeticTask, render_prompt
+
+    problems = ArithmeticTask(num_problems=n, seed=seed, split="train").problems()
+    return [tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"] for p in problems]
+
+
+def best_of(fn, repeats: int) -> tuple[float, object]:
+    """Fastest wall time of ``repeats`` calls (after one warm-up call) and the last result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), out
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def write_json(name: str, rows: list[dict], **meta) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    meta.update(torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine(),
+                processor=platform.processor(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {path}")
+    return path

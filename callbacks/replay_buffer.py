@@ -1,0 +1,196 @@
+"""ReplayBuffer: several optimizer updates per batch of rollouts, and replay of past successes.
+
+Attach it to the Trainer; :class:`~ngrpo_lightning.module.RLModule` finds it (it is an
+:class:`~ngrpo_lightning.updates.UpdatePlanner`) and asks it, every training step, to
+
+1. ``mix_in``: for each group whose G fresh rollouts are all wrong, substitute a stored
+   success of the same prompt (from at most ``max_staleness`` steps ago) for the group's
+   last rollout. The group's advantages are then computed as usual, over the G rewards
+   with the success among them: the success gets a positive advantage, the fresh
+   failures negative ones, where the all-wrong group had none at all;
+2. ``plan_updates``: serve ``ppo_epochs x num_mini_batches`` optimizer updates from the
+   step's rollouts: each epoch shuffles the rows and splits them into
+   ``num_mini_batches`` mini-batches. The first update sees ratios of exactly 1; later
+   ones see the policy move, so the clip acts. A replayed row's advantage is scaled by
+   its capped importance weight ``min(exp(mean_t(logp - stored_old_logp)), is_cap)``
+   (see :mod:`ngrpo_lightning.objectives.importance`).
+
+After the step (``on_train_batch_end``) it stores the step's fresh successes, one per
+prompt (the latest), with their old log-probs, and forgets entries too stale to be used
+or beyond ``capacity``. Its state (stored trajectories, step count, shuffling RNG) is
+saved in and restored from Lightning checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import lightning as L
+import torch
+
+from ngrpo_lightning.objectives import sequence_importance_weight
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.updates import StepRollouts, UpdatePlanner
+
+_RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")
+
+
+def _positive_int(key: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key}={value!r} must be an integer >= {low}")
+    return value
+
+
+class ReplayBuffer(L.Callback, UpdatePlanner):
+    """Serve several updates per step and replay past successful trajectories.
+
+    Args:
+        ppo_epochs: passes over each step's rollouts (``train.ppo_epochs``).
+        num_mini_batches: optimizer updates per pass (``train.num_mini_batches``); a
+            step makes ``ppo_epochs * num_mini_batches`` optimizer steps.
+        capacity: prompts whose latest success is kept for replay (``replay.capacity``;
+            0 = no replay).
+        max_staleness: a stored success is replayed at most this many steps (rollout
+            batches) after it was sampled (``replay.max_staleness``).
+        is_cap: cap of a replayed trajectory's importance weight (``replay.is_cap``).
+        success_threshold: a rollout with reward >= this is a success.
+        seed: seed of the mini-batch shuffling.
+    """
+
+    def __init__(self, ppo_epochs: int = 1, num_mini_batches: int = 1, capacity: int = 0, max_staleness: int = 4,
+                 is_cap: float = 2.0, success_threshold: float = 0.5, seed: int = 0):
+        self.ppo_epochs = _positive_int("train.ppo_epochs", ppo_epochs, 1)
+        self.num_mini_batches = _positive_int("train.num_mini_batches", num_mini_batches, 1)
+        self.capacity = _positive_int("replay.capacity", capacity, 0)
+        self.max_staleness = _positive_int("replay.max_staleness", max_staleness, 1)
+        if not is_cap or is_cap < 1.0:
+            raise ValueError(f"replay.is_cap={is_cap!r} must be >= 1")
+        self.is_cap, self.success_threshold = float(is_cap), float(success_threshold)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.entries: dict[str, dict] = {}  # problem id -> its latest stored success (oldest first)
+        self.steps_seen = 0  # training steps completed; the current step's index while one runs
+
+    # ------------------------------------------------------------ planning
+    def mix_in(self, step: StepRollouts) -> StepRollouts:
+        """Substitute stored successes into all-wrong groups (see the module docstring)."""
+        g = step.group_size
+        targets, sources = [], []
+        if self.capacity and self.entries and step.batch.problem_ids:
+            success = (step.rewards >= self.success_threshold).view(-1, g).any(-1).tolist()
+            for group, ok in enumerate(success):
+                entry = self.entries.get(step.batch.problem_ids[group * g])
+                if not ok and entry is not None and self.steps_seen - entry["step"] <= self.max_staleness:
+                    targets.append(group * g + g - 1)
+                    sources.append(entry)
+        step.stats["replay/substituted"] = len(sources)
+        step.stats["replay/size"] = len(self.entries)
+        if not sources:
+            return step
+        past = self._as_rollouts(sources, step)
+        order = torch.arange(len(step))
+        order[targets] = len(step) + torch.arange(len(sources))
+        mixed = StepRollouts.concat([step, past]).select(order)
+        mixed.stats = dict(step.stats)
+        return mixed
+
+    def plan_updates(self, step: StepRollouts) -> list[StepRollouts]:
+        """``ppo_epochs x num_mini_batches`` mini-batches of shuffled rows (replayed rows'
+        advantages importance-weighted)."""
+        if step.replayed.any():
+            weight = sequence_importance_weight(step.old_logp, step.behaviour_logp, step.batch.response_mask, self.is_cap)
+            weight = torch.where(step.replayed, weight, torch.ones_like(weight))
+            step.stats["replay/is_weight_mean"] = float(weight[step.replayed].mean())
+            step = replace(step, advantages=step.advantages * weight)
+        n = len(step)
+        splits = min(self.num_mini_batches, n)
+        if self.ppo_epochs == 1 and splits == 1:
+            return [step]
+        updates = []
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(n, generator=self.generator) if splits > 1 else torch.arange(n)
+            updates += [step.select(rows.sort().values) for rows in order.tensor_split(splits)]
+        return updates
+
+    # ---------------------------------------------------------- Lightning
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        """Remember the step's fresh successes and forget what can no longer be replayed."""
+        step = outputs.get("rollouts") if isinstance(outputs, dict) else None
+        if self.capacity and isinstance(step, StepRollouts) and step.batch.problem_ids:
+            self._store(step)
+        self.steps_seen += 1
+        for pid in [p for p, e in self.entries.items() if self.steps_seen - e["step"] > self.max_staleness]:
+            del self.entries[pid]
+        while len(self.entries) > self.capacity:
+            del self.entries[next(iter(self.entries))]
+
+    def state_dict(self) -> dict:
+        return {"steps_seen": self.steps_seen, "generator": self.generator.get_state(),
+                "entries": [dict(e) for e in self.entries.values()]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps_seen = int(state_dict["steps_seen"])
+        self.generator.set_state(state_dict["generator"])
+        self.entries = {e["problem_id"]: dict(e) for e in state_dict["entries"]}
+
+    # -------------------------------------------------------------- storage
+    def _store(self, step: StepRollouts) -> None:
+        """Keep each prompt's first fresh success of this step (it replaces older ones)."""
+        b, g = step.batch, step.group_size
+        ok = ((step.rewards >= self.success_threshold) & ~step.replayed).view(-1, g)
+        for group in ok.any(-1).nonzero().squeeze(-1).tolist():
+            row = group * g + int(ok[group].float().argmax())
+            pid = b.problem_ids[row]
+            self.entries.pop(pid, None)  # re-insert: the dict stays ordered oldest first
+            self.entries[pid] = self._entry(step, row)
+
+    def _entry(self, step: StepRollouts, row: int) -> dict:
+        """One trajectory as plain CPU tensors and values (checkpoint-safe), unpadded."""
+        b = step.batch
+        prompt = b.prompt_ids[row][b.prompt_mask[row].bool()]
+        length = int(b.response_mask[row].sum())
+        rec = b.records
+        mine = rec.row == row
+        return {
+            "problem_id": b.problem_ids[row],
+            "step": self.steps_seen,
+            "reward": float(step.rewards[row]),
+            "prompt_ids": prompt.cpu().clone(),
+            "response_ids": b.response_ids[row, :length].cpu().clone(),
+            "rollout_logprobs": b.rollout_logprobs[row, :length].cpu().clone(),
+            "old_logp": step.old_logp[row, :length].detach().cpu().clone(),
+            "records": {k: getattr(rec, k)[mine].cpu().clone() for k in _RECORD_FIELDS},
+            "answer": b.answers[row] if b.answers else "",
+            "response_text": b.response_text[row] if b.response_text else "",
+            "truncated": bool(b.truncated[row]) if b.truncated is not None else False,
+        }
+
+    def _as_rollouts(self, entries: list[dict], like: StepRollouts) -> StepRollouts:
+        """Stored trajectories as replayed rows (padded like a rollout batch)."""
+        device = like.batch.response_ids.device
+        pad = like.pad_id
+        width_p = max(len(e["prompt_ids"]) for e in entries)
+        width_l = max(len(e["response_ids"]) for e in entries)
+        n = len(entries)
+        prompt_ids = torch.full((n, width_p), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
+        response_ids = torch.full((n, width_l), pad, dtype=torch.long)
+        response_mask = torch.zeros((n, width_l), dtype=torch.long)
+        rollout_logp, old_logp = torch.zeros(n, width_l), torch.zeros(n, width_l)
+        for i, e in enumerate(entries):
+            p, r = len(e["prompt_ids"]), len(e["response_ids"])
+            prompt_ids[i, width_p - p:], prompt_mask[i, width_p - p:] = e["prompt_ids"], 1
+            response_ids[i, :r], response_mask[i, :r] = e["response_ids"], 1
+            rollout_logp[i, :r], old_logp[i, :r] = e["rollout_logprobs"], e["old_logp"]
+        records = InputRecords.concat([
+            InputRecords(row=torch.full_like(e["records"]["pos"], i), **e["records"]) for i, e in enumerate(entries)
+        ])
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+            rollout_logprobs=rollout_logp, records=records, group_size=like.group_size,
+            answers=[e["answer"] for e in entries], problem_ids=[e["problem_id"] for e in entries],
+            response_text=[e["response_text"] for e in entries], truncated=torch.tensor([e["truncated"] for e in entries]),
+        ).to(device)
+        rewards = torch.tensor([e["reward"] for e in entries], device=device, dtype=like.rewards.dtype)
+        return StepRollouts(batch, rewards, torch.ones(n, dtype=torch.bool, device=device), old_logp.to(device), pad_id=pad)

@@ -1,0 +1,58 @@
+"""Gaussian embedding noise: the STHT ("Soft Tokens, Hard Truths") baseline.
+
+Sample ``y`` as plain sampling does and emit it; with probability ``rho`` per row, feed
+``E[y] + scale * n`` instead of ``E[y]``, with ``n ~ N(0, I_d)`` and
+
+    scale = sigma * ||E[y]|| / sqrt(d)
+
+so that ``||scale * n|| ~= sigma * ||E[y]||``: ``sigma`` is the noise-to-signal ratio of
+the input, whatever the model's embedding norms. The noise is isotropic (the same in every
+direction), which is what N-GRPO's neighbor mixing argues against. Each noisy row draws a
+seed from the rollout generator; the engine records (seed, scale) and training regenerates
+the same ``n`` from the seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Explorer, ExplorerStep, check_range, register_explorer
+from .temperature import TemperatureExplorer
+
+SEED_HIGH = 2**62  # noise seeds are drawn from [0, SEED_HIGH); -1 marks "no noise" in records
+
+
+@register_explorer("gaussian")
+class GaussianNoiseExplorer(Explorer):
+    """Isotropic Gaussian noise on the sampled token's embedding.
+
+    Args:
+        sigma: noise norm relative to the embedding norm (0 = no noise).
+        rho: probability that a row's step is noisy (1.0 = every step, as in STHT).
+        temperature, top_k, top_p, min_p: the token sampling (see :class:`TemperatureExplorer`).
+    """
+
+    uses_embeddings = True
+
+    def __init__(self, sigma: float = 0.5, rho: float = 1.0, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0):
+        check_range("sigma", sigma, 0.0)
+        check_range("rho", rho, 0.0, 1.0)
+        self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
+        self.sigma, self.rho = float(sigma), float(rho)
+        self.temperature, self.top_k, self.top_p, self.min_p = float(temperature), int(top_k), float(top_p), float(min_p)
+
+    def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
+        tokens = self._sampler.sample(logits, generator)
+        if self.sigma == 0.0 or self.rho == 0.0:
+            return ExplorerStep(tokens=tokens)
+        b, device = tokens.shape[0], logits.device
+        mixed = torch.ones(b, dtype=torch.bool, device=device) if self.rho == 1.0 else \
+            torch.rand(b, generator=generator, device=device) < self.rho
+        seeds = torch.randint(0, SEED_HIGH, (b,), generator=generator, device=device)
+        emb = self.embeddings[tokens.to(self.embeddings.device)].float()
+        scale = (self.sigma * emb.norm(dim=-1) / math.sqrt(emb.shape[-1])).to(device)
+        return ExplorerStep(tokens=tokens, mixed=mixed, ids=tokens[:, None], weights=torch.ones(b, 1, device=device),
+                            noise_seed=seeds, noise_scale=scale)

@@ -1,0 +1,115 @@
+"""N-GRPO neighbor mixing: mix the anchor's embedding with its nearest neighbors'.
+
+Per row and per step (DESIGN.md, "The algorithm, precisely"):
+
+1. gate ``m ~ Bernoulli(rho)``;
+2. ``m = 0``: a plain sampling step (exactly :class:`TemperatureExplorer`'s);
+3. ``m = 1``: anchor ``v* = argmax z~`` (``z~ = logits / T``); set ``C = [v*] + the k-1
+   tokens nearest to v* in E``; weights ``softmax(z~[C])``; next input ``sum_c w_c E[c]``;
+   the emitted token (the text) is ``v*``.
+
+The neighbor index (:mod:`.neighbor_index`) is built from ``E`` at the first rollout and,
+as in the paper, kept static unless ``refresh_every`` asks for periodic rebuilds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Explorer, ExplorerStep, check_choice, check_range, register_explorer
+from .neighbor_index import METRICS, NeighborIndex
+from .temperature import TemperatureExplorer
+
+
+@register_explorer("neighbor")
+class NeighborMixingExplorer(Explorer):
+    """Neighbor mixing (N-GRPO).
+
+    Args:
+        k: size of the mixed set, the anchor included (paper: 3); ``k=1`` mixes nothing in.
+        rho: probability that a row's step is mixed (paper: 0.1; 1.0 = "w/o rate" ablation).
+        metric: neighbor metric, ``cosine`` (paper), ``l2`` or ``l1``.
+        temperature, top_k, top_p, min_p: the unmixed steps' sampling (see
+            :class:`TemperatureExplorer`); ``temperature`` also scales the logits whose
+            softmax gives the mixture weights (T=0: greedy steps, weights at T=1).
+        exclude_special: never use the tokenizer's special tokens as neighbors.
+        exclude_ids: further token ids never used as neighbors.
+        refresh_every: rebuild the index every N rollouts as E trains (0 = static, as in the paper).
+        precompute: fill the neighbor table for the whole vocabulary when the index is
+            built (V x V work in blocks: worth it on a GPU); otherwise it fills lazily.
+        chunk_size: vocabulary columns per similarity block of the search.
+    """
+
+    uses_embeddings = True
+
+    def __init__(self, k: int = 3, rho: float = 0.1, metric: str = "cosine", temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, exclude_special: bool = True,
+                 exclude_ids=(), refresh_every: int = 0, precompute: bool = False, chunk_size: int = 16384):
+        check_range("k", k, 1)
+        check_range("rho", rho, 0.0, 1.0)
+        check_choice("metric", metric, METRICS)
+        check_range("refresh_every", refresh_every, 0)
+        check_range("chunk_size", chunk_size, 1)
+        self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
+        self.k, self.rho, self.metric = int(k), float(rho), metric
+        self.temperature, self.top_k, self.top_p, self.min_p = float(temperature), int(top_k), float(top_p), float(min_p)
+        self.exclude_special, self.exclude_ids = bool(exclude_special), tuple(int(i) for i in exclude_ids)
+        self.refresh_every, self.precompute, self.chunk_size = int(refresh_every), bool(precompute), int(chunk_size)
+        self._index: NeighborIndex | None = None
+        self._index_key = None
+        self._prepare_calls = 0
+
+    # ------------------------------------------------------------------ index
+    def prepare(self, embeddings: torch.Tensor) -> None:
+        super().prepare(embeddings)
+        self._prepare_calls += 1
+        excluded = set(self.exclude_ids) | (set(self._special_ids) if self.exclude_special else set())
+        key = (tuple(sorted(excluded)), tuple(embeddings.shape), embeddings.device, embeddings.dtype)
+        due = self.refresh_every and (self._prepare_calls - 1) % self.refresh_every == 0
+        if self._index is None or key != self._index_key or due:
+            self._index, self._index_key = self.build_index(embeddings, excluded), key
+
+    def build_index(self, embeddings: torch.Tensor, excluded: set[int]) -> NeighborIndex:
+        vocab = embeddings.shape[0]
+        bad = [i for i in self.exclude_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"explorer.exclude_ids contains {bad[0]}, not a token id: allowed [0, {vocab - 1}]")
+        check_range("k", self.k, 1, vocab - len(excluded))  # enough candidates for every anchor
+        index = NeighborIndex(embeddings, self.k - 1, self.metric, excluded, chunk_size=self.chunk_size)
+        if self.precompute:
+            index.precompute()
+        return index
+
+    @property
+    def index(self) -> NeighborIndex:
+        if self._index is None:
+            raise RuntimeError("NeighborMixingExplorer.prepare(embeddings) must be called before the first step")
+        return self._index
+
+    # ------------------------------------------------------------------- step
+    def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
+        if self.rho == 0.0:
+            return self._sampler.step(logits, generator)  # identical to plain sampling, RNG included
+        b, device = logits.shape[0], logits.device
+        if self.rho == 1.0:  # every row mixed: nothing to sample
+            mixed, tokens = torch.ones(b, dtype=torch.bool, device=device), logits.argmax(-1)
+            rows, anchor = torch.arange(b, device=device), tokens
+        else:
+            mixed = torch.rand(b, generator=generator, device=device) < self.rho
+            tokens = self._sampler.sample(logits, generator)
+            rows = mixed.nonzero().squeeze(-1)
+            anchor = logits[rows].argmax(-1)  # argmax z~ = argmax z (T > 0); the first maximum on ties
+            tokens[rows] = anchor  # a mixed row emits its anchor
+        ids = tokens[:, None].repeat(1, self.k)  # unmixed rows: ignored by the engine
+        if self.k > 1 and rows.numel():  # only the mixed rows' anchors are looked up (cached per id)
+            ids[rows, 1:] = self.index.query(anchor).to(ids.device)
+        weights = (logits.gather(-1, ids).float() / (self.temperature or 1.0)).softmax(-1)  # softmax(z~[C])
+        return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"prepare_calls": self._prepare_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._prepare_calls = int(state.get("prepare_calls", 0))
+        self._index = None  # rebuilt from the current E at the next rollout

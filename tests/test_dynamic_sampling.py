@@ -1,0 +1,81 @@
+"""Dynamic sampling (DAPO): groups with equal rewards are dropped and the batch refilled."""
+
+import pytest
+from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
+
+from ngrpo_lightning.rollout import RolloutBatch
+from ngrpo_lightning.updates import StepRollouts
+
+
+def run_one_step(tiny, reward, **kwargs):
+    module, dm = tiny_rl(tiny, reward, num_problems=6, dynamic_sampling=True, **kwargs)
+    seen = {}
+    original = module.optimize
+
+    def spy(updates):
+        seen["updates"] = updates
+        return original(updates)
+
+    module.optimize = spy
+    trainer = tiny_trainer(max_steps=1)
+    trainer.fit(module, datamodule=dm)
+    return trainer.callback_metrics, seen["updates"], dm
+
+
+def test_zero_variance_groups_are_replaced_by_extra_rollouts(tiny):
+    # batch: group 0 all wrong, group 1 mixed; extra batch: both groups mixed (one is surplus)
+    metrics, updates, dm = run_one_step(tiny, ScriptedReward([0, 0, 1, 0], [1, 0, 1, 0]))
+    assert metrics["dynamic/dropped_groups"] == 1 and metrics["dynamic/extra_rollouts"] == 1
+    assert metrics["dynamic/kept_groups"] == 2
+    (step,) = updates
+    assert len(step) == 4 and step.rewards.tolist() == [1, 0, 1, 0]
+    assert metrics["train/reward"] == pytest.approx(0.25)  # the original batch's
+    assert metrics["train/zero_variance_groups"] == pytest.approx(0.5)
+    assert dm.extra_prompts_drawn == 2
+
+
+def test_extra_rollouts_are_bounded(tiny):
+    metrics, updates, dm = run_one_step(tiny, ScriptedReward([0, 0]), max_extra_rollouts=1)
+    assert metrics["dynamic/extra_rollouts"] == 1 and metrics["dynamic/dropped_groups"] == 4
+    assert metrics["dynamic/kept_groups"] == 0
+    assert len(updates[0]) == 4  # nothing informative: the original batch (zero advantages)
+    assert dm.extra_prompts_drawn == 2
+
+
+def test_bad_max_extra_rollouts_names_the_key(tiny):
+    with pytest.raises(ValueError, match="train.max_extra_rollouts"):
+        tiny_rl(tiny, ScriptedReward([0]), max_extra_rollouts=-1)
+
+
+def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
+    from ngrpo_lightning.data import ArithmeticTask
+    from ngrpo_lightning.rollout import RolloutDataModule
+
+    class Recorder:
+        def generate(self, prompts, explorer, n, max_new_tokens):
+            self.prompts = prompts
+            return RolloutBatch.__new__(RolloutBatch)
+
+    problems = ArithmeticTask(num_problems=5, seed=0).problems()
+    drawn = []
+    for _ in range(2):
+        dm = RolloutDataModule(tokenizer, problems, prompts_per_step=2, group_size=1, seed=3)
+        dm.engine, dm.trainer = Recorder(), type("T", (), {"lightning_module": type("M", (), {"explorer": None})()})()
+        ids = []
+        for _ in range(5):  # 10 prompts: two passes over the 5
+            dm.more_rollouts()
+            ids += [tuple(p) for p in dm.engine.prompts]
+        drawn.append(ids)
+        assert len(set(ids[:5])) == 5 and len(set(ids[5:])) == 5 and dm.state_dict()["extra_prompts_drawn"] == 10
+    assert drawn[0] == drawn[1]
+
+
+def test_step_rollouts_concat_and_select_groups_keep_rows_aligned():
+    a = fake_step(["a", "a", "b", "b"], [0, 1, 1, 1], lengths=[1, 2, 1, 1])
+    b = fake_step(["c", "c"], [1, 0], lengths=[3, 1])
+    joined = StepRollouts.concat([a, b])
+    assert joined.batch.response_ids.shape == (6, 3) and joined.old_logp.shape == (6, 3)
+    picked = joined.select_groups([0, 2])
+    assert picked.batch.problem_ids == ["a", "a", "c", "c"] and picked.rewards.tolist() == [0, 1, 1, 0]
+    assert picked.batch.records.row.tolist() == [0, 1, 2, 3]
+    assert picked.batch.response_ids[2].tolist() == [100, 101, 102]  # row 0 of b

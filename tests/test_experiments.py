@@ -1,0 +1,70 @@
+"""Experiment configs compose into the intended objective and training settings; bad
+objective and training keys fail with errors that name them."""
+
+import pytest
+
+from ngrpo_lightning.build import ConfigError, build_callbacks, build_objective
+from ngrpo_lightning.cli import compose, config_dir, main
+from ngrpo_lightning.objectives import GRPO, GSPO
+
+
+def test_gspo_experiment():
+    cfg = compose(["experiment=gspo"])
+    obj = build_objective(cfg.objective)
+    assert isinstance(obj, GSPO) and (obj.clip_low, obj.clip_high, obj.kl_coef) == (3e-4, 4e-4, 0.0)
+    assert cfg.explorer.name == "temperature" and cfg.experiment_name == "gspo"
+
+
+def test_dapo_experiment():
+    cfg = compose(["experiment=dapo"])
+    obj = build_objective(cfg.objective)
+    assert isinstance(obj, GRPO) and (obj.clip_low, obj.clip_high) == (0.2, 0.28)
+    assert obj.loss_agg == "token-mean" and not obj.needs_reference and cfg.train.dynamic_sampling
+
+
+def test_dr_grpo_experiment():
+    cfg = compose(["experiment=dr-grpo", "rollout.max_new_tokens=96"])
+    obj = build_objective(cfg.objective)
+    assert obj.loss_agg == "seq-mean-token-sum-norm" and obj.norm_length == 96 and cfg.advantage == "dr_grpo"
+    assert not obj.needs_reference
+
+
+@pytest.mark.skipif(not (config_dir() / "explorer" / "neighbor.yaml").is_file(), reason="the neighbor explorer config is not there yet")
+def test_n_gspo_experiment():
+    cfg = compose(["experiment=n-gspo"])
+    assert isinstance(build_objective(cfg.objective), GSPO) and cfg.explorer.name == "neighbor"
+
+
+def test_replay_buffer_is_attached_only_when_asked_for():
+    assert build_callbacks(compose([])) == []
+    (buffer,) = build_callbacks(compose(["train.ppo_epochs=2", "train.num_mini_batches=3"]))
+    assert (buffer.ppo_epochs, buffer.num_mini_batches, buffer.capacity) == (2, 3, 0)
+    (buffer,) = build_callbacks(compose(["replay.capacity=8", "replay.is_cap=3"]))
+    assert (buffer.capacity, buffer.is_cap) == (8, 3.0)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.ppo_epochs=0", "train.ppo_epochs"), ("replay.max_staleness=0", "replay.max_staleness"),
+])
+def test_bad_training_keys_are_named(override, key):
+    with pytest.raises(ConfigError, match=key):
+        build_callbacks(compose([override]))
+
+
+@pytest.mark.parametrize("args, key", [
+    (["objective.name=ppo2"], "objective.name"),
+    (["objective=gspo", "objective.clip_low=-0.1"], "objective.clip_low"),
+    (["objective.loss_agg=sum"], "objective.loss_agg"),
+    (["objective.kl_estimator=k4"], "objective.kl_estimator"),
+])
+def test_bad_objective_keys_are_named_by_the_cli(capsys, args, key):
+    assert main(["train", "model=tiny", "logger=none", *args]) == 2
+    err = capsys.readouterr().err
+    assert key in err and ("allowed" in err or "must be" in err)
+
+
+def test_kl_without_a_reference_model_is_refused(tiny):
+    from conftest import ScriptedReward, tiny_rl
+
+    with pytest.raises(ValueError, match="objective.kl_coef"):
+        tiny_rl(tiny, ScriptedReward([0]), objective=GRPO(kl_coef=0.01))

@@ -1,0 +1,106 @@
+"""Every explorer in HFEngine and in training: the training forward rebuilds exactly the
+inputs the rollout saw; exploration metrics; experiment configs; a user explorer from the
+docs run from the command line."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import chat_prompt_ids
+from ngrpo_lightning.explorers import GaussianNoiseExplorer, GumbelSoftExplorer, NeighborMixingExplorer
+from ngrpo_lightning.forward import response_logprobs
+from ngrpo_lightning.metrics.exploration import exploration_metrics
+from ngrpo_lightning.rollout import HFEngine
+
+QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?"]
+ROOT = Path(__file__).resolve().parent.parent
+
+EXPLORERS = {  # mixing often, so that many steps are non-discrete
+    "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
+    "neighbor-l1-every-step": lambda: NeighborMixingExplorer(k=4, rho=1.0, metric="l1", temperature=0.8),
+    "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5, rho=0.5),
+    "gumbel": lambda: GumbelSoftExplorer(top_k=5, tau=1.0),
+}
+
+
+def check_round_trip(model, tok, explorer, max_new_tokens, min_records):
+    """Roll out, then recompute log-probs from the reconstructed inputs (and without them)."""
+    batch = HFEngine(model, tok, max_new_tokens=max_new_tokens, seed=1).generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2)
+    assert len(batch.records) >= min_records
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, batch, explorer.temperature)
+        ignored, _ = response_logprobs(model, batch, explorer.temperature, use_records=False)
+    assert (logp - batch.rollout_logprobs)[mask].abs().max() <= 1e-4  # mixed steps included
+    assert (ignored - batch.rollout_logprobs)[mask].abs().max() > 1e-3  # negative control
+    return batch
+
+
+@pytest.mark.parametrize("name", list(EXPLORERS))
+def test_round_trip_on_the_tiny_model(tiny, name):
+    model, tok = tiny
+    check_round_trip(model, tok, EXPLORERS[name](), max_new_tokens=12, min_records=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["neighbor", "gaussian", "gumbel"])
+def test_round_trip_on_the_packaged_model_fp32(smollm2, name):
+    model, tok = smollm2
+    assert model.dtype == torch.float32
+    check_round_trip(model, tok, EXPLORERS[name](), max_new_tokens=24, min_records=8)
+
+
+def test_engine_passes_special_ids_and_neighbors_avoid_them(tiny):
+    model, tok = tiny
+    explorer = NeighborMixingExplorer(k=3, rho=1.0)
+    batch = HFEngine(model, tok, max_new_tokens=8, seed=0).generate(chat_prompt_ids(tok, QUESTIONS), explorer)
+    special = set(tok.all_special_ids)
+    assert special and set(explorer._index_key[0]) >= special
+    assert not set(batch.records.ids[:, 1:].flatten().tolist()) & special
+
+
+def test_exploration_metrics_of_a_neighbor_rollout(tiny):
+    model, tok = tiny
+    rho = 0.25
+    batch = HFEngine(model, tok, max_new_tokens=40, seed=2).generate(chat_prompt_ids(tok, QUESTIONS), NeighborMixingExplorer(rho=rho), n=4)
+    m = exploration_metrics(batch)
+    n = int(batch.response_mask.sum())
+    assert n > 200
+    assert abs(m["explore/mixed_frac"] - rho) < 4.5 * math.sqrt(rho * (1 - rho) / n)  # binomial bound
+    assert 0.0 < m["explore/mixture_entropy"] <= math.log(3) + 1e-6
+    assert all(0.0 < m[f"explore/distinct_{k}gram"] <= 1.0 for k in range(1, 5))
+    assert 0.0 < m["explore/distinct_answers_frac"] <= 1.0
+
+
+def test_experiment_configs_select_the_explorers():
+    from ngrpo_lightning.build import build_explorer
+    from ngrpo_lightning.cli import compose
+
+    for experiment, cls in (("ngrpo", NeighborMixingExplorer), ("stht", GaussianNoiseExplorer), ("gumbel", GumbelSoftExplorer)):
+        cfg = compose([f"experiment={experiment}"])
+        assert cfg.experiment_name == experiment and type(build_explorer(cfg.explorer)) is cls
+    ablation = build_explorer(compose(["experiment=ngrpo", "explorer.rho=1.0", "explorer.metric=l2"]).explorer)
+    assert (ablation.k, ablation.rho, ablation.metric) == (3, 1.0, "l2")
+
+
+def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch, tmp_path, capsys):
+    """docs/explorers.md shows docs/examples/top_two_blend.py verbatim; run it by class path."""
+    from ngrpo_lightning.cli import main
+
+    example = (ROOT / "docs" / "examples" / "top_two_blend.py").read_text()
+    assert example.strip() in (ROOT / "docs" / "explorers.md").read_text()
+    body = example.split("class TopTwoBlend", 1)[1].strip().splitlines()
+    assert len(body) < 30
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "explorer._target_=top_two_blend.TopTwoBlend", "explorer.rho=0.5", "model=tiny", "trainer.max_steps=1",
+            "data.train_size=4", "data.val_size=0", "data.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=8", "logger=none", "validate_before_fit=false", "trainer.enable_progress_bar=false"]
+    assert main(argv) == 0
+    assert "Trained 1 steps" in capsys.readouterr().out
+    assert main(argv[:2] + ["explorer.rho=2.0"] + argv[3:]) == 2  # the example's own check names the key
+    assert "explorer.rho=2.0 is out of range" in capsys.readouterr().err
+    sys.modules.pop("top_two_blend", None)

@@ -1,0 +1,217 @@
+"""The exploring explorers, step by step (pure torch, no model): neighbor mixing and its
+index, Gaussian noise, Gumbel soft thinking, their configs and their errors."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ngrpo_lightning.build import ConfigError, build_explorer
+from ngrpo_lightning.explorers import (EXPLORERS, GaussianNoiseExplorer, GumbelSoftExplorer, NeighborIndex,
+                                       NeighborMixingExplorer, TemperatureExplorer)
+from ngrpo_lightning.rollout import InputRecords, mixture_embeddings
+
+V, D = 600, 16
+
+
+@pytest.fixture
+def emb():
+    """Random embeddings with exact duplicates of row 3 (ties) and a near-zero row."""
+    e = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
+    e[[500, 200, 201]] = e[3].clone()
+    e[7] *= 1e-3
+    return e
+
+
+def brute_force(e, metric, n, exclude=()):
+    """Reference search: full V x V scores, self and excluded ids out, ties to the lowest id."""
+    if metric == "cosine":
+        en = torch.nn.functional.normalize(e, dim=-1)
+        s = en @ en.T
+    else:
+        s = -torch.cdist(e, e, p=2 if metric == "l2" else 1)
+    s.fill_diagonal_(float("-inf"))
+    s[:, list(exclude)] = float("-inf")
+    return s.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ the index
+@pytest.mark.parametrize("metric", ["cosine", "l2", "l1"])
+def test_index_equals_brute_force(emb, metric):
+    exclude = [5, 9, 201]
+    index = NeighborIndex(emb, 4, metric, exclude_ids=exclude, chunk_size=97, anchor_block=50)  # many chunks
+    got = index.query(torch.arange(V))
+    assert torch.equal(got, brute_force(emb, metric, 4, exclude))
+    assert got[3].tolist()[:2] == [200, 500]  # exact ties: lowest id first; 201 excluded
+    assert not (got == torch.arange(V)[:, None]).any()  # never the anchor itself
+
+
+def test_index_caches_per_anchor_and_precompute_agrees(emb, monkeypatch):
+    index = NeighborIndex(emb, 2)
+    first = index.query(torch.tensor([4, 4, 8]))
+    assert (index.table[:, 0] >= 0).sum() == 2  # two distinct anchors searched
+    monkeypatch.setattr(index, "search", lambda a: pytest.fail("cached anchors must not be searched again"))
+    assert torch.equal(index.query(torch.tensor([8, 4])), first[[2, 0]])
+    full = NeighborIndex(emb, 2)
+    full.precompute()
+    assert torch.equal(full.table, brute_force(emb, "cosine", 2))
+
+
+def test_index_is_static_unless_refreshed(emb):
+    static, fresh = NeighborMixingExplorer(k=3), NeighborMixingExplorer(k=3, refresh_every=1)
+    live = emb.clone()  # like E.detach(): the explorer sees in-place training updates
+    for ex in (static, fresh):
+        ex.prepare(live)
+    before = static.index.query(torch.arange(V)).clone()
+    live.copy_(torch.randn(V, D, generator=gen(1)))
+    for ex in (static, fresh):
+        ex.prepare(live)
+    assert torch.equal(static.index.query(torch.arange(V)), before)  # the paper's static index
+    assert torch.equal(fresh.index.query(torch.arange(V)), brute_force(live, "cosine", 2))
+    assert fresh.state_dict() == {"prepare_calls": 2}
+    resumed = NeighborMixingExplorer(k=3, refresh_every=1)
+    resumed.load_state_dict(fresh.state_dict())
+    assert resumed.state_dict() == {"prepare_calls": 2}
+
+
+def test_special_ids_are_never_neighbors(emb):
+    ex = NeighborMixingExplorer(k=3, rho=1.0)
+    special = brute_force(emb, "cosine", 2)[10].tolist()  # make the true neighbors of token 10 special
+    ex.set_special_ids(special)
+    ex.prepare(emb)
+    assert not set(ex.index.query(torch.tensor([10]))[0].tolist()) & set(special)
+    assert torch.equal(ex.index.query(torch.tensor([10])), brute_force(emb, "cosine", 2, special)[[10]])
+    keep = NeighborMixingExplorer(k=3, rho=1.0, exclude_special=False)
+    keep.set_special_ids(special)
+    keep.prepare(emb)
+    assert keep.index.query(torch.tensor([10]))[0].tolist() == special
+
+
+# ------------------------------------------------------------ neighbor mixing
+@pytest.mark.parametrize("metric", ["cosine", "l2", "l1"])
+def test_mixed_step_anchor_neighbors_and_weights(emb, metric):
+    ex = NeighborMixingExplorer(k=3, rho=1.0, metric=metric, temperature=0.7)
+    ex.prepare(emb)
+    logits = torch.randn(64, V, generator=gen())
+    step = ex.step(logits, gen())
+    anchor = logits.argmax(-1)
+    assert step.mixed.all() and torch.equal(step.tokens, anchor)  # emitted token = anchor
+    assert torch.equal(step.ids[:, 0], anchor)
+    assert torch.equal(step.ids[:, 1:], brute_force(emb, metric, 2)[anchor])
+    expected = (logits / 0.7).gather(-1, step.ids).softmax(-1)  # softmax over the set only
+    assert torch.allclose(step.weights, expected) and torch.allclose(step.weights.sum(-1), torch.ones(64))
+
+
+def test_gate_frequency_matches_rho_and_unmixed_rows_sample_plainly(emb):
+    ex = NeighborMixingExplorer(k=3, rho=0.1, top_k=5)
+    ex.prepare(emb)
+    logits = torch.randn(20000, V, generator=gen())
+    step = ex.step(logits, gen(3))
+    n, frac = len(logits), step.mixed.float().mean().item()
+    assert abs(frac - 0.1) < 5 * math.sqrt(0.1 * 0.9 / n)  # binomial, 5 sigma
+    # the same generator stream reproduces it: gate draw, then TemperatureExplorer's sampling
+    g = gen(3)
+    mixed = torch.rand(n, generator=g) < 0.1
+    plain = TemperatureExplorer(top_k=5).step(logits, g).tokens
+    assert torch.equal(step.mixed, mixed)
+    assert torch.equal(step.tokens, torch.where(mixed, logits.argmax(-1), plain))
+
+
+def test_rho_zero_is_plain_sampling_and_rho_one_mixes_every_row(emb):
+    logits = torch.randn(32, V, generator=gen())
+    ex = NeighborMixingExplorer(rho=0.0)
+    ex.prepare(emb)
+    assert torch.equal(ex.step(logits, gen(1)).tokens, TemperatureExplorer().step(logits, gen(1)).tokens)
+    ex = NeighborMixingExplorer(rho=1.0)
+    ex.prepare(emb)
+    assert ex.step(logits, gen(1)).mixed.all()
+
+
+# --------------------------------------------------------------------- Gaussian
+def test_gaussian_noise_scale_is_relative_to_the_embedding_norm():
+    d = 4096
+    e = torch.randn(50, d, generator=gen()) * torch.linspace(0.5, 3.0, 50)[:, None]
+    ex = GaussianNoiseExplorer(sigma=0.3)
+    ex.prepare(e)
+    step = ex.step(torch.randn(16, 50, generator=gen()), gen(1))
+    norms = e[step.tokens].norm(dim=-1)
+    assert step.mixed.all() and torch.equal(step.ids[:, 0], step.tokens)
+    assert torch.allclose(step.noise_scale, 0.3 * norms / math.sqrt(d))
+    assert len(set(step.noise_seed.tolist())) == 16 and (step.noise_seed >= 0).all()
+    rec = InputRecords(row=torch.arange(16), pos=torch.zeros(16, dtype=torch.long), ids=step.ids, weights=step.weights,
+                       noise_seed=step.noise_seed, noise_scale=step.noise_scale)
+    noise_norm = (mixture_embeddings(e, rec) - e[step.tokens]).norm(dim=-1)
+    assert torch.allclose(noise_norm, 0.3 * norms, rtol=0.05)  # ||noise|| ~ sigma * ||E[y]||
+
+
+def test_gaussian_gate_and_zero_sigma():
+    e = torch.randn(50, 8)
+    ex = GaussianNoiseExplorer(sigma=1.0, rho=0.25)
+    ex.prepare(e)
+    frac = ex.step(torch.randn(20000, 50), gen()).mixed.float().mean().item()
+    assert abs(frac - 0.25) < 5 * math.sqrt(0.25 * 0.75 / 20000)
+    quiet = GaussianNoiseExplorer(sigma=0.0)
+    quiet.prepare(e)
+    assert quiet.step(torch.randn(4, 50)).mixed is None
+
+
+# ----------------------------------------------------------------------- Gumbel
+def test_gumbel_weights_and_emitted_token():
+    logits = torch.randn(8, 100, generator=gen())
+    step = GumbelSoftExplorer(top_k=4, tau=0.5, temperature=0.8).step(logits, gen(2))
+    vals, ids = (logits / 0.8).topk(4, dim=-1)
+    g = -torch.log(-torch.log(torch.rand(8, 4, generator=gen(2))))
+    assert torch.equal(step.ids, ids) and step.mixed.all()
+    assert torch.allclose(step.weights, ((vals + g) / 0.5).softmax(-1))
+    assert torch.equal(step.tokens, ids.gather(-1, (vals + g).argmax(-1, keepdim=True)).squeeze(-1))
+
+
+def test_gumbel_emitted_tokens_sample_the_top_k_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]])).repeat(20000, 1)
+    tokens = GumbelSoftExplorer(top_k=3, tau=1.0).step(logits, gen()).tokens
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.0]) / 0.9, atol=0.015)  # Gumbel-max trick
+
+
+# ------------------------------------------------------------ configs, errors
+@pytest.mark.parametrize("name, key, value", [
+    ("neighbor", "k", 0), ("neighbor", "rho", 1.5), ("neighbor", "rho", -0.1), ("neighbor", "refresh_every", -1),
+    ("neighbor", "temperature", -1.0), ("gaussian", "sigma", -0.1), ("gaussian", "rho", 2.0),
+    ("gumbel", "top_k", 0), ("gumbel", "tau", 0.0),
+])
+def test_bad_values_name_the_key(name, key, value):
+    with pytest.raises(ConfigError, match=rf"explorer\.{key}={value!r} is out of range"):
+        build_explorer(OmegaConf.create({"name": name, key: value}))
+
+
+def test_unknown_metric_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"explorer\.metric='cos' is unknown: allowed \['cosine', 'l1', 'l2'\]"):
+        build_explorer(OmegaConf.create({"name": "neighbor", "metric": "cos"}))
+
+
+def test_sizes_beyond_the_vocabulary_name_the_key():
+    ex = build_explorer(OmegaConf.create({"name": "neighbor", "k": 5}))
+    ex.set_special_ids([0])
+    with pytest.raises(ValueError, match=r"explorer\.k=5 is out of range: allowed \[1, 3\]"):
+        ex.prepare(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"explorer\.exclude_ids contains 9"):
+        NeighborMixingExplorer(exclude_ids=[9]).prepare(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"explorer\.top_k=5 is out of range: allowed \[1, 4\]"):
+        GumbelSoftExplorer(top_k=5).prepare(torch.randn(4, 8))
+
+
+def test_registry_and_shipped_configs():
+    from ngrpo_lightning.cli import config_dir
+
+    assert {"temperature", "neighbor", "gaussian", "gumbel"} <= set(EXPLORERS)
+    expected = {"neighbor": NeighborMixingExplorer, "gaussian": GaussianNoiseExplorer, "gumbel": GumbelSoftExplorer}
+    for name, cls in expected.items():
+        ex = build_explorer(OmegaConf.load(config_dir() / "explorer" / f"{name}.yaml"))
+        assert type(ex) is cls
+    ex = build_explorer(OmegaConf.load(config_dir() / "explorer" / "neighbor.yaml"))
+    assert (ex.k, ex.rho, ex.metric, ex.refresh_every) == (3, 0.1, "cosine", 0)  # the paper's defaults
