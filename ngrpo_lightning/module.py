@@ -274,6 +274,13 @@ class RLModule(L.LightningModule):
         self.log_dict({k: float(v) for k, v in log.items()}, on_step=True, batch_size=len(batch))
         self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False, batch_size=len(batch))
 
+    # ---------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.explorer.load_state_dict(checkpoint.get("explorer", {}))
+
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int):
         scored = self.score(batch)

@@ -56,8 +56,9 @@ def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
     lines = [
         f"Trained {summary['steps']} steps in {seconds / 60:.1f} min.",
         f"  validation accuracy: {summary['val_accuracy_before']:.3f} before -> {summary['val_accuracy_after']:.3f} after",
-        f"  train reward: {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f} (last {k} steps)",
     ]
+    if rewards:
+        lines.append(f"  train reward: {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f} (last {k} steps)")
     if logger is not None:
         uri = logger._tracking_uri
         lines += [f"  MLflow run: {logger.run_id} (experiment {logger._experiment_name!r})", f"  view it:    mlflow ui --backend-store-uri {uri}"]
