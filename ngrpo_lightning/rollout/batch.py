@@ -93,12 +93,22 @@ class RolloutBatch:
             stats=dict(batches[0].stats),
         )
 
+    def clone(self) -> "RolloutBatch":
+        """A copy with fresh tensors (e.g. to leave ``torch.inference_mode``)."""
+        return self._map(lambda t: t.clone())
+
     def to(self, device) -> "RolloutBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, (torch.Tensor, InputRecords)):
-                moved[name] = value.to(device)
-        return RolloutBatch(**moved)
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> "RolloutBatch":
+        """Apply ``fn`` to every tensor (record tensors included)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = fn(value)
+            elif isinstance(value, InputRecords):
+                out[name] = InputRecords(**{k: fn(v) for k, v in vars(value).items()})
+        return RolloutBatch(**out)
 
     def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
         """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so
