@@ -29,6 +29,7 @@ Explorers are pure torch: no Lightning, no engine imports. Register one by name 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,7 @@ class ExplorerStep:
             raise ValueError("ExplorerStep: a step with `mixed` rows needs `ids` and `weights`")
 
 
-class Explorer:
+class Explorer(ABC):
     """Base class of all explorers. Subclasses implement :meth:`step`.
 
     Attributes
@@ -100,9 +101,9 @@ class Explorer:
         matrix ``E`` (V x d), on the device where decoding runs. Build indices here."""
         self.embeddings = embeddings
 
+    @abstractmethod
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
         """Decide one decoding step. ``logits`` is B x V (raw, untempered, float32)."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict:
         """Explorer state saved in checkpoints (counters, schedules). Stateless by default."""

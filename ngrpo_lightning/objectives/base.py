@@ -20,6 +20,8 @@ their numbers of sequences), so that micro-batched gradients equal the full batc
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 __all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
@@ -42,7 +44,7 @@ def register_objective(name: str):
     return wrap
 
 
-class PolicyObjective:
+class PolicyObjective(ABC):
     """Base class. ``kl_coef`` > 0 tells the module to load a frozen reference model;
     ``loss_agg`` is the loss's aggregation mode (see :mod:`.aggregation`)."""
 
@@ -50,6 +52,7 @@ class PolicyObjective:
     loss_agg: str = "seq-mean-token-mean"
     registered_name: str = ""
 
+    @abstractmethod
     def __call__(
         self,
         logp: torch.Tensor,
@@ -58,7 +61,7 @@ class PolicyObjective:
         advantages: torch.Tensor,
         mask: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError
+        """Return (loss, metrics) for the given per-token tensors."""
 
     @property
     def needs_reference(self) -> bool:
