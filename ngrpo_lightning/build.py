@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from .explorers import EXPLORERS, Explorer, TemperatureExplorer
@@ -131,7 +132,7 @@ def build_module(cfg: DictConfig):
         return RLModule(policy, tokenizer, explorer, objective, build_reward(cfg.reward), reference=reference, optim=optim,
                         advantage=cfg.advantage, eval_explorer=eval_explorer, detach_mixture=cfg.detach_mixture,
                         dynamic_sampling=train.get("dynamic_sampling", False),
-                        max_extra_rollouts=train.get("max_extra_rollouts", 4))
+                        max_extra_rollouts=train.get("max_extra_rollouts", 4), parallel=parallel_config(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
@@ -164,7 +165,8 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
-def build_logger(cfg: DictConfig):
+def build_logger(cfg: DictConfig, run_id: str | None = None):
+    """The MLflow logger; ``run_id`` continues an existing run (resume)."""
     if cfg.logger.name == "none":
         return None
     if cfg.logger.name != "mlflow":
@@ -177,7 +179,154 @@ def build_logger(cfg: DictConfig):
     if artifacts is None and uri.startswith("sqlite:///"):
         artifacts = (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
     return MLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.logger.run_name, tracking_uri=uri,
-                        artifact_location=artifacts, log_model=False)
+                        artifact_location=artifacts, log_model=False, run_id=run_id)
+
+
+# ------------------------------------------------------------------- trainer
+def parallel_config(cfg: DictConfig):
+    """``trainer.parallel`` as a :class:`~ngrpo_lightning.module.ParallelConfig` (``None`` when absent)."""
+    from .module import ParallelConfig
+
+    node = (cfg.get("trainer") or {}).get("parallel")
+    if not node:
+        return None
+    params = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    try:
+        return ParallelConfig(**params)
+    except TypeError as err:
+        raise ConfigError(f"trainer.parallel: {err} (keys: name, data_parallel_size, activation_checkpointing, "
+                          "cpu_offload, mixed_precision)") from err
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """Fail early (before model loading) on a trainer the machine cannot run."""
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            hint = ("trainer=fsdp_cpu runs FSDP2 with 2 processes on CPU (gloo)" if trainer.get("parallel")
+                    else "use trainer=cpu")
+            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
+    parallel = parallel_config(cfg)
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
+    several = parallel is not None or (isinstance(devices, int) and devices > 1) or nodes > 1
+    if several and (cfg.get("train") or {}).get("dynamic_sampling", False):
+        raise ConfigError("train.dynamic_sampling=true is not supported with several processes yet "
+                          "(use one process, e.g. trainer=cpu or trainer=gpu, or train.dynamic_sampling=false)")
+    if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
+        raise ConfigError("trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
+                          "everything is in host memory already: set trainer.parallel.cpu_offload=false")
+
+
+def build_strategy(cfg: DictConfig):
+    """``ModelParallelStrategy`` (FSDP2; the module's ``configure_model`` shards) for a
+    ``trainer.parallel`` block, else ``None`` (Lightning's default for ``trainer.strategy``)."""
+    parallel = parallel_config(cfg)
+    if parallel is None:
+        return None
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=parallel.data_parallel_size, tensor_parallel_size=1,
+                                 save_distributed_checkpoint=True)
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints"
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also checkpoints the final step when training ends
+    (``max_steps`` is rarely a multiple of ``every_n_train_steps``): a step checkpoint that
+    ``last`` links to, or ``last`` itself when no step checkpoints are kept."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        # Lightning sends a step's metrics to the loggers after on_train_batch_end: a process
+        # killed right after this checkpoint would lose them (the resumed run starts after
+        # the step). Send them first; the loop's own send of the same step is then dropped.
+        every = self._every_n_train_steps
+        if every and trainer.global_step % every == 0 and not self._should_skip_saving_checkpoint(trainer) and trainer.loggers:
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            trainer._logger_connector.update_train_step_metrics()
+            for logger in trainer.loggers:
+                _drop_next_log_of_step(logger, step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            candidates = self._monitor_candidates(trainer)
+            if self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)  # last links to it
+            self._save_last_checkpoint(trainer, candidates)
+
+
+def _drop_next_log_of_step(logger, step: int) -> None:
+    """Make ``logger`` ignore its next ``log_metrics`` call if it is for ``step`` (already sent)."""
+    original = logger.log_metrics
+
+    def once(metrics, step_=None, **kwargs):
+        logger.log_metrics = original  # one call only
+        given = kwargs.get("step", step_)
+        if given != step:
+            original(metrics, given)
+
+    logger.log_metrics = once
+
+
+def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
+    """Checkpoints in ``<output_dir>/checkpoints``: ``step-<n>.ckpt`` every
+    ``checkpoint.every_n_steps`` optimizer steps (0: none) and ``last.ckpt`` (also at the
+    end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept."""
+    if not cfg.trainer.get("enable_checkpointing", True):
+        return []
+    node = cfg.get("checkpoint") or {}
+    every, keep = int(node.get("every_n_steps", 0) or 0), int(node.get("keep", -1))
+    # last.ckpt links to the newest step checkpoint when there is one (no second copy on disk)
+    return [RunCheckpoint(dirpath=str(checkpoint_dir(cfg)), filename="step-{step}", save_last="link",
+                          save_top_k=keep if every else 0, every_n_train_steps=every or None,
+                          save_on_train_epoch_end=False, enable_version_counter=False)]
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint ``resume`` names: ``null`` (none), ``last`` (``<output_dir>/checkpoints/last.ckpt``)
+    or a path (a ``.ckpt`` file, or the folder of a distributed checkpoint)."""
+    resume = cfg.get("resume")
+    if resume in (None, "", False):
+        return None
+    path = checkpoint_dir(cfg) / "last.ckpt" if str(resume) == "last" else Path(str(resume))
+    if not path.exists():
+        where = f" (resume=last reads {path}: checkpoints of output_dir={cfg.output_dir})" if str(resume) == "last" else ""
+        raise ConfigError(f"resume={resume}: no checkpoint at {path}{where}")
+    return str(path)
+
+
+def checkpoint_meta(path: str) -> dict:
+    """What the module stored about the run (``ngrpo``: config, MLflow run id) in a checkpoint
+    file or a distributed checkpoint folder, without loading weights into a model."""
+    import torch
+
+    file = Path(path) / "meta.pt" if Path(path).is_dir() else Path(path)
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not Path(path).is_dir())
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a config error here
+        raise ConfigError(f"resume: cannot read the checkpoint {path}: {err}") from err
+    return ckpt.get("ngrpo") or {}
+
+
+def check_resume(cfg: DictConfig, meta: dict) -> None:
+    """A checkpoint of a different model or config cannot be resumed: the error names the key."""
+    from .module import config_mismatch
+
+    saved = meta.get("config")
+    if saved is None:
+        return
+    problem = config_mismatch(saved, OmegaConf.to_container(cfg, resolve=True))
+    if problem:
+        raise ConfigError(f"resume={cfg.resume}: the checkpoint is of a different run: {problem}")
 
 
 def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
@@ -185,8 +334,16 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
 
     from callbacks import RolloutSamplesLogger
 
+    check_trainer(cfg)
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.pop("parallel", None)
+    strategy = build_strategy(cfg)
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
     cbs = list(callbacks) + build_callbacks(cfg)
+    if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
+        cbs += build_checkpointing(cfg)
     if logger is not None:
         cbs.append(LearningRateMonitor(logging_interval="step"))
         if cfg.logger.log_samples_every:
@@ -194,4 +351,4 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
     try:
         return L.Trainer(logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=cfg.output_dir, **kwargs)
     except TypeError as err:
-        raise ConfigError(f"trainer: {err} (trainer.* keys are lightning.Trainer arguments)") from err
+        raise ConfigError(f"trainer: {err} (trainer.* keys are lightning.Trainer arguments, plus trainer.parallel)") from err

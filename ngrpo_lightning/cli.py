@@ -3,6 +3,7 @@
     ngrpo train [key=value ...]     train (Hydra overrides: group=option, a.b=value)
     ngrpo train --help              list the config groups and their options
     ngrpo config [key=value ...]    print the composed config and exit
+    ngrpo eval [key=value ...]      pass@k evaluation (conf/eval.yaml; see docs/evaluation.md)
 
 Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
 objective, trainer, logger, experiment). Errors in the config print one clear line that
@@ -107,28 +108,38 @@ def train(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import lightning as L
 
-    from .build import build_datamodule, build_logger, build_module, build_problems, build_trainer
+    from .build import (build_datamodule, build_logger, build_module, build_problems, build_trainer, check_resume,
+                        check_trainer, checkpoint_meta, resolve_resume)
     from .tracking import log_config, summarize_run
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    check_trainer(cfg)  # a trainer this machine cannot run fails before model loading
+    ckpt_path = resolve_resume(cfg)  # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
+    meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
+    if ckpt_path:
+        check_resume(cfg, meta)  # a checkpoint of another model or config: a clear error, nothing runs
     problems = build_problems(cfg.data, cfg.seed)  # data errors first: before minutes of model loading
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module.tokenizer, problems)
-    logger = build_logger(cfg)
+    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"))
     trainer = build_trainer(cfg, logger)
-    if logger is not None:
+    module.run_meta = {"config": OmegaConf.to_container(cfg, resolve=True), "mlflow_run_id": getattr(logger, "run_id", None)}
+    if logger is not None and not ckpt_path:
         log_config(logger, cfg)
     t0 = time.perf_counter()
-    before = trainer.validate(module, datamodule=datamodule, verbose=False) if cfg.validate_before_fit and datamodule.val_problems else None
-    trainer.fit(module, datamodule=datamodule)
+    validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
+    before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
+        return {"steps": trainer.global_step, "text": "", "run_id": None}
     return summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ngrpo", description="RL for language models on verifiable math with pluggable exploration.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "train a policy"), ("config", "print the composed config")):
+    for name, text in (("train", "train a policy"), ("eval", "pass@k evaluation of a policy"), ("config", "print the composed config")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("-h", "--help", action="store_true")
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
@@ -140,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     from .build import ConfigError
 
     try:
+        if args.command == "eval":
+            from .evaluate import compose_eval, run_eval
+
+            print(run_eval(compose_eval(args.overrides))["text"])
+            return 0
         cfg = compose(args.overrides)
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))

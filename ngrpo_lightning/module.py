@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,40 @@ class OptimConfig:
     warmup_steps: int = 0  # in optimizer steps
     grad_clip: float = 1.0
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
+
+
+@dataclass
+class ParallelConfig:
+    """How ``configure_model`` shards the models (``trainer.parallel.*`` in configs).
+
+    ``name=fsdp2``: ``fully_shard`` on every decoder layer and at the root of the policy
+    (and of the reference, the same way) over the strategy's data-parallel mesh.
+    """
+
+    name: str = "fsdp2"
+    data_parallel_size: int | str = "auto"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    mixed_precision: str = "bf16"  # bf16 (bf16 params, fp32 gradient reduction) | fp32
+
+    def __post_init__(self):
+        if self.name != "fsdp2":
+            raise ValueError(f"trainer.parallel.name={self.name!r} is unknown: allowed ['fsdp2']")
+        if self.mixed_precision not in ("bf16", "fp32"):
+            raise ValueError(f"trainer.parallel.mixed_precision={self.mixed_precision!r} is unknown: allowed ['bf16', 'fp32']")
+
+
+class _LogprobsForward(torch.nn.Module):
+    """The training forward as one module call, so that under FSDP2 the input embeddings
+    (rebuilt from tokens + records with the embedding matrix) are computed inside the root's
+    forward, where the root's parameters are unsharded and their gradients are reduced."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False, detach_mixture: bool = False):
+        return response_logprobs(self.model, batch, temperature, with_entropy=with_entropy, detach_mixture=detach_mixture)
 
 
 class RLModule(L.LightningModule):
@@ -88,6 +123,7 @@ class RLModule(L.LightningModule):
         detach_mixture: bool = False,
         dynamic_sampling: bool = False,
         max_extra_rollouts: int = 4,
+        parallel: ParallelConfig | dict | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -110,6 +146,53 @@ class RLModule(L.LightningModule):
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
+        self.parallel = ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel
+        self.run_meta: dict = {}  # what identifies the run in checkpoints (set by the CLI: config, MLflow run id)
+        self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers (kept outside the module tree)
+
+    # --------------------------------------------------------------- sharding
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer, then at
+        the root (a wrapper around the model whose forward rebuilds the inputs), for the
+        policy and the reference. bf16 parameters with fp32 gradient reduction, or fp32;
+        optional activation checkpointing and CPU offload. A no-op without a device mesh."""
+        if self.parallel is None or self._forwards:
+            return
+        try:
+            mesh = self.device_mesh
+        except RuntimeError:
+            mesh = None
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        p = self.parallel
+        dp_mesh = mesh["data_parallel"]
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if p.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        kw = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()}
+        for model in (self.policy, self.reference):
+            if model is None:
+                continue
+            layers = decoder_layers(model)
+            if p.activation_checkpointing and model is self.policy:
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+                kinds = tuple({type(layer) for layer in layers})
+                apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
+                layers = decoder_layers(model)
+            for layer in layers:
+                fully_shard(layer, **kw)
+            root = _LogprobsForward(model)
+            fully_shard(root, **kw)
+            root._get_fsdp_state()._lazy_init()  # the wrapper is the root even if a rollout calls the model first
+            object.__setattr__(model, "_ngrpo_fsdp_root", root)  # the engine unshards it for rollouts
+            self._forwards[id(model)] = root
+
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
+        forward = self._forwards.get(id(model))
+        if forward is not None:
+            return forward(batch, temperature, **kwargs)
+        return response_logprobs(model, batch, temperature, **kwargs)
 
     @classmethod
     def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
@@ -125,6 +208,12 @@ class RLModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ train
+    def on_fit_start(self) -> None:
+        if self.dynamic_sampling and self.trainer.world_size > 1:
+            # ranks would roll out different numbers of extra batches, and rollouts under FSDP are collectives
+            raise ValueError("train.dynamic_sampling=true is not supported with several processes yet: "
+                             "use one process or train.dynamic_sampling=false")
+
     def on_train_start(self) -> None:
         self._fit_start, self._last_step_end = time.perf_counter(), None
 
@@ -203,7 +292,7 @@ class RLModule(L.LightningModule):
         """Response log-probs [N, L] of ``model``, computed ``optim.micro_batch_size`` rows at a time."""
         temperature = self.explorer.temperature or 1.0
         chunks = [batch.select(rows) if len(rows) < len(batch) else batch for rows, _ in self._micro_batches(batch)]
-        return torch.cat([response_logprobs(model, chunk, temperature)[0] for chunk in chunks])
+        return torch.cat([self._logprobs(model, chunk, temperature)[0] for chunk in chunks])
 
     def optimize(self, updates: list[StepRollouts]) -> dict[str, torch.Tensor]:
         """One optimizer (and lr scheduler) step per update; returns the metrics of all
@@ -216,8 +305,8 @@ class RLModule(L.LightningModule):
             parts, weights, old_parts = [], [], []
             for rows, weight in self._micro_batches(update.batch):
                 mb = update.select(rows) if len(rows) < len(update) else update
-                logp, entropy = response_logprobs(self.policy, mb.batch, temperature, with_entropy=True,
-                                                  detach_mixture=self.detach_mixture)
+                logp, entropy = self._logprobs(self.policy, mb.batch, temperature, with_entropy=True,
+                                               detach_mixture=self.detach_mixture)
                 if mb.old_logp is None:  # single on-policy update: see prepare(reuse_forward=True)
                     mb.old_logp = logp.detach()
                     old_parts.append(mb.old_logp)
@@ -228,7 +317,7 @@ class RLModule(L.LightningModule):
             if old_parts:
                 update.old_logp = torch.cat(old_parts)
             metrics = combine_metrics(parts, weights)
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.optim.grad_clip or math.inf)
+            metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
             opt.step()
             sched.step()
             self.update_metrics.append({k: float(v) for k, v in metrics.items()})
@@ -271,15 +360,36 @@ class RLModule(L.LightningModule):
         now = time.perf_counter()
         log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
         self._last_step_end = now
-        self.log_dict({k: float(v) for k, v in log.items()}, on_step=True, batch_size=len(batch))
-        self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False, batch_size=len(batch))
+        # Under several processes every rank logs its own rollouts' statistics: they are
+        # averaged over ranks (sync_dist; ``*_max``/``*_min`` reduced as such). The loss metrics
+        # are those of each rank's share of the global batch.
+        sync = self._trainer is not None and self._trainer.world_size > 1
+        device = self.device if sync else "cpu"
+        for key, value in log.items():
+            op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+            self.log(key, torch.as_tensor(float(value), device=device), on_step=True, batch_size=len(batch),
+                     sync_dist=sync, reduce_fx=op)
+        self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False,
+                      batch_size=len(batch), sync_dist=sync)
 
     # ---------------------------------------------------------- checkpoints
+    # Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
+    # (ReplayBuffer) and the datamodule (data position, engine RNG); the module adds the
+    # explorer's state, the process RNG states and what identifies the run.
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
+        checkpoint["rng"] = rng_states()
+        checkpoint["ngrpo"] = dict(self.run_meta)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("ngrpo") or {}
+        if saved.get("config") is not None and self.run_meta.get("config") is not None:
+            problem = config_mismatch(saved["config"], self.run_meta["config"])
+            if problem:
+                raise ValueError(f"cannot resume from this checkpoint: {problem}")
         self.explorer.load_state_dict(checkpoint.get("explorer", {}))
+        if "rng" in checkpoint:
+            set_rng_states(checkpoint["rng"])
 
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int):
@@ -289,10 +399,89 @@ class RLModule(L.LightningModule):
         return {"rewards": scored.scores, "status": scored.status}
 
     def on_validation_epoch_end(self):
-        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True)
-        self.log("val/reward", self.val_reward.compute())
+        sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
+        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
+        self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
         self.val_accuracy.reset()
         self.val_reward.reset()
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also works on FSDP2's sharded (DTensor) gradients: the total
+    norm is that of the full gradient, the same on every rank."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.item())
+    return total.detach()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like)."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, torch.nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
+
+
+def rng_states() -> dict:
+    """Python, NumPy, torch (and CUDA) RNG states of this process."""
+    import numpy as np
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}  # tensors and scalars: loadable with weights_only
+    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    import numpy as np
+
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        n = states["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].cpu())
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# config keys that may change between a run and its resumption
+RESUMABLE_KEYS = ("resume", "output_dir", "logger", "validate_before_fit", "checkpoint", "trainer.max_steps",
+                  "trainer.max_epochs", "trainer.enable_progress_bar", "trainer.val_check_interval", "trainer.log_every_n_steps",
+                  "reward.num_workers", "reward.timeout_s", "experiment_name")
+
+
+def config_mismatch(saved: dict, current: dict, prefix: str = "") -> str | None:
+    """The first difference between two resolved configs that forbids resuming (``None`` if none)."""
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        if name in RESUMABLE_KEYS:
+            continue
+        a, b = saved.get(key, "<unset>"), current.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = config_mismatch(a, b, name + ".")
+            if inner:
+                return inner
+        elif a != b:
+            return f"{name} differs: the checkpoint has {a!r}, this run has {b!r}"
+    return None
 
 
 def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:

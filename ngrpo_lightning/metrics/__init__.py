@@ -1,5 +1,7 @@
-"""Metrics: exploration diagnostics of rollouts (and, later, Pass@k)."""
+"""Metrics: exploration diagnostics of rollouts, and Pass@k / Mean@k / Maj@k."""
 
 from .exploration import distinct_ngrams, exploration_metrics, mixture_entropy
+from .pass_at_k import PassAtK, maj_at_k, mean_at_k, pass_at_k, powers_of_two
 
-__all__ = ["distinct_ngrams", "exploration_metrics", "mixture_entropy"]
+__all__ = ["PassAtK", "distinct_ngrams", "exploration_metrics", "maj_at_k", "mean_at_k", "mixture_entropy",
+           "pass_at_k", "powers_of_two"]

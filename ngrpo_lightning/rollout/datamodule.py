@@ -13,11 +13,12 @@ a batch that lost its zero-variance groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from .batch import RolloutBatch
 from .engine import RolloutEngine
@@ -36,6 +37,68 @@ def build_engine(name: str, module: L.LightningModule, max_new_tokens: int, seed
 
         return VLLMEngine.for_module(module, max_new_tokens=max_new_tokens, seed=seed, **kwargs)
     raise ValueError(f"rollout.engine={name!r} is unknown: allowed {list(ENGINES)}")
+
+
+class PromptSampler(Sampler[int]):
+    """Prompt order of the training set: a seeded shuffle per pass (``seed + pass``), this
+    rank's share of it, and a resume position.
+
+    Distributed runs split *prompts* by rank (every rank rolls out its prompts G times, so a
+    group never spans ranks), padded like ``DistributedSampler`` so that every rank gets the
+    same number of batches (rollouts under FSDP are collectives).
+
+    The sampler counts its passes itself (``set_epoch`` is ignored): Lightning's epoch
+    counter and the data's position disagree after resuming from a checkpoint written at the
+    end of training (Lightning then starts a new epoch, the data continues the old pass).
+    A pass starting at ``epoch`` skips its first ``skip`` prompts once (resume);
+    ``on_pass(epoch, batches_skipped)`` is told where each pass starts.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, batch_size: int = 1,
+                 epoch: int = 0, skip: int = 0, on_pass: Callable[[int, int], None] | None = None):
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.per_rank = math.ceil(size / world_size)
+        if size >= batch_size * world_size:  # drop_last semantics: whole batches on every rank
+            self.per_rank = (size // world_size) // batch_size * batch_size
+        self.epoch, self.next_epoch, self.skip, self.on_pass = epoch, epoch, skip, on_pass
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: passes are counted by the sampler (see the class docstring)."""
+
+    def order(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.per_rank * self.world_size
+        order = (order * math.ceil(total / max(len(order), 1)))[:total] if total > len(order) else order[:total]
+        return order[self.rank:total:self.world_size]
+
+    def __iter__(self):
+        while self.per_rank and self.skip >= self.per_rank:  # the saved position ended a pass
+            self.skip -= self.per_rank
+            self.next_epoch += 1
+        self.epoch, skip = self.next_epoch, self.skip
+        self.next_epoch, self.skip = self.epoch + 1, 0
+        if self.on_pass is not None:
+            self.on_pass(self.epoch, skip // max(self.batch_size, 1))
+        return iter(self.order(self.epoch)[skip:])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+class PromptLoader(DataLoader):
+    """The training DataLoader. Its position is saved and restored by the DataModule
+    (``epoch``, ``batches_in_epoch``) through the :class:`PromptSampler`; these two methods
+    tell Lightning that the loader resumes mid-epoch correctly."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to do: see :meth:`RolloutDataModule.load_state_dict`."""
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -89,6 +152,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine: RolloutEngine | None = None
         self.train_set = self.val_set = None
         self.extra_prompts_drawn = 0  # position in the stream of more_rollouts()
+        self.epoch, self.batches_in_epoch = 0, 0  # data position: training batches rolled out in the current epoch
+        self._resume_position: tuple[int, int] | None = None
+        self._engine_state: dict | None = None
 
     # ------------------------------------------------------------- datasets
     def setup(self, stage: str | None = None) -> None:
@@ -101,19 +167,37 @@ class RolloutDataModule(L.LightningDataModule):
 
         return PromptDataset(problems, self.tokenizer, max_prompt_tokens=self.max_prompt_tokens, **self.prompt_kwargs)
 
+    def _rank(self) -> tuple[int, int]:
+        """(rank, world size) of this process (0, 1 outside a distributed Trainer)."""
+        trainer = getattr(self, "trainer", None)
+        return int(getattr(trainer, "global_rank", 0)), int(getattr(trainer, "world_size", 1))
+
     def train_dataloader(self) -> DataLoader:
+        """This rank's prompts, ``prompts_per_step`` per batch (the global batch is
+        ``prompts_per_step x world_size`` prompts). The order is a shuffle seeded by
+        ``seed + epoch``; a resumed run continues at its saved position."""
         from ..data import collate_prompts
 
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.prompts_per_step, shuffle=self.shuffle, generator=gen,
-                          drop_last=len(self.train_set) >= self.prompts_per_step, collate_fn=collate_prompts)
+        rank, world = self._rank()
+        epoch, batches = self._resume_position or (0, 0)
+        self._resume_position = None
+        sampler = PromptSampler(len(self.train_set), self.seed, self.shuffle, rank, world, self.prompts_per_step,
+                                epoch=epoch, skip=batches * self.prompts_per_step, on_pass=self._start_pass)
+        return PromptLoader(self.train_set, batch_size=self.prompts_per_step, sampler=sampler,
+                          drop_last=len(sampler) >= self.prompts_per_step, collate_fn=collate_prompts)
+
+    def _start_pass(self, epoch: int, batches_skipped: int) -> None:
+        self.epoch, self.batches_in_epoch = epoch, batches_skipped
 
     def val_dataloader(self) -> DataLoader:
         from ..data import collate_prompts
 
         if self.val_set is None or len(self.val_set) == 0:
             return []
-        return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate_prompts)
+        rank, world = self._rank()
+        sampler = PromptSampler(len(self.val_set), self.seed, False, rank, world, 1)
+        sampler.per_rank = math.ceil(len(self.val_set) / world)  # all prompts (a few twice when uneven)
+        return DataLoader(self.val_set, batch_size=self.val_batch_size, sampler=sampler, collate_fn=collate_prompts)
 
     # ------------------------------------------------------------- rollouts
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
@@ -121,13 +205,17 @@ class RolloutDataModule(L.LightningDataModule):
             return batch
         module = self._module_with_engine()
         if self.trainer.training:
+            self.batches_in_epoch += 1  # the data position saved in checkpoints
             return self.rollout(batch, module.explorer, self.group_size)
         return self.rollout(batch, module.eval_explorer, self.val_samples)
 
     def _module_with_engine(self) -> L.LightningModule:
         module = self.trainer.lightning_module
         if self.engine is None:
-            self.engine = build_engine(self.engine_name, module, self.max_new_tokens, self.seed, **self.engine_kwargs)
+            self.engine = build_engine(self.engine_name, module, self.max_new_tokens, self.seed + self._rank()[0], **self.engine_kwargs)
+            if self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
+                self.engine.load_state_dict(self._engine_state)
+            self._engine_state = None
         return module
 
     def more_rollouts(self) -> RolloutBatch:
@@ -165,9 +253,32 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "extra_prompts_drawn": self.extra_prompts_drawn}
+        """Seed, data position (epoch and batches rolled out in it), the extra-prompt stream's
+        position and the engine's sampling RNG. Under several processes each rank's engine
+        has its own RNG: the states of all ranks are saved (gathered), each rank restores its own."""
+        engine = self.engine.state_dict() if self.engine is not None and hasattr(self.engine, "state_dict") else self._engine_state
+        rank, world = self._rank()
+        engines = [engine]
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            engines = [None] * world
+            torch.distributed.all_gather_object(engines, engine)
+        return {"seed": self.seed, "extra_prompts_drawn": self.extra_prompts_drawn, "epoch": self.epoch,
+                "batches_in_epoch": self.batches_in_epoch, "engine": engines, "world_size": world}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed = state.get("seed", self.seed)
         self.extra_prompts_drawn = state.get("extra_prompts_drawn", 0)
+        if "epoch" in state:
+            self._resume_position = (int(state["epoch"]), int(state["batches_in_epoch"]))
+            self.epoch, self.batches_in_epoch = self._resume_position
+        rank, world = self._rank()
+        saved_world = state.get("world_size", 1)
+        if saved_world != world:
+            raise ValueError(f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
+                             "resume with the same trainer (number of devices)")
+        engines = state.get("engine") or [None]
+        self._engine_state = engines[rank] if rank < len(engines) else None
+        if self.engine is not None and self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict(self._engine_state)
+            self._engine_state = None
 

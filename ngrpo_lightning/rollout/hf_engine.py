@@ -64,6 +64,7 @@ class HFEngine(RolloutEngine):
         self.max_new_tokens = max_new_tokens
         self.seed = seed
         self._generator: torch.Generator | None = None
+        self._pending_state: torch.Tensor | None = None  # a checkpointed generator state, applied on first use
         self.eos_ids = eos_token_ids(model, tokenizer)
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
@@ -71,14 +72,63 @@ class HFEngine(RolloutEngine):
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            if self._pending_state is not None:
+                self._generator.set_state(self._pending_state)
+                self._pending_state = None
         return self._generator
+
+    # ------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        """The sampling generator's state (so a resumed run samples what it would have)."""
+        if self._generator is not None:
+            return {"seed": self.seed, "generator": self._generator.get_state()}
+        return {"seed": self.seed, "generator": self._pending_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = state.get("seed", self.seed)
+        gen_state = state.get("generator")
+        self._pending_state = None if gen_state is None else gen_state.cpu()
+        self._generator = None  # rebuilt (with this state) on the next rollout
+
+    # ------------------------------------------------------------ rollouts
+    def _fsdp_modules(self) -> list:
+        """The model's FSDP2 modules (empty when it is not sharded)."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return []
+        owner = getattr(self.model, "_ngrpo_fsdp_root", None)
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if isinstance(owner, FSDPModule) and owner not in modules:
+            modules.insert(0, owner)
+        return modules
 
     def generate(self, prompts, explorer: Explorer, n: int = 1, max_new_tokens: int | None = None) -> RolloutBatch:
         # inference_mode is measurably faster than no_grad per decoding step; its tensors
         # cannot enter autograd, so the (small) outputs are cloned out of it.
+        sharded = self._fsdp_modules()
+        if sharded:  # FSDP2: gather the full weights once per rollout, not once per decoding step
+            return self._generate_unsharded(sharded, prompts, explorer, n, max_new_tokens)
         with torch.inference_mode():
             batch = self._generate(prompts, explorer, n, max_new_tokens)
         return batch.clone()
+
+    def _generate_unsharded(self, modules: list, prompts, explorer: Explorer, n: int, max_new_tokens: int | None) -> RolloutBatch:
+        # All-gathers are collectives: every rank enters here the same number of times (the
+        # datamodule gives every rank the same number of prompt batches); the decoding loop
+        # itself has none, so ranks may stop after different numbers of steps.
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in modules:
+            m.unshard()
+        try:
+            with torch.no_grad():  # not inference_mode: FSDP2's unsharded parameters are autograd-visible tensors
+                batch = self._generate(prompts, explorer, n, max_new_tokens)
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(m is not modules[0], recurse=False)  # the root keeps its weights (FSDP2's default)
+        return batch
 
     def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None) -> RolloutBatch:
         model, pad_id = self.model, self.tokenizer.pad_token_id

@@ -1,0 +1,154 @@
+"""FSDP2 on CPU (``trainer=fsdp_cpu``: Lightning's ModelParallelStrategy, 2 processes on gloo).
+
+Two processes with 2 prompts each train like one process with the same 4 prompts: the
+same losses and the same updated weights (fp32 tolerance). Rollouts are sampled with a
+seed per (step, row within its group) and the reward is scripted per row, so both runs see
+the same rollouts and advantages whatever the batch composition; prompts are split by rank
+with a prompt's G samples on one rank.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ngrpo_lightning.build import ConfigError, check_trainer
+from ngrpo_lightning.cli import compose, main
+from ngrpo_lightning.explorers import ExplorerStep, TemperatureExplorer
+
+
+class RowSeededSampler(TemperatureExplorer):
+    """Plain sampling whose draw for a row depends only on the decoding step and the row's
+    index within its group (G=2), not on the batch the row is in (or its rank)."""
+
+    def prepare(self, embeddings):
+        super().prepare(embeddings)
+        self.t = 0
+
+    def step(self, logits, generator=None):
+        rows = [self.sample(logits[r:r + 1], torch.Generator(device=logits.device).manual_seed(1000 * self.t + r % 2))
+                for r in range(len(logits))]
+        self.t += 1
+        return ExplorerStep(tokens=torch.cat(rows))
+
+RUN = [
+    "model=tiny", "data.train_size=8", "data.val_size=0", "rollout.group_size=2", "rollout.max_new_tokens=6",
+    "explorer._target_=test_fsdp_cpu.RowSeededSampler", "explorer.top_k=4", "optim.lr=1e-2", "logger.log_samples_every=0", "trainer.enable_progress_bar=false",
+    "trainer.max_steps=2", "validate_before_fit=false", "checkpoint.every_n_steps=0",
+]
+KEYS = ["train/loss", "train/kl_ref", "train/grad_norm", "train/entropy", "train/reward", "train/response_length_mean"]
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ScriptedReward
+    import ngrpo_lightning.build as build
+    build.build_reward = lambda cfg: ScriptedReward((1, 0))  # rows alternate 1/0: real advantages
+    from ngrpo_lightning.cli import main
+    if __name__ == "__main__":
+        sys.exit(main(sys.argv[1:]))
+""")
+
+
+def launch(tmp: Path, name: str, *extra: str) -> Path:
+    driver = tmp / "driver.py"
+    driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    out = tmp / name
+    args = RUN + [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db", *extra]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def metrics(out: Path) -> dict[str, list[float]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlruns.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    return {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in KEYS}
+
+
+def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    if ckpt.is_dir():  # a distributed (sharded) checkpoint: gather it into one file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt, ckpt.parent / "full.pt")
+        ckpt = ckpt.parent / "full.pt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("policy.")}
+
+
+def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
+    from conftest import ScriptedReward
+    from ngrpo_lightning.cli import train
+
+    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    one = tmp_path / "one"  # the reference: one process, in this one
+    train(compose(RUN + [f"output_dir={one}", f"logger.tracking_uri=sqlite:///{one}/mlruns.db", "trainer=cpu",
+                         "data.prompts_per_step=4"]))
+    two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2")  # per rank: the same global batch
+    m1, m2 = metrics(one), metrics(two)
+    assert m1["train/response_length_mean"] == [6.0, 6.0]  # equal token counts: token-mean losses average exactly
+    assert m1["train/loss"][0] != 0.0
+    for key in KEYS:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
+    assert (two / "checkpoints/last.ckpt").is_dir()  # sharded checkpoint
+    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
+    assert w1.keys() == w2.keys()
+    initial = policy_weights_initial()
+    moved = [k for k in w1 if not torch.allclose(w1[k], initial[k])]
+    assert moved, "training changed no weight"
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def policy_weights_initial() -> dict[str, torch.Tensor]:
+    from ngrpo_lightning.models import load_policy
+
+    model, _ = load_policy("tiny")
+    return {f"policy.{k}": v for k, v in model.state_dict().items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPUs")
+def test_fsdp_without_gpus_points_to_fsdp_cpu(capsys):
+    with pytest.raises(ConfigError, match="no CUDA GPU.*trainer=fsdp_cpu"):
+        check_trainer(compose(["trainer=fsdp"]))
+    assert main(["train", "trainer=fsdp", "model=tiny", "logger=none"]) == 2
+    assert "trainer=fsdp_cpu" in capsys.readouterr().err
+
+
+def test_bad_parallel_option_names_the_key():
+    with pytest.raises(ConfigError, match="trainer.parallel.mixed_precision='fp8'"):
+        check_trainer(compose(["trainer=fsdp_cpu", "trainer.parallel.mixed_precision=fp8"]))
+    with pytest.raises(ConfigError, match="trainer.parallel.cpu_offload=true"):
+        check_trainer(compose(["trainer=fsdp_cpu", "trainer.parallel.cpu_offload=true"]))
+    with pytest.raises(ConfigError, match="train.dynamic_sampling=true is not supported with several processes"):
+        check_trainer(compose(["trainer=fsdp_cpu", "train.dynamic_sampling=true"]))
+    with pytest.raises(ConfigError, match="trainer.parallel: .*unexpected keyword"):
+        check_trainer(compose(["trainer=fsdp_cpu", "+trainer.parallel.shards=3"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp_on_gpus_trains(tmp_path):  # pragma: no cover - no GPU in CI
+    launch(tmp_path, "gpu", "trainer=fsdp", "trainer.devices=2", "data.prompts_per_step=2")
+
+
+def test_prompts_are_split_by_rank_evenly_and_resume_mid_pass():
+    from ngrpo_lightning.rollout.datamodule import PromptSampler
+
+    shares = [list(PromptSampler(10, seed=1, shuffle=True, rank=r, world_size=2, batch_size=2)) for r in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 4  # whole batches, the same number on every rank
+    assert not set(shares[0]) & set(shares[1])  # a prompt (and so its G samples) is on one rank
+    whole = PromptSampler(10, seed=1, shuffle=True, batch_size=4)
+    passes = [list(whole), list(whole)]
+    assert passes[0] != passes[1] and all(len(set(p)) == 8 for p in passes)  # a new seeded shuffle per pass, whole batches
+    seen = []
+    resumed = PromptSampler(10, seed=1, shuffle=True, batch_size=4, epoch=1, skip=4, on_pass=lambda e, b: seen.append((e, b)))
+    assert list(resumed) == passes[1][4:] and seen == [(1, 1)]
+    assert list(resumed) == list(PromptSampler(10, seed=1, shuffle=True, batch_size=4, epoch=2))

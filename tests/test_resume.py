@@ -1,0 +1,151 @@
+"""Checkpoint and resume: a run interrupted after step k (or killed) and resumed with
+``resume=last`` continues exactly where it was (weights, optimizer, RNGs, explorer, replay
+buffer, data position) in the same MLflow run; a checkpoint of another config is refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ScriptedReward
+from ngrpo_lightning.build import ConfigError
+from ngrpo_lightning.cli import compose, main, train
+
+# 2 prompts x 2 samples, 2 optimizer updates per batch (mini-batches shuffled by the replay
+# buffer's RNG), sampled rollouts (engine RNG), shuffled data: every piece of state matters.
+RUN = [
+    "model=tiny", "data.train_size=6", "data.val_size=0", "data.prompts_per_step=2", "rollout.group_size=2",
+    "rollout.max_new_tokens=6", "logger.log_samples_every=0", "trainer.enable_progress_bar=false",
+    "train.num_mini_batches=2", "replay.capacity=4", "optim.lr=1e-2", "validate_before_fit=false",
+]
+KEYS = ["train/loss", "train/grad_norm", "train/entropy", "train/response_length_mean", "train/kl_ref", "replay/size"]
+STEPS = 8  # optimizer steps = 4 rollout batches (more than one pass over the 3 batches of an epoch)
+
+
+@pytest.fixture(autouse=True)
+def scripted_reward(monkeypatch):
+    """Rows alternate reward 1/0 (real advantages, real updates) whatever the model writes."""
+    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+
+
+def run(tmp, name, *extra):
+    store = f"sqlite:///{tmp}/mlruns.db"; Path(tmp).mkdir(parents=True, exist_ok=True)
+    return train(compose(RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp}/{name}", *extra]))
+
+
+def history(tmp, run_id, key):
+    """(step, value) of a metric, the latest value per step (a killed run may have logged
+    steps after its last checkpoint: the resumed run logs them again)."""
+    from mlflow import MlflowClient
+
+    points = {}
+    for m in sorted(MlflowClient(f"sqlite:///{tmp}/mlruns.db").get_metric_history(run_id, key), key=lambda m: m.timestamp):
+        points[m.step] = m.value
+    return sorted(points.items())
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("whole")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+        summary = run(tmp, "out", f"trainer.max_steps={STEPS}")
+    return tmp, summary
+
+
+def assert_same_run(tmp_a, id_a, tmp_b, id_b):
+    for key in KEYS:
+        a, b = history(tmp_a, id_a, key), history(tmp_b, id_b, key)
+        assert [s for s, _ in a] == [s for s, _ in b], key
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-5, abs=1e-6), key
+    wa, wb = weights(tmp_a / "out/checkpoints/last.ckpt"), weights(tmp_b / "out/checkpoints/last.ckpt")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_path):
+    whole_tmp, whole = uninterrupted
+    # 3 rollout batches (one pass over the data), a step checkpoint at step 4 and one at the end
+    first = run(tmp_path, "out", "trainer.max_steps=6", "checkpoint.every_n_steps=4", "checkpoint.keep=-1")
+    last = tmp_path / "out/checkpoints/last.ckpt"
+    assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
+    resumed = run(tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1",
+                  "resume=last")
+    assert resumed["run_id"] == first["run_id"]  # the same MLflow run continues
+    assert resumed["steps"] == STEPS
+    # one continuous history: every step once, equal to the uninterrupted run's
+    from mlflow import MlflowClient
+
+    raw = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_metric_history(first["run_id"], "train/loss")
+    assert sorted(m.step for m in raw) == [0, 1, 2, 3]  # each step logged once (also where checkpoints were written)
+    assert_same_run(whole_tmp, whole["run_id"], tmp_path, first["run_id"])
+    ckpt = torch.load(tmp_path / "out/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert {"explorer", "rng", "ngrpo", "RolloutDataModule", "optimizer_states", "lr_schedulers", "loops"} <= set(ckpt)
+    assert "generator" in ckpt["RolloutDataModule"]["engine"][0]
+    assert any("ReplayBuffer" in k for k in ckpt["callbacks"])
+    assert ckpt["ngrpo"]["mlflow_run_id"] == first["run_id"]
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ScriptedReward
+    import ngrpo_lightning.build as build
+    build.build_reward = lambda cfg: ScriptedReward((1, 0))
+    from ngrpo_lightning.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
+    whole_tmp, whole = uninterrupted
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    args = RUN + [f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db", f"output_dir={tmp_path}/out",
+                  "checkpoint.every_n_steps=2", "checkpoint.keep=-1", "trainer.max_steps=1000"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, str(driver), "train", *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    target = tmp_path / "out/checkpoints/step-step=4.ckpt"
+    deadline = time.monotonic() + 120
+    try:
+        while not target.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    kept = max(int(p.stem.split("=")[-1]) for p in (tmp_path / "out/checkpoints").glob("step-step=*.ckpt"))
+    assert kept < STEPS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+        resumed = train(compose(args[:-1] + [f"trainer.max_steps={STEPS}", "resume=last"]))
+    assert resumed["steps"] == STEPS
+    assert_same_run(whole_tmp, whole["run_id"], tmp_path, resumed["run_id"])
+
+
+def test_resuming_another_config_names_the_mismatch(uninterrupted, capsys):
+    whole_tmp, _ = uninterrupted
+    base = RUN + [f"logger.tracking_uri=sqlite:///{whole_tmp}/mlruns.db", f"output_dir={whole_tmp}/out", "resume=last"]
+    with pytest.raises(ConfigError, match=r"rollout\.group_size differs: the checkpoint has 2, this run has 4"):
+        train(compose(base + ["rollout.group_size=4"]))
+    assert main(["train", *base, "model.name_or_path=other-model"]) == 2
+    assert "model.name_or_path differs" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="resume=last: no checkpoint at .*last.ckpt"):
+        train(compose(RUN + [f"output_dir={tmp_path}/none", "resume=last", "logger=none"]))
