@@ -153,6 +153,26 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return [buffer] if epochs * minis > 1 or capacity else []
 
 
+def build_pass_at_k(cfg: DictConfig, val_problems) -> list[L.Callback]:
+    """``callbacks.PassAtK`` on the run's validation problems when ``pass_at_k.n`` > 0."""
+    opts = cfg.get("pass_at_k") or {}
+    if not opts.get("n") or not val_problems:
+        return []
+    from callbacks import PassAtK
+
+    from .evaluate import EvalSet
+
+    d = cfg.data
+    name = d.get("name") or d.source
+    evalset = EvalSet(name, list(val_problems), instruction=d.instruction, system_prompt=d.system_prompt,
+                      answer_format=d.answer_format, max_prompt_tokens=d.max_prompt_tokens)
+    try:
+        return [PassAtK([evalset], n=opts.n, every_n_steps=opts.every_n_steps, temperature=opts.temperature,
+                        top_p=opts.top_p, max_new_tokens=opts.max_new_tokens, batch_size=opts.batch_size, seed=cfg.seed)]
+    except ValueError as err:
+        raise ConfigError(f"pass_at_k: {err}") from err
+
+
 # --------------------------------------------------------------------- logging
 def resolve_tracking_uri(uri: str) -> str:
     """Make a relative ``sqlite:///`` store absolute and create its folder."""

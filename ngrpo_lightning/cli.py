@@ -108,8 +108,8 @@ def train(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import lightning as L
 
-    from .build import (build_datamodule, build_logger, build_module, build_problems, build_trainer, check_resume,
-                        check_trainer, checkpoint_meta, resolve_resume)
+    from .build import (build_datamodule, build_logger, build_module, build_pass_at_k, build_problems, build_trainer,
+                        check_resume, check_trainer, checkpoint_meta, resolve_resume)
     from .tracking import log_config, summarize_run
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -122,7 +122,7 @@ def train(cfg: DictConfig) -> dict:
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module.tokenizer, problems)
     logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"))
-    trainer = build_trainer(cfg, logger)
+    trainer = build_trainer(cfg, logger, callbacks=build_pass_at_k(cfg, problems[1]))
     module.run_meta = {"config": OmegaConf.to_container(cfg, resolve=True), "mlflow_run_id": getattr(logger, "run_id", None)}
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)

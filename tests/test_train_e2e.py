@@ -49,3 +49,15 @@ def test_cli_prints_summary_and_run_id(store, capsys):
     assert main(["train", *TINY_RUN, "trainer.max_steps=1", "validate_before_fit=false", f"logger.tracking_uri={store}"]) == 0
     out = capsys.readouterr().out
     assert "Trained 1 steps" in out and "MLflow run:" in out
+
+
+def test_pass_at_k_from_the_config_is_logged(store, tmp_path):
+    cfg = compose(TINY_RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out", "pass_at_k.n=2",
+                              "validate_before_fit=false"])
+    summary = train(cfg)
+    client = MlflowClient(store)
+    run = client.get_run(summary["run_id"])
+    for key in ("val/arithmetic/pass_at_1", "val/arithmetic/pass_at_2", "val/arithmetic/mean_at_2"):
+        assert key in run.data.metrics, f"{key} missing: {sorted(run.data.metrics)}"
+        assert 0.0 <= run.data.metrics[key] <= 1.0
+    assert run.data.metrics["val/arithmetic/pass_at_2"] >= run.data.metrics["val/arithmetic/pass_at_1"]
