@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -103,9 +104,19 @@ def print_groups() -> None:
 
 
 # ------------------------------------------------------------------- commands
+# Lightning warnings that are expected here and would only bury the run's own output.
+KNOWN_WARNINGS = (
+    r"Found \d+ module\(s\) in eval mode",  # the frozen reference model, on purpose
+    r"Using ModelCheckpoint with manual optimization",  # checkpoints are taken between steps
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
 def train(cfg: DictConfig) -> dict:
     """Run one training job; returns a summary dict."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     import lightning as L
 
     from .build import (build_datamodule, build_logger, build_module, build_pass_at_k, build_problems, build_trainer,
