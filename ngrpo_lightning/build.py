@@ -204,8 +204,8 @@ def build_logger(cfg: DictConfig, run_id: str | None = None):
 
 # ------------------------------------------------------------------- trainer
 def parallel_config(cfg: DictConfig):
-    """``trainer.parallel`` as a :class:`~ngrpo_lightning.module.ParallelConfig` (``None`` when absent)."""
-    from .module import ParallelConfig
+    """``trainer.parallel`` as a :class:`~ngrpo_lightning.parallel.ParallelConfig` (``None`` when absent)."""
+    from .parallel import ParallelConfig
 
     node = (cfg.get("trainer") or {}).get("parallel")
     if not node:
@@ -339,7 +339,7 @@ def checkpoint_meta(path: str) -> dict:
 
 def check_resume(cfg: DictConfig, meta: dict) -> None:
     """A checkpoint of a different model or config cannot be resumed: the error names the key."""
-    from .module import config_mismatch
+    from .checkpointing import config_mismatch
 
     saved = meta.get("config")
     if saved is None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import time
 from dataclasses import dataclass
 
@@ -39,6 +38,8 @@ from .metrics.exploration import exploration_metrics
 from .objectives import PolicyObjective, group_advantages, masked_mean, zero_variance_groups
 from .rewards import MathReward
 from .rollout.batch import RolloutBatch
+from .checkpointing import config_mismatch, rng_states, set_rng_states
+from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .updates import StepRollouts, UpdatePlanner
 
 
@@ -52,40 +53,6 @@ class OptimConfig:
     warmup_steps: int = 0  # in optimizer steps
     grad_clip: float = 1.0
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
-
-
-@dataclass
-class ParallelConfig:
-    """How ``configure_model`` shards the models (``trainer.parallel.*`` in configs).
-
-    ``name=fsdp2``: ``fully_shard`` on every decoder layer and at the root of the policy
-    (and of the reference, the same way) over the strategy's data-parallel mesh.
-    """
-
-    name: str = "fsdp2"
-    data_parallel_size: int | str = "auto"
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
-    mixed_precision: str = "bf16"  # bf16 (bf16 params, fp32 gradient reduction) | fp32
-
-    def __post_init__(self):
-        if self.name != "fsdp2":
-            raise ValueError(f"trainer.parallel.name={self.name!r} is unknown: allowed ['fsdp2']")
-        if self.mixed_precision not in ("bf16", "fp32"):
-            raise ValueError(f"trainer.parallel.mixed_precision={self.mixed_precision!r} is unknown: allowed ['bf16', 'fp32']")
-
-
-class _LogprobsForward(torch.nn.Module):
-    """The training forward as one module call, so that under FSDP2 the input embeddings
-    (rebuilt from tokens + records with the embedding matrix) are computed inside the root's
-    forward, where the root's parameters are unsharded and their gradients are reduced."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False, detach_mixture: bool = False):
-        return response_logprobs(self.model, batch, temperature, with_entropy=with_entropy, detach_mixture=detach_mixture)
 
 
 class RLModule(L.LightningModule):
@@ -164,29 +131,8 @@ class RLModule(L.LightningModule):
             mesh = None
         if mesh is None:
             return
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        p = self.parallel
-        dp_mesh = mesh["data_parallel"]
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if p.mixed_precision == "bf16" else MixedPrecisionPolicy()
-        kw = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()}
-        for model in (self.policy, self.reference):
-            if model is None:
-                continue
-            layers = decoder_layers(model)
-            if p.activation_checkpointing and model is self.policy:
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-                kinds = tuple({type(layer) for layer in layers})
-                apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
-                layers = decoder_layers(model)
-            for layer in layers:
-                fully_shard(layer, **kw)
-            root = _LogprobsForward(model)
-            fully_shard(root, **kw)
-            root._get_fsdp_state()._lazy_init()  # the wrapper is the root even if a rollout calls the model first
-            object.__setattr__(model, "_ngrpo_fsdp_root", root)  # the engine unshards it for rollouts
-            self._forwards[id(model)] = root
+        self._forwards = shard_fsdp2([self.policy, self.reference], self.parallel, mesh["data_parallel"],
+                                     checkpoint=self.policy)
 
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
         forward = self._forwards.get(id(model))
@@ -404,84 +350,6 @@ class RLModule(L.LightningModule):
         self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
         self.val_accuracy.reset()
         self.val_reward.reset()
-
-
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` that also works on FSDP2's sharded (DTensor) gradients: the total
-    norm is that of the full gradient, the same on every rank."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    if math.isfinite(max_norm):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef.item())
-    return total.detach()
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like)."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
-        node = model
-        for part in path.split("."):
-            node = getattr(node, part, None)
-            if node is None:
-                break
-        if isinstance(node, torch.nn.ModuleList):
-            return list(node)
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
-
-
-def rng_states() -> dict:
-    """Python, NumPy, torch (and CUDA) RNG states of this process."""
-    import numpy as np
-
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}  # tensors and scalars: loadable with weights_only
-    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    import numpy as np
-
-    if "python" in states:
-        random.setstate(states["python"])
-    if "numpy" in states:
-        n = states["numpy"]
-        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "torch" in states:
-        torch.set_rng_state(states["torch"].cpu())
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-# config keys that may change between a run and its resumption
-RESUMABLE_KEYS = ("resume", "output_dir", "logger", "validate_before_fit", "checkpoint", "trainer.max_steps",
-                  "trainer.max_epochs", "trainer.enable_progress_bar", "trainer.val_check_interval", "trainer.log_every_n_steps",
-                  "reward.num_workers", "reward.timeout_s", "experiment_name")
-
-
-def config_mismatch(saved: dict, current: dict, prefix: str = "") -> str | None:
-    """The first difference between two resolved configs that forbids resuming (``None`` if none)."""
-    for key in sorted(set(saved) | set(current)):
-        name = f"{prefix}{key}"
-        if name in RESUMABLE_KEYS:
-            continue
-        a, b = saved.get(key, "<unset>"), current.get(key, "<unset>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            inner = config_mismatch(a, b, name + ".")
-            if inner:
-                return inner
-        elif a != b:
-            return f"{name} differs: the checkpoint has {a!r}, this run has {b!r}"
-    return None
 
 
 def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:
