@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "eval":
-            from .evaluate import compose_eval, run_eval
+            from .eval_command import compose_eval, run_eval
 
             print(run_eval(compose_eval(args.overrides))["text"])
             return 0

@@ -36,7 +36,7 @@ def test_eval_on_a_benchmark_file_writes_table_json_and_plot(tmp_path, capsys):
 
 
 def test_gpqa_file_becomes_multiple_choice_problems(tmp_path):
-    from ngrpo_lightning.evaluate import build_eval_sets, compose_eval
+    from ngrpo_lightning.eval_command import build_eval_sets, compose_eval
 
     data = write_jsonl(tmp_path / "gpqa.jsonl", [{"Question": "Q?", "Correct Answer": "yes", "Incorrect Answer 1": "a",
                                                   "Incorrect Answer 2": "b", "Incorrect Answer 3": "c"}])
@@ -64,7 +64,7 @@ def test_unknown_key_lists_valid_keys(capsys):
 
 
 def test_checkpoint_policy_weights_are_loaded(tmp_path, tiny):
-    from ngrpo_lightning.evaluate import compose_eval, load_eval_policy
+    from ngrpo_lightning.eval_command import compose_eval, load_eval_policy
 
     policy = tiny[0]
     weights = {f"policy.{k}": v + 1.0 for k, v in policy.state_dict().items()}

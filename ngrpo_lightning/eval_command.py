@@ -1,0 +1,238 @@
+"""``ngrpo eval``: compose the evaluation config, load the policy (HF id, folder or Lightning
+checkpoint), sample and score the sets with :mod:`ngrpo_lightning.evaluate`, and write the
+table, plot, JSON and MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, mlflow_key, plot_pass_at_k, results_table
+
+# ------------------------------------------------------------ ngrpo eval
+_EVAL_GROUPS = ("model", "data", "logger")
+
+
+def normalize_eval_overrides(overrides: list[str]) -> list[str]:
+    """``model=<HF id | directory | file.ckpt>`` (anything that is not a ``conf/model``
+    option) becomes ``model=hf model.name_or_path=<value>``."""
+    from .cli import group_options
+
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "model" and value and value not in group_options("model"):
+            out += ["model=hf", f"model.name_or_path={value}"]
+        else:
+            out.append(o)
+    return out
+
+
+def compose_eval(overrides: list[str]):
+    """Compose ``conf/eval.yaml`` with its groups (model, data, logger) and the overrides."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .build import ConfigError
+    from .cli import config_dir
+
+    overrides = normalize_eval_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name="eval", overrides=overrides)
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        msg = str(err).strip().splitlines()[0]
+        try:  # list the valid keys where an unknown key was given
+            import re
+
+            m = re.search(r"Could not override '([^']+)'", str(err)) or re.search(r"Key '([^']+)' is not in struct", str(err))
+            if m:
+                with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+                    base = hydra_compose(config_name="eval", overrides=[o for o in overrides if o.split("=", 1)[0] in _EVAL_GROUPS])
+                parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
+                node = OmegaConf.select(base, parent) if parent else base
+                msg = f"unknown config key {m.group(1)!r}; valid keys{' of ' + parent if parent else ''}: {sorted(node.keys())}"
+        except Exception:  # keep Hydra's message
+            pass
+        raise ConfigError(msg) from err
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
+    return cfg
+
+
+def build_eval_sets(cfg) -> list[EvalSet]:
+    """The evaluation set of ``cfg.data``: a benchmark, the built-in task's validation split,
+    or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
+    from .build import ConfigError
+    from .data import ArithmeticTask, load_problems
+
+    d, limit = cfg.data, cfg.get("limit")
+    common = {"instruction": d.get("instruction"), "system_prompt": d.get("system_prompt"),
+              "answer_format": d.get("answer_format", "boxed"), "max_prompt_tokens": d.get("max_prompt_tokens", 4096)}
+    try:
+        if d.source == "arithmetic":
+            knobs = {k: d[k] for k in ("min_operand", "max_operand", "min_ops", "max_ops")}
+            problems = ArithmeticTask(num_problems=d.val_size, seed=cfg.seed, split="validation",
+                                      operators=tuple(d.operators), **knobs).problems()
+            name = "arithmetic"
+        elif d.source == "benchmark":
+            from .data.benchmarks import load_benchmark
+
+            problems, name = load_benchmark(d), d.name
+        elif d.source == "files":
+            source = d.val or d.train
+            problems = load_problems(source, problem_field=d.problem_field, answer_field=d.answer_field,
+                                     split=d.val_split if d.val else d.split, id_field=d.id_field)
+            name = d.get("name") or Path(str(source)).stem
+        else:
+            raise ConfigError(f"data.source={d.source!r} is unknown: allowed ['arithmetic', 'benchmark', 'files']")
+    except (ValueError, KeyError) as err:
+        raise ConfigError(str(err).strip('"')) from err
+    if limit is not None:
+        problems = problems[:int(limit)]
+    if not problems:
+        raise ConfigError(f"evaluation set {name!r} has no problems")
+    return [EvalSet(name, problems, **common)]
+
+
+def load_eval_policy(cfg):
+    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name), with
+    the policy weights of a Lightning checkpoint (``checkpoint=``, or a ``.ckpt`` as
+    ``model.name_or_path``) loaded into it. A checkpoint given alone must name its base model
+    in its hyper-parameters or config (``model.name_or_path``)."""
+    from .build import ConfigError
+    from .models import load_policy, parse_dtype
+
+    name, ckpt_path, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
+    if name.endswith(".ckpt"):
+        ckpt_path, name = name, None
+    try:
+        parse_dtype(dtype)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    state = None
+    if ckpt_path:
+        if not Path(ckpt_path).is_file():
+            raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if name is None:  # the checkpoint alone: its base model, in the dtype of its weights
+            name = _base_model_of(state)
+            floats = [v.dtype for v in state.get("state_dict", {}).values() if torch.is_tensor(v) and v.is_floating_point()]
+            dtype = str(floats[0]).removeprefix("torch.") if floats else dtype
+        if not name:
+            raise ConfigError(f"checkpoint {ckpt_path} does not name its base model: pass "
+                              f"model.name_or_path=<base model> checkpoint={ckpt_path}")
+    policy, tokenizer = load_policy(name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if state is not None:
+        weights = {k[len("policy."):]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
+        if not weights:
+            raise ConfigError(f"checkpoint {ckpt_path} has no policy.* weights in its state_dict")
+        missing, unexpected = policy.load_state_dict(weights, strict=False)
+        tied = set(getattr(policy, "_tied_weights_keys", None) or [])
+        missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise ConfigError(f"checkpoint {ckpt_path} does not match model {name!r}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    device = cfg.get("device", "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return policy.to(device).eval(), tokenizer
+
+
+def _base_model_of(checkpoint: dict) -> str | None:
+    """``model.name_or_path`` from a checkpoint's hyper-parameters or saved config."""
+    for key in ("hyper_parameters", "config", "cfg"):
+        node = checkpoint.get(key)
+        found = _find(node, ("model", "name_or_path")) or _find(node, ("name_or_path",))
+        if found:
+            return str(found)
+    return None
+
+
+def _find(node, path):
+    if node is None:
+        return None
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(node, DictConfig):
+            node = OmegaConf.to_container(node, resolve=True)
+    except ImportError:
+        pass
+    if isinstance(node, Mapping):
+        cur = node
+        for p in path:
+            cur = cur.get(p) if isinstance(cur, Mapping) else None
+        if isinstance(cur, str):
+            return cur
+        for value in node.values():
+            found = _find(value, path)
+            if found:
+                return found
+    return None
+
+
+def run_eval(cfg) -> dict:
+    """``ngrpo eval``: evaluate, write ``results.json``, ``pass_at_k.md`` and ``pass_at_k.png``
+    into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
+    a ``text`` field."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import lightning as L
+    from omegaconf import OmegaConf
+
+    from .build import ConfigError, build_logger
+    from .explorers import TemperatureExplorer
+    from .rollout import HFEngine
+    from .tracking import flatten
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    try:
+        ks = check_ks(cfg.get("ks"), cfg.n)
+        explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    sets = build_eval_sets(cfg)  # data errors before minutes of model loading
+    policy, tokenizer = load_eval_policy(cfg)
+    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+    t0 = time.perf_counter()
+    try:
+        results = evaluate_sets(engine, tokenizer, sets, explorer, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
+                                rewards=rewards, batch_size=cfg.batch_size, ks=ks, prefix="eval")
+    finally:
+        rewards.close()
+    seconds = time.perf_counter() - t0
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    payload = {"config": config, "seconds": seconds, **results}
+    json_path, table_path, plot_path = out_dir / "results.json", out_dir / "pass_at_k.md", out_dir / "pass_at_k.png"
+    json_path.write_text(json.dumps(payload, indent=1))
+    table = results_table(results)
+    table_path.write_text(table)
+    plot_pass_at_k(results, plot_path, title=f"{cfg.model.name_or_path}: pass@k (n={cfg.n}, T={cfg.temperature:g})")
+    logger = build_logger(cfg)
+    if logger is not None:
+        logger.log_hyperparams(flatten(config))
+        logger.log_metrics({mlflow_key(k): v for k, v in results["metrics"].items()}, step=0)
+        logger.log_metrics({"eval/seconds": seconds}, step=0)
+        for f in (json_path, table_path, plot_path):
+            logger.experiment.log_artifact(logger.run_id, str(f))
+        logger.finalize("success")
+    lines = [f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
+             f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.", "", table,
+             f"  results: {json_path}", f"  table:   {table_path}", f"  plot:    {plot_path}"]
+    if logger is not None:
+        lines += [f"  MLflow run: {logger.run_id} (experiment {cfg.experiment_name!r})",
+                  f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}"]
+    return {"results": results, "seconds": seconds, "run_id": getattr(logger, "run_id", None), "table": table,
+            "paths": {"json": str(json_path), "table": str(table_path), "plot": str(plot_path)}, "text": "\n".join(lines)}
