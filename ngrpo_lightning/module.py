@@ -301,7 +301,7 @@ class RLModule(L.LightningModule):
         })
         log.update(step.stats)  # replay/*, dynamic/*
         log.update(scored.metrics())  # reward/* status fractions
-        log.update(exploration_metrics(batch))  # explore/*
+        log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
         log.update(batch.stats)  # rollout/* timings and throughput
         now = time.perf_counter()
         log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)

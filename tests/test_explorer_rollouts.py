@@ -104,3 +104,15 @@ def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch,
     assert main(argv[:2] + ["explorer.rho=2.0"] + argv[3:]) == 2  # the example's own check names the key
     assert "explorer.rho=2.0 is out of range" in capsys.readouterr().err
     sys.modules.pop("top_two_blend", None)
+
+
+def test_distinct_answers_use_the_answers_the_reward_extracted():
+    import torch
+
+    from ngrpo_lightning.rollout import RolloutBatch
+
+    ones = torch.ones(4, 2, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=ones, prompt_mask=ones, response_ids=ones, response_mask=ones,
+                         rollout_logprobs=torch.zeros(4, 2), group_size=2, response_text=["a 1", "b 2", "c 3", "d 3"])
+    assert exploration_metrics(batch, ["1", "2", "3", "3"])["explore/distinct_answers_frac"] == 0.75  # (2/2 + 1/2) / 2
+    assert exploration_metrics(batch)["explore/distinct_answers_frac"] == 0.5  # no boxes: one "None" answer per group

@@ -20,11 +20,12 @@ def mixture_entropy(weights: torch.Tensor) -> torch.Tensor:
     return -(w * torch.log(w.clamp(min=1e-12))).sum(-1)
 
 
-def exploration_metrics(batch: RolloutBatch, extract=None) -> dict[str, float]:
+def exploration_metrics(batch: RolloutBatch, answers: list | None = None) -> dict[str, float]:
     """``explore/*`` metrics: mixed-step fraction, mixture-weight entropy, distinct n-grams
-    (n = 1..4) within groups and the fraction of distinct final answers within groups."""
-    if extract is None:
-        from ..rewards import extract_answer as extract
+    (n = 1..4) within groups and the fraction of distinct final answers within groups.
+
+    ``answers``: the rows' extracted final answers, as the reward saw them
+    (``RewardResult.answers``); without them, the last ``\\boxed{}`` of each response."""
     n_tokens = int(batch.response_mask.sum())
     out = {"explore/mixed_frac": len(batch.records) / max(n_tokens, 1)}
     out["explore/mixture_entropy"] = float(mixture_entropy(batch.records.weights).mean()) if len(batch.records) else 0.0
@@ -34,8 +35,11 @@ def exploration_metrics(batch: RolloutBatch, extract=None) -> dict[str, float]:
     groups = [seqs[i:i + g] for i in range(0, len(seqs), g)]
     for n in range(1, 5):
         out[f"explore/distinct_{n}gram"] = sum(distinct_ngrams(grp, n) for grp in groups) / max(len(groups), 1)
-    if batch.response_text:
-        answers = [extract(t) for t in batch.response_text]
+    if answers is None and batch.response_text:
+        from ..rewards import extract_answer
+
+        answers = [extract_answer(t) for t in batch.response_text]
+    if answers:
         per_group = [answers[i:i + g] for i in range(0, len(answers), g)]
         out["explore/distinct_answers_frac"] = sum(len(set(a)) / len(a) for a in per_group) / max(len(per_group), 1)
     return out
