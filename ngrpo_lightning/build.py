@@ -107,8 +107,32 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
         tokenizer, train, val,
         prompts_per_step=cfg.data.prompts_per_step, group_size=r.group_size, max_new_tokens=r.max_new_tokens,
         max_prompt_tokens=cfg.data.max_prompt_tokens, val_samples=r.val_samples, val_batch_size=r.val_batch_size,
-        engine=r.engine, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt, seed=cfg.seed,
+        engine=r.engine, engine_kwargs=engine_kwargs(cfg), instruction=cfg.data.instruction,
+        system_prompt=cfg.data.system_prompt, seed=cfg.seed,
     )
+
+
+def engine_kwargs(cfg: DictConfig) -> dict:
+    """The engine's settings: ``rollout.vllm.*`` for ``rollout.engine=vllm`` (nulls dropped)."""
+    if cfg.rollout.engine != "vllm":
+        return {}
+    settings = OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True)
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """``rollout.engine=vllm`` without a supported vLLM fails before any model loading."""
+    from .rollout.datamodule import ENGINES
+
+    if cfg.rollout.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown: allowed {list(ENGINES)}")
+    if cfg.rollout.engine == "vllm":
+        from .rollout.vllm_support import VLLMVersionError, check_vllm
+
+        try:
+            check_vllm()
+        except VLLMVersionError as err:
+            raise ConfigError(str(err)) from err
 
 
 # ---------------------------------------------------------------------- module
@@ -132,7 +156,8 @@ def build_module(cfg: DictConfig):
         return RLModule(policy, tokenizer, explorer, objective, build_reward(cfg.reward), reference=reference, optim=optim,
                         advantage=cfg.advantage, eval_explorer=eval_explorer, detach_mixture=cfg.detach_mixture,
                         dynamic_sampling=train.get("dynamic_sampling", False),
-                        max_extra_rollouts=train.get("max_extra_rollouts", 4), parallel=parallel_config(cfg))
+                        max_extra_rollouts=train.get("max_extra_rollouts", 4), parallel=parallel_config(cfg),
+                        tis_cap=train.get("tis_cap"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

@@ -120,11 +120,12 @@ def train(cfg: DictConfig) -> dict:
     import lightning as L
 
     from .build import (build_datamodule, build_logger, build_module, build_pass_at_k, build_problems, build_trainer,
-                        check_resume, check_trainer, checkpoint_meta, resolve_resume)
+                        check_engine, check_resume, check_trainer, checkpoint_meta, resolve_resume)
     from .tracking import log_config, summarize_run
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     check_trainer(cfg)  # a trainer this machine cannot run fails before model loading
+    check_engine(cfg)  # so does rollout.engine=vllm without a supported vLLM
     ckpt_path = resolve_resume(cfg)  # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
     meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
     if ckpt_path:
@@ -140,8 +141,11 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
     before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    finally:
+        datamodule.close()
     if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
         return {"steps": trainer.global_step, "text": "", "run_id": None}
     return summarize_run(trainer, logger, before, after, time.perf_counter() - t0)

@@ -74,6 +74,10 @@ class RLModule(L.LightningModule):
             ``more_rollouts()``) up to its number of groups.
         max_extra_rollouts: at most this many extra prompt batches per step; if the batch
             is still short, the step trains on the groups it has.
+        tis_cap: truncated importance sampling of the rollout/train mismatch (an engine's
+            log-probs differ from the trainer's, e.g. vLLM in bf16): the policy gradient of
+            every fresh token is weighted by ``min(exp(old_logp - rollout_logp), tis_cap)``.
+            None = off. Needs an objective with ``token_advantages`` (GRPO).
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class RLModule(L.LightningModule):
         dynamic_sampling: bool = False,
         max_extra_rollouts: int = 4,
         parallel: ParallelConfig | dict | None = None,
+        tis_cap: float | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -109,6 +114,12 @@ class RLModule(L.LightningModule):
         if isinstance(max_extra_rollouts, bool) or not isinstance(max_extra_rollouts, int) or max_extra_rollouts < 0:
             raise ValueError(f"train.max_extra_rollouts={max_extra_rollouts!r} must be an integer >= 0")
         self.dynamic_sampling, self.max_extra_rollouts = bool(dynamic_sampling), max_extra_rollouts
+        if tis_cap is not None and not (isinstance(tis_cap, (int, float)) and tis_cap > 0):
+            raise ValueError(f"train.tis_cap={tis_cap!r} must be a number > 0 (or null to disable)")
+        if tis_cap is not None and not getattr(objective, "token_advantages", False):
+            raise ValueError(f"train.tis_cap needs an objective that takes per-token advantages; "
+                             f"{type(objective).__name__} does not (GRPO does)")
+        self.tis_cap = tis_cap
         self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
@@ -116,6 +127,7 @@ class RLModule(L.LightningModule):
         self.parallel = ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel
         self.run_meta: dict = {}  # what identifies the run in checkpoints (set by the CLI: config, MLflow run id)
         self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers (kept outside the module tree)
+        self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
 
     # --------------------------------------------------------------- sharding
     def configure_model(self) -> None:
@@ -256,9 +268,10 @@ class RLModule(L.LightningModule):
                 if mb.old_logp is None:  # single on-policy update: see prepare(reuse_forward=True)
                     mb.old_logp = logp.detach()
                     old_parts.append(mb.old_logp)
-                loss, m = self.objective(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.batch.response_mask)
+                advantages, tis = self._tis_advantages(mb)
+                loss, m = self.objective(logp, mb.old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
                 self.manual_backward(loss * weight)
-                parts.append({**m, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
+                parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
                 weights.append(weight)
             if old_parts:
                 update.old_logp = torch.cat(old_parts)
@@ -266,10 +279,22 @@ class RLModule(L.LightningModule):
             metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
             opt.step()
             sched.step()
+            self.policy_version += 1
             self.update_metrics.append({k: float(v) for k, v in metrics.items()})
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)
         return out
+
+    def _tis_advantages(self, mb: StepRollouts) -> tuple[torch.Tensor, dict]:
+        """Advantages, per token with the truncated importance weights of the fresh rows
+        when ``tis_cap`` is set (replayed rows carry their own correction: weight 1)."""
+        if self.tis_cap is None:
+            return mb.advantages, {}
+        fresh = (~mb.replayed)[:, None] & mb.batch.response_mask.bool()
+        ratio = torch.exp((mb.old_logp - mb.batch.rollout_logprobs).clamp(max=20.0))
+        weights = torch.where(fresh, ratio.clamp(max=self.tis_cap), torch.ones_like(ratio))
+        stats = {"tis_weight_mean": masked_mean(weights, fresh), "tis_clipped_frac": masked_mean((ratio > self.tis_cap).float(), fresh)}
+        return mb.advantages[:, None] * weights, stats
 
     def _micro_batches(self, batch: RolloutBatch):
         """Yield (rows, weight): the loss of each micro-batch is scaled so that the sum of
@@ -286,6 +311,7 @@ class RLModule(L.LightningModule):
         """Log the step: rollout statistics of the fresh batch, loss metrics of the updates."""
         lengths = batch.response_lengths.float()
         fresh = (~step.replayed)[:, None] * step.batch.response_mask
+        mismatch = (step.batch.rollout_logprobs - step.old_logp).abs()
         log = {f"train/{k}": v for k, v in metrics.items()}
         advantages = step.advantages
         log.update({
@@ -297,7 +323,9 @@ class RLModule(L.LightningModule):
             "train/response_length_mean": lengths.mean(),
             "train/response_length_max": lengths.max(),
             "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
-            "train/rollout_logprob_diff_mean": masked_mean((step.batch.rollout_logprobs - step.old_logp).abs(), fresh),
+            # the rollout/train mismatch: the engine's log-probs of the sampled tokens vs the trainer's
+            "train/rollout_logprob_diff_mean": masked_mean(mismatch, fresh),
+            "train/rollout_logprob_diff_max": mismatch[fresh.bool()].max() if fresh.any() else 0.0,
         })
         log.update(step.stats)  # replay/*, dynamic/*
         log.update(scored.metrics())  # reward/* status fractions

@@ -101,3 +101,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(node, torch.nn.ModuleList):
             return list(node)
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
+
+
+def full_named_tensors(model: torch.nn.Module):
+    """``(name, tensor)`` for every entry of ``model.state_dict()``, with FSDP2's sharded
+    DTensors gathered into full tensors one at a time (a collective: all ranks iterate
+    together), so that an engine with its own weights can load them."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -62,3 +62,9 @@ def test_config_prints_composed_yaml(capsys):
     assert main(["config", "experiment=grpo", "optim.lr=3e-6"]) == 0
     out = capsys.readouterr().out
     assert "lr: 3.0e-06" in out and "experiment_name: grpo" in out
+
+
+def test_unknown_rollout_engine_is_a_config_error(capsys):
+    assert main(["train", "model=tiny", "rollout.engine=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine='fast' is unknown" in err and "vllm" in err

@@ -12,6 +12,10 @@ only to hold validated hyper-parameters; the maths lives in a plain function bes
 Register new ones with :func:`register_objective` and select them by name in configs
 (``objective.name=<name>``), or by class path (``objective._target_=pkg.Class``).
 
+``token_advantages = True`` declares that ``advantages`` may also come per token ([N, L]):
+the module then folds truncated importance weights of the rollout/train mismatch into
+them (``train.tis_cap``).
+
 Two class attributes tell the module how to use an objective: ``kl_coef`` > 0 makes it
 load a frozen reference model, and ``loss_agg`` says how the loss weighs tokens
 (``token-mean``: micro-batches are weighted by their token counts; anything else: by
@@ -51,6 +55,7 @@ class PolicyObjective(ABC):
     kl_coef: float = 0.0
     loss_agg: str = "seq-mean-token-mean"
     registered_name: str = ""
+    token_advantages: bool = False  # True if ``advantages`` may also be per token [N, L] (train.tis_cap needs it)
 
     @abstractmethod
     def __call__(

@@ -27,7 +27,7 @@ def grpo_loss(
     clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean", norm_length=None,
 ):
     """The GRPO loss and its metrics (see the module docstring)."""
-    adv = advantages[:, None].to(logp.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype)  # [N] or per token [N, L]
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
@@ -70,6 +70,8 @@ class GRPO(PolicyObjective):
             maximum response length, e.g. ``rollout.max_new_tokens``); None = the batch's
             padded response length.
     """
+
+    token_advantages = True  # accepts per-token advantages [N, L] (truncated importance sampling)
 
     def __init__(self, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.001, kl_estimator="k3",
                  loss_agg="token-mean", norm_length=None):

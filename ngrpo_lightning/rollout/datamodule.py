@@ -242,14 +242,33 @@ class RolloutDataModule(L.LightningDataModule):
 
     def rollout(self, prompts: dict, explorer, n: int) -> RolloutBatch:
         """Roll out a collated prompt batch ``n`` times each and attach gold answers and ids."""
+        self.sync_engine()
         out = self.engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
         out.answers = [a for a in prompts["answer"] for _ in range(n)]
         out.problem_ids = [i for i in prompts["id"] for _ in range(n)]
         return out
 
+    def sync_engine(self) -> None:
+        """Give an engine with its own weights (vLLM) the policy's current weights if the
+        policy took optimizer steps since the last sync: every rollout sees the weights of
+        the latest optimizer step. Under FSDP2 the full tensors are gathered (a collective:
+        every rank rolls out, so every rank syncs)."""
+        module = self.trainer.lightning_module
+        version = getattr(module, "policy_version", 0)
+        if getattr(self.engine, "needs_sync", False) and self.engine.weights_version != version:
+            from ..parallel import full_named_tensors
+
+            self.engine.sync_weights(full_named_tensors(module.policy), version=version)
+
     def teardown(self, stage: str | None = None) -> None:
-        if self.engine is not None and stage in (None, "fit"):
+        """The engine outlives ``fit``: a validation after training (``ngrpo train`` runs one)
+        reuses it, since starting vLLM again costs seconds. :meth:`close` releases it."""
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM's memory and threads)."""
+        if self.engine is not None:
             self.engine.close()
+            self.engine = None
 
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:

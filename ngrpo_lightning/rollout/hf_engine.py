@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..explorers import Explorer
 from .batch import RolloutBatch
-from .engine import RolloutEngine
+from .engine import SeededEngine
 from .reconstruction import mixture_embeddings
 from .records import NO_NOISE, InputRecords
 
@@ -49,7 +49,7 @@ def special_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> li
     return sorted(set(tokenizer.all_special_ids) | set(range(len(tokenizer), vocab_size)))
 
 
-class HFEngine(RolloutEngine):
+class HFEngine(SeededEngine):
     """Rollouts with the policy module itself (no weight copy, no sync).
 
     Args:
@@ -63,32 +63,9 @@ class HFEngine(RolloutEngine):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = max_new_tokens
         self.seed = seed
-        self._generator: torch.Generator | None = None
-        self._pending_state: torch.Tensor | None = None  # a checkpointed generator state, applied on first use
         self.eos_ids = eos_token_ids(model, tokenizer)
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
-            if self._pending_state is not None:
-                self._generator.set_state(self._pending_state)
-                self._pending_state = None
-        return self._generator
-
-    # ------------------------------------------------------- checkpointing
-    def state_dict(self) -> dict:
-        """The sampling generator's state (so a resumed run samples what it would have)."""
-        if self._generator is not None:
-            return {"seed": self.seed, "generator": self._generator.get_state()}
-        return {"seed": self.seed, "generator": self._pending_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed = state.get("seed", self.seed)
-        gen_state = state.get("generator")
-        self._pending_state = None if gen_state is None else gen_state.cpu()
-        self._generator = None  # rebuilt (with this state) on the next rollout
 
     # ------------------------------------------------------------ rollouts
     def _fsdp_modules(self) -> list:

