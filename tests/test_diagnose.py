@@ -120,6 +120,11 @@ def test_tokens_missing_from_the_vocabulary_are_named(capsys):
 def test_unknown_explorer_lists_the_valid_ones(capsys):
     err = run_error(capsys, "diagnose", "rollouts", "model=tiny", "logger=none", "explorers=[temperature,bogus]")
     assert "'bogus'" in err and all(f"'{n}'" in err for n in ("temperature", "ngrpo", "stht", "gumbel", "neighbor"))
+    err = run_error(capsys, "diagnose", "rollouts", "model=tiny", "logger=none", "+explorer_args.ngrpo.rhoo=1")
+    assert "ngrpo" in err and "rhoo" in err and "'rho'" in err  # names the explorer, the bad key and the valid ones
+    err = run_error(capsys, "diagnose", "rollouts", "model=tiny", "logger=none", "explorers=[temperature]",
+                    "+explorer_args.stht.sigma=1")
+    assert "explorer_args.stht" in err and "temperature" in err
 
 
 def test_unknown_mode_and_key_are_refused(capsys):
@@ -158,19 +163,21 @@ def test_drift_command_writes_table_json_plot_and_mlflow_run(tmp_path, capsys):
 def test_rollouts_command_compares_explorers_on_the_same_prompts(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["diagnose", "rollouts", "model=tiny", "logger=none", f"output_dir={out}", "limit=2", "G=3",
-                 "max_new_tokens=6", "explorers=[temperature,ngrpo,stht,gumbel,grpo]"]) == 0
+                 "max_new_tokens=6", "explorers=[temperature,ngrpo,stht,gumbel,grpo,n-gspo]",
+                 "+explorer_args.n-gspo.rho=1.0"]) == 0
     assert "| explorer | Mean@3 | Pass@3 |" in capsys.readouterr().out
     data = json.loads((out / "rollouts.json").read_text())
     results = data["results"]
-    assert list(results) == ["temperature", "ngrpo", "stht", "gumbel", "grpo"]
+    assert list(results) == ["temperature", "ngrpo", "stht", "gumbel", "grpo", "n-gspo"]
     for name, res in results.items():
         m = res["metrics"]
         assert len(res["groups"]) == 2 and all(len(g["responses"]) == 3 for g in res["groups"]), name
         assert 0 <= m["mean@3"] <= m["pass@3"] <= 1 and 0 < m["distinct_1gram"] <= 1 and 0 < m["length"] <= 6, name
         assert 0 <= m["edit_distance_norm"] <= 1 and m["distinct_answers"] <= 3, name
     assert results["temperature"]["metrics"]["mixed_frac"] == 0 and results["stht"]["metrics"]["mixed_frac"] == 1.0
+    assert results["n-gspo"]["metrics"]["mixed_frac"] == 1.0  # explorer_args: neighbor mixing at every step
     # `grpo` is plain sampling too: same prompts, same seed, so the very same responses
     assert results["grpo"]["groups"] == results["temperature"]["groups"]
     assert "NeighborMixingExplorer" in data["explorers"]["ngrpo"] and "GaussianNoiseExplorer" in data["explorers"]["stht"]
-    assert (out / "rollouts.md").read_text().count("\n") == 2 + 5
+    assert (out / "rollouts.md").read_text().count("\n") == 2 + 6
     assert (out / "rollouts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

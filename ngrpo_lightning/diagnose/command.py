@@ -163,7 +163,7 @@ def run_rollouts_command(cfg) -> dict:
     """``ngrpo diagnose rollouts``: returns a summary with a ``text`` field."""
     from omegaconf import OmegaConf
 
-    from ..build import build_explorer
+    from ..build import ConfigError, build_explorer
     from ..eval_command import build_eval_sets, load_eval_policy
     from ..evaluate import RewardCache
     from ..rollout import HFEngine
@@ -173,7 +173,13 @@ def run_rollouts_command(cfg) -> dict:
     G, max_new = _check_int(cfg, "G"), _check_int(cfg, "max_new_tokens")
     batch_size = _check_int(cfg, "batch_size")
     names = list(cfg.explorers) if OmegaConf.is_list(cfg.explorers) else cfg.explorers
-    explorers = [(name, build_explorer(c)) for name, c in resolve_explorers(names)]  # errors before model loading
+    args = OmegaConf.to_container(cfg.explorer_args, resolve=True) if cfg.get("explorer_args") else {}
+    explorers = []
+    for name, c in resolve_explorers(names, args):  # errors before model loading
+        try:
+            explorers.append((name, build_explorer(c)))
+        except ConfigError as err:
+            raise ConfigError(f"explorers: {name}: {err}") from err
     (ev,) = build_eval_sets(cfg)
     policy, tokenizer = load_eval_policy(cfg)
     items = _prompt_items(ev, tokenizer)

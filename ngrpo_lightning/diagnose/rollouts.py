@@ -4,7 +4,8 @@ Explorer names are those of the training configs: an ``experiment`` option that 
 explorer (``grpo`` -> plain sampling, ``ngrpo`` -> neighbor mixing, ``stht`` -> Gaussian noise,
 ``gumbel`` -> Gumbel soft thinking, ...) or an ``explorer`` option itself (``temperature``,
 ``neighbor``, ``gaussian``, ``gumbel``). Each is built from exactly the settings
-``ngrpo train experiment=<name>`` / ``explorer=<name>`` would use.
+``ngrpo train experiment=<name>`` / ``explorer=<name>`` would use, changed only where
+``explorer_args`` says so (``+explorer_args.ngrpo.rho=1.0``).
 
 Per explorer, over all groups of G responses to one prompt:
 
@@ -22,7 +23,7 @@ Per explorer, over all groups of G responses to one prompt:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,9 +37,10 @@ def explorer_choices() -> list[str]:
     return sorted((set(group_options("explorer")) - {"custom"}) | set(group_options("experiment")))
 
 
-def resolve_explorers(names: Sequence[str]) -> list[tuple[str, dict]]:
-    """``[(name, explorer config)]`` for each name, from the training configs; an unknown name
-    raises :class:`~ngrpo_lightning.build.ConfigError` listing the valid ones."""
+def resolve_explorers(names: Sequence[str], args: Mapping[str, Mapping] | None = None) -> list[tuple[str, dict]]:
+    """``[(name, explorer config)]`` for each name, from the training configs, with
+    ``args[name]`` merged in; an unknown name raises
+    :class:`~ngrpo_lightning.build.ConfigError` listing the valid ones."""
     from omegaconf import OmegaConf
 
     from ..build import ConfigError
@@ -54,11 +56,15 @@ def resolve_explorers(names: Sequence[str]) -> list[tuple[str, dict]]:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"explorers: {twice[0]!r} is listed twice")
+    args = dict(args or {})
+    stray = sorted(set(args) - set(names))
+    if stray:
+        raise ConfigError(f"explorer_args.{stray[0]}: {stray[0]!r} is not in explorers={names}")
     out = []
     for name in names:
         group = "experiment" if name in group_options("experiment") else "explorer"
         cfg = compose([f"{group}={name}", "logger=none"])
-        out.append((name, OmegaConf.to_container(cfg.explorer, resolve=True)))
+        out.append((name, {**OmegaConf.to_container(cfg.explorer, resolve=True), **dict(args.get(name) or {})}))
     return out
 
 
