@@ -4,6 +4,8 @@
     ngrpo train --help              list the config groups and their options
     ngrpo config [key=value ...]    print the composed config and exit
     ngrpo eval [key=value ...]      pass@k evaluation (conf/eval.yaml; see docs/evaluation.md)
+    ngrpo diagnose drift|rollouts [key=value ...]
+                                    semantic-drift pilot / explorers side by side (docs/diagnostics.md)
 
 Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
 objective, trainer, logger, experiment). Errors in the config print one clear line that
@@ -158,11 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("-h", "--help", action="store_true")
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
     args = parser.parse_args(argv)
-    if args.help:
-        print(f"usage: ngrpo {args.command} [group=option ...] [key=value ...]\n")
+    if args.help or (args.command == "diagnose" and args.mode is None):
+        mode = " {drift,rollouts}" if args.command == "diagnose" else ""
+        print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
         print_groups()
-        return 0
+        return 0 if args.help else 2
     from .build import ConfigError
 
     try:
@@ -170,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             from .eval_command import compose_eval, run_eval
 
             print(run_eval(compose_eval(args.overrides))["text"])
+            return 0
+        if args.command == "diagnose":
+            from .diagnose.command import run_diagnose
+
+            print(run_diagnose(args.mode, args.overrides)["text"])
             return 0
         cfg = compose(args.overrides)
         if args.command == "config":

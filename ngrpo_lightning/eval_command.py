@@ -33,8 +33,9 @@ def normalize_eval_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_eval(overrides: list[str]):
-    """Compose ``conf/eval.yaml`` with its groups (model, data, logger) and the overrides."""
+def compose_eval(overrides: list[str], config_name: str = "eval"):
+    """Compose ``conf/<config_name>.yaml`` (``eval``; ``diagnose`` shares the layout) with its
+    groups (model, data, logger) and the overrides."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -46,7 +47,7 @@ def compose_eval(overrides: list[str]):
     overrides = normalize_eval_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name="eval", overrides=overrides)
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         msg = str(err).strip().splitlines()[0]
@@ -56,7 +57,7 @@ def compose_eval(overrides: list[str]):
             m = re.search(r"Could not override '([^']+)'", str(err)) or re.search(r"Key '([^']+)' is not in struct", str(err))
             if m:
                 with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-                    base = hydra_compose(config_name="eval", overrides=[o for o in overrides if o.split("=", 1)[0] in _EVAL_GROUPS])
+                    base = hydra_compose(config_name=config_name, overrides=[o for o in overrides if o.split("=", 1)[0] in _EVAL_GROUPS])
                 parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
                 node = OmegaConf.select(base, parent) if parent else base
                 msg = f"unknown config key {m.group(1)!r}; valid keys{' of ' + parent if parent else ''}: {sorted(node.keys())}"
