@@ -105,8 +105,9 @@ class PassAtK(L.Callback):
 
         datamodule = getattr(trainer, "datamodule", None)
         engine = getattr(datamodule, "engine", None)
-        if engine is not None and not isinstance(engine, HFEngine):
-            return engine  # an engine with its own weights copy (vLLM), kept in sync by the DataModule
+        if engine is not None and getattr(engine, "needs_sync", False):
+            datamodule.sync_engine()  # an engine with its own weights copy (vLLM): the latest optimizer step's
+            return engine
         if self._engine is None or self._engine.model is not pl_module.policy:
             self._engine = HFEngine(pl_module.policy, pl_module.tokenizer, max_new_tokens=self._max_new(trainer), seed=self.seed)
         return self._engine

@@ -30,6 +30,17 @@ def test_greedy_and_sampling_frequencies():
     assert torch.allclose(torch.bincount(tokens, minlength=3).float() / len(tokens), sharp, atol=0.015)
 
 
+def test_filtered_and_zero_probability_tokens_are_never_sampled():
+    logits = torch.log(torch.tensor([[0.0, 0.45, 0.0, 0.35, 0.2, 0.0]])).repeat(50000, 1)  # zeros first and last
+    gen = torch.Generator().manual_seed(1)
+    tokens = TemperatureExplorer(temperature=1.0).step(logits, gen).tokens
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq[[1, 3, 4]], torch.tensor([0.45, 0.35, 0.2]), atol=0.01)
+    top2 = TemperatureExplorer(temperature=1.0, top_k=2).step(logits, gen).tokens
+    assert set(top2.tolist()) == {1, 3}
+
+
 def test_explorer_step_is_discrete():
     step = TemperatureExplorer().step(torch.randn(4, 10))
     assert step.mixed is None and step.tokens.shape == (4,)

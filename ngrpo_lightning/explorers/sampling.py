@@ -35,8 +35,16 @@ def sample_tokens(
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Sample one token per row from ``softmax(filter(logits / temperature))``; greedy if temperature == 0."""
+    """Sample one token per row from ``softmax(filter(logits / temperature))``; greedy if temperature == 0.
+
+    Inverse-CDF sampling with one uniform draw per row: exact, and on CPU about ten times
+    faster than ``torch.multinomial`` at vocabulary sizes (which costs as much as a small
+    model's decoding step)."""
     if temperature == 0.0:
         return logits.argmax(-1)
     probs = filter_logits(logits.float() / temperature, top_k, top_p, min_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(-1)
+    # u in (0, total]: the first index whose cdf reaches u has positive probability (filtered tokens
+    # add zero-width steps to the cdf and are never chosen)
+    u = (1.0 - torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)

@@ -83,7 +83,7 @@ class VLLMEngine(SeededEngine):
         eos = gen_cfg.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_ids = sorted(set(eos) | ({tokenizer.eos_token_id} - {None}))
-        self.asleep = False
+        self.asleep: set[str] = set()  # parts released by LLM.sleep (GPU): "weights", "kv_cache"
         self.needs_sync = True
         self.weights_version = None  # policy version of the weights vLLM holds (None: the files on disk)
 
@@ -121,10 +121,12 @@ class VLLMEngine(SeededEngine):
         self.runner.reload_weights(weights_iterator=((n, t.detach()) for n, t in named_tensors), is_checkpoint_format=True)
         self.weights_version = version
 
-    def _wake(self, tags=None) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags=tags)
-            self.asleep = tags is not None and "kv_cache" not in tags
+    def _wake(self, tags=("weights", "kv_cache")) -> None:
+        """Wake the parts of a sleeping engine that are asleep among ``tags`` (each only once)."""
+        waking = [t for t in tags if t in self.asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep -= set(waking)
 
     # ------------------------------------------------------------ rollouts
     def generate(self, prompts, explorer: Explorer, n: int = 1, max_new_tokens: int | None = None) -> RolloutBatch:
@@ -133,9 +135,9 @@ class VLLMEngine(SeededEngine):
         self._wake()
         max_new = max_new_tokens or self.max_new_tokens
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
-        gen = self.generator("cpu")
         native = type(explorer) is TemperatureExplorer  # plain sampling: vLLM's own sampler
         E = self.embedding()
+        gen = self.generator(E.device)  # the explorer draws on the logits' device
         if not native:
             explorer.set_special_ids(special_token_ids(self.tokenizer, E.shape[0]))
             explorer.prepare(E)
@@ -159,7 +161,7 @@ class VLLMEngine(SeededEngine):
         elapsed = time.perf_counter() - t0
         if self.sleep_enabled:
             self.llm.sleep(level=1)  # weights to CPU, KV cache freed: training gets the memory back
-            self.asleep = True
+            self.asleep = {"weights", "kv_cache"}
         return self._batch(rows, outputs, session, n, elapsed)
 
     def _batch(self, rows, outputs, session: RolloutSession, n: int, elapsed: float) -> RolloutBatch:

@@ -104,14 +104,13 @@ class RolloutSession:
             mixed = self.mixtures.get(req_id)
             if not mixed:
                 continue
+            # this step's inputs are the absolute positions computed .. computed + count - 1; response
+            # token `pos` sits at prompt_len + pos (a decode step: one position; a recompute: many)
             computed = int(batch.num_computed_tokens_cpu[i])
-            count = int(starts[i + 1] - starts[i])
-            prompt_len = runner.requests[req_id].num_prompt_tokens
-            for pos, vector in mixed.items():
-                # response token `pos` sits at absolute position prompt_len + pos; its embedding is
-                # an input when that position is among this step's scheduled tokens
-                offset = prompt_len + pos - computed
-                if 0 <= offset < count:
+            first = computed - runner.requests[req_id].num_prompt_tokens
+            for offset in range(max(0, -first), int(starts[i + 1] - starts[i])):
+                vector = mixed.get(first + offset)
+                if vector is not None:
                     inputs_embeds[int(starts[i]) + offset] = vector
 
 
