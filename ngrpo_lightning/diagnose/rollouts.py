@@ -14,8 +14,7 @@ Per explorer, over all groups of G responses to one prompt:
 * ``distinct_{1..4}gram``: distinct n-grams / n-grams of the group's responses (token ids);
 * ``edit_distance``: mean token-level Levenshtein distance over the group's response pairs,
   and ``edit_distance_norm``: the same divided by the longer response's length (0 = identical,
-  1 = nothing in common). No edit-distance library is a dependency: a plain O(n m) dynamic
-  program on token ids (responses are at most ``max_new_tokens`` long);
+  1 = nothing in common), computed on token ids by rapidfuzz;
 * ``length``: mean response length in tokens, ``truncated_frac``: responses cut at the limit,
   ``mixed_frac``: decoding steps whose next input was not a plain token embedding.
 """
@@ -26,6 +25,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
+from rapidfuzz.distance import Levenshtein
 
 from ..metrics import distinct_ngrams, pass_at_k
 
@@ -69,16 +69,8 @@ def resolve_explorers(names: Sequence[str], args: Mapping[str, Mapping] | None =
 
 
 def edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
-    """Levenshtein distance (insert, delete, substitute: cost 1 each) between two sequences."""
-    if len(a) < len(b):
-        a, b = b, a
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i]
-        for j, y in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
-        prev = cur
-    return prev[-1]
+    """Levenshtein distance (insert, delete, substitute: cost 1 each) between two token sequences."""
+    return Levenshtein.distance(list(a), list(b))
 
 
 def group_metrics(seqs: list[list[int]], correct: list[bool], answers: list) -> dict[str, float]:
