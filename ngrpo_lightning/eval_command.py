@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -105,6 +106,33 @@ def build_eval_sets(cfg) -> list[EvalSet]:
     return [EvalSet(name, problems, **common)]
 
 
+def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
+    """The rollout engine of ``engine=hf|vllm`` for an evaluation of ``policy`` (seeded with
+    ``seed``). vLLM loads the model's directory and then receives the policy's weights (which a
+    checkpoint may have changed)."""
+    from .build import ConfigError
+    from .rollout import HFEngine
+
+    name = cfg.get("engine", "hf")
+    if name == "hf":
+        return HFEngine(policy, tokenizer, max_new_tokens=max_new_tokens, seed=cfg.seed)
+    if name != "vllm":
+        raise ConfigError(f"engine={name!r} is unknown: allowed ['hf', 'vllm']")
+    from .parallel import full_named_tensors
+    from .rollout.vllm_support import VLLMVersionError, check_vllm
+
+    try:
+        check_vllm()
+    except VLLMVersionError as err:
+        raise ConfigError(str(err).replace("rollout.engine=", "engine=")) from err
+    from .rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.for_module(SimpleNamespace(policy=policy, tokenizer=tokenizer), max_new_tokens=max_new_tokens,
+                                   seed=cfg.seed)
+    engine.sync_weights(full_named_tensors(policy))
+    return engine
+
+
 def load_eval_policy(cfg):
     """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name), with
     the policy weights of a Lightning checkpoint (``checkpoint=``, or a ``.ckpt`` as
@@ -192,7 +220,6 @@ def run_eval(cfg) -> dict:
 
     from .build import ConfigError, build_logger
     from .explorers import TemperatureExplorer
-    from .rollout import HFEngine
     from .tracking import flatten
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -203,7 +230,7 @@ def run_eval(cfg) -> dict:
         raise ConfigError(str(err)) from err
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading
     policy, tokenizer = load_eval_policy(cfg)
-    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    engine = build_eval_engine(cfg, policy, tokenizer, cfg.max_new_tokens)
     rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     t0 = time.perf_counter()
     try:
@@ -211,6 +238,7 @@ def run_eval(cfg) -> dict:
                                 rewards=rewards, batch_size=cfg.batch_size, ks=ks, prefix="eval")
     finally:
         rewards.close()
+        engine.close()
     seconds = time.perf_counter() - t0
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

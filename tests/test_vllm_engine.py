@@ -144,3 +144,19 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path):
     assert len(diffs) == 3 and all(m.value < 1e-3 for m in diffs)  # synced after every step: no stale weights
     assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "explore/mixed_frac"))
     assert len(client.get_metric_history(run.info.run_id, "train/tis_weight_mean")) == 3
+
+
+def test_eval_with_vllm_equals_eval_with_hf_engine(tmp_path):
+    """`ngrpo eval engine=vllm` (greedy) extracts the same answers as the default engine."""
+    import json
+
+    from ngrpo_lightning.cli import main
+
+    common = ["data.val_size=6", "n=1", "temperature=0", "max_new_tokens=24", "reward.num_workers=1", "logger=none"]
+    assert main(["eval", *common, f"output_dir={tmp_path}/hf"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "ngrpo_lightning.cli", "eval", *common, "engine=vllm",
+                           f"output_dir={tmp_path}/vllm"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hf, vllm = (json.loads((tmp_path / e / "results.json").read_text())["sets"]["arithmetic"] for e in ("hf", "vllm"))
+    assert [p["answers"] for p in vllm["problems"]] == [p["answers"] for p in hf["problems"]]
+    assert vllm["metrics"] == hf["metrics"]

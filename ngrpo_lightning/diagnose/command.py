@@ -164,9 +164,8 @@ def run_rollouts_command(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from ..build import ConfigError, build_explorer
-    from ..eval_command import build_eval_sets, load_eval_policy
+    from ..eval_command import build_eval_engine, build_eval_sets, load_eval_policy
     from ..evaluate import RewardCache
-    from ..rollout import HFEngine
     from .report import plot_rollouts, rollouts_table, to_jsonable
     from .rollouts import compare_explorers, resolve_explorers
 
@@ -183,13 +182,15 @@ def run_rollouts_command(cfg) -> dict:
     (ev,) = build_eval_sets(cfg)
     policy, tokenizer = load_eval_policy(cfg)
     items = _prompt_items(ev, tokenizer)
+    engine = build_eval_engine(cfg, policy, tokenizer, max_new)
     rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     t0 = time.perf_counter()
     try:
-        results = compare_explorers(lambda: HFEngine(policy, tokenizer, max_new_tokens=max_new, seed=cfg.seed), items,
-                                    explorers, G, max_new, rewards(ev.answer_format), batch_size)
+        results = compare_explorers(lambda: _reseeded(engine, cfg.seed), items, explorers, G, max_new,
+                                    rewards(ev.answer_format), batch_size)
     finally:
         rewards.close()
+        engine.close()
     seconds = time.perf_counter() - t0
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,3 +220,10 @@ def run_diagnose(mode: str, overrides: list[str]) -> dict:
     cfg = compose_diagnose(overrides)
     torch.manual_seed(cfg.seed)
     return run_drift_command(cfg) if mode == "drift" else run_rollouts_command(cfg)
+
+
+def _reseeded(engine, seed: int):
+    """The engine with its sampling generator reset to ``seed``: every explorer starts from the
+    same random state (one engine for all: starting vLLM once per explorer would cost seconds)."""
+    engine.load_state_dict({"seed": seed, "generator": None})
+    return engine
