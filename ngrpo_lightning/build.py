@@ -116,8 +116,9 @@ def engine_kwargs(cfg: DictConfig) -> dict:
     """The engine's settings: ``rollout.vllm.*`` for ``rollout.engine=vllm`` (nulls dropped)."""
     if cfg.rollout.engine != "vllm":
         return {}
-    settings = OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True)
-    return {k: v for k, v in settings.items() if v is not None}
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True).items() if v is not None}
+    settings.setdefault("max_model_len", cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    return settings
 
 
 def check_engine(cfg: DictConfig) -> None:

@@ -128,7 +128,7 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
     from .rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.for_module(SimpleNamespace(policy=policy, tokenizer=tokenizer), max_new_tokens=max_new_tokens,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, max_model_len=cfg.data.get("max_prompt_tokens", 4096) + max_new_tokens)
     engine.sync_weights(full_named_tensors(policy))
     return engine
 
