@@ -8,12 +8,13 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, mlflow_key, plot_pass_at_k, results_table
+from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, plot_pass_at_k, results_table
 
 # ------------------------------------------------------------ ngrpo eval
 _EVAL_GROUPS = ("model", "data", "logger")
@@ -133,6 +134,19 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
     return engine
 
 
+@contextmanager
+def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
+    """``(engine, rewards)`` for sampling and scoring an evaluation (``ngrpo eval``, ``ngrpo
+    diagnose rollouts``); both are closed on exit (verifier processes, vLLM's memory)."""
+    engine = build_eval_engine(cfg, policy, tokenizer, max_new_tokens)
+    rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+    try:
+        yield engine, rewards
+    finally:
+        rewards.close()
+        engine.close()
+
+
 def load_eval_policy(cfg):
     """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name), with
     the policy weights of a Lightning checkpoint (``checkpoint=``, or a ``.ckpt`` as
@@ -218,9 +232,9 @@ def run_eval(cfg) -> dict:
     import lightning as L
     from omegaconf import OmegaConf
 
-    from .build import ConfigError, build_logger
+    from .build import ConfigError
     from .explorers import TemperatureExplorer
-    from .tracking import flatten
+    from .tracking import log_report_run
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
@@ -230,15 +244,10 @@ def run_eval(cfg) -> dict:
         raise ConfigError(str(err)) from err
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading
     policy, tokenizer = load_eval_policy(cfg)
-    engine = build_eval_engine(cfg, policy, tokenizer, cfg.max_new_tokens)
-    rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     t0 = time.perf_counter()
-    try:
+    with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
         results = evaluate_sets(engine, tokenizer, sets, explorer, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
                                 rewards=rewards, batch_size=cfg.batch_size, ks=ks, prefix="eval")
-    finally:
-        rewards.close()
-        engine.close()
     seconds = time.perf_counter() - t0
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,19 +258,10 @@ def run_eval(cfg) -> dict:
     table = results_table(results)
     table_path.write_text(table)
     plot_pass_at_k(results, plot_path, title=f"{cfg.model.name_or_path}: pass@k (n={cfg.n}, T={cfg.temperature:g})")
-    logger = build_logger(cfg)
-    if logger is not None:
-        logger.log_hyperparams(flatten(config))
-        logger.log_metrics({mlflow_key(k): v for k, v in results["metrics"].items()}, step=0)
-        logger.log_metrics({"eval/seconds": seconds}, step=0)
-        for f in (json_path, table_path, plot_path):
-            logger.experiment.log_artifact(logger.run_id, str(f))
-        logger.finalize("success")
+    run_id, run_lines = log_report_run(cfg, {**results["metrics"], "eval/seconds": seconds}, [json_path, table_path, plot_path])
     lines = [f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
              f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.", "", table,
              f"  results: {json_path}", f"  table:   {table_path}", f"  plot:    {plot_path}"]
-    if logger is not None:
-        lines += [f"  MLflow run: {logger.run_id} (experiment {cfg.experiment_name!r})",
-                  f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}"]
-    return {"results": results, "seconds": seconds, "run_id": getattr(logger, "run_id", None), "table": table,
+    lines += run_lines
+    return {"results": results, "seconds": seconds, "run_id": run_id, "table": table,
             "paths": {"json": str(json_path), "table": str(table_path), "plot": str(plot_path)}, "text": "\n".join(lines)}

@@ -26,6 +26,27 @@ def log_config(logger, cfg: DictConfig) -> None:
     logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
 
 
+def log_report_run(cfg: DictConfig, metrics: dict[str, float], files) -> tuple[str | None, list[str]]:
+    """A one-off MLflow run (``ngrpo eval``, ``ngrpo diagnose``): the flat config, ``metrics`` at
+    step 0 (names made MLflow-safe) and ``files`` as artifacts. Returns the run id and the
+    summary lines that say how to open it (None and no lines when logging is off)."""
+    from .build import build_logger
+    from .evaluate import mlflow_key
+
+    logger = build_logger(cfg)
+    if logger is None:
+        return None, []
+    logger.log_hyperparams(flatten(OmegaConf.to_container(cfg, resolve=True)))
+    logger.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=0)
+    for f in files:
+        logger.experiment.log_artifact(logger.run_id, str(f))
+    logger.finalize("success")
+    run_name = cfg.logger.get("run_name")
+    where = f"experiment {cfg.experiment_name!r}" + (f", run {run_name!r}" if run_name else "")
+    return logger.run_id, [f"  MLflow run: {logger.run_id} ({where})",
+                           f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}"]
+
+
 def metric_history(logger, key: str) -> list[float]:
     """Values of one metric of the run, in step order (empty without MLflow)."""
     if logger is None:

@@ -41,28 +41,11 @@ def _prompt_items(ev, tokenizer) -> list[dict]:
 
 def _log_run(cfg, mode: str, metrics: dict[str, float], files: list[Path], seconds: float) -> list[str]:
     """Log config, metrics and files to an MLflow run named after the mode; lines for the summary."""
-    from omegaconf import OmegaConf
-
-    from ..build import build_logger
-    from ..tracking import flatten
+    from ..tracking import log_report_run
 
     if cfg.logger.name == "mlflow" and not cfg.logger.get("run_name"):
         cfg.logger.run_name = mode
-    logger = build_logger(cfg)
-    if logger is None:
-        return []
-    logger.log_hyperparams(flatten(OmegaConf.to_container(cfg, resolve=True)))
-    logger.log_metrics({**metrics, f"{mode}/seconds": seconds}, step=0)
-    for f in files:
-        logger.experiment.log_artifact(logger.run_id, str(f))
-    logger.finalize("success")
-    return [f"  MLflow run: {logger.run_id} (experiment {cfg.experiment_name!r}, run {cfg.logger.run_name!r})",
-            f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}"]
-
-
-def _metric_name(text: str) -> str:
-    """A metric name MLflow accepts (``mean@8`` -> ``mean_at_8``)."""
-    return text.replace("@", "_at_")
+    return log_report_run(cfg, {**metrics, f"{mode}/seconds": seconds}, files)[1]
 
 
 # --------------------------------------------------------------------- drift
@@ -164,8 +147,7 @@ def run_rollouts_command(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from ..build import ConfigError, build_explorer
-    from ..eval_command import build_eval_engine, build_eval_sets, load_eval_policy
-    from ..evaluate import RewardCache
+    from ..eval_command import build_eval_sets, eval_rollouts, load_eval_policy
     from .report import plot_rollouts, rollouts_table, to_jsonable
     from .rollouts import compare_explorers, resolve_explorers
 
@@ -182,15 +164,10 @@ def run_rollouts_command(cfg) -> dict:
     (ev,) = build_eval_sets(cfg)
     policy, tokenizer = load_eval_policy(cfg)
     items = _prompt_items(ev, tokenizer)
-    engine = build_eval_engine(cfg, policy, tokenizer, max_new)
-    rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     t0 = time.perf_counter()
-    try:
+    with eval_rollouts(cfg, policy, tokenizer, max_new) as (engine, rewards):
         results = compare_explorers(lambda: _reseeded(engine, cfg.seed), items, explorers, G, max_new,
                                     rewards(ev.answer_format), batch_size)
-    finally:
-        rewards.close()
-        engine.close()
     seconds = time.perf_counter() - t0
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +179,7 @@ def run_rollouts_command(cfg) -> dict:
     paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
     plot_rollouts(results, G, paths["plot"], title=f"{cfg.model.name_or_path} on {ev.name}: {len(items)} prompts x G={G}, "
                                                    f"at most {max_new} new tokens")
-    metrics = {_metric_name(f"rollouts/{name}/{key}"): v for name, res in results.items() for key, v in res["metrics"].items()}
+    metrics = {f"rollouts/{name}/{key}": v for name, res in results.items() for key, v in res["metrics"].items()}
     lines = [f"Rolled out {len(items)} prompts of {ev.name} x G={G} with {len(explorers)} explorers on "
              f"{cfg.model.name_or_path} in {seconds:.1f} s.", "", table] + [f"  {key}: {p}" for key, p in paths.items()]
     lines += _log_run(cfg, "rollouts", metrics, list(paths.values()), seconds)

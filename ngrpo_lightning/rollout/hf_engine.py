@@ -19,7 +19,7 @@ from ..explorers import Explorer
 from .batch import RolloutBatch
 from .engine import SeededEngine
 from .reconstruction import mixture_embeddings
-from .records import NO_NOISE, InputRecords
+from .records import InputRecords
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +143,7 @@ class HFEngine(SeededEngine):
             alive_cols.append(alive)
             inputs = embedding[token]
             if step.mixed is not None and (m := step.mixed & alive).any():
-                rec = self._record(step, m, t)
+                rec = InputRecords.from_step(step, m, t)
                 inputs = inputs.index_put((rec.row,), mixture_embeddings(embedding, rec))
                 step_records.append(rec)
             done = done | torch.isin(token, eos)
@@ -171,19 +171,4 @@ class HFEngine(SeededEngine):
             response_text=texts,
             truncated=~done,
             stats={"rollout/time_s": elapsed, "rollout/tokens": n_tokens, "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9)},
-        )
-
-    @staticmethod
-    def _record(step, mixed: torch.Tensor, t: int) -> InputRecords:
-        rows = mixed.nonzero().squeeze(-1)
-        m = rows.numel()
-        seed = step.noise_seed[rows] if step.noise_seed is not None else torch.full((m,), NO_NOISE, dtype=torch.long, device=rows.device)
-        scale = step.noise_scale[rows].float() if step.noise_scale is not None else torch.zeros(m, device=rows.device)
-        return InputRecords(
-            row=rows,
-            pos=torch.full((m,), t, dtype=torch.long, device=rows.device),
-            ids=step.ids[rows],
-            weights=step.weights[rows].float(),
-            noise_seed=seed,
-            noise_scale=scale,
         )

@@ -48,6 +48,17 @@ class InputRecords:
             noise_scale=torch.cat([p.noise_scale for p in parts]),
         )
 
+    @classmethod
+    def from_step(cls, step, mixed: torch.Tensor, pos: int) -> "InputRecords":
+        """The records of one decoding step's ``mixed`` rows (an :class:`ExplorerStep`), at
+        response position ``pos``."""
+        rows = mixed.nonzero().squeeze(-1)
+        m = rows.numel()
+        seed = step.noise_seed[rows] if step.noise_seed is not None else torch.full((m,), NO_NOISE, dtype=torch.long, device=rows.device)
+        scale = step.noise_scale[rows].float() if step.noise_scale is not None else torch.zeros(m, device=rows.device)
+        return cls(row=rows, pos=torch.full((m,), pos, dtype=torch.long, device=rows.device), ids=step.ids[rows],
+                   weights=step.weights[rows].float(), noise_seed=seed, noise_scale=scale)
+
     def select_rows(self, rows: torch.Tensor) -> "InputRecords":
         """Records of a subset of batch rows, renumbered to the subset's order."""
         match = self.row[:, None] == rows.to(self.row.device)[None, :]  # [M, R]

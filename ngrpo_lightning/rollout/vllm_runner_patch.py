@@ -29,7 +29,7 @@ import torch
 
 from ..explorers import Explorer
 from .reconstruction import mixture_embeddings
-from .records import NO_NOISE, InputRecords
+from .records import InputRecords
 
 RUNNER_ATTRIBUTES = ("_sample", "_preprocess", "input_batch", "query_start_loc", "discard_request_mask", "requests",
                      "enable_prompt_embeds", "inputs_embeds")
@@ -78,17 +78,11 @@ class RolloutSession:
 
     def _record_mixtures(self, step, req_ids, positions) -> None:
         keep = torch.tensor([p >= 0 for p in positions], dtype=torch.bool, device=step.mixed.device)
-        rows = (step.mixed & keep).nonzero().squeeze(-1)
-        if rows.numel() == 0:
+        rec = InputRecords.from_step(step, step.mixed & keep, 0)  # positions differ per request: kept below
+        if not len(rec):
             return
-        m = rows.numel()
-        rec = InputRecords(
-            row=rows, pos=torch.zeros(m, dtype=torch.long), ids=step.ids[rows], weights=step.weights[rows].float(),
-            noise_seed=step.noise_seed[rows] if step.noise_seed is not None else torch.full((m,), NO_NOISE, dtype=torch.long),
-            noise_scale=step.noise_scale[rows].float() if step.noise_scale is not None else torch.zeros(m),
-        )
         vectors = mixture_embeddings(self.embedding, rec)
-        for j, row in enumerate(rows.tolist()):
+        for j, row in enumerate(rec.row.tolist()):
             req_id, pos = req_ids[row], positions[row]
             self.mixtures.setdefault(req_id, {})[pos] = vectors[j]
             self.records.setdefault(req_id, []).append(
