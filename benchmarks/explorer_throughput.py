@@ -29,8 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ngrpo_lightning.explorers import (GaussianNoiseExplorer, GumbelSoftExplorer, NeighborIndex, NeighborMixingExplorer,
-                                       TemperatureExplorer)
+from ngrpo_lightning.explorers import (
+    GaussianNoiseExplorer,
+    GumbelSoftExplorer,
+    NeighborIndex,
+    NeighborMixingExplorer,
+    TemperatureExplorer,
+)
 
 EXPLORERS = {
     "temperature": lambda: TemperatureExplorer(temperature=1.0),
@@ -40,22 +45,38 @@ EXPLORERS = {
     "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5, rho=1.0),
     "gumbel": lambda: GumbelSoftExplorer(top_k=5, tau=0.5),
 }
-QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "What is 12 - 9?", "What is 81 / 9?",
-             "What is 15 + 27?", "What is 6 * 7?", "What is 100 - 37?", "What is 2 ** 5?"]
+QUESTIONS = [
+    "What is 7 + 5?",
+    "What is 3 * 4?",
+    "What is 12 - 9?",
+    "What is 81 / 9?",
+    "What is 15 + 27?",
+    "What is 6 * 7?",
+    "What is 100 - 37?",
+    "What is 2 ** 5?",
+]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path (default: the packaged SmolLM2)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model name or path (default: the packaged SmolLM2)"
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--explorers", nargs="+", default=list(EXPLORERS), choices=list(EXPLORERS))
-    p.add_argument("--index-vocab", type=int, default=152064, help="rows of the random matrix (0 = skip the index benchmark)")
+    p.add_argument(
+        "--index-vocab", type=int, default=152064, help="rows of the random matrix (0 = skip the index benchmark)"
+    )
     p.add_argument("--index-dim", type=int, default=1536)
     p.add_argument("--index-metrics", nargs="+", default=["cosine", "l2", "l1"])
-    p.add_argument("--precompute-sample", type=int, default=256, help="anchors searched to extrapolate a full precompute")
+    p.add_argument(
+        "--precompute-sample", type=int, default=256, help="anchors searched to extrapolate a full precompute"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--skip-rollouts", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "explorer_throughput.json"))
@@ -71,7 +92,10 @@ def bench_rollouts(args) -> list[dict]:
     model, tok = load_policy(args.model, dtype=args.dtype)
     rows = []
     for batch in args.batch_sizes:
-        prompts = [tok(render_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), add_special_tokens=False)["input_ids"] for i in range(batch)]
+        prompts = [
+            tok(render_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), add_special_tokens=False)["input_ids"]
+            for i in range(batch)
+        ]
         engine = HFEngine(model, tok, max_new_tokens=args.new_tokens, seed=0)
         engine.eos_ids = []  # decode exactly batch x new_tokens for every explorer
         persistent = {name: EXPLORERS[name]() for name in args.explorers if name != "neighbor-cold"}
@@ -91,15 +115,28 @@ def bench_rollouts(args) -> list[dict]:
                 runs[name].append(out.stats["rollout/tokens_per_s"])
                 cpu_runs[name].append(tokens / max(time.process_time() - cpu0, 1e-9))
                 mixed[name] = len(out.records) / max(tokens, 1)
-                print(f"  batch {batch:>3} repeat {r + 1}/{args.repeats} {name:<14} {runs[name][-1]:8.1f} tok/s "
-                      f"{cpu_runs[name][-1]:8.1f} tok/cpu-s", flush=True)
+                print(
+                    f"  batch {batch:>3} repeat {r + 1}/{args.repeats} {name:<14} {runs[name][-1]:8.1f} tok/s "
+                    f"{cpu_runs[name][-1]:8.1f} tok/cpu-s",
+                    flush=True,
+                )
         base = statistics.median(runs["temperature"]) if "temperature" in runs else None
         cpu_base = statistics.median(cpu_runs["temperature"]) if "temperature" in runs else None
         for name, tps in runs.items():
             med, cpu = statistics.median(tps), statistics.median(cpu_runs[name])
-            rows.append({"batch": batch, "explorer": name, "tokens_per_s": med, "runs": tps, "mixed_frac": mixed[name],
-                         "relative": med / base if base else None, "tokens_per_cpu_s": cpu, "cpu_runs": cpu_runs[name],
-                         "relative_cpu": cpu / cpu_base if cpu_base else None})
+            rows.append(
+                {
+                    "batch": batch,
+                    "explorer": name,
+                    "tokens_per_s": med,
+                    "runs": tps,
+                    "mixed_frac": mixed[name],
+                    "relative": med / base if base else None,
+                    "tokens_per_cpu_s": cpu,
+                    "cpu_runs": cpu_runs[name],
+                    "relative_cpu": cpu / cpu_base if cpu_base else None,
+                }
+            )
     return rows
 
 
@@ -143,21 +180,30 @@ def bench_index(args) -> list[dict]:
 def report(rollouts, index, args) -> str:
     lines = []
     if rollouts:
-        lines += [f"Rollout throughput ({args.model}, {args.dtype}, {args.new_tokens} new tokens, EOS ignored, "
-                  f"median of {args.repeats}, torch threads {torch.get_num_threads()})",
-                  f"{'batch':>5}  {'explorer':<14} {'tok/s':>8} {'relative':>9}  {'tok/cpu-s':>9} {'relative':>9}  {'mixed frac':>10}"]
+        lines += [
+            f"Rollout throughput ({args.model}, {args.dtype}, {args.new_tokens} new tokens, EOS ignored, "
+            f"median of {args.repeats}, torch threads {torch.get_num_threads()})",
+            f"{'batch':>5}  {'explorer':<14} {'tok/s':>8} {'relative':>9}  "
+            f"{'tok/cpu-s':>9} {'relative':>9}  {'mixed frac':>10}",
+        ]
         for r in rollouts:
             rel = f"{r['relative']:.3f}x" if r["relative"] else "-"
             rel_cpu = f"{r['relative_cpu']:.3f}x" if r["relative_cpu"] else "-"
-            lines.append(f"{r['batch']:>5}  {r['explorer']:<14} {r['tokens_per_s']:8.1f} {rel:>9}  {r['tokens_per_cpu_s']:9.1f} "
-                         f"{rel_cpu:>9}  {r['mixed_frac']:10.3f}")
+            lines.append(
+                f"{r['batch']:>5}  {r['explorer']:<14} {r['tokens_per_s']:8.1f} {rel:>9}  {r['tokens_per_cpu_s']:9.1f} "
+                f"{rel_cpu:>9}  {r['mixed_frac']:10.3f}"
+            )
     if index:
         v, d = index[0]["vocab"], index[0]["dim"]
         lines += ["", f"Neighbor index on a random {v} x {d} fp32 matrix (k=3: 2 neighbors; times in ms)"]
-        head = f"{'metric':<7} {'build':>8}" + "".join(f" {'search B=' + str(b):>13} {'cached B=' + str(b):>13}" for b in args.batch_sizes)
+        head = f"{'metric':<7} {'build':>8}" + "".join(
+            f" {'search B=' + str(b):>13} {'cached B=' + str(b):>13}" for b in args.batch_sizes
+        )
         lines += [head + f" {'full precompute (est.)':>23}"]
         for r in index:
-            cells = "".join(f" {1e3 * r[f'search_b{b}_s']:13.1f} {1e3 * r[f'cached_b{b}_s']:13.3f}" for b in args.batch_sizes)
+            cells = "".join(
+                f" {1e3 * r[f'search_b{b}_s']:13.1f} {1e3 * r[f'cached_b{b}_s']:13.3f}" for b in args.batch_sizes
+            )
             pre = f"{r['precompute_est_s']:.0f} s" if "precompute_est_s" in r else "-"
             lines.append(f"{r['metric']:<7} {1e3 * r['build_s']:8.1f}{cells} {pre:>23}")
     return "\n".join(lines)
@@ -171,9 +217,13 @@ def main(argv=None) -> dict:
     index = bench_index(args) if args.index_vocab else []
     text = report(rollouts, index, args)
     print("\n" + text)
-    result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                              "threads": torch.get_num_threads()},
-              "rollouts": rollouts, "index": index, "table": text}
+    result = {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "rollouts": rollouts,
+        "index": index,
+        "table": text,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -1,4 +1,8 @@
-"""Lightning callbacks of ngrpo-lightning: sample tables, the replay buffer, Pass@k evaluation."""
+"""Lightning callbacks of ngrpo-lightning: sample tables, the replay buffer, Pass@k evaluation.
+
+The source folder is the top-level `callbacks/`; it installs (and imports) as
+`ngrpo_lightning.callbacks`, the one import path: `from ngrpo_lightning.callbacks import PassAtK`.
+"""
 
 from .pass_at_k import PassAtK
 from .replay_buffer import ReplayBuffer

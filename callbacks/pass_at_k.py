@@ -5,7 +5,11 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from ngrpo_lightning.evaluate import RewardCache, as_eval_sets, check_ks, evaluate_sets, log_artifacts, mlflow_key
+from ..checks import check_number
+from ..evaluate import RewardCache, as_eval_sets, check_ks, evaluate_sets, log_artifacts
+from ..explorers import TemperatureExplorer
+from ..rollout import HFEngine
+from ..tracking import mlflow_key
 
 
 class PassAtK(L.Callback):
@@ -41,19 +45,28 @@ class PassAtK(L.Callback):
         seed: sampling seed of the evaluation engine.
     """
 
-    def __init__(self, datasets, n: int = 8, every_n_steps: int = 0, at_fit_end: bool = True,
-                 temperature: float = 0.6, top_p: float = 0.95, top_k: int = 0, max_new_tokens: int | None = None,
-                 batch_size: int = 8, ks=None, reward=None, prefix: str = "val", seed: int = 1234,
-                 log_artifacts: bool = True):
-        from ngrpo_lightning.explorers import TemperatureExplorer
-
+    def __init__(
+        self,
+        datasets,
+        n: int = 8,
+        every_n_steps: int = 0,
+        at_fit_end: bool = True,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        batch_size: int = 8,
+        ks=None,
+        reward=None,
+        prefix: str = "val",
+        seed: int = 1234,
+        log_artifacts: bool = True,
+    ):
         self.sets = as_eval_sets(datasets)
         if not self.sets or any(not s.problems for s in self.sets):
             raise ValueError("PassAtK needs at least one evaluation set with problems")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        check_number("pass_at_k.every_n_steps", every_n_steps, 0, integer=True)
+        check_number("pass_at_k.batch_size", batch_size, 1, integer=True)
         self.n, self.ks = n, check_ks(ks, n)
         self.explorer = TemperatureExplorer(temperature=temperature, top_k=top_k, top_p=top_p)
         self.every_n_steps, self.at_fit_end = every_n_steps, at_fit_end
@@ -96,20 +109,24 @@ class PassAtK(L.Callback):
         if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
             return True
         max_epochs = trainer.max_epochs
-        return bool(trainer.is_last_batch and max_epochs is not None and max_epochs > 0
-                    and trainer.current_epoch + 1 >= max_epochs)
+        return bool(
+            trainer.is_last_batch
+            and max_epochs is not None
+            and max_epochs > 0
+            and trainer.current_epoch + 1 >= max_epochs
+        )
 
     # ------------------------------------------------------------ evaluation
     def _engine_for(self, trainer: L.Trainer, pl_module):
-        from ngrpo_lightning.rollout import HFEngine
-
         datamodule = getattr(trainer, "datamodule", None)
         engine = getattr(datamodule, "engine", None)
         if engine is not None and getattr(engine, "needs_sync", False):
             datamodule.sync_engine()  # an engine with its own weights copy (vLLM): the latest optimizer step's
             return engine
         if self._engine is None or self._engine.model is not pl_module.policy:
-            self._engine = HFEngine(pl_module.policy, pl_module.tokenizer, max_new_tokens=self._max_new(trainer), seed=self.seed)
+            self._engine = HFEngine(
+                pl_module.policy, pl_module.tokenizer, max_new_tokens=self._max_new(trainer), seed=self.seed
+            )
         return self._engine
 
     def _max_new(self, trainer: L.Trainer) -> int:
@@ -118,13 +135,26 @@ class PassAtK(L.Callback):
     def evaluate(self, trainer: L.Trainer, pl_module, log_to_module: bool = True) -> dict:
         """Evaluate now and log; returns the results (see :func:`~ngrpo_lightning.evaluate.evaluate_sets`)."""
         if self._rewards is None:
-            self._rewards = RewardCache(default=self.reward if self.reward is not None else getattr(pl_module, "reward", None))
+            self._rewards = RewardCache(
+                default=self.reward if self.reward is not None else getattr(pl_module, "reward", None)
+            )
         datamodule = getattr(trainer, "datamodule", None)
         results = evaluate_sets(
-            self._engine_for(trainer, pl_module), pl_module.tokenizer, self.sets, self.explorer, n=self.n,
-            max_new_tokens=self._max_new(trainer), rewards=self._rewards, batch_size=self.batch_size, ks=self.ks,
-            prefix=self.prefix, rank=trainer.global_rank, world_size=trainer.world_size,
-            prompt_defaults=getattr(datamodule, "prompt_kwargs", None), device=pl_module.device)
+            self._engine_for(trainer, pl_module),
+            pl_module.tokenizer,
+            self.sets,
+            self.explorer,
+            n=self.n,
+            max_new_tokens=self._max_new(trainer),
+            rewards=self._rewards,
+            batch_size=self.batch_size,
+            ks=self.ks,
+            prefix=self.prefix,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            prompt_defaults=getattr(datamodule, "prompt_kwargs", None),
+            device=pl_module.device,
+        )
         step = trainer.global_step
         metrics = results["metrics"]
         if log_to_module:

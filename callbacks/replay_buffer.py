@@ -1,24 +1,23 @@
-"""ReplayBuffer: several optimizer updates per batch of rollouts, and replay of past successes.
+"""ReplayBuffer: replay of past successes into groups whose fresh rollouts are all wrong.
 
-Attach it to the Trainer; :class:`~ngrpo_lightning.module.RLModule` finds it (it is an
-:class:`~ngrpo_lightning.updates.UpdatePlanner`) and asks it, every training step, to
+Attach it to the Trainer (``ngrpo train`` does when ``replay.capacity`` > 0);
+:class:`~ngrpo_lightning.module.RLModule` finds it (it is a
+:class:`~ngrpo_lightning.updates.StepHook`) and calls it every training step:
 
 1. ``mix_in``: for each group whose G fresh rollouts are all wrong, substitute a stored
    success of the same prompt (from at most ``max_staleness`` steps ago) for the group's
    last rollout. The group's advantages are then computed as usual, over the G rewards
    with the success among them: the success gets a positive advantage, the fresh
    failures negative ones, where the all-wrong group had none at all;
-2. ``plan_updates``: serve ``ppo_epochs x num_mini_batches`` optimizer updates from the
-   step's rollouts: each epoch shuffles the rows and splits them into
-   ``num_mini_batches`` mini-batches. The first update sees ratios of exactly 1; later
-   ones see the policy move, so the clip acts. A replayed row's advantage is scaled by
-   its capped importance weight ``min(exp(mean_t(logp - stored_old_logp)), is_cap)``
+2. ``weigh``: a replayed row's advantage is scaled by its capped importance weight
+   ``min(exp(mean_t(logp - stored_old_logp)), is_cap)``
    (see :mod:`ngrpo_lightning.objectives.importance`).
 
 After the step (``on_train_batch_end``) it stores the step's fresh successes, one per
 prompt (the latest), with their old log-probs, and forgets entries too stale to be used
-or beyond ``capacity``. Its state (stored trajectories, step count, shuffling RNG) is
-saved in and restored from Lightning checkpoints.
+or beyond ``capacity``. Its state (stored trajectories, step count) is saved in and
+restored from Lightning checkpoints. Several updates per step (``train.ppo_epochs``,
+``train.num_mini_batches``) are the module's :class:`~ngrpo_lightning.planning.UpdatePlan`.
 """
 
 from __future__ import annotations
@@ -28,47 +27,35 @@ from dataclasses import replace
 import lightning as L
 import torch
 
-from ngrpo_lightning.objectives import sequence_importance_weight
-from ngrpo_lightning.rollout.batch import RolloutBatch
-from ngrpo_lightning.rollout.records import InputRecords
-from ngrpo_lightning.updates import StepRollouts, UpdatePlanner
-
-_RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")
-
-
-def _positive_int(key: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{key}={value!r} must be an integer >= {low}")
-    return value
+from ..objectives import sequence_importance_weight
+from ..rollout.batch import RolloutBatch
+from ..rollout.records import RECORD_FIELDS, InputRecords
+from ..settings import ReplayConfig
+from ..updates import StepHook, StepRollouts
 
 
-class ReplayBuffer(L.Callback, UpdatePlanner):
-    """Serve several updates per step and replay past successful trajectories.
+class ReplayBuffer(L.Callback, StepHook):
+    """Replay past successful trajectories into all-wrong groups.
 
     Args:
-        ppo_epochs: passes over each step's rollouts (``train.ppo_epochs``).
-        num_mini_batches: optimizer updates per pass (``train.num_mini_batches``); a
-            step makes ``ppo_epochs * num_mini_batches`` optimizer steps.
         capacity: prompts whose latest success is kept for replay (``replay.capacity``;
             0 = no replay).
         max_staleness: a stored success is replayed at most this many steps (rollout
             batches) after it was sampled (``replay.max_staleness``).
         is_cap: cap of a replayed trajectory's importance weight (``replay.is_cap``).
         success_threshold: a rollout with reward >= this is a success.
-        seed: seed of the mini-batch shuffling.
     """
 
-    def __init__(self, ppo_epochs: int = 1, num_mini_batches: int = 1, capacity: int = 0, max_staleness: int = 4,
-                 is_cap: float = 2.0, success_threshold: float = 0.5, seed: int = 0):
-        self.ppo_epochs = _positive_int("train.ppo_epochs", ppo_epochs, 1)
-        self.num_mini_batches = _positive_int("train.num_mini_batches", num_mini_batches, 1)
-        self.capacity = _positive_int("replay.capacity", capacity, 0)
-        self.max_staleness = _positive_int("replay.max_staleness", max_staleness, 1)
-        if not is_cap or is_cap < 1.0:
-            raise ValueError(f"replay.is_cap={is_cap!r} must be >= 1")
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int = ReplayConfig.max_staleness,
+        is_cap: float = ReplayConfig.is_cap,
+        success_threshold: float = 0.5,
+    ):
+        ReplayConfig(capacity=capacity, max_staleness=max_staleness, is_cap=is_cap)  # checks each value, names its key
+        self.capacity, self.max_staleness = capacity, max_staleness
         self.is_cap, self.success_threshold = float(is_cap), float(success_threshold)
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
         self.entries: dict[str, dict] = {}  # problem id -> its latest stored success (oldest first)
         self.steps_seen = 0  # training steps completed; the current step's index while one runs
 
@@ -95,26 +82,19 @@ class ReplayBuffer(L.Callback, UpdatePlanner):
         mixed.stats = dict(step.stats)
         return mixed
 
-    def plan_updates(self, step: StepRollouts) -> list[StepRollouts]:
-        """``ppo_epochs x num_mini_batches`` mini-batches of shuffled rows (replayed rows'
-        advantages importance-weighted)."""
-        if step.replayed.any():
-            weight = sequence_importance_weight(step.old_logp, step.behaviour_logp, step.batch.response_mask, self.is_cap)
-            weight = torch.where(step.replayed, weight, torch.ones_like(weight))
-            step.stats["replay/is_weight_mean"] = float(weight[step.replayed].mean())
-            step = replace(step, advantages=step.advantages * weight)
-        n = len(step)
-        splits = min(self.num_mini_batches, n)
-        if self.ppo_epochs == 1 and splits == 1:
-            return [step]
-        updates = []
-        for _ in range(self.ppo_epochs):
-            order = torch.randperm(n, generator=self.generator) if splits > 1 else torch.arange(n)
-            updates += [step.select(rows.sort().values) for rows in order.tensor_split(splits)]
-        return updates
+    def weigh(self, step: StepRollouts) -> StepRollouts:
+        """Scale replayed rows' advantages by their capped importance weights."""
+        if not step.replayed.any():
+            return step
+        weight = sequence_importance_weight(step.old_logp, step.behaviour_logp, step.batch.response_mask, self.is_cap)
+        weight = torch.where(step.replayed, weight, torch.ones_like(weight))
+        step.stats["replay/is_weight_mean"] = float(weight[step.replayed].mean())
+        return replace(step, advantages=step.advantages * weight)
 
     # ---------------------------------------------------------- Lightning
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         """Remember the step's fresh successes and forget what can no longer be replayed."""
         step = outputs.get("rollouts") if isinstance(outputs, dict) else None
         if self.capacity and isinstance(step, StepRollouts) and step.batch.problem_ids:
@@ -126,12 +106,10 @@ class ReplayBuffer(L.Callback, UpdatePlanner):
             del self.entries[next(iter(self.entries))]
 
     def state_dict(self) -> dict:
-        return {"steps_seen": self.steps_seen, "generator": self.generator.get_state(),
-                "entries": [dict(e) for e in self.entries.values()]}
+        return {"steps_seen": self.steps_seen, "entries": [dict(e) for e in self.entries.values()]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.steps_seen = int(state_dict["steps_seen"])
-        self.generator.set_state(state_dict["generator"])
         self.entries = {e["problem_id"]: dict(e) for e in state_dict["entries"]}
 
     # -------------------------------------------------------------- storage
@@ -160,7 +138,7 @@ class ReplayBuffer(L.Callback, UpdatePlanner):
             "response_ids": b.response_ids[row, :length].cpu().clone(),
             "rollout_logprobs": b.rollout_logprobs[row, :length].cpu().clone(),
             "old_logp": step.old_logp[row, :length].detach().cpu().clone(),
-            "records": {k: getattr(rec, k)[mine].cpu().clone() for k in _RECORD_FIELDS},
+            "records": {k: getattr(rec, k)[mine].cpu().clone() for k in RECORD_FIELDS},
             "answer": b.answers[row] if b.answers else "",
             "response_text": b.response_text[row] if b.response_text else "",
             "truncated": bool(b.truncated[row]) if b.truncated is not None else False,
@@ -180,17 +158,26 @@ class ReplayBuffer(L.Callback, UpdatePlanner):
         rollout_logp, old_logp = torch.zeros(n, width_l), torch.zeros(n, width_l)
         for i, e in enumerate(entries):
             p, r = len(e["prompt_ids"]), len(e["response_ids"])
-            prompt_ids[i, width_p - p:], prompt_mask[i, width_p - p:] = e["prompt_ids"], 1
+            prompt_ids[i, width_p - p :], prompt_mask[i, width_p - p :] = e["prompt_ids"], 1
             response_ids[i, :r], response_mask[i, :r] = e["response_ids"], 1
             rollout_logp[i, :r], old_logp[i, :r] = e["rollout_logprobs"], e["old_logp"]
-        records = InputRecords.concat([
-            InputRecords(row=torch.full_like(e["records"]["pos"], i), **e["records"]) for i, e in enumerate(entries)
-        ])
+        records = InputRecords.concat(
+            [InputRecords(row=torch.full_like(e["records"]["pos"], i), **e["records"]) for i, e in enumerate(entries)]
+        )
         batch = RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            rollout_logprobs=rollout_logp, records=records, group_size=like.group_size,
-            answers=[e["answer"] for e in entries], problem_ids=[e["problem_id"] for e in entries],
-            response_text=[e["response_text"] for e in entries], truncated=torch.tensor([e["truncated"] for e in entries]),
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            rollout_logprobs=rollout_logp,
+            records=records,
+            group_size=like.group_size,
+            answers=[e["answer"] for e in entries],
+            problem_ids=[e["problem_id"] for e in entries],
+            response_text=[e["response_text"] for e in entries],
+            truncated=torch.tensor([e["truncated"] for e in entries]),
         ).to(device)
         rewards = torch.tensor([e["reward"] for e in entries], device=device, dtype=like.rewards.dtype)
-        return StepRollouts(batch, rewards, torch.ones(n, dtype=torch.bool, device=device), old_logp.to(device), pad_id=pad)
+        return StepRollouts(
+            batch, rewards, torch.ones(n, dtype=torch.bool, device=device), old_logp.to(device), pad_id=pad
+        )

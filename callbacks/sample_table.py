@@ -39,7 +39,7 @@ class RolloutSamplesLogger(L.Callback):
         table = {
             "step": [step] * len(rows),
             "problem_id": [batch.problem_ids[i] if batch.problem_ids else "" for i in rows],
-            "prompt": [p[-self.max_chars:] for p in prompts],
+            "prompt": [p[-self.max_chars :] for p in prompts],
             "response": [batch.response_text[i][: self.max_chars] for i in rows],
             "gold": [batch.answers[i] if batch.answers else "" for i in rows],
             "reward": [float(outputs["rewards"][i]) for i in rows],

@@ -1,19 +1,30 @@
-"""What a checkpoint holds beyond Lightning's own state: RNG states and the run's config check."""
+"""Checkpoints of a run: where they go and when (``checkpoint.*``), resuming (``resume=``), and
+what a checkpoint holds beyond Lightning's own state: RNG states and the run's config check."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import lightning as L
+import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError
 
 
 def rng_states() -> dict:
     """Python, NumPy, torch (and CUDA) RNG states of this process."""
-    import numpy as np
-
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}  # tensors and scalars: loadable with weights_only
+    numpy_state = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }  # tensors and scalars: loadable with weights_only
     states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -21,8 +32,6 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict) -> None:
-    import numpy as np
-
     if "python" in states:
         random.setstate(states["python"])
     if "numpy" in states:
@@ -35,9 +44,21 @@ def set_rng_states(states: dict) -> None:
 
 
 # config keys that may change between a run and its resumption
-RESUMABLE_KEYS = ("resume", "output_dir", "logger", "validate_before_fit", "checkpoint", "trainer.max_steps",
-                  "trainer.max_epochs", "trainer.enable_progress_bar", "trainer.val_check_interval", "trainer.log_every_n_steps",
-                  "reward.num_workers", "reward.timeout_s", "experiment_name")
+RESUMABLE_KEYS = (
+    "resume",
+    "output_dir",
+    "logger",
+    "validate_before_fit",
+    "checkpoint",
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.enable_progress_bar",
+    "trainer.val_check_interval",
+    "trainer.log_every_n_steps",
+    "reward.num_workers",
+    "reward.timeout_s",
+    "experiment_name",
+)
 
 
 def config_mismatch(saved: dict, current: dict, prefix: str = "") -> str | None:
@@ -54,3 +75,112 @@ def config_mismatch(saved: dict, current: dict, prefix: str = "") -> str | None:
         elif a != b:
             return f"{name} differs: the checkpoint has {a!r}, this run has {b!r}"
     return None
+
+
+# ---------------------------------------------------------------- run checkpoints
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints"
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also checkpoints the final step when training ends
+    (``max_steps`` is rarely a multiple of ``every_n_train_steps``): a step checkpoint that
+    ``last`` links to, or ``last`` itself when no step checkpoints are kept."""
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        # Lightning sends a step's metrics to the loggers after on_train_batch_end: a process
+        # killed right after this checkpoint would lose them (the resumed run starts after
+        # the step). Send them first; the loop's own send of the same step is then dropped.
+        every = self._every_n_train_steps
+        if (
+            every
+            and trainer.global_step % every == 0
+            and not self._should_skip_saving_checkpoint(trainer)
+            and trainer.loggers
+        ):
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            trainer._logger_connector.update_train_step_metrics()
+            for logger in trainer.loggers:
+                _drop_next_log_of_step(logger, step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            candidates = self._monitor_candidates(trainer)
+            if self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)  # last links to it
+            self._save_last_checkpoint(trainer, candidates)
+
+
+def _drop_next_log_of_step(logger, step: int) -> None:
+    """Make ``logger`` ignore its next ``log_metrics`` call if it is for ``step`` (already sent)."""
+    original = logger.log_metrics
+
+    def once(metrics, step_=None, **kwargs):
+        logger.log_metrics = original  # one call only
+        given = kwargs.get("step", step_)
+        if given != step:
+            original(metrics, given)
+
+    logger.log_metrics = once
+
+
+def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
+    """Checkpoints in ``<output_dir>/checkpoints``: ``step-<n>.ckpt`` every
+    ``checkpoint.every_n_steps`` optimizer steps (0: none) and ``last.ckpt`` (also at the
+    end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept."""
+    if not cfg.trainer.get("enable_checkpointing", True):
+        return []
+    node = cfg.get("checkpoint") or {}
+    every, keep = int(node.get("every_n_steps", 0) or 0), int(node.get("keep", -1))
+    # last.ckpt links to the newest step checkpoint when there is one (no second copy on disk)
+    return [
+        RunCheckpoint(
+            dirpath=str(checkpoint_dir(cfg)),
+            filename="step-{step}",
+            save_last="link",
+            save_top_k=keep if every else 0,
+            every_n_train_steps=every or None,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        )
+    ]
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint ``resume`` names: ``null`` (none), ``last`` (``<output_dir>/checkpoints/last.ckpt``)
+    or a path (a ``.ckpt`` file, or the folder of a distributed checkpoint)."""
+    resume = cfg.get("resume")
+    if resume in (None, "", False):
+        return None
+    path = checkpoint_dir(cfg) / "last.ckpt" if str(resume) == "last" else Path(str(resume))
+    if not path.exists():
+        where = (
+            f" (resume=last reads {path}: checkpoints of output_dir={cfg.output_dir})" if str(resume) == "last" else ""
+        )
+        raise ConfigError(f"resume={resume}: no checkpoint at {path}{where}")
+    return str(path)
+
+
+def checkpoint_meta(path: str) -> dict:
+    """What the module stored about the run (``ngrpo``: config, MLflow run id) in a checkpoint
+    file or a distributed checkpoint folder, without loading weights into a model."""
+    file = Path(path) / "meta.pt" if Path(path).is_dir() else Path(path)
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not Path(path).is_dir())
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a config error here
+        raise ConfigError(f"resume: cannot read the checkpoint {path}: {err}") from err
+    return ckpt.get("ngrpo") or {}
+
+
+def check_resume(cfg: DictConfig, meta: dict) -> None:
+    """A checkpoint of a different model or config cannot be resumed: the error names the key."""
+    saved = meta.get("config")
+    if saved is None:
+        return
+    problem = config_mismatch(saved, OmegaConf.to_container(cfg, resolve=True))
+    if problem:
+        raise ConfigError(f"resume={cfg.resume}: the checkpoint is of a different run: {problem}")

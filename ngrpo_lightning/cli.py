@@ -16,93 +16,39 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 import warnings
-from pathlib import Path
 
+import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-GROUPS = ("model", "data", "explorer", "objective", "trainer", "logger", "experiment")
-
-
-def config_dir() -> Path:
-    """The ``conf/`` folder (in a checkout ``ngrpo_lightning/conf`` links to the top-level ``conf/``;
-    wheels ship a copy)."""
-    path = Path(__file__).parent / "conf"
-    if not (path / "config.yaml").is_file():
-        raise FileNotFoundError(f"ngrpo-lightning's config folder {path} is missing: reinstall the package")
-    return path
-
-
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
-
-
-def normalize_overrides(overrides: list[str]) -> list[str]:
-    """Let ``explorer._target_=pkg.Cls explorer.x=1`` select a user class: it switches the
-    group to its ``custom`` option and turns the other keys of that group into additions."""
-    out, custom = list(overrides), set()
-    for o in overrides:
-        m = re.match(r"^\+?(explorer|objective)\._target_=", o)
-        if m:
-            custom.add(m.group(1))
-    for group in custom:
-        out = [f"+{o}" if o.startswith(f"{group}.") and not o.startswith(f"{group}._target_=") else o for o in out]
-        out = [o.lstrip("+") if o.lstrip("+").startswith(f"{group}._target_=") else o for o in out]
-        out = [o for o in out if not o.startswith(f"{group}=")] + [f"{group}=custom"]
-    return out
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    """Compose the run config from ``conf/`` and command-line overrides."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from .build import ConfigError
-
-    overrides = normalize_overrides(overrides)
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
-        OmegaConf.resolve(cfg)
-        missing = sorted(OmegaConf.missing_keys(cfg))
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(explain_compose_error(err, overrides)) from err
-    if missing:
-        raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
-    return cfg
-
-
-def explain_compose_error(err: Exception, overrides: list[str]) -> str:
-    """Hydra's message, plus the keys that *are* valid where an unknown key was given."""
-    msg = str(err).strip()
-    m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
-    if m:
-        key = m.group(1)
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        try:
-            from hydra import compose as hydra_compose, initialize_config_dir
-
-            base = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in GROUPS]
-            with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-                cfg = hydra_compose(config_name="config", overrides=base)
-            node = OmegaConf.select(cfg, parent) if parent else cfg
-            if isinstance(node, DictConfig):
-                return f"unknown config key {key!r}; valid keys{' of ' + parent if parent else ''}: {sorted(node.keys())}"
-        except Exception:  # fall back to Hydra's own message
-            pass
-    return msg.splitlines()[0] + ("\n" + "\n".join(msg.splitlines()[1:]) if "Available options" in msg else "")
+from .build import (
+    build_datamodule,
+    build_logger,
+    build_module,
+    build_pass_at_k,
+    build_problems,
+    build_trainer,
+    check_config,
+    check_resume,
+    checkpoint_meta,
+    resolve_resume,
+)
+from .config import GROUPS, ConfigError, compose, group_options
+from .diagnose.command import run_diagnose
+from .eval_command import compose_eval, run_eval
+from .tracking import log_config, summarize_run
 
 
 def print_groups() -> None:
     print("Config groups (select with group=option; override any key with a.b=value):")
     for g in GROUPS:
         print(f"  {g:<10} {', '.join(group_options(g))}")
-    print("\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
-          "\n  ngrpo config experiment=grpo   # print the composed config")
+    print(
+        "\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
+        "\n  ngrpo config experiment=grpo   # print the composed config"
+    )
 
 
 # ------------------------------------------------------------------- commands
@@ -119,25 +65,35 @@ def train(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    import lightning as L
-
-    from .build import (build_datamodule, build_logger, build_module, build_pass_at_k, build_problems, build_trainer,
-                        check_engine, check_resume, check_trainer, checkpoint_meta, resolve_resume)
-    from .tracking import log_config, summarize_run
-
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    check_trainer(cfg)  # a trainer this machine cannot run fails before model loading
-    check_engine(cfg)  # so does rollout.engine=vllm without a supported vLLM
-    ckpt_path = resolve_resume(cfg)  # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
+    check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
+    # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
+    ckpt_path = resolve_resume(cfg)
     meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
     if ckpt_path:
         check_resume(cfg, meta)  # a checkpoint of another model or config: a clear error, nothing runs
     problems = build_problems(cfg.data, cfg.seed)  # data errors first: before minutes of model loading
+    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"))  # so are tracking-store errors
+    try:
+        summary = _fit(cfg, logger, problems, ckpt_path)
+    except BaseException as err:
+        if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
+            logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
+        raise
+    if logger is not None:
+        logger.close("success")
+    return summary
+
+
+def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None) -> dict:
+    """Validate, fit and validate again; the summary of the run."""
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module.tokenizer, problems)
-    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"))
     trainer = build_trainer(cfg, logger, callbacks=build_pass_at_k(cfg, problems[1]))
-    module.run_meta = {"config": OmegaConf.to_container(cfg, resolve=True), "mlflow_run_id": getattr(logger, "run_id", None)}
+    module.run_meta = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "mlflow_run_id": getattr(logger, "run_id", None),
+    }
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)
     t0 = time.perf_counter()
@@ -154,9 +110,15 @@ def train(cfg: DictConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ngrpo", description="RL for language models on verifiable math with pluggable exploration.")
+    parser = argparse.ArgumentParser(
+        prog="ngrpo", description="RL for language models on verifiable math with pluggable exploration."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "train a policy"), ("eval", "pass@k evaluation of a policy"), ("config", "print the composed config")):
+    for name, text in (
+        ("train", "train a policy"),
+        ("eval", "pass@k evaluation of a policy"),
+        ("config", "print the composed config"),
+    ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("-h", "--help", action="store_true")
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
@@ -170,17 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
         print_groups()
         return 0 if args.help else 2
-    from .build import ConfigError
-
     try:
         if args.command == "eval":
-            from .eval_command import compose_eval, run_eval
-
             print(run_eval(compose_eval(args.overrides))["text"])
             return 0
         if args.command == "diagnose":
-            from .diagnose.command import run_diagnose
-
             print(run_diagnose(args.mode, args.overrides)["text"])
             return 0
         cfg = compose(args.overrides)

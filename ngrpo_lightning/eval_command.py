@@ -10,98 +10,62 @@ import time
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
+import lightning as L
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from .config import ConfigError, compose
+from .data import ArithmeticTask, load_problems
+from .data.benchmarks import load_benchmark
 from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, plot_pass_at_k, results_table
-
-# ------------------------------------------------------------ ngrpo eval
-_EVAL_GROUPS = ("model", "data", "logger")
-
-
-def normalize_eval_overrides(overrides: list[str]) -> list[str]:
-    """``model=<HF id | directory | file.ckpt>`` (anything that is not a ``conf/model``
-    option) becomes ``model=hf model.name_or_path=<value>``."""
-    from .cli import group_options
-
-    out = []
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "model" and value and value not in group_options("model"):
-            out += ["model=hf", f"model.name_or_path={value}"]
-        else:
-            out.append(o)
-    return out
+from .explorers import TemperatureExplorer
+from .models import load_policy, parse_dtype
+from .rollout import build_engine
+from .rollout.engine import full_named_tensors
+from .tracking import log_report_run
 
 
-def compose_eval(overrides: list[str], config_name: str = "eval"):
-    """Compose ``conf/<config_name>.yaml`` (``eval``; ``diagnose`` shares the layout) with its
-    groups (model, data, logger) and the overrides."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from .build import ConfigError
-    from .cli import config_dir
-
-    overrides = normalize_eval_overrides(overrides)
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name=config_name, overrides=overrides)
-        OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException) as err:
-        msg = str(err).strip().splitlines()[0]
-        try:  # list the valid keys where an unknown key was given
-            import re
-
-            m = re.search(r"Could not override '([^']+)'", str(err)) or re.search(r"Key '([^']+)' is not in struct", str(err))
-            if m:
-                with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-                    base = hydra_compose(config_name=config_name, overrides=[o for o in overrides if o.split("=", 1)[0] in _EVAL_GROUPS])
-                parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
-                node = OmegaConf.select(base, parent) if parent else base
-                msg = f"unknown config key {m.group(1)!r}; valid keys{' of ' + parent if parent else ''}: {sorted(node.keys())}"
-        except Exception:  # keep Hydra's message
-            pass
-        raise ConfigError(msg) from err
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
-    return cfg
+def compose_eval(overrides: list[str]) -> DictConfig:
+    """``conf/eval.yaml`` with the overrides; ``model=<HF id | directory | file.ckpt>`` takes any model."""
+    return compose(overrides, "eval", model_paths=True)
 
 
 def build_eval_sets(cfg) -> list[EvalSet]:
     """The evaluation set of ``cfg.data``: a benchmark, the built-in task's validation split,
     or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
-    from .build import ConfigError
-    from .data import ArithmeticTask, load_problems
-
     d, limit = cfg.data, cfg.get("limit")
-    common = {"instruction": d.get("instruction"), "system_prompt": d.get("system_prompt"),
-              "answer_format": d.get("answer_format", "boxed"), "max_prompt_tokens": d.get("max_prompt_tokens", 4096)}
+    common = {
+        "instruction": d.get("instruction"),
+        "system_prompt": d.get("system_prompt"),
+        "answer_format": d.get("answer_format", "boxed"),
+        "max_prompt_tokens": d.get("max_prompt_tokens", 4096),
+    }
     try:
         if d.source == "arithmetic":
             knobs = {k: d[k] for k in ("min_operand", "max_operand", "min_ops", "max_ops")}
-            problems = ArithmeticTask(num_problems=d.val_size, seed=cfg.seed, split="validation",
-                                      operators=tuple(d.operators), **knobs).problems()
+            problems = ArithmeticTask(
+                num_problems=d.val_size, seed=cfg.seed, split="validation", operators=tuple(d.operators), **knobs
+            ).problems()
             name = "arithmetic"
         elif d.source == "benchmark":
-            from .data.benchmarks import load_benchmark
-
             problems, name = load_benchmark(d), d.name
         elif d.source == "files":
             source = d.val or d.train
-            problems = load_problems(source, problem_field=d.problem_field, answer_field=d.answer_field,
-                                     split=d.val_split if d.val else d.split, id_field=d.id_field)
+            problems = load_problems(
+                source,
+                problem_field=d.problem_field,
+                answer_field=d.answer_field,
+                split=d.val_split if d.val else d.split,
+                id_field=d.id_field,
+            )
             name = d.get("name") or Path(str(source)).stem
         else:
             raise ConfigError(f"data.source={d.source!r} is unknown: allowed ['arithmetic', 'benchmark', 'files']")
     except (ValueError, KeyError) as err:
         raise ConfigError(str(err).strip('"')) from err
     if limit is not None:
-        problems = problems[:int(limit)]
+        problems = problems[: int(limit)]
     if not problems:
         raise ConfigError(f"evaluation set {name!r} has no problems")
     return [EvalSet(name, problems, **common)]
@@ -111,26 +75,22 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
     """The rollout engine of ``engine=hf|vllm`` for an evaluation of ``policy`` (seeded with
     ``seed``). vLLM loads the model's directory and then receives the policy's weights (which a
     checkpoint may have changed)."""
-    from .build import ConfigError
-    from .rollout import HFEngine
-
-    name = cfg.get("engine", "hf")
-    if name == "hf":
-        return HFEngine(policy, tokenizer, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    if name != "vllm":
-        raise ConfigError(f"engine={name!r} is unknown: allowed ['hf', 'vllm']")
-    from .parallel import full_named_tensors
-    from .rollout.vllm_support import VLLMVersionError, check_vllm
-
+    max_model_len = cfg.data.get("max_prompt_tokens", 4096) + max_new_tokens
+    settings = {"max_model_len": max_model_len} if cfg.get("engine", "hf") == "vllm" else {}
     try:
-        check_vllm()
-    except VLLMVersionError as err:
-        raise ConfigError(str(err).replace("rollout.engine=", "engine=")) from err
-    from .rollout.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine.for_module(SimpleNamespace(policy=policy, tokenizer=tokenizer), max_new_tokens=max_new_tokens,
-                                   seed=cfg.seed, max_model_len=cfg.data.get("max_prompt_tokens", 4096) + max_new_tokens)
-    engine.sync_weights(full_named_tensors(policy))
+        engine = build_engine(
+            cfg.get("engine", "hf"),
+            policy,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            seed=cfg.seed,
+            key="engine",
+            **settings,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if engine.needs_sync:
+        engine.sync_weights(full_named_tensors(policy))
     return engine
 
 
@@ -152,9 +112,6 @@ def load_eval_policy(cfg):
     the policy weights of a Lightning checkpoint (``checkpoint=``, or a ``.ckpt`` as
     ``model.name_or_path``) loaded into it. A checkpoint given alone must name its base model
     in its hyper-parameters or config (``model.name_or_path``)."""
-    from .build import ConfigError
-    from .models import load_policy, parse_dtype
-
     name, ckpt_path, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
     if name.endswith(".ckpt"):
         ckpt_path, name = name, None
@@ -169,22 +126,28 @@ def load_eval_policy(cfg):
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         if name is None:  # the checkpoint alone: its base model, in the dtype of its weights
             name = _base_model_of(state)
-            floats = [v.dtype for v in state.get("state_dict", {}).values() if torch.is_tensor(v) and v.is_floating_point()]
+            floats = [
+                v.dtype for v in state.get("state_dict", {}).values() if torch.is_tensor(v) and v.is_floating_point()
+            ]
             dtype = str(floats[0]).removeprefix("torch.") if floats else dtype
         if not name:
-            raise ConfigError(f"checkpoint {ckpt_path} does not name its base model: pass "
-                              f"model.name_or_path=<base model> checkpoint={ckpt_path}")
+            raise ConfigError(
+                f"checkpoint {ckpt_path} does not name its base model: pass "
+                f"model.name_or_path=<base model> checkpoint={ckpt_path}"
+            )
     policy, tokenizer = load_policy(name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     if state is not None:
-        weights = {k[len("policy."):]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
+        weights = {k[len("policy.") :]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
         if not weights:
             raise ConfigError(f"checkpoint {ckpt_path} has no policy.* weights in its state_dict")
         missing, unexpected = policy.load_state_dict(weights, strict=False)
         tied = set(getattr(policy, "_tied_weights_keys", None) or [])
         missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
         if missing or unexpected:
-            raise ConfigError(f"checkpoint {ckpt_path} does not match model {name!r}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+            raise ConfigError(
+                f"checkpoint {ckpt_path} does not match model {name!r}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
     device = cfg.get("device", "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,13 +167,8 @@ def _base_model_of(checkpoint: dict) -> str | None:
 def _find(node, path):
     if node is None:
         return None
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(node, DictConfig):
-            node = OmegaConf.to_container(node, resolve=True)
-    except ImportError:
-        pass
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
     if isinstance(node, Mapping):
         cur = node
         for p in path:
@@ -229,13 +187,6 @@ def run_eval(cfg) -> dict:
     into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
     a ``text`` field."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    import lightning as L
-    from omegaconf import OmegaConf
-
-    from .build import ConfigError
-    from .explorers import TemperatureExplorer
-    from .tracking import log_report_run
-
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)
@@ -246,8 +197,18 @@ def run_eval(cfg) -> dict:
     policy, tokenizer = load_eval_policy(cfg)
     t0 = time.perf_counter()
     with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
-        results = evaluate_sets(engine, tokenizer, sets, explorer, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
-                                rewards=rewards, batch_size=cfg.batch_size, ks=ks, prefix="eval")
+        results = evaluate_sets(
+            engine,
+            tokenizer,
+            sets,
+            explorer,
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            rewards=rewards,
+            batch_size=cfg.batch_size,
+            ks=ks,
+            prefix="eval",
+        )
     seconds = time.perf_counter() - t0
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,10 +219,24 @@ def run_eval(cfg) -> dict:
     table = results_table(results)
     table_path.write_text(table)
     plot_pass_at_k(results, plot_path, title=f"{cfg.model.name_or_path}: pass@k (n={cfg.n}, T={cfg.temperature:g})")
-    run_id, run_lines = log_report_run(cfg, {**results["metrics"], "eval/seconds": seconds}, [json_path, table_path, plot_path])
-    lines = [f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
-             f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.", "", table,
-             f"  results: {json_path}", f"  table:   {table_path}", f"  plot:    {plot_path}"]
+    run_id, run_lines = log_report_run(
+        cfg, {**results["metrics"], "eval/seconds": seconds}, [json_path, table_path, plot_path]
+    )
+    lines = [
+        f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
+        f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.",
+        "",
+        table,
+        f"  results: {json_path}",
+        f"  table:   {table_path}",
+        f"  plot:    {plot_path}",
+    ]
     lines += run_lines
-    return {"results": results, "seconds": seconds, "run_id": run_id, "table": table,
-            "paths": {"json": str(json_path), "table": str(table_path), "plot": str(plot_path)}, "text": "\n".join(lines)}
+    return {
+        "results": results,
+        "seconds": seconds,
+        "run_id": run_id,
+        "table": table,
+        "paths": {"json": str(json_path), "table": str(table_path), "plot": str(plot_path)},
+        "text": "\n".join(lines),
+    }

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
 
+from .data import PromptDataset
 from .metrics.pass_at_k import PassAtK, powers_of_two
+from .rewards import MathReward
 
 
 @dataclass
@@ -52,11 +55,6 @@ def as_eval_sets(datasets) -> list[EvalSet]:
     return [EvalSet("val", datasets)]
 
 
-def mlflow_key(name: str) -> str:
-    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``)."""
-    return name.replace("@", "_at_")
-
-
 def check_ks(ks: Sequence[int] | None, n: int) -> list[int]:
     """The k of pass@k: ``ks`` (each 1 <= k <= n) or the powers of two up to ``n``."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -66,7 +64,9 @@ def check_ks(ks: Sequence[int] | None, n: int) -> list[int]:
     ks = [int(k) for k in ks]
     bad = [k for k in ks if k < 1 or k > n]
     if bad:
-        raise ValueError(f"pass@k needs 1 <= k <= n: k={bad[0]} with n={n} samples per problem (raise n or drop k={bad[0]})")
+        raise ValueError(
+            f"pass@k needs 1 <= k <= n: k={bad[0]} with n={n} samples per problem (raise n or drop k={bad[0]})"
+        )
     return sorted(set(ks))
 
 
@@ -83,10 +83,9 @@ class RewardCache:
         if self.default is not None and getattr(self.default, "extract", answer_format) == answer_format:
             return self.default
         if answer_format not in self.created:
-            from .rewards import MathReward
-
-            self.created[answer_format] = MathReward(extract=answer_format, timeout_s=self.timeout_s,
-                                                     num_workers=self.num_workers)
+            self.created[answer_format] = MathReward(
+                extract=answer_format, timeout_s=self.timeout_s, num_workers=self.num_workers
+            )
         return self.created[answer_format]
 
     def close(self) -> None:
@@ -95,10 +94,23 @@ class RewardCache:
         self.created.clear()
 
 
-def evaluate_sets(engine, tokenizer, datasets, explorer, n: int, max_new_tokens: int, rewards: Callable | RewardCache,
-                  batch_size: int = 8, ks: Sequence[int] | None = None, prefix: str = "val", rank: int = 0,
-                  world_size: int = 1, prompt_defaults: Mapping | None = None, progress: Callable | None = None,
-                  device: torch.device | str | None = None) -> dict:
+def evaluate_sets(
+    engine,
+    tokenizer,
+    datasets,
+    explorer,
+    n: int,
+    max_new_tokens: int,
+    rewards: Callable | RewardCache,
+    batch_size: int = 8,
+    ks: Sequence[int] | None = None,
+    prefix: str = "val",
+    rank: int = 0,
+    world_size: int = 1,
+    prompt_defaults: Mapping | None = None,
+    progress: Callable | None = None,
+    device: torch.device | str | None = None,
+) -> dict:
     """Sample every problem ``n`` times and score it; returns ``{"metrics": {...}, "sets":
     {name: {"metrics", "problems": [{id, answer, n, c, answers, status}]}}, "ks", "n"}``.
 
@@ -107,16 +119,22 @@ def evaluate_sets(engine, tokenizer, datasets, explorer, n: int, max_new_tokens:
     states live on ``device``, which must suit the process group's backend), the
     per-problem records are this process's only.
     """
-    from .data import PromptDataset
-
     ks = check_ks(ks, n)
     if not isinstance(rewards, RewardCache):
         rewards = RewardCache(default=rewards)
     out = {"n": n, "ks": ks, "sets": {}, "metrics": {}}
     for ev in as_eval_sets(datasets):
         kwargs = {k: v for k, v in (prompt_defaults or {}).items() if v is not None}
-        kwargs.update({k: v for k, v in {"instruction": ev.instruction, "system_prompt": ev.system_prompt}.items() if v is not None})
-        prompts = PromptDataset(ev.problems[rank::world_size], tokenizer, max_prompt_tokens=ev.max_prompt_tokens, **kwargs)
+        kwargs.update(
+            {
+                k: v
+                for k, v in {"instruction": ev.instruction, "system_prompt": ev.system_prompt}.items()
+                if v is not None
+            }
+        )
+        prompts = PromptDataset(
+            ev.problems[rank::world_size], tokenizer, max_prompt_tokens=ev.max_prompt_tokens, **kwargs
+        )
         reward = rewards(ev.answer_format)
         metric = PassAtK(ks=ks, sync_on_compute=world_size > 1).to(device or "cpu")
         records = []
@@ -138,11 +156,19 @@ def evaluate_sets(engine, tokenizer, datasets, explorer, n: int, max_new_tokens:
             scored = reward(batch.response_text, golds)
             correct = (scored.scores > 0.5).view(len(items), n)
             answers = list(scored.answers) if scored.answers else [None] * len(golds)
-            grouped = [answers[i * n:(i + 1) * n] for i in range(len(items))]
+            grouped = [answers[i * n : (i + 1) * n] for i in range(len(items))]
             metric.update(correct, grouped)
             for i, it in enumerate(items):
-                records.append({"id": it["id"], "answer": it["answer"], "n": n, "c": int(correct[i].sum()),
-                                "answers": grouped[i], "status": list(scored.status[i * n:(i + 1) * n])})
+                records.append(
+                    {
+                        "id": it["id"],
+                        "answer": it["answer"],
+                        "n": n,
+                        "c": int(correct[i].sum()),
+                        "answers": grouped[i],
+                        "status": list(scored.status[i * n : (i + 1) * n]),
+                    }
+                )
             if progress is not None:
                 progress(ev.name, min(start + batch_size, len(prompts)), len(prompts))
         if world_size == 1 and not records:
@@ -151,7 +177,11 @@ def evaluate_sets(engine, tokenizer, datasets, explorer, n: int, max_new_tokens:
         out["sets"][ev.name] = {"metrics": values, "problems": records}
         out["metrics"].update({f"{prefix}/{ev.name}/{k}": v for k, v in values.items()})
     names = list(out["sets"])
-    shared = [k for k in out["sets"][names[0]]["metrics"] if all(k in out["sets"][s]["metrics"] for s in names)] if names else []
+    shared = (
+        [k for k in out["sets"][names[0]]["metrics"] if all(k in out["sets"][s]["metrics"] for s in names)]
+        if names
+        else []
+    )
     out["average"] = {k: sum(out["sets"][s]["metrics"][k] for s in names) / len(names) for k in shared}
     out["metrics"].update({f"{prefix}/avg/{k}": v for k, v in out["average"].items()})
     return out
@@ -205,8 +235,6 @@ def plot_pass_at_k(results: dict, path: str | os.PathLike, title: str | None = N
 def log_artifacts(logger, results: dict, artifact_dir: str, local_dir: str | os.PathLike | None = None) -> list[str]:
     """Log the table (markdown) and the plot (PNG) to the logger's MLflow run under
     ``artifact_dir``; no-op (empty list) for other loggers."""
-    from lightning.pytorch.loggers import MLFlowLogger
-
     if not isinstance(logger, MLFlowLogger):
         return []
     import tempfile

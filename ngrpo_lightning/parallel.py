@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import response_logprobs
+from .forward import DEFAULT_LOGPROB_CHUNK, response_logprobs
 from .rollout.batch import RolloutBatch
+from .rollout.engine import full_named_tensors  # noqa: F401  (re-exported: FSDP2 users gather with it)
 
 
 @dataclass
@@ -29,7 +30,9 @@ class ParallelConfig:
         if self.name != "fsdp2":
             raise ValueError(f"trainer.parallel.name={self.name!r} is unknown: allowed ['fsdp2']")
         if self.mixed_precision not in ("bf16", "fp32"):
-            raise ValueError(f"trainer.parallel.mixed_precision={self.mixed_precision!r} is unknown: allowed ['bf16', 'fp32']")
+            raise ValueError(
+                f"trainer.parallel.mixed_precision={self.mixed_precision!r} is unknown: allowed ['bf16', 'fp32']"
+            )
 
 
 class LogprobsForward(torch.nn.Module):
@@ -41,18 +44,42 @@ class LogprobsForward(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: RolloutBatch, temperature: float, with_entropy: bool = False, detach_mixture: bool = False):
-        return response_logprobs(self.model, batch, temperature, with_entropy=with_entropy, detach_mixture=detach_mixture)
+    def forward(
+        self,
+        batch: RolloutBatch,
+        temperature: float,
+        with_entropy: bool = False,
+        detach_mixture: bool = False,
+        chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+    ):
+        return response_logprobs(
+            self.model,
+            batch,
+            temperature,
+            with_entropy=with_entropy,
+            detach_mixture=detach_mixture,
+            chunk_size=chunk_size,
+        )
 
 
-def shard_fsdp2(models, config: ParallelConfig, mesh, checkpoint: torch.nn.Module | None = None) -> dict[int, torch.nn.Module]:
+def shard_fsdp2(
+    models, config: ParallelConfig, mesh, checkpoint: torch.nn.Module | None = None
+) -> dict[int, torch.nn.Module]:
     """``fully_shard`` every decoder layer, then a root :class:`LogprobsForward` wrapper, of
     each model (``None`` entries skipped) over ``mesh``; activation checkpointing on the
     ``checkpoint`` model if configured. Returns the roots by ``id(model)``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.mixed_precision == "bf16" else MixedPrecisionPolicy()
-    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if config.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    }
     roots = {}
     for model in models:
         if model is None:
@@ -62,7 +89,7 @@ def shard_fsdp2(models, config: ParallelConfig, mesh, checkpoint: torch.nn.Modul
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
             kinds = tuple({type(layer) for layer in layers})
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
+            apply_activation_checkpointing(model, check_fn=lambda m, kinds=kinds: isinstance(m, kinds))
             layers = decoder_layers(model)
         for layer in layers:
             fully_shard(layer, **kw)
@@ -101,15 +128,3 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(node, torch.nn.ModuleList):
             return list(node)
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
-
-
-def full_named_tensors(model: torch.nn.Module):
-    """``(name, tensor)`` for every entry of ``model.state_dict()``, with FSDP2's sharded
-    DTensors gathered into full tensors one at a time (a collective: all ranks iterate
-    together), so that an engine with its own weights can load them."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()
-    for name, tensor in model.state_dict().items():
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,10 +1,138 @@
-"""MLflow bookkeeping of a run: the resolved config in, a readable summary out."""
+"""MLflow bookkeeping of a run: the logger, the resolved config in, a readable summary out."""
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import secrets
+import sqlite3
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
 
+from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError
+
+
+def mlflow_key(name: str) -> str:
+    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``)."""
+    return name.replace("@", "_at_")
+
+
+SQLITE = "sqlite:///"
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a relative ``sqlite:///`` store absolute and create its folder."""
+    if uri.startswith(SQLITE):
+        path = Path(uri[len(SQLITE) :])
+        path = path if path.is_absolute() else Path.cwd() / path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _store_error(uri, f"cannot create the folder of the SQLite store {path.parent} ({err})") from err
+        return SQLITE + str(path)
+    return uri
+
+
+def _store_error(uri: str, reason: str) -> ConfigError:
+    return ConfigError(
+        f"logger.tracking_uri={uri}: {reason}; set logger.tracking_uri to a store you can use, "
+        "or logger=none to run without tracking"
+    )
+
+
+def check_tracking_store(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming ``logger.tracking_uri``, when the store cannot be used: a SQLite file in a
+    folder that cannot be written, or a server that does not answer within ``timeout_s`` (MLflow's
+    own client would retry for minutes)."""
+    if uri.startswith(SQLITE):
+        path = Path(uri[len(SQLITE) :])
+        target = path if path.exists() else path.parent
+        if not os.access(target, os.W_OK):
+            raise _store_error(uri, f"the SQLite store {path} cannot be written ({target} is read-only)")
+        try:
+            sqlite3.connect(path).execute("PRAGMA user_version").close()
+        except sqlite3.Error as err:
+            raise _store_error(uri, f"cannot open the SQLite store {path} ({err})") from err
+    elif uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except (OSError, ValueError) as err:  # URLError, timeouts, refused connections
+            raise _store_error(uri, f"the tracking server does not answer ({err})") from err
+
+
+@contextmanager
+def store_lock(uri: str):
+    """Hold an exclusive file lock beside a SQLite store while it may be created or migrated:
+    two runs creating the same new store at once would otherwise race in MLflow's migrations."""
+    if not uri.startswith(SQLITE):
+        yield
+        return
+    with open(uri[len(SQLITE) :] + ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def default_run_name(cfg: DictConfig) -> str:
+    """What ran, readable in the MLflow UI: experiment, explorer, objective, seed and a short id
+    (MLflow's own random names repeat for every run of the same seed)."""
+    parts = [str(cfg.get("experiment_name") or "run")]
+    for group in ("explorer", "objective"):
+        node = cfg.get(group)
+        if node is not None:
+            parts.append(str(node.get("name") or str(node.get("_target_") or group).rsplit(".", 1)[-1]))
+    parts.append(f"seed{cfg.get('seed', 0)}")
+    return "-".join(parts + [secrets.token_hex(3)])
+
+
+class RunLogger(MLFlowLogger):
+    """``MLFlowLogger`` whose run status tells the truth. Lightning calls ``finalize`` at the end of
+    every ``trainer.validate`` and ``trainer.fit``, which would mark a run FINISHED after the
+    validation before training; here the run stays RUNNING until :meth:`close` ends it once:
+    FINISHED, FAILED (an exception) or KILLED (interrupted). A run killed outright stays RUNNING
+    and is set RUNNING again when ``resume`` continues it."""
+
+    def finalize(self, status: str = "success") -> None:
+        pass  # the run ends in close()
+
+    def close(self, status: str = "success") -> None:
+        super().finalize(status)
+
+
+def build_logger(cfg: DictConfig, run_id: str | None = None) -> RunLogger | None:
+    """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``), its store checked, created
+    (under a lock) and its run started, all before any model loads; ``run_id`` continues an
+    existing run (resume)."""
+    if cfg.logger.name == "none":
+        return None
+    if cfg.logger.name != "mlflow":
+        raise ConfigError(f"logger.name={cfg.logger.name!r} is unknown: allowed ['mlflow', 'none']")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = resolve_tracking_uri(cfg.logger.tracking_uri)
+    check_tracking_store(uri)
+    artifacts = cfg.logger.artifact_location
+    if artifacts is None and uri.startswith(SQLITE):
+        artifacts = (Path(uri[len(SQLITE) :]).parent / "artifacts").as_uri()
+    with store_lock(uri):  # the client opens (and may create) the store, then the experiment and the run
+        logger = RunLogger(
+            experiment_name=cfg.experiment_name,
+            run_name=cfg.logger.run_name or default_run_name(cfg),
+            tracking_uri=uri,
+            artifact_location=artifacts,
+            log_model=False,
+            run_id=run_id,
+        )
+        client = logger.experiment
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+    return logger
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, object]:
@@ -30,9 +158,6 @@ def log_report_run(cfg: DictConfig, metrics: dict[str, float], files) -> tuple[s
     """A one-off MLflow run (``ngrpo eval``, ``ngrpo diagnose``): the flat config, ``metrics`` at
     step 0 (names made MLflow-safe) and ``files`` as artifacts. Returns the run id and the
     summary lines that say how to open it (None and no lines when logging is off)."""
-    from .build import build_logger
-    from .evaluate import mlflow_key
-
     logger = build_logger(cfg)
     if logger is None:
         return None, []
@@ -40,11 +165,13 @@ def log_report_run(cfg: DictConfig, metrics: dict[str, float], files) -> tuple[s
     logger.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=0)
     for f in files:
         logger.experiment.log_artifact(logger.run_id, str(f))
-    logger.finalize("success")
+    logger.close("success")
     run_name = cfg.logger.get("run_name")
     where = f"experiment {cfg.experiment_name!r}" + (f", run {run_name!r}" if run_name else "")
-    return logger.run_id, [f"  MLflow run: {logger.run_id} ({where})",
-                           f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}"]
+    return logger.run_id, [
+        f"  MLflow run: {logger.run_id} ({where})",
+        f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}",
+    ]
 
 
 def metric_history(logger, key: str) -> list[float]:
@@ -76,12 +203,19 @@ def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
     }
     lines = [
         f"Trained {summary['steps']} steps in {seconds / 60:.1f} min.",
-        f"  validation accuracy: {summary['val_accuracy_before']:.3f} before -> {summary['val_accuracy_after']:.3f} after",
+        f"  validation accuracy: {summary['val_accuracy_before']:.3f} before"
+        f" -> {summary['val_accuracy_after']:.3f} after",
     ]
     if rewards:
-        lines.append(f"  train reward: {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f} (last {k} steps)")
+        lines.append(
+            f"  train reward: {summary['reward_first']:.3f} (first {k} steps)"
+            f" -> {summary['reward_last']:.3f} (last {k} steps)"
+        )
     if logger is not None:
         uri = logger._tracking_uri
-        lines += [f"  MLflow run: {logger.run_id} (experiment {logger._experiment_name!r})", f"  view it:    mlflow ui --backend-store-uri {uri}"]
+        lines += [
+            f"  MLflow run: {logger.run_id} (experiment {logger._experiment_name!r})",
+            f"  view it:    mlflow ui --backend-store-uri {uri}",
+        ]
     summary["text"] = "\n".join(lines)
     return summary

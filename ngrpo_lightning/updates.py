@@ -1,18 +1,19 @@
-"""A training step's rollouts, and the hook that turns them into optimizer updates.
+"""A training step's rollouts, and the hook through which callbacks shape them.
 
 :class:`StepRollouts` is what one training step trains on: the rollout batch, its rewards
 and, once the module has prepared it, advantages, old (proximal) log-probs and reference
 log-probs, all row-aligned. Rows may be *replayed* past trajectories; their stored
 behaviour log-probs travel with them.
 
-:class:`UpdatePlanner` is the interface a Lightning callback implements to shape a step's
-updates (``callbacks.ReplayBuffer`` does). The module asks the attached planner to
+:class:`StepHook` is the interface a Lightning callback implements to take part in a step
+(``ngrpo_lightning.callbacks.ReplayBuffer`` does). The module calls every attached hook, in
+the trainer's callback order:
 
 1. ``mix_in(step)``: add or substitute stored trajectories, before advantages are computed;
-2. ``plan_updates(step)``: split the prepared step into the mini-batches of its optimizer
-   updates (one optimizer step each).
+2. ``weigh(step)``: change the prepared step (advantages, old and reference log-probs are
+   set) before it is split into updates, e.g. importance-weight replayed rows.
 
-Without a planner a step is one update on the whole batch.
+Splitting a step into updates and micro-batches is :mod:`ngrpo_lightning.planning`'s job.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .rollout.batch import RolloutBatch
 
-__all__ = ["StepRollouts", "UpdatePlanner"]
+__all__ = ["StepHook", "StepRollouts"]
 
 _PER_TOKEN = ("behaviour_logp", "old_logp", "ref_logp")
 _PER_ROW = ("rewards", "replayed", "advantages")
@@ -38,18 +39,25 @@ class StepRollouts:
     replayed: torch.Tensor  # [N] bool: rows replayed from earlier steps
     behaviour_logp: torch.Tensor  # [N, L]: log-probs of the policy that sampled each replayed row (0 for fresh rows)
     advantages: torch.Tensor | None = None  # [N], set by the module
-    old_logp: torch.Tensor | None = None  # [N, L] proximal policy (the policy at the start of the step), set by the module
+    old_logp: torch.Tensor | None = (
+        None  # [N, L] proximal policy (the policy at the start of the step), set by the module
+    )
     ref_logp: torch.Tensor | None = None  # [N, L] reference policy, when a KL term is used
     pad_id: int = 0  # token id used to pad when rows of different widths are joined
     stats: dict[str, float] = field(default_factory=dict)  # counts to log (replay/*, dynamic/*)
 
     @classmethod
-    def fresh(cls, batch: RolloutBatch, rewards: torch.Tensor, pad_id: int = 0) -> "StepRollouts":
+    def fresh(cls, batch: RolloutBatch, rewards: torch.Tensor, pad_id: int = 0) -> StepRollouts:
         """Rollouts of the current policy: nothing replayed."""
         n = len(batch)
         device = batch.response_ids.device
-        return cls(batch, rewards.to(device), torch.zeros(n, dtype=torch.bool, device=device),
-                   torch.zeros_like(batch.rollout_logprobs), pad_id=pad_id)
+        return cls(
+            batch,
+            rewards.to(device),
+            torch.zeros(n, dtype=torch.bool, device=device),
+            torch.zeros_like(batch.rollout_logprobs),
+            pad_id=pad_id,
+        )
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -62,21 +70,23 @@ class StepRollouts:
     def num_groups(self) -> int:
         return len(self) // self.group_size
 
-    def select(self, rows: torch.Tensor | list[int]) -> "StepRollouts":
+    def select(self, rows: torch.Tensor | list[int]) -> StepRollouts:
         """The given rows (in that order), every row- and token-aligned tensor with them."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        out = {name: None if getattr(self, name) is None else getattr(self, name)[rows.to(getattr(self, name).device)]
-               for name in _PER_ROW + _PER_TOKEN}
+        out = {
+            name: None if getattr(self, name) is None else getattr(self, name)[rows.to(getattr(self, name).device)]
+            for name in _PER_ROW + _PER_TOKEN
+        }
         return replace(self, batch=self.batch.select(rows), stats=dict(self.stats), **out)
 
-    def select_groups(self, groups: torch.Tensor | list[int]) -> "StepRollouts":
+    def select_groups(self, groups: torch.Tensor | list[int]) -> StepRollouts:
         """Whole groups, by group index."""
         groups = torch.as_tensor(groups, dtype=torch.long)
         g = self.group_size
         return self.select((groups[:, None] * g + torch.arange(g)[None, :]).reshape(-1))
 
     @classmethod
-    def concat(cls, parts: list["StepRollouts"]) -> "StepRollouts":
+    def concat(cls, parts: list[StepRollouts]) -> StepRollouts:
         """Rows of several steps' rollouts, in order (responses re-padded to the widest)."""
         if len(parts) == 1:
             return parts[0]
@@ -93,17 +103,13 @@ class StepRollouts:
         return replace(parts[0], batch=batch, stats=dict(parts[0].stats), **out)
 
 
-class UpdatePlanner:
-    """Shapes a step's optimizer updates; implemented by callbacks (``callbacks.ReplayBuffer``).
-
-    The defaults change nothing: no replay, one update on the whole step.
-    """
+class StepHook:
+    """Takes part in every training step; implemented by callbacks. The defaults change nothing."""
 
     def mix_in(self, step: StepRollouts) -> StepRollouts:
         """Add stored trajectories to freshly scored rollouts (before advantages exist)."""
         return step
 
-    def plan_updates(self, step: StepRollouts) -> list[StepRollouts]:
-        """The mini-batches of the step's optimizer updates, in order (``step`` is prepared:
-        advantages, old and reference log-probs are set)."""
-        return [step]
+    def weigh(self, step: StepRollouts) -> StepRollouts:
+        """Change a prepared step (advantages, old and reference log-probs are set) before its updates."""
+        return step

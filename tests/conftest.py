@@ -61,9 +61,10 @@ class ScriptedReward:
         return RewardResult(scores=scores, status=["correct" if s else "wrong" for s in scores.tolist()])
 
 
-def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **module_kwargs):
+def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):
     """(RLModule, RolloutDataModule) on a private copy of the tiny model: 2 prompts x 2 samples
-    of at most 6 tokens per step."""
+    of at most 6 tokens per step. ``train.*`` settings (``ppo_epochs``, ``dynamic_sampling``,
+    ``tis_cap``, ...) may be given as keywords; the rest go to ``RLModule``."""
     import copy
 
     from ngrpo_lightning.data import ArithmeticTask
@@ -71,10 +72,20 @@ def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **module_kwar
     from ngrpo_lightning.module import OptimConfig, RLModule
     from ngrpo_lightning.objectives import GRPO
     from ngrpo_lightning.rollout import RolloutDataModule
+    from ngrpo_lightning.settings import TrainConfig
 
+    train = TrainConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in TrainConfig.__dataclass_fields__})
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
-    module = RLModule(policy, tokenizer, TemperatureExplorer(temperature=1.0), objective or GRPO(kl_coef=0.0), reward,
-                      optim=OptimConfig(lr=lr), **module_kwargs)
+    module = RLModule(
+        policy,
+        tokenizer,
+        TemperatureExplorer(temperature=1.0),
+        objective or GRPO(kl_coef=0.0),
+        reward,
+        optim=OptimConfig(lr=lr),
+        train=train,
+        **kwargs,
+    )
     problems = ArithmeticTask(num_problems=num_problems, seed=0, split="train").problems()
     datamodule = RolloutDataModule(tokenizer, problems, [], prompts_per_step=2, group_size=2, max_new_tokens=6, seed=0)
     return module, datamodule
@@ -84,9 +95,18 @@ def tiny_trainer(max_steps, callbacks=(), **kwargs):
     import lightning as L
 
     kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks),
-                     **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 def fake_step(problem_ids, rewards, group_size=2, lengths=None):
@@ -103,11 +123,27 @@ def fake_step(problem_ids, rewards, group_size=2, lengths=None):
     response_ids = torch.tensor([[100 * (i + 1) + t for t in range(width)] for i in range(n)])
     response_mask = torch.tensor([[int(t < lengths[i]) for t in range(width)] for i in range(n)])
     logp = -0.1 * torch.arange(1, n + 1, dtype=torch.float)[:, None] * response_mask
-    records = InputRecords(row=torch.arange(n), pos=torch.zeros(n, dtype=torch.long), ids=torch.arange(2 * n).view(n, 2),
-                           weights=torch.full((n, 2), 0.5), noise_seed=torch.full((n,), -1), noise_scale=torch.zeros(n))
-    batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logp.clone(), records, group_size=group_size,
-                         answers=["7"] * n, problem_ids=list(problem_ids), response_text=[f"r{i}" for i in range(n)],
-                         truncated=torch.zeros(n, dtype=torch.bool))
+    records = InputRecords(
+        row=torch.arange(n),
+        pos=torch.zeros(n, dtype=torch.long),
+        ids=torch.arange(2 * n).view(n, 2),
+        weights=torch.full((n, 2), 0.5),
+        noise_seed=torch.full((n,), -1),
+        noise_scale=torch.zeros(n),
+    )
+    batch = RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        logp.clone(),
+        records,
+        group_size=group_size,
+        answers=["7"] * n,
+        problem_ids=list(problem_ids),
+        response_text=[f"r{i}" for i in range(n)],
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
     step = StepRollouts.fresh(batch, torch.tensor(rewards, dtype=torch.float))
     step.advantages, step.old_logp = torch.zeros(n), logp.clone()
     return step

@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from ngrpo_lightning.cli import main
 
 

@@ -9,8 +9,15 @@ import operator
 
 import pytest
 
-from ngrpo_lightning.data import (DEFAULT_INSTRUCTION, ArithmeticTask, Problem, PromptDataset, collate_prompts,
-                                  load_problems, render_prompt)
+from ngrpo_lightning.data import (
+    DEFAULT_INSTRUCTION,
+    ArithmeticTask,
+    Problem,
+    PromptDataset,
+    collate_prompts,
+    load_problems,
+    render_prompt,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 def _independent_eval(question: str) -> int:
     """Evaluate "What is <expr>?" with Python's own parser and precedence (numbers only)."""
     assert question.startswith("What is ") and question.endswith("?"), question
-    tree = ast.parse(question[len("What is "):-1], mode="eval")
+    tree = ast.parse(question[len("What is ") : -1], mode="eval")
 
     def ev(node):
         if isinstance(node, ast.Expression):
@@ -69,12 +76,15 @@ def test_arithmetic_splits_are_disjoint(knobs):
     assert not train & set(val) and not train & set(test) and not set(val) & set(test)
 
 
-@pytest.mark.parametrize("knobs", [
-    {},
-    {"min_ops": 2, "max_ops": 4, "max_operand": 99},
-    {"min_operand": -9, "max_operand": 9, "operators": ("-", "*")},
-    {"operators": ["*"], "max_ops": 3},
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"min_ops": 2, "max_ops": 4, "max_operand": 99},
+        {"min_operand": -9, "max_operand": 9, "operators": ("-", "*")},
+        {"operators": ["*"], "max_ops": 3},
+    ],
+)
 def test_arithmetic_answers_match_independent_evaluation(knobs):
     problems = ArithmeticTask(300, seed=1, **knobs).problems()
     for p in problems:
@@ -92,16 +102,19 @@ def test_arithmetic_respects_knobs():
         assert all(3 <= n <= 7 for n in nums) and 2 <= p.meta["num_ops"] == len(nums) - 1 <= 3
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"min_operand": 10, "max_operand": 5}, r"data\.min_operand=10 .*data\.max_operand=5"),
-    ({"min_ops": 3, "max_ops": 2}, r"data\.min_ops=3 .*data\.max_ops=2"),
-    ({"max_ops": 0, "min_ops": 0}, r"data\.min_ops must be >= 1"),
-    ({"operators": ("+", "/")}, r"data\.operators.*'/'.*allowed: \['\+', '-', '\*'\]"),
-    ({"operators": ()}, r"data\.operators"),
-    ({"max_operand": 2.5}, r"data\.max_operand must be an integer"),
-    ({"split": "dev"}, r"split='dev'.*allowed \['train', 'validation', 'test'\]"),
-    ({"num_problems": -1}, r"num_problems"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"min_operand": 10, "max_operand": 5}, r"data\.min_operand=10 .*data\.max_operand=5"),
+        ({"min_ops": 3, "max_ops": 2}, r"data\.min_ops=3 .*data\.max_ops=2"),
+        ({"max_ops": 0, "min_ops": 0}, r"data\.min_ops=0 is out of range: allowed \[1, inf\]"),
+        ({"operators": ("+", "/")}, r"data\.operators.*'/'.*allowed: \['\+', '-', '\*'\]"),
+        ({"operators": ()}, r"data\.operators"),
+        ({"max_operand": 2.5}, r"data\.max_operand=2.5 must be an integer"),
+        ({"split": "dev"}, r"split='dev'.*allowed \['train', 'validation', 'test'\]"),
+        ({"num_problems": -1}, r"num_problems"),
+    ],
+)
 def test_arithmetic_knob_errors_name_the_key(kwargs, match):
     kwargs = {"num_problems": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -214,8 +227,9 @@ def test_dataset_directories(tmp_path, monkeypatch):
 
     records = [{**r, "answer": str(r["answer"])} for r in RECORDS]  # one type per column
     saved = tmp_path / "saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
-                          "test": datasets.Dataset.from_list(records[:1])}).save_to_disk(saved)
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(records), "test": datasets.Dataset.from_list(records[:1])}
+    ).save_to_disk(saved)
     assert [p.answer for p in load_problems(saved)] == ["4", "\\frac{1}{2}", "B"]
     assert [p.id for p in load_problems(saved, split="test", id_field="uid")] == ["q1"]
     with pytest.raises(ValueError, match=r"no split 'validation'.*\['test', 'train'\]"):
@@ -275,8 +289,9 @@ def test_prompt_dataset_drops_long_prompts(chat_tokenizer, caplog):
 
 
 def test_collate_prompts_keeps_lists_unpadded(chat_tokenizer):
-    ds = PromptDataset([Problem("a", "What is 1 + 1?", "2"), Problem("b", "What is 12 * 12 - 7?", "137")],
-                       chat_tokenizer)
+    ds = PromptDataset(
+        [Problem("a", "What is 1 + 1?", "2"), Problem("b", "What is 12 * 12 - 7?", "137")], chat_tokenizer
+    )
     batch = collate_prompts([ds[0], ds[1]])
     assert batch["id"] == ["a", "b"] and batch["answer"] == ["2", "137"]
     assert [len(ids) for ids in batch["prompt_ids"]] == [len(ds[0]["prompt_ids"]), len(ds[1]["prompt_ids"])]

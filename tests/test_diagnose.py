@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from ngrpo_lightning.cli import main
-from ngrpo_lightning.diagnose.drift import (Decoder, drift_metrics, gaussian_perturb, mix, run_drift, select_tokens,
-                                            token_id)
+from ngrpo_lightning.diagnose.drift import (
+    Decoder,
+    drift_metrics,
+    gaussian_perturb,
+    mix,
+    run_drift,
+    select_tokens,
+    token_id,
+)
 from ngrpo_lightning.diagnose.rollouts import edit_distance, group_metrics
 from ngrpo_lightning.rollout.hf_engine import special_token_ids
 
@@ -67,8 +74,12 @@ def test_constructed_embedding_matrix_gives_the_known_answer():
     mix0 = torch.tensor([0.8, 1.4 / 3])
     mix3 = torch.tensor([-0.4 / 3, -0.2 / 3])
     assert mixing["cosine"] == pytest.approx(((mix0[0] / mix0.norm()) + (-mix3[0] / mix3.norm())).item() / 2, abs=1e-5)
-    assert mixing["rel_norm"] == pytest.approx(((mix0 - PLANE[0]).norm() + (mix3 - PLANE[3]).norm()).item() / 2, abs=1e-5)
-    assert mixing["nearest_cosine"] == pytest.approx((math.cos(math.radians(36.87 - 30.26)) + mix3[0].abs().item() / mix3.norm().item()) / 2, abs=1e-3)
+    assert mixing["rel_norm"] == pytest.approx(
+        ((mix0 - PLANE[0]).norm() + (mix3 - PLANE[3]).norm()).item() / 2, abs=1e-5
+    )
+    assert mixing["nearest_cosine"] == pytest.approx(
+        (math.cos(math.radians(36.87 - 30.26)) + mix3[0].abs().item() / mix3.norm().item()) / 2, abs=1e-3
+    )
     assert mixing["examples"] == ["'0' -> '1'"]
     # excluding token 1 (as special tokens are excluded): 0's neighborhood becomes [0, 2, 4] and the mixture
     # (1.6, -0.2) / 3 decodes to 0 itself
@@ -122,8 +133,15 @@ def test_unknown_explorer_lists_the_valid_ones(capsys):
     assert "'bogus'" in err and all(f"'{n}'" in err for n in ("temperature", "ngrpo", "stht", "gumbel", "neighbor"))
     err = run_error(capsys, "diagnose", "rollouts", "model=tiny", "logger=none", "+explorer_args.ngrpo.rhoo=1")
     assert "ngrpo" in err and "rhoo" in err and "'rho'" in err  # names the explorer, the bad key and the valid ones
-    err = run_error(capsys, "diagnose", "rollouts", "model=tiny", "logger=none", "explorers=[temperature]",
-                    "+explorer_args.stht.sigma=1")
+    err = run_error(
+        capsys,
+        "diagnose",
+        "rollouts",
+        "model=tiny",
+        "logger=none",
+        "explorers=[temperature]",
+        "+explorer_args.stht.sigma=1",
+    )
     assert "explorer_args.stht" in err and "temperature" in err
 
 
@@ -140,8 +158,23 @@ def test_drift_command_writes_table_json_plot_and_mlflow_run(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     uri, out = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "out"
-    assert main(["diagnose", "drift", "model=tiny", f"output_dir={out}", f"logger.tracking_uri={uri}", "n=2", "G=4",
-                 "max_new_tokens=12", "weight_prompts=2", "scales=[0.1,1.0,8.0]"]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                "drift",
+                "model=tiny",
+                f"output_dir={out}",
+                f"logger.tracking_uri={uri}",
+                "n=2",
+                "G=4",
+                "max_new_tokens=12",
+                "weight_prompts=2",
+                "scales=[0.1,1.0,8.0]",
+            ]
+        )
+        == 0
+    )
     assert "| Gaussian σ=0.1 |" in capsys.readouterr().out
     data = json.loads((out / "drift.json").read_text())
     rows = {(r["method"], r["scale"]) if r["method"] == "gaussian" else r["method"]: r for r in data["rows"]}
@@ -162,9 +195,23 @@ def test_drift_command_writes_table_json_plot_and_mlflow_run(tmp_path, capsys):
 
 def test_rollouts_command_compares_explorers_on_the_same_prompts(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["diagnose", "rollouts", "model=tiny", "logger=none", f"output_dir={out}", "limit=2", "G=3",
-                 "max_new_tokens=6", "explorers=[temperature,ngrpo,stht,gumbel,grpo,n-gspo]",
-                 "+explorer_args.n-gspo.rho=1.0"]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                "rollouts",
+                "model=tiny",
+                "logger=none",
+                f"output_dir={out}",
+                "limit=2",
+                "G=3",
+                "max_new_tokens=6",
+                "explorers=[temperature,ngrpo,stht,gumbel,grpo,n-gspo]",
+                "+explorer_args.n-gspo.rho=1.0",
+            ]
+        )
+        == 0
+    )
     assert "| explorer | Mean@3 | Pass@3 |" in capsys.readouterr().out
     data = json.loads((out / "rollouts.json").read_text())
     results = data["results"]
@@ -178,6 +225,8 @@ def test_rollouts_command_compares_explorers_on_the_same_prompts(tmp_path, capsy
     assert results["n-gspo"]["metrics"]["mixed_frac"] == 1.0  # explorer_args: neighbor mixing at every step
     # `grpo` is plain sampling too: same prompts, same seed, so the very same responses
     assert results["grpo"]["groups"] == results["temperature"]["groups"]
-    assert "NeighborMixingExplorer" in data["explorers"]["ngrpo"] and "GaussianNoiseExplorer" in data["explorers"]["stht"]
+    assert (
+        "NeighborMixingExplorer" in data["explorers"]["ngrpo"] and "GaussianNoiseExplorer" in data["explorers"]["stht"]
+    )
     assert (out / "rollouts.md").read_text().count("\n") == 2 + 6
     assert (out / "rollouts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,17 +19,38 @@ def write_jsonl(path, records):
 
 
 def test_eval_on_a_benchmark_file_writes_table_json_and_plot(tmp_path, capsys):
-    data = write_jsonl(tmp_path / "aime.jsonl", [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)])
+    data = write_jsonl(
+        tmp_path / "aime.jsonl", [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
+    )
     out = tmp_path / "out"
-    assert main(["eval", "model=tiny", "data=aime24", f"data.path={data}", "n=4", "max_new_tokens=4",
-                 "logger=none", f"output_dir={out}", "reward.num_workers=1"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "model=tiny",
+                "data=aime24",
+                f"data.path={data}",
+                "n=4",
+                "max_new_tokens=4",
+                "logger=none",
+                f"output_dir={out}",
+                "reward.num_workers=1",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "| Dataset | Mean@4 | Pass@1 | Pass@2 | Pass@4 |" in text and "| aime24 |" in text
     results = json.loads((out / "results.json").read_text())
     problems = results["sets"]["aime24"]["problems"]
     assert [p["answer"] for p in problems] == ["0", "2", "4"]
     assert all(p["n"] == 4 and 0 <= p["c"] <= 4 and len(p["answers"]) == 4 for p in problems)
-    assert set(results["metrics"]) >= {"eval/aime24/pass@1", "eval/aime24/pass@4", "eval/aime24/mean@4", "eval/avg/pass@2"}
+    assert set(results["metrics"]) >= {
+        "eval/aime24/pass@1",
+        "eval/aime24/pass@4",
+        "eval/aime24/mean@4",
+        "eval/avg/pass@2",
+    }
     assert results["ks"] == [1, 2, 4] and results["config"]["n"] == 4
     assert (out / "pass_at_k.md").read_text().startswith("| Dataset | Mean@4 |")
     assert (out / "pass_at_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -38,8 +59,18 @@ def test_eval_on_a_benchmark_file_writes_table_json_and_plot(tmp_path, capsys):
 def test_gpqa_file_becomes_multiple_choice_problems(tmp_path):
     from ngrpo_lightning.eval_command import build_eval_sets, compose_eval
 
-    data = write_jsonl(tmp_path / "gpqa.jsonl", [{"Question": "Q?", "Correct Answer": "yes", "Incorrect Answer 1": "a",
-                                                  "Incorrect Answer 2": "b", "Incorrect Answer 3": "c"}])
+    data = write_jsonl(
+        tmp_path / "gpqa.jsonl",
+        [
+            {
+                "Question": "Q?",
+                "Correct Answer": "yes",
+                "Incorrect Answer 1": "a",
+                "Incorrect Answer 2": "b",
+                "Incorrect Answer 3": "c",
+            }
+        ],
+    )
     cfg = compose_eval(["model=tiny", "data=gpqa_diamond", f"data.path={data}"])
     (ev,) = build_eval_sets(cfg)
     (p,) = ev.problems
@@ -84,8 +115,22 @@ def test_packaged_model_eval_logs_to_mlflow(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     uri, out = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "out"
-    assert main(["eval", "data=arithmetic", "data.val_size=3", "n=8", "max_new_tokens=16", "temperature=0.7", "reward.num_workers=1",
-                 f"logger.tracking_uri={uri}", f"output_dir={out}"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "data=arithmetic",
+                "data.val_size=3",
+                "n=8",
+                "max_new_tokens=16",
+                "temperature=0.7",
+                "reward.num_workers=1",
+                f"logger.tracking_uri={uri}",
+                f"output_dir={out}",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     print(text)
     results = json.loads((out / "results.json").read_text())

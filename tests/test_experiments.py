@@ -3,8 +3,9 @@ objective and training keys fail with errors that name them."""
 
 import pytest
 
-from ngrpo_lightning.build import ConfigError, build_callbacks, build_objective
-from ngrpo_lightning.cli import compose, config_dir, main
+from ngrpo_lightning.build import build_callbacks, build_objective, settings
+from ngrpo_lightning.cli import main
+from ngrpo_lightning.config import ConfigError, compose, config_dir
 from ngrpo_lightning.objectives import GRPO, GSPO
 
 
@@ -29,7 +30,9 @@ def test_dr_grpo_experiment():
     assert not obj.needs_reference
 
 
-@pytest.mark.skipif(not (config_dir() / "explorer" / "neighbor.yaml").is_file(), reason="the neighbor explorer config is not there yet")
+@pytest.mark.skipif(
+    not (config_dir() / "explorer" / "neighbor.yaml").is_file(), reason="the neighbor explorer config is not there yet"
+)
 def test_n_gspo_experiment():
     cfg = compose(["experiment=n-gspo"])
     assert isinstance(build_objective(cfg.objective), GSPO) and cfg.explorer.name == "neighbor"
@@ -37,26 +40,35 @@ def test_n_gspo_experiment():
 
 def test_replay_buffer_is_attached_only_when_asked_for():
     assert build_callbacks(compose([])) == []
-    (buffer,) = build_callbacks(compose(["train.ppo_epochs=2", "train.num_mini_batches=3"]))
-    assert (buffer.ppo_epochs, buffer.num_mini_batches, buffer.capacity) == (2, 3, 0)
+    cfg = compose(["train.ppo_epochs=2", "train.num_mini_batches=3"])
+    assert build_callbacks(cfg) == []  # several updates per step are the module's UpdatePlan, not a callback
+    _, train, replay = settings(cfg)
+    assert (train.ppo_epochs, train.num_mini_batches, replay.capacity) == (2, 3, 0)
     (buffer,) = build_callbacks(compose(["replay.capacity=8", "replay.is_cap=3"]))
     assert (buffer.capacity, buffer.is_cap) == (8, 3.0)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.ppo_epochs=0", "train.ppo_epochs"), ("replay.max_staleness=0", "replay.max_staleness"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.ppo_epochs=0", "train.ppo_epochs"),
+        ("replay.max_staleness=0", "replay.max_staleness"),
+    ],
+)
 def test_bad_training_keys_are_named(override, key):
     with pytest.raises(ConfigError, match=key):
         build_callbacks(compose([override]))
 
 
-@pytest.mark.parametrize("args, key", [
-    (["objective.name=ppo2"], "objective.name"),
-    (["objective=gspo", "objective.clip_low=-0.1"], "objective.clip_low"),
-    (["objective.loss_agg=sum"], "objective.loss_agg"),
-    (["objective.kl_estimator=k4"], "objective.kl_estimator"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["objective.name=ppo2"], "objective.name"),
+        (["objective=gspo", "objective.clip_low=-0.1"], "objective.clip_low"),
+        (["objective.loss_agg=sum"], "objective.loss_agg"),
+        (["objective.kl_estimator=k4"], "objective.kl_estimator"),
+    ],
+)
 def test_bad_objective_keys_are_named_by_the_cli(capsys, args, key):
     assert main(["train", "model=tiny", "logger=none", *args]) == 2
     err = capsys.readouterr().err

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import chat_prompt_ids
+
 from ngrpo_lightning.explorers import GaussianNoiseExplorer, GumbelSoftExplorer, NeighborMixingExplorer
 from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.metrics.exploration import exploration_metrics
@@ -28,7 +28,9 @@ EXPLORERS = {  # mixing often, so that many steps are non-discrete
 
 def check_round_trip(model, tok, explorer, max_new_tokens, min_records):
     """Roll out, then recompute log-probs from the reconstructed inputs (and without them)."""
-    batch = HFEngine(model, tok, max_new_tokens=max_new_tokens, seed=1).generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2)
+    batch = HFEngine(model, tok, max_new_tokens=max_new_tokens, seed=1).generate(
+        chat_prompt_ids(tok, QUESTIONS), explorer, n=2
+    )
     assert len(batch.records) >= min_records
     mask = batch.response_mask.bool()
     with torch.no_grad():
@@ -65,7 +67,9 @@ def test_engine_passes_special_ids_and_neighbors_avoid_them(tiny):
 def test_exploration_metrics_of_a_neighbor_rollout(tiny):
     model, tok = tiny
     rho = 0.25
-    batch = HFEngine(model, tok, max_new_tokens=40, seed=2).generate(chat_prompt_ids(tok, QUESTIONS), NeighborMixingExplorer(rho=rho), n=4)
+    batch = HFEngine(model, tok, max_new_tokens=40, seed=2).generate(
+        chat_prompt_ids(tok, QUESTIONS), NeighborMixingExplorer(rho=rho), n=4
+    )
     m = exploration_metrics(batch)
     n = int(batch.response_mask.sum())
     assert n > 200
@@ -77,9 +81,13 @@ def test_exploration_metrics_of_a_neighbor_rollout(tiny):
 
 def test_experiment_configs_select_the_explorers():
     from ngrpo_lightning.build import build_explorer
-    from ngrpo_lightning.cli import compose
+    from ngrpo_lightning.config import compose
 
-    for experiment, cls in (("ngrpo", NeighborMixingExplorer), ("stht", GaussianNoiseExplorer), ("gumbel", GumbelSoftExplorer)):
+    for experiment, cls in (
+        ("ngrpo", NeighborMixingExplorer),
+        ("stht", GaussianNoiseExplorer),
+        ("gumbel", GumbelSoftExplorer),
+    ):
         cfg = compose([f"experiment={experiment}"])
         assert cfg.experiment_name == experiment and type(build_explorer(cfg.explorer)) is cls
     ablation = build_explorer(compose(["experiment=ngrpo", "explorer.rho=1.0", "explorer.metric=l2"]).explorer)
@@ -96,9 +104,21 @@ def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch,
     assert len(body) < 30
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
     monkeypatch.chdir(tmp_path)
-    argv = ["train", "explorer._target_=top_two_blend.TopTwoBlend", "explorer.rho=0.5", "model=tiny", "trainer.max_steps=1",
-            "data.train_size=4", "data.val_size=0", "data.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=8", "logger=none", "validate_before_fit=false", "trainer.enable_progress_bar=false"]
+    argv = [
+        "train",
+        "explorer._target_=top_two_blend.TopTwoBlend",
+        "explorer.rho=0.5",
+        "model=tiny",
+        "trainer.max_steps=1",
+        "data.train_size=4",
+        "data.val_size=0",
+        "data.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "logger=none",
+        "validate_before_fit=false",
+        "trainer.enable_progress_bar=false",
+    ]
     assert main(argv) == 0
     assert "Trained 1 steps" in capsys.readouterr().out
     assert main(argv[:2] + ["explorer.rho=2.0"] + argv[3:]) == 2  # the example's own check names the key
@@ -112,7 +132,14 @@ def test_distinct_answers_use_the_answers_the_reward_extracted():
     from ngrpo_lightning.rollout import RolloutBatch
 
     ones = torch.ones(4, 2, dtype=torch.long)
-    batch = RolloutBatch(prompt_ids=ones, prompt_mask=ones, response_ids=ones, response_mask=ones,
-                         rollout_logprobs=torch.zeros(4, 2), group_size=2, response_text=["a 1", "b 2", "c 3", "d 3"])
+    batch = RolloutBatch(
+        prompt_ids=ones,
+        prompt_mask=ones,
+        response_ids=ones,
+        response_mask=ones,
+        rollout_logprobs=torch.zeros(4, 2),
+        group_size=2,
+        response_text=["a 1", "b 2", "c 3", "d 3"],
+    )
     assert exploration_metrics(batch, ["1", "2", "3", "3"])["explore/distinct_answers_frac"] == 0.75  # (2/2 + 1/2) / 2
     assert exploration_metrics(batch)["explore/distinct_answers_frac"] == 0.5  # no boxes: one "None" answer per group

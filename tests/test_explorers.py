@@ -7,9 +7,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ngrpo_lightning.build import ConfigError, build_explorer
-from ngrpo_lightning.explorers import (EXPLORERS, GaussianNoiseExplorer, GumbelSoftExplorer, NeighborIndex,
-                                       NeighborMixingExplorer, TemperatureExplorer)
+from ngrpo_lightning.build import build_explorer
+from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.explorers import (
+    EXPLORERS,
+    GaussianNoiseExplorer,
+    GumbelSoftExplorer,
+    NeighborIndex,
+    NeighborMixingExplorer,
+    TemperatureExplorer,
+)
 from ngrpo_lightning.rollout import InputRecords, mixture_embeddings
 
 V, D = 600, 16
@@ -143,8 +150,14 @@ def test_gaussian_noise_scale_is_relative_to_the_embedding_norm():
     assert step.mixed.all() and torch.equal(step.ids[:, 0], step.tokens)
     assert torch.allclose(step.noise_scale, 0.3 * norms / math.sqrt(d))
     assert len(set(step.noise_seed.tolist())) == 16 and (step.noise_seed >= 0).all()
-    rec = InputRecords(row=torch.arange(16), pos=torch.zeros(16, dtype=torch.long), ids=step.ids, weights=step.weights,
-                       noise_seed=step.noise_seed, noise_scale=step.noise_scale)
+    rec = InputRecords(
+        row=torch.arange(16),
+        pos=torch.zeros(16, dtype=torch.long),
+        ids=step.ids,
+        weights=step.weights,
+        noise_seed=step.noise_seed,
+        noise_scale=step.noise_scale,
+    )
     noise_norm = (mixture_embeddings(e, rec) - e[step.tokens]).norm(dim=-1)
     assert torch.allclose(noise_norm, 0.3 * norms, rtol=0.05)  # ||noise|| ~ sigma * ||E[y]||
 
@@ -179,11 +192,20 @@ def test_gumbel_emitted_tokens_sample_the_top_k_distribution():
 
 
 # ------------------------------------------------------------ configs, errors
-@pytest.mark.parametrize("name, key, value", [
-    ("neighbor", "k", 0), ("neighbor", "rho", 1.5), ("neighbor", "rho", -0.1), ("neighbor", "refresh_every", -1),
-    ("neighbor", "temperature", -1.0), ("gaussian", "sigma", -0.1), ("gaussian", "rho", 2.0),
-    ("gumbel", "top_k", 0), ("gumbel", "tau", 0.0),
-])
+@pytest.mark.parametrize(
+    "name, key, value",
+    [
+        ("neighbor", "k", 0),
+        ("neighbor", "rho", 1.5),
+        ("neighbor", "rho", -0.1),
+        ("neighbor", "refresh_every", -1),
+        ("neighbor", "temperature", -1.0),
+        ("gaussian", "sigma", -0.1),
+        ("gaussian", "rho", 2.0),
+        ("gumbel", "top_k", 0),
+        ("gumbel", "tau", 0.0),
+    ],
+)
 def test_bad_values_name_the_key(name, key, value):
     with pytest.raises(ConfigError, match=rf"explorer\.{key}={value!r} is out of range"):
         build_explorer(OmegaConf.create({"name": name, key: value}))
@@ -206,7 +228,7 @@ def test_sizes_beyond_the_vocabulary_name_the_key():
 
 
 def test_registry_and_shipped_configs():
-    from ngrpo_lightning.cli import config_dir
+    from ngrpo_lightning.config import config_dir
 
     assert {"temperature", "neighbor", "gaussian", "gumbel"} <= set(EXPLORERS)
     expected = {"neighbor": NeighborMixingExplorer, "gaussian": GaussianNoiseExplorer, "gumbel": GumbelSoftExplorer}

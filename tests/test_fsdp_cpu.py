@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ngrpo_lightning.build import ConfigError, check_trainer
-from ngrpo_lightning.cli import compose, main
+from ngrpo_lightning.build import check_trainer
+from ngrpo_lightning.cli import main
+from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.explorers import ExplorerStep, TemperatureExplorer
 
 
@@ -30,15 +31,28 @@ class RowSeededSampler(TemperatureExplorer):
         self.t = 0
 
     def step(self, logits, generator=None):
-        rows = [self.sample(logits[r:r + 1], torch.Generator(device=logits.device).manual_seed(1000 * self.t + r % 2))
-                for r in range(len(logits))]
+        rows = [
+            self.sample(logits[r : r + 1], torch.Generator(device=logits.device).manual_seed(1000 * self.t + r % 2))
+            for r in range(len(logits))
+        ]
         self.t += 1
         return ExplorerStep(tokens=torch.cat(rows))
 
+
 RUN = [
-    "model=tiny", "data.train_size=8", "data.val_size=0", "rollout.group_size=2", "rollout.max_new_tokens=6",
-    "explorer._target_=test_fsdp_cpu.RowSeededSampler", "explorer.top_k=4", "optim.lr=1e-2", "logger.log_samples_every=0", "trainer.enable_progress_bar=false",
-    "trainer.max_steps=2", "validate_before_fit=false", "checkpoint.every_n_steps=0",
+    "model=tiny",
+    "data.train_size=8",
+    "data.val_size=0",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=6",
+    "explorer._target_=test_fsdp_cpu.RowSeededSampler",
+    "explorer.top_k=4",
+    "optim.lr=1e-2",
+    "logger.log_samples_every=0",
+    "trainer.enable_progress_bar=false",
+    "trainer.max_steps=2",
+    "validate_before_fit=false",
+    "checkpoint.every_n_steps=0",
 ]
 KEYS = ["train/loss", "train/kl_ref", "train/grad_norm", "train/entropy", "train/reward", "train/response_length_mean"]
 
@@ -60,7 +74,9 @@ def launch(tmp: Path, name: str, *extra: str) -> Path:
     out = tmp / name
     args = RUN + [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db", *extra]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -70,7 +86,9 @@ def metrics(out: Path) -> dict[str, list[float]]:
 
     client = MlflowClient(f"sqlite:///{out}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
-    return {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in KEYS}
+    return {
+        k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in KEYS
+    }
 
 
 def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -85,12 +103,22 @@ def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
     from conftest import ScriptedReward
+
     from ngrpo_lightning.cli import train
 
     monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
     one = tmp_path / "one"  # the reference: one process, in this one
-    train(compose(RUN + [f"output_dir={one}", f"logger.tracking_uri=sqlite:///{one}/mlruns.db", "trainer=cpu",
-                         "data.prompts_per_step=4"]))
+    train(
+        compose(
+            RUN
+            + [
+                f"output_dir={one}",
+                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
+                "trainer=cpu",
+                "data.prompts_per_step=4",
+            ]
+        )
+    )
     two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2")  # per rank: the same global batch
     m1, m2 = metrics(one), metrics(two)
     assert m1["train/response_length_mean"] == [6.0, 6.0]  # equal token counts: token-mean losses average exactly
@@ -149,8 +177,12 @@ def test_prompts_are_split_by_rank_evenly_and_resume_mid_pass():
     assert not set(shares[0]) & set(shares[1])  # a prompt (and so its G samples) is on one rank
     whole = PromptSampler(10, seed=1, shuffle=True, batch_size=4)
     passes = [list(whole), list(whole)]
-    assert passes[0] != passes[1] and all(len(set(p)) == 8 for p in passes)  # a new seeded shuffle per pass, whole batches
+    assert passes[0] != passes[1] and all(
+        len(set(p)) == 8 for p in passes
+    )  # a new seeded shuffle per pass, whole batches
     seen = []
-    resumed = PromptSampler(10, seed=1, shuffle=True, batch_size=4, epoch=1, skip=4, on_pass=lambda e, b: seen.append((e, b)))
+    resumed = PromptSampler(
+        10, seed=1, shuffle=True, batch_size=4, epoch=1, skip=4, on_pass=lambda e, b: seen.append((e, b))
+    )
     assert list(resumed) == passes[1][4:] and seen == [(1, 1)]
     assert list(resumed) == list(PromptSampler(10, seed=1, shuffle=True, batch_size=4, epoch=2))

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from ngrpo_lightning import models
-from ngrpo_lightning.models import (BUILTIN_MODELS, cache_dir, load_policy, load_tokenizer,
-                                    packaged_model_dir, parse_dtype, resolve_model_path)
+from ngrpo_lightning.models import (
+    BUILTIN_MODELS,
+    cache_dir,
+    load_policy,
+    load_tokenizer,
+    packaged_model_dir,
+    parse_dtype,
+    resolve_model_path,
+)
 
 SMOL_PARAMS = 134_515_008  # SmolLM2-135M: 30 layers x 576 hidden, tied 49152-token embeddings
 
@@ -32,9 +39,17 @@ def test_builtin_names():
     assert BUILTIN_MODELS == ("smollm2-135m-instruct", "tiny")
 
 
-@pytest.mark.parametrize("name,dtype", [("float32", torch.float32), ("fp32", torch.float32),
-                                        ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16),
-                                        ("float16", torch.float16), ("fp16", torch.float16)])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("BF16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+    ],
+)
 def test_parse_dtype_aliases(name, dtype):
     assert parse_dtype(name) is dtype
 
@@ -50,8 +65,7 @@ def test_bad_dtype_names_config_key_and_allowed_values():
         load_policy("tiny", dtype="int8")
 
 
-@pytest.mark.parametrize("rel", ["/definitely/not/here", "./not-here", "~/not-here-either",
-                                 "some/nested/dir"])
+@pytest.mark.parametrize("rel", ["/definitely/not/here", "./not-here", "~/not-here-either", "some/nested/dir"])
 def test_missing_path_names_path_and_builtins(rel):
     with pytest.raises((FileNotFoundError, ValueError)) as err:
         resolve_model_path(rel)
@@ -151,8 +165,10 @@ def test_tokenizer_splits_digits_like_smollm2():
 
 def test_tiny_batched_generate(tiny):
     model, tok = tiny
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=False) for q in ("Hi", "What is 2+3? Think.")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("Hi", "What is 2+3? Think.")
+    ]
     batch = tok(prompts, return_tensors="pt", padding=True)
     assert (batch["input_ids"][0, 0] == tok.pad_token_id).item()  # left padded
     with torch.no_grad():
@@ -169,6 +185,7 @@ def smol():
 @pytest.mark.slow
 def test_packaged_dir_contents():
     import json
+
     d = packaged_model_dir()
     assert d == cache_dir() / "smollm2-135m-instruct"
     assert (d / "model.safetensors").is_file()
@@ -190,15 +207,16 @@ def test_packaged_model_params_and_dtype(smol):
 @pytest.mark.slow
 def test_packaged_model_answers_simple_sum(smol):
     model, tok = smol
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     model.eval()
     try:
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=32, do_sample=False)
     finally:
         model.train()
-    reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert reply.strip() and "5" in reply, reply
 
 

@@ -1,30 +1,37 @@
 """RLModule updates: micro-batching does not change the gradient."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import fake_step
 
-from ngrpo_lightning.module import OptimConfig, RLModule
 from ngrpo_lightning.objectives import GRPO, GSPO
+from ngrpo_lightning.planning import UpdatePlan
 
 
-@pytest.mark.parametrize("objective", [
-    GRPO(kl_coef=0.0, loss_agg="token-mean"), GRPO(kl_coef=0.0, loss_agg="seq-mean-token-mean"),
-    GRPO(kl_coef=0.0, loss_agg="seq-mean-token-sum-norm", norm_length=7), GSPO(clip_low=0.2, clip_high=0.2),
-], ids=lambda o: f"{o.registered_name}-{o.loss_agg}")
+@pytest.mark.parametrize(
+    "objective",
+    [
+        GRPO(kl_coef=0.0, loss_agg="token-mean"),
+        GRPO(kl_coef=0.0, loss_agg="seq-mean-token-mean"),
+        GRPO(kl_coef=0.0, loss_agg="seq-mean-token-sum-norm", norm_length=7),
+        GSPO(clip_low=0.2, clip_high=0.2),
+    ],
+    ids=lambda o: f"{o.registered_name}-{o.loss_agg}",
+)
 def test_micro_batches_give_the_whole_batch_gradient(objective):
     torch.manual_seed(0)
-    step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 4, 2, 3, 4, 4])  # 10 tokens in rows 0-3, 8 in rows 4-5
+    step = fake_step(
+        list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 4, 2, 3, 4, 4]
+    )  # 10 tokens in rows 0-3, 8 in rows 4-5
     mask = step.batch.response_mask
     logp = (-torch.rand(mask.shape) * mask).requires_grad_()
     old, adv = logp.detach() + 0.05 * torch.randn(mask.shape), torch.randn(6)
     (whole,) = torch.autograd.grad(objective(logp, old, None, adv, mask)[0], logp)
-    module = SimpleNamespace(optim=OptimConfig(micro_batch_size=4), objective=objective)
+    plan = UpdatePlan(micro_batch_size=4)
     summed = torch.zeros_like(logp)
-    for rows, weight in RLModule._micro_batches(module, step.batch):
+    for rows, weight in plan.micro_batches(step.batch, token_level=objective.loss_agg == "token-mean"):
         loss, _ = objective(logp[rows], old[rows], None, adv[rows], mask[rows])
         summed += torch.autograd.grad(loss * weight, logp)[0]
     assert torch.allclose(summed, whole, atol=1e-6)
@@ -53,9 +60,77 @@ def test_truncated_importance_sampling_weights_the_policy_gradient(tiny):
 
 def test_tis_cap_is_checked(tiny):
     from conftest import ScriptedReward, tiny_rl
+
     from ngrpo_lightning.objectives import GSPO
 
-    with pytest.raises(ValueError, match=r"train.tis_cap=0 must be a number > 0"):
+    with pytest.raises(ValueError, match=r"train.tis_cap=0 is out of range: allowed \(0.0, inf\]"):
         tiny_rl(tiny, ScriptedReward([1]), tis_cap=0)
     with pytest.raises(ValueError, match=r"train.tis_cap needs an objective that takes per-token advantages; GSPO"):
         tiny_rl(tiny, ScriptedReward([1]), objective=GSPO(), tis_cap=2.0)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        GRPO(kl_coef=0.0, loss_agg="token-mean"),
+        GRPO(kl_coef=0.0, loss_agg="seq-mean-token-mean"),
+        GRPO(kl_coef=0.0, loss_agg="seq-mean-token-sum"),
+        GRPO(kl_coef=0.0, loss_agg="seq-mean-token-sum-norm"),
+        GSPO(clip_low=0.2, clip_high=0.2),
+    ],
+    ids=lambda o: f"{o.registered_name}-{o.loss_agg}",
+)
+def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objective):
+    """optim.max_tokens_per_micro_batch: rows grouped by length, each micro-batch cut to its own
+    longest sequence in the forward; the policy's gradient equals the whole batch's."""
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning.module import OptimConfig
+
+    step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 5, 2, 3, 5, 4])
+    step.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
+    grads = []
+    for budget, size in ((None, 0), (16, 0), (9, 2)):
+        module, _ = tiny_rl(tiny, ScriptedReward([1]), objective=objective)
+        module.optim = OptimConfig(lr=1e-2, max_tokens_per_micro_batch=budget, micro_batch_size=size)
+        module.plan = UpdatePlan(micro_batch_size=size, max_tokens_per_micro_batch=budget)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            old = module._logprobs_no_grad(module.policy, step.batch) + 0.01  # a fixed behaviour policy
+        groups = list(module.plan.micro_batches(step.batch, objective.loss_agg == "token-mean"))
+        if budget:
+            lengths = step.batch.prompt_mask.sum(-1) + step.batch.response_mask.sum(-1)
+            assert len(groups) > 1 and all(len(r) * lengths[r].max() <= budget for r, _ in groups)
+        for rows, weight in groups:
+            mb = step.select(rows)
+            logp, _ = module._logprobs(module.policy, mb.batch, 1.0)
+            assert logp.shape == mb.batch.response_ids.shape  # padded back to the update's width
+            loss, _ = objective(logp, old[rows], None, mb.advantages, mb.batch.response_mask)
+            (loss * weight).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None]))
+    for g in grads[1:]:  # equal up to fp32 summation order
+        assert (g - grads[0]).norm() <= 1e-5 * grads[0].norm()
+
+
+def test_gradient_checkpointing_on_one_device_keeps_the_gradient(tiny):
+    """model.gradient_checkpointing: decoder activations recomputed in backward, same gradient."""
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning.build import build_module
+    from ngrpo_lightning.config import compose
+
+    module = build_module(compose(["model=tiny", "model.gradient_checkpointing=true", "logger=none"]))
+    assert module.policy.is_gradient_checkpointing
+    assert module.reference is None or not module.reference.is_gradient_checkpointing
+
+    step = fake_step(list("aabb"), [1, 0, 1, 0], lengths=[3, 1, 2, 3])
+    grads = []
+    for checkpointing in (False, True):
+        plain, _ = tiny_rl(tiny, ScriptedReward([1]))
+        if checkpointing:
+            plain.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plain.policy.train()
+        logp, _ = plain._logprobs(plain.policy, step.batch, 1.0)
+        (logp * step.batch.response_mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in plain.policy.parameters() if p.grad is not None]))
+    assert (grads[1] - grads[0]).norm() <= 1e-5 * grads[0].norm()

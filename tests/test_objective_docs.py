@@ -33,7 +33,9 @@ def test_example_objective_matches_hand_computation(example_module):
     loss, metrics = example_module.CISPO(clip_high=0.28)(logp, old, None, torch.tensor([1.0, -2.0]), mask)
     assert loss.item() == pytest.approx((1.28 * 1.0 + 1.0 * 2.0 - 2.0 * 0.5) / 3)
     loss.backward()
-    assert torch.allclose(logp.grad, torch.tensor([[-1.28 / 3, -1 / 3], [2 / 3, 0.0]]))  # clipped tokens keep a gradient
+    assert torch.allclose(
+        logp.grad, torch.tensor([[-1.28 / 3, -1 / 3], [2 / 3, 0.0]])
+    )  # clipped tokens keep a gradient
     assert metrics["clip_frac_high"].item() == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="objective.clip_high"):
         example_module.CISPO(clip_high=-1)
@@ -43,9 +45,21 @@ def test_example_objective_trains_one_step_from_the_cli(example_module, tmp_path
     from ngrpo_lightning.cli import main
 
     monkeypatch.chdir(tmp_path)
-    args = ["train", "model=tiny", "logger=none", "trainer.max_steps=1", "trainer.enable_progress_bar=false",
-            "trainer.enable_checkpointing=false", "validate_before_fit=false", "data.train_size=4", "data.val_size=0",
-            "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-            f"objective._target_={example_module.__name__}.CISPO", "objective.clip_high=0.3"]
+    args = [
+        "train",
+        "model=tiny",
+        "logger=none",
+        "trainer.max_steps=1",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_checkpointing=false",
+        "validate_before_fit=false",
+        "data.train_size=4",
+        "data.val_size=0",
+        "data.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        f"objective._target_={example_module.__name__}.CISPO",
+        "objective.clip_high=0.3",
+    ]
     assert main(args) == 0
     assert "Trained 1 steps" in capsys.readouterr().out

@@ -115,8 +115,13 @@ def test_metric_reduced_over_two_gloo_processes_equals_single_process(tmp_path):
 def test_gpqa_options_are_listed_and_shuffled_deterministically():
     from ngrpo_lightning.data.benchmarks import format_multiple_choice, gpqa_problem
 
-    record = {"Question": "Which is a noble gas?", "Correct Answer": "Argon", "Incorrect Answer 1": "Iron",
-              "Incorrect Answer 2": "Sodium", "Incorrect Answer 3": "Carbon"}
+    record = {
+        "Question": "Which is a noble gas?",
+        "Correct Answer": "Argon",
+        "Incorrect Answer 1": "Iron",
+        "Incorrect Answer 2": "Sodium",
+        "Incorrect Answer 3": "Carbon",
+    }
     p = gpqa_problem(record, "gpqa.jsonl:1", "gpqa-0")
     assert p.question.startswith("Which is a noble gas?\n\n(A) ")
     for letter, option in zip("ABCD", p.question.splitlines()[2:]):
@@ -148,22 +153,34 @@ def test_benchmark_missing_answer_field_names_field_and_file(tmp_path):
 # ------------------------------------------------------------------ callback
 def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     import lightning as L
+    from conftest import ScriptedReward, tiny_rl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from callbacks import PassAtK as PassAtKCallback
-    from conftest import ScriptedReward, tiny_rl
+    from ngrpo_lightning.callbacks import PassAtK as PassAtKCallback
     from ngrpo_lightning.data import ArithmeticTask
 
     module, datamodule = tiny_rl(tiny, ScriptedReward((1, 0)))  # every problem: 1 of its 2 samples correct
     problems = ArithmeticTask(num_problems=2, seed=0, split="validation").problems()
     evaluator = PassAtKCallback({"arith": problems}, n=2, every_n_steps=1, max_new_tokens=3, temperature=1.0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/arith/pass@2", mode="max", every_n_train_steps=1)
-    logger = MLFlowLogger(experiment_name="t", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-                          artifact_location=(tmp_path / "artifacts").as_uri())
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[evaluator, ckpt], default_root_dir=tmp_path)
+    logger = MLFlowLogger(
+        experiment_name="t",
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        artifact_location=(tmp_path / "artifacts").as_uri(),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[evaluator, ckpt],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=datamodule)
 
     assert [h["step"] for h in evaluator.history] == [1, 2]
@@ -179,12 +196,15 @@ def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     assert [h.step for h in history] == [1, 2]
     files = {a.path for a in client.list_artifacts(logger.run_id, "pass_at_k/step_000002")}
     assert files == {"pass_at_k/step_000002/pass_at_k.md", "pass_at_k/step_000002/pass_at_k.png"}
-    table = evaluator.last_results and open(client.download_artifacts(logger.run_id, "pass_at_k/step_000002/pass_at_k.md")).read()
+    table = (
+        evaluator.last_results
+        and open(client.download_artifacts(logger.run_id, "pass_at_k/step_000002/pass_at_k.md")).read()
+    )
     assert "| Dataset | Mean@2 | Pass@1 | Pass@2 |" in table and "| arith | 50.0 | 50.0 | 100.0 |" in table
 
 
 def test_callback_rejects_k_larger_than_n():
-    from callbacks import PassAtK as PassAtKCallback
+    from ngrpo_lightning.callbacks import PassAtK as PassAtKCallback
     from ngrpo_lightning.data import Problem
 
     with pytest.raises(ValueError, match="k=16 with n=8"):

@@ -6,7 +6,9 @@ import pytest
 import torch
 from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
 
-from callbacks import ReplayBuffer
+from ngrpo_lightning.callbacks import ReplayBuffer
+from ngrpo_lightning.planning import UpdatePlan
+from ngrpo_lightning.settings import TrainConfig
 
 
 def test_all_wrong_group_gets_a_stored_success_with_its_records():
@@ -50,12 +52,12 @@ def test_groups_with_a_success_are_left_alone():
 
 
 def test_plan_updates_covers_every_row_once_per_epoch_and_weights_replayed_rows():
-    buf = ReplayBuffer(ppo_epochs=2, num_mini_batches=2, is_cap=1.5)
+    buf, plan = ReplayBuffer(capacity=4, is_cap=1.5), UpdatePlan(ppo_epochs=2, num_mini_batches=2)
     step = fake_step(["a", "a", "b", "b", "c", "c"], [1, 0, 1, 0, 1, 0])
     step.advantages = torch.ones(6)
     step.replayed[3] = True
     step.behaviour_logp[3] = step.old_logp[3] - 1.0  # the policy now likes it e^1 more: weight capped at 1.5
-    updates = buf.plan_updates(step)
+    updates = plan.updates(buf.weigh(step))
     assert len(updates) == 4
     for epoch in (updates[:2], updates[2:]):
         rows = sorted(r for u in epoch for r in u.batch.response_text)
@@ -65,18 +67,24 @@ def test_plan_updates_covers_every_row_once_per_epoch_and_weights_replayed_rows(
     assert step.stats["replay/is_weight_mean"] == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"ppo_epochs": 0}, "train.ppo_epochs"), ({"num_mini_batches": 0}, "train.num_mini_batches"),
-    ({"capacity": -1}, "replay.capacity"), ({"max_staleness": 0}, "replay.max_staleness"), ({"is_cap": 0.5}, "replay.is_cap"),
-])
-def test_bad_replay_config_names_the_key(kwargs, key):
+@pytest.mark.parametrize(
+    "make, key",
+    [
+        (lambda: TrainConfig(ppo_epochs=0), "train.ppo_epochs"),
+        (lambda: TrainConfig(num_mini_batches=0), "train.num_mini_batches"),
+        (lambda: ReplayBuffer(capacity=-1), "replay.capacity"),
+        (lambda: ReplayBuffer(capacity=1, max_staleness=0), "replay.max_staleness"),
+        (lambda: ReplayBuffer(capacity=1, is_cap=0.5), "replay.is_cap"),
+    ],
+)
+def test_bad_replay_config_names_the_key(make, key):
     with pytest.raises(ValueError, match=key):
-        ReplayBuffer(**kwargs)
+        make()
 
 
 def test_second_ppo_epoch_sees_moved_ratios_and_clips(tiny):
-    module, dm = tiny_rl(tiny, ScriptedReward([1, 0]), lr=3e-2)
-    trainer = tiny_trainer(max_steps=2, callbacks=[ReplayBuffer(ppo_epochs=2)])
+    module, dm = tiny_rl(tiny, ScriptedReward([1, 0]), lr=3e-2, ppo_epochs=2)
+    trainer = tiny_trainer(max_steps=2)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 2  # optimizer steps: one rollout batch, two updates
     first, second = module.update_metrics
@@ -95,6 +103,7 @@ class Snapshots:
 
     def on_train_start(self, trainer, pl_module):
         self.at_start = copy.deepcopy(self.buffer.state_dict())
+        self.plan_at_start = copy.deepcopy(pl_module.plan.state_dict())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after_step.append(copy.deepcopy(self.buffer.state_dict()))
@@ -107,7 +116,7 @@ def snapshot_callback(buffer):
 
 
 def assert_same_state(a, b):
-    assert a["steps_seen"] == b["steps_seen"] and torch.equal(a["generator"], b["generator"])
+    assert a["steps_seen"] == b["steps_seen"]
     assert len(a["entries"]) == len(b["entries"])
     for x, y in zip(a["entries"], b["entries"]):
         assert x.keys() == y.keys()
@@ -125,8 +134,8 @@ def test_checkpoint_mid_run_restores_the_buffer_exactly(tiny, tmp_path):
 
     # step 0: every group has a success (stored); step 1: all wrong -> the stored ones are replayed
     reward = ScriptedReward([1, 0], [0, 0])
-    module, dm = tiny_rl(tiny, reward)
-    buffer = ReplayBuffer(num_mini_batches=2, capacity=4, max_staleness=3)
+    module, dm = tiny_rl(tiny, reward, num_mini_batches=2)
+    buffer = ReplayBuffer(capacity=4, max_staleness=3)
     spy = snapshot_callback(buffer)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     trainer = tiny_trainer(max_steps=4, callbacks=[buffer, spy, ckpt], enable_checkpointing=True)
@@ -135,17 +144,19 @@ def test_checkpoint_mid_run_restores_the_buffer_exactly(tiny, tmp_path):
     assert len(spy.after_step) == 2 and len(buffer.entries) == 2
 
     saved = torch.load(tmp_path / "step=2.ckpt", weights_only=True)  # plain tensors and values only
-    restored = ReplayBuffer(num_mini_batches=2, capacity=4, max_staleness=3)
+    restored = ReplayBuffer(capacity=4, max_staleness=3)
     restored.load_state_dict(saved["callbacks"][buffer.state_key])
     assert_same_state(restored.state_dict(), spy.after_step[0])
-    assert len(restored.entries) == 2 and not torch.equal(restored.generator.get_state(), torch.Generator().manual_seed(0).get_state())
+    assert len(restored.entries) == 2
+    # the mini-batch shuffling moved on and is saved with the module
+    assert not torch.equal(saved["update_plan"]["generator"], torch.Generator().manual_seed(0).get_state())
 
     # resuming through Lightning restores it too, before training goes on
-    module2, dm2 = tiny_rl(tiny, ScriptedReward([0, 0]))
-    buffer2 = ReplayBuffer(num_mini_batches=2, capacity=4, max_staleness=3)
+    module2, dm2 = tiny_rl(tiny, ScriptedReward([0, 0]), num_mini_batches=2)
+    buffer2 = ReplayBuffer(capacity=4, max_staleness=3)
     spy2 = snapshot_callback(buffer2)
     trainer2 = tiny_trainer(max_steps=4, callbacks=[buffer2, spy2])
     trainer2.fit(module2, datamodule=dm2, ckpt_path=tmp_path / "step=2.ckpt")
     assert_same_state(spy2.at_start, spy.after_step[0])
+    assert torch.equal(spy2.plan_at_start["generator"], saved["update_plan"]["generator"])
     assert buffer2.steps_seen == 2 and trainer2.callback_metrics["replay/substituted"] == 2
-

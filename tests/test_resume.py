@@ -12,17 +12,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ScriptedReward
-from ngrpo_lightning.build import ConfigError
-from ngrpo_lightning.cli import compose, main, train
+
+from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.config import ConfigError, compose
 
 # 2 prompts x 2 samples, 2 optimizer updates per batch (mini-batches shuffled by the replay
 # buffer's RNG), sampled rollouts (engine RNG), shuffled data: every piece of state matters.
 RUN = [
-    "model=tiny", "data.train_size=6", "data.val_size=0", "data.prompts_per_step=2", "rollout.group_size=2",
-    "rollout.max_new_tokens=6", "logger.log_samples_every=0", "trainer.enable_progress_bar=false",
-    "train.num_mini_batches=2", "replay.capacity=4", "optim.lr=1e-2", "validate_before_fit=false",
+    "model=tiny",
+    "data.train_size=6",
+    "data.val_size=0",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=6",
+    "logger.log_samples_every=0",
+    "trainer.enable_progress_bar=false",
+    "train.num_mini_batches=2",
+    "replay.capacity=4",
+    "optim.lr=1e-2",
+    "validate_before_fit=false",
 ]
 KEYS = ["train/loss", "train/grad_norm", "train/entropy", "train/response_length_mean", "train/kl_ref", "replay/size"]
 STEPS = 8  # optimizer steps = 4 rollout batches (more than one pass over the 3 batches of an epoch)
@@ -35,7 +44,8 @@ def scripted_reward(monkeypatch):
 
 
 def run(tmp, name, *extra):
-    store = f"sqlite:///{tmp}/mlruns.db"; Path(tmp).mkdir(parents=True, exist_ok=True)
+    store = f"sqlite:///{tmp}/mlruns.db"
+    Path(tmp).mkdir(parents=True, exist_ok=True)
     return train(compose(RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp}/{name}", *extra]))
 
 
@@ -45,7 +55,9 @@ def history(tmp, run_id, key):
     from mlflow import MlflowClient
 
     points = {}
-    for m in sorted(MlflowClient(f"sqlite:///{tmp}/mlruns.db").get_metric_history(run_id, key), key=lambda m: m.timestamp):
+    for m in sorted(
+        MlflowClient(f"sqlite:///{tmp}/mlruns.db").get_metric_history(run_id, key), key=lambda m: m.timestamp
+    ):
         points[m.step] = m.value
     return sorted(points.items())
 
@@ -81,8 +93,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     last = tmp_path / "out/checkpoints/last.ckpt"
     assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
-    resumed = run(tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1",
-                  "resume=last")
+    resumed = run(
+        tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1", "resume=last"
+    )
     assert resumed["run_id"] == first["run_id"]  # the same MLflow run continues
     assert resumed["steps"] == STEPS
     # one continuous history: every step once, equal to the uninterrupted run's
@@ -113,11 +126,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
     whole_tmp, whole = uninterrupted
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
-    args = RUN + [f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db", f"output_dir={tmp_path}/out",
-                  "checkpoint.every_n_steps=2", "checkpoint.keep=-1", "trainer.max_steps=1000"]
+    args = RUN + [
+        f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db",
+        f"output_dir={tmp_path}/out",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep=-1",
+        "trainer.max_steps=1000",
+    ]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, str(driver), "train", *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), "train", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     target = tmp_path / "out/checkpoints/step-step=4.ckpt"
     deadline = time.monotonic() + 120
     try:
@@ -130,11 +154,18 @@ def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
         proc.wait()
     kept = max(int(p.stem.split("=")[-1]) for p in (tmp_path / "out/checkpoints").glob("step-step=*.ckpt"))
     assert kept < STEPS
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+    (killed,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert killed.info.status == "RUNNING"  # a killed process cannot report; resume continues this run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
         resumed = train(compose(args[:-1] + [f"trainer.max_steps={STEPS}", "resume=last"]))
     assert resumed["steps"] == STEPS
     assert_same_run(whole_tmp, whole["run_id"], tmp_path, resumed["run_id"])
+    assert resumed["run_id"] == killed.info.run_id
+    assert client.get_run(resumed["run_id"]).info.status == "FINISHED"
 
 
 def test_resuming_another_config_names_the_mismatch(uninterrupted, capsys):

@@ -62,31 +62,37 @@ def reward():
 
 
 # ----------------------------------------------------------------- extraction
-@pytest.mark.parametrize("text,expected", [
-    (r"so the answer is \boxed{42}.", "42"),
-    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{\sqrt{2}}{2}"),
-    (r"first \boxed{1}, then \boxed{2}", "2"),
-    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not count
-    (r"\fbox{7}", "7"),
-    (r"\boxed 42 is it", "42"),
-    ("no box here, just 12", None),
-    (r"\boxed{}", None),
-    (r"\boxed{1} then the final \boxed{2", None),  # truncated last box: no final answer
-    (r"\fboxsep=3pt", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{\sqrt{2}}{2}"),
+        (r"first \boxed{1}, then \boxed{2}", "2"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not count
+        (r"\fbox{7}", "7"),
+        (r"\boxed 42 is it", "42"),
+        ("no box here, just 12", None),
+        (r"\boxed{}", None),
+        (r"\boxed{1} then the final \boxed{2", None),  # truncated last box: no final answer
+        (r"\fboxsep=3pt", None),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_answer(text) == expected
     assert extract_answer(text, "boxed") == expected
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so 10-3 = 7.", "7"),
-    ("total: 1,234 apples", "1234"),
-    ("it is -0.25", "-0.25"),
-    ("x-5", "5"),  # a binary minus is not a sign
-    ("no numbers", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so 10-3 = 7.", "7"),
+        ("total: 1,234 apples", "1234"),
+        ("it is -0.25", "-0.25"),
+        ("x-5", "5"),  # a binary minus is not a sign
+        ("no numbers", None),
+    ],
+)
 def test_extract_last_number(text, expected):
     assert extract_answer(text, "last_number") == expected
 
@@ -97,30 +103,54 @@ def test_extract_unknown_method_names_key_and_choices():
 
 
 # --------------------------------------------------------------- verification
-@pytest.mark.parametrize("pred,gold", [
-    ("12", "12"), ("12.0", "12"), ("12", "12.0"),
-    ("1/2", r"\frac{1}{2}"), (r"\frac{1}{2}", "0.5"), ("0.5", "1/2"), (r"\dfrac12", "0.5"),
-    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),
-    ("1,000", "1000"), ("x = 12", "12"), (r"10\%", r"10\%"),
-    ("B", "B"), ("(B)", "B"), ("B", "(B)"), (r"\text{(B)}", "B"), ("b", "B"),
-])
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("12", "12"),
+        ("12.0", "12"),
+        ("12", "12.0"),
+        ("1/2", r"\frac{1}{2}"),
+        (r"\frac{1}{2}", "0.5"),
+        ("0.5", "1/2"),
+        (r"\dfrac12", "0.5"),
+        (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),
+        ("1,000", "1000"),
+        ("x = 12", "12"),
+        (r"10\%", r"10\%"),
+        ("B", "B"),
+        ("(B)", "B"),
+        ("B", "(B)"),
+        (r"\text{(B)}", "B"),
+        ("b", "B"),
+    ],
+)
 def test_verify_equal(pred, gold):
     assert verify_answer(pred, gold)
 
 
-@pytest.mark.parametrize("pred,gold", [
-    ("13", "12"), ("-12", "12"), ("0.51", "1/2"), ("C", "B"), ("(C)", "B"),
-    (r"\sqrt{-1}", "I"),  # a choice letter is a letter, not the imaginary unit
-    ("", "12"), (None, "12"),
-])
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("13", "12"),
+        ("-12", "12"),
+        ("0.51", "1/2"),
+        ("C", "B"),
+        ("(C)", "B"),
+        (r"\sqrt{-1}", "I"),  # a choice letter is a letter, not the imaginary unit
+        ("", "12"),
+        (None, "12"),
+    ],
+)
 def test_verify_not_equal(pred, gold):
     assert not verify_answer(pred, gold)
 
 
 # --------------------------------------------------------------------- reward
 def test_reward_scores_and_status(reward):
-    res = reward([r"\boxed{4}", r"\boxed{5}", "I don't know", r"\boxed{\frac{1}{2}}", r"\boxed{(B)}"],
-                 ["4", "4", "4", "0.5", "B"])
+    res = reward(
+        [r"\boxed{4}", r"\boxed{5}", "I don't know", r"\boxed{\frac{1}{2}}", r"\boxed{(B)}"],
+        ["4", "4", "4", "0.5", "B"],
+    )
     assert isinstance(res, rewards.RewardResult)
     assert res.status == ["correct", "wrong", "no_answer", "correct", "correct"]
     assert str(res.scores.dtype) == "torch.float32"
@@ -199,7 +229,8 @@ def test_no_pool_leak_at_interpreter_exit(tmp_path):
     """A pool that is never closed is shut down at exit (the pool owns that guarantee;
     using it directly keeps torch out of the subprocess)."""
     script = tmp_path / "leak.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from ngrpo_lightning.rewards.pool import VerifierPool
 
         if __name__ == "__main__":
@@ -207,12 +238,59 @@ def test_no_pool_leak_at_interpreter_exit(tmp_path):
             out = pool.run([(0, "1", "1")], check_fn=None, timeout_s=2.0, kill_after_s=4.0, num_chunks=1)
             assert out[0][0] == "correct", out
             print(*pool.worker_pids())  # exits without close()
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.returncode == 0, out.stderr
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2 and not _wait_dead(pids)
+
+
+def test_workers_exit_when_the_trainer_is_killed(tmp_path):
+    """SIGKILL runs no clean-up in the parent: the workers must notice its death themselves."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent("""
+        import sys, time
+        from ngrpo_lightning.rewards.pool import VerifierPool
+
+        if __name__ == "__main__":
+            pool = VerifierPool(num_workers=2)
+            print(*pool.start(), flush=True)
+            time.sleep(600)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _wait_dead(pids, timeout=15.0), "verifier workers outlived their killed parent"
+
+
+def test_timeouts_in_a_small_batch_run_in_parallel():
+    """Pathological answers of one small batch are spread over the workers: the batch costs about
+    timeout_s x ceil(pathological / workers), not the sum."""
+    with rewards.MathReward(timeout_s=TIMEOUT_S, num_workers=2, kill_grace_s=GRACE_S) as r:
+        r.start()
+        slow = r"\boxed{9^{9^{9^{9^{9}}}}}"
+        completions = [slow, slow, slow, slow] + [rf"\boxed{{{i}}}" for i in range(8)]
+        golds = ["1"] * 4 + [str(i) for i in range(8)]
+        t0 = time.monotonic()
+        res = r(completions, golds)
+        elapsed = time.monotonic() - t0
+    assert res.status[:4] == ["timeout"] * 4 and res.status[4:] == ["correct"] * 8
+    assert elapsed < 2 * TIMEOUT_S + 2.5  # serially it would be >= 4 x timeout_s
+    assert len(set(res.worker_pids[:4])) == 2
 
 
 def test_reward_pickles_without_its_workers(reward):
@@ -224,12 +302,15 @@ def test_reward_pickles_without_its_workers(reward):
     clone.close()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"extract": "first"}, r"reward\.extract"),
-    ({"timeout_s": 0}, r"reward\.timeout_s"),
-    ({"num_workers": 0}, r"reward\.num_workers"),
-    ({"parallel_threshold": -1}, r"reward\.parallel_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"extract": "first"}, r"reward\.extract"),
+        ({"timeout_s": 0}, r"reward\.timeout_s"),
+        ({"num_workers": 0}, r"reward\.num_workers"),
+        ({"parallel_threshold": -1}, r"reward\.parallel_threshold"),
+    ],
+)
 def test_reward_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rewards.MathReward(**kwargs)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import chat_prompt_ids
+
 from ngrpo_lightning.explorers import Explorer, ExplorerStep, TemperatureExplorer
 from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.rollout import HFEngine, InputRecords, build_inputs_embeds, mixture_embeddings
@@ -27,8 +27,14 @@ class RandomMixExplorer(Explorer):
         ids = torch.cat([tokens[:, None], torch.randint(0, v, (b, 2), generator=generator)], 1)
         weights = torch.rand(b, 3, generator=generator).softmax(-1)
         seeds = torch.randint(0, 2**31, (b,), generator=generator)
-        return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights, noise_seed=seeds,
-                            noise_scale=torch.full((b,), self.noise))
+        return ExplorerStep(
+            tokens=tokens,
+            mixed=mixed,
+            ids=ids,
+            weights=weights,
+            noise_seed=seeds,
+            noise_scale=torch.full((b,), self.noise),
+        )
 
 
 def test_left_padding_masks_and_groups(tiny):
@@ -42,7 +48,7 @@ def test_left_padding_masks_and_groups(tiny):
     assert len(batch.records) == 0  # plain sampling records nothing
     # response mask is a prefix; nothing after EOS
     m = batch.response_mask
-    assert ((m[:, 1:] <= m[:, :-1])).all()
+    assert (m[:, 1:] <= m[:, :-1]).all()
     assert (batch.rollout_logprobs[m == 0] == 0).all() and (batch.rollout_logprobs[m == 1] < 0).all()
 
 
@@ -75,8 +81,14 @@ def test_reconstruction_replaces_exactly_the_recorded_positions():
     torch.manual_seed(0)
     emb = torch.randn(20, 8, requires_grad=True)
     ids = torch.randint(0, 20, (2, 5))
-    rec = InputRecords(row=torch.tensor([1]), pos=torch.tensor([1]), ids=torch.tensor([[3, 4]]),
-                       weights=torch.tensor([[0.25, 0.75]]), noise_seed=torch.tensor([7]), noise_scale=torch.tensor([0.5]))
+    rec = InputRecords(
+        row=torch.tensor([1]),
+        pos=torch.tensor([1]),
+        ids=torch.tensor([[3, 4]]),
+        weights=torch.tensor([[0.25, 0.75]]),
+        noise_seed=torch.tensor([7]),
+        noise_scale=torch.tensor([0.5]),
+    )
     out = build_inputs_embeds(emb, ids, rec, response_offset=2)
     expected = 0.25 * emb[3] + 0.75 * emb[4] + 0.5 * noise_vectors(torch.tensor([7]), 8)[0]
     assert torch.allclose(out[1, 3], expected)
@@ -94,8 +106,14 @@ def test_reconstruction_replaces_exactly_the_recorded_positions():
 def test_noise_is_regenerated_identically_from_seeds():
     a = noise_vectors(torch.tensor([1, 2, 1]), 16)
     assert torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
-    rec = InputRecords(row=torch.tensor([0]), pos=torch.tensor([0]), ids=torch.tensor([[1]]),
-                       weights=torch.tensor([[1.0]]), noise_seed=torch.tensor([NO_NOISE]), noise_scale=torch.tensor([0.0]))
+    rec = InputRecords(
+        row=torch.tensor([0]),
+        pos=torch.tensor([0]),
+        ids=torch.tensor([[1]]),
+        weights=torch.tensor([[1.0]]),
+        noise_seed=torch.tensor([NO_NOISE]),
+        noise_scale=torch.tensor([0.0]),
+    )
     emb = torch.randn(4, 16)
     assert torch.equal(mixture_embeddings(emb, rec)[0], emb[1])
 
@@ -104,7 +122,9 @@ def test_mixed_rollout_logprobs_are_reproduced_by_the_training_forward(tiny):
     """The records make the training forward see the rollout's inputs: log-probs agree;
     ignoring the records (negative control) changes them after mixed steps."""
     model, tok = tiny
-    batch = HFEngine(model, tok, max_new_tokens=16, seed=1).generate(chat_prompt_ids(tok, QUESTIONS), RandomMixExplorer(), n=2)
+    batch = HFEngine(model, tok, max_new_tokens=16, seed=1).generate(
+        chat_prompt_ids(tok, QUESTIONS), RandomMixExplorer(), n=2
+    )
     assert len(batch.records) > 5
     mask = batch.response_mask.bool()
     with torch.no_grad():
@@ -116,7 +136,9 @@ def test_mixed_rollout_logprobs_are_reproduced_by_the_training_forward(tiny):
 
 def test_select_renumbers_records(tiny):
     model, tok = tiny
-    batch = HFEngine(model, tok, max_new_tokens=8, seed=2).generate(chat_prompt_ids(tok, QUESTIONS), RandomMixExplorer(rho=1.0), n=2)
+    batch = HFEngine(model, tok, max_new_tokens=8, seed=2).generate(
+        chat_prompt_ids(tok, QUESTIONS), RandomMixExplorer(rho=1.0), n=2
+    )
     sub = batch.select([4, 5])
     assert len(sub.records) == int((batch.records.row >= 4).sum())
     assert set(sub.records.row.tolist()) <= {0, 1}
@@ -132,7 +154,7 @@ def test_greedy_equals_generate_on_the_packaged_model(smollm2):
     batch = HFEngine(model, tok, max_new_tokens=32).generate(prompts, TemperatureExplorer(temperature=0.0))
     tok.padding_side = "left"
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=32, do_sample=False)[:, enc["input_ids"].shape[1]:]
+    out = model.generate(**enc, max_new_tokens=32, do_sample=False)[:, enc["input_ids"].shape[1] :]
     for i in range(len(prompts)):
         n = int(batch.response_lengths[i])
         assert batch.response_ids[i, :n].tolist() == out[i, :n].tolist()

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-
-from ngrpo_lightning.build import ConfigError, build_explorer
-from ngrpo_lightning.explorers import TemperatureExplorer, filter_logits
 from omegaconf import OmegaConf
+
+from ngrpo_lightning.build import build_explorer
+from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.explorers import TemperatureExplorer, filter_logits
 
 
 def test_filters_keep_the_right_tokens():

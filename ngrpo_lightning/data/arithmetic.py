@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import zlib
 
+from ..checks import check_number
 from .problem import Problem
 
 OPERATORS = ("+", "-", "*")
@@ -30,8 +31,17 @@ _SPLIT_BUCKETS = {"validation": {0}, "test": {1}, "train": set(range(2, _BUCKETS
 class ArithmeticTask:
     """Seeded generator of :class:`Problem` s; ``problems()`` returns the list."""
 
-    def __init__(self, num_problems: int, seed: int = 0, min_operand: int = 0, max_operand: int = 20,
-                 min_ops: int = 1, max_ops: int = 2, operators=OPERATORS, split: str = "train"):
+    def __init__(
+        self,
+        num_problems: int,
+        seed: int = 0,
+        min_operand: int = 0,
+        max_operand: int = 20,
+        min_ops: int = 1,
+        max_ops: int = 2,
+        operators=OPERATORS,
+        split: str = "train",
+    ):
         _check_int("data.train_size / data.val_size (num_problems)", num_problems, minimum=0)
         _check_int("data.min_operand", min_operand)
         _check_int("data.max_operand", max_operand)
@@ -46,8 +56,9 @@ class ArithmeticTask:
         operators = tuple(operators)
         unknown = [op for op in operators if op not in OPERATORS]
         if not operators or unknown:
-            raise ValueError(f"data.operators={list(operators)!r}: unknown {unknown or 'empty list'}; "
-                             f"allowed: {list(OPERATORS)}")
+            raise ValueError(
+                f"data.operators={list(operators)!r}: unknown {unknown or 'empty list'}; allowed: {list(OPERATORS)}"
+            )
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is unknown: allowed {list(SPLITS)}")
         self.num_problems, self.seed, self.split = num_problems, seed, split
@@ -81,7 +92,8 @@ class ArithmeticTask:
             if budget < 0:
                 raise ValueError(
                     f"cannot draw {self.num_problems} distinct {self.split} problems: the knobs allow only "
-                    f"about {len(seen)}; widen data.max_operand / data.max_ops or lower data.val_size")
+                    f"about {len(seen)}; widen data.max_operand / data.max_ops or lower data.val_size"
+                )
             operands, ops = self._draw(rng)
             expression = _format(operands, ops)
             if zlib.crc32(expression.encode()) % _BUCKETS not in buckets:
@@ -89,12 +101,14 @@ class ArithmeticTask:
             if distinct and expression in seen:
                 continue
             seen.add(expression)
-            out.append(Problem(
-                id=f"arith-{self.split}-{self.seed}-{len(out)}",
-                question=f"What is {expression}?",
-                answer=str(evaluate(operands, ops)),
-                meta={"expression": expression, "num_ops": len(ops), "split": self.split},
-            ))
+            out.append(
+                Problem(
+                    id=f"arith-{self.split}-{self.seed}-{len(out)}",
+                    question=f"What is {expression}?",
+                    answer=str(evaluate(operands, ops)),
+                    meta={"expression": expression, "num_ops": len(ops), "split": self.split},
+                )
+            )
         return out
 
     def _draw(self, rng: random.Random) -> tuple[list[int], list[str]]:
@@ -104,9 +118,11 @@ class ArithmeticTask:
         return operands, ops
 
     def __repr__(self) -> str:
-        return (f"ArithmeticTask(num_problems={self.num_problems}, seed={self.seed}, split={self.split!r}, "
-                f"operands=[{self.min_operand}, {self.max_operand}], ops=[{self.min_ops}, {self.max_ops}], "
-                f"operators={self.operators})")
+        return (
+            f"ArithmeticTask(num_problems={self.num_problems}, seed={self.seed}, split={self.split!r}, "
+            f"operands=[{self.min_operand}, {self.max_operand}], ops=[{self.min_ops}, {self.max_ops}], "
+            f"operators={self.operators})"
+        )
 
 
 def evaluate(operands: list[int], ops: list[str]) -> int:
@@ -134,7 +150,4 @@ def _format(operands: list[int], ops: list[str]) -> str:
 
 
 def _check_int(key: str, value, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    check_number(key, value, minimum, integer=True)

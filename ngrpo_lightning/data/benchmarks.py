@@ -19,16 +19,21 @@ import random
 from pathlib import Path
 from typing import Any
 
+from . import loaders
 from .loaders import MissingFieldError, load_problems
 from .problem import Problem
 
 GPQA_FIELDS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
-GPQA_INSTRUCTION = ("Answer the multiple-choice question. Please reason step by step, and put the letter "
-                    "of your final answer (A, B, C or D) within \\boxed{}.")
+GPQA_INSTRUCTION = (
+    "Answer the multiple-choice question. Please reason step by step, and put the letter "
+    "of your final answer (A, B, C or D) within \\boxed{}."
+)
 LETTERS = "ABCD"
 
 
-def format_multiple_choice(question: str, correct: str, incorrect: list[str], key: str | None = None) -> tuple[str, str]:
+def format_multiple_choice(
+    question: str, correct: str, incorrect: list[str], key: str | None = None
+) -> tuple[str, str]:
     """``(question text listing the options (A)-(D), gold letter)``; the options are shuffled
     with a seed derived from ``key`` (default: the question), so the order is the same on
     every run and machine."""
@@ -49,10 +54,15 @@ def gpqa_problem(record: dict[str, Any], where: str, default_id: str, id_field: 
         if record.get(name) is None:
             state = "is null" if name in record else "is missing"
             raise MissingFieldError(f"{where}: field {name!r} (GPQA format) {state}; fields present: {sorted(record)}")
-    text, gold = format_multiple_choice(record["Question"], record["Correct Answer"],
-                                        [record[f"Incorrect Answer {i}"] for i in (1, 2, 3)])
-    return Problem(id=str(record[id_field]) if id_field else default_id, question=text, answer=gold,
-                   meta={"source": where, "format": "gpqa"})
+    text, gold = format_multiple_choice(
+        record["Question"], record["Correct Answer"], [record[f"Incorrect Answer {i}"] for i in (1, 2, 3)]
+    )
+    return Problem(
+        id=str(record[id_field]) if id_field else default_id,
+        question=text,
+        answer=gold,
+        meta={"source": where, "format": "gpqa"},
+    )
 
 
 def load_benchmark(cfg) -> list[Problem]:
@@ -64,8 +74,14 @@ def load_benchmark(cfg) -> list[Problem]:
     split, limit, id_field = get("split", "test"), get("limit"), get("id_field")
     fmt = get("format")
     if fmt in (None, "plain") and not get("subset"):
-        return load_problems(source, problem_field=get("problem_field", "problem"), answer_field=get("answer_field", "answer"),
-                             split=split, id_field=id_field, limit=limit)
+        return load_problems(
+            source,
+            problem_field=get("problem_field", "problem"),
+            answer_field=get("answer_field", "answer"),
+            split=split,
+            id_field=id_field,
+            limit=limit,
+        )
     if fmt not in (None, "plain", "gpqa"):
         raise ValueError(f"data.format={fmt!r} is unknown: allowed [null, 'gpqa']")
     records, name = _records(str(source), split, get("subset"))
@@ -76,26 +92,37 @@ def load_benchmark(cfg) -> list[Problem]:
         if fmt == "gpqa":
             out.append(gpqa_problem(record, where, f"{name}-{index}", id_field))
         else:
-            out.append(_plain_problem(record, where, f"{name}-{index}", get("problem_field", "problem"),
-                                      get("answer_field", "answer"), id_field))
+            out.append(
+                _plain_problem(
+                    record,
+                    where,
+                    f"{name}-{index}",
+                    get("problem_field", "problem"),
+                    get("answer_field", "answer"),
+                    id_field,
+                )
+            )
     return out
 
 
 def _plain_problem(record, where, default_id, problem_field, answer_field, id_field) -> Problem:
     for name, key in ((problem_field, "data.problem_field"), (answer_field, "data.answer_field")) + (
-            ((id_field, "data.id_field"),) if id_field else ()):
+        ((id_field, "data.id_field"),) if id_field else ()
+    ):
         if record.get(name) is None:
             raise MissingFieldError(f"{where}: field {name!r} ({key}) is missing; fields present: {sorted(record)}")
     answer = record[answer_field]
     answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer).strip()
-    return Problem(id=str(record[id_field]) if id_field else default_id, question=str(record[problem_field]),
-                   answer=answer, meta={"source": where})
+    return Problem(
+        id=str(record[id_field]) if id_field else default_id,
+        question=str(record[problem_field]),
+        answer=answer,
+        meta={"source": where},
+    )
 
 
 def _records(source: str, split: str, subset: str | None):
     """(``(where, record)`` iterator, dataset name) of a file, dataset directory or Hub id."""
-    from . import loaders
-
     path = Path(source).expanduser()
     if path.suffix == ".jsonl":
         if not path.is_file():
@@ -116,9 +143,13 @@ def _records(source: str, split: str, subset: str | None):
         else:
             ds = datasets.load_dataset(source, subset, split=split)
     except (OSError, ValueError) as e:
-        raise OSError(f"could not load dataset {source!r} (subset {subset!r}, split {split!r}): {e}. "
-                      "Offline, point data.path at a local .jsonl/.parquet file with the same fields") from e
+        raise OSError(
+            f"could not load dataset {source!r} (subset {subset!r}, split {split!r}): {e}. "
+            "Offline, point data.path at a local .jsonl/.parquet file with the same fields"
+        ) from e
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[split]
     where = f"{source} [{split}]"
-    return ((f"{where} row {i}", r) for i, r in enumerate(ds)), path.name if path.is_dir() else source.rsplit("/", 1)[-1]
+    return ((f"{where} row {i}", r) for i, r in enumerate(ds)), path.name if path.is_dir() else source.rsplit("/", 1)[
+        -1
+    ]

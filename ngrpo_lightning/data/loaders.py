@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .problem import Problem
 
@@ -26,8 +27,14 @@ class MissingFieldError(KeyError, ValueError):
         return str(self.args[0])
 
 
-def load_problems(source: str | os.PathLike, problem_field: str = "problem", answer_field: str = "answer",
-                  split: str = "train", id_field: str | None = None, limit: int | None = None) -> list[Problem]:
+def load_problems(
+    source: str | os.PathLike,
+    problem_field: str = "problem",
+    answer_field: str = "answer",
+    split: str = "train",
+    id_field: str | None = None,
+    limit: int | None = None,
+) -> list[Problem]:
     """Problems from ``source``; answers are converted to ``str``.
 
     ``split`` only applies to Hugging Face datasets; ``limit`` keeps the first N records;
@@ -46,20 +53,26 @@ def load_problems(source: str | os.PathLike, problem_field: str = "problem", ans
         elif path.suffix == ".parquet":
             records = _parquet_records(path, fields)
         else:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; allowed: {list(FILE_SUFFIXES)}, "
-                             "a dataset directory or a Hugging Face dataset id")
+            raise ValueError(
+                f"{path}: unsupported file type {path.suffix!r}; allowed: {list(FILE_SUFFIXES)}, "
+                "a dataset directory or a Hugging Face dataset id"
+            )
         name = path.stem
     elif path.is_dir() or _looks_like_hub_id(text):
         records = _hf_records(text if not path.is_dir() else str(path), split, fields)
         name = path.name if path.is_dir() else text.rsplit("/", 1)[-1]
     else:
-        raise FileNotFoundError(f"problem source not found: {path} (expected a .jsonl or .parquet file, "
-                                "a dataset directory or a Hugging Face dataset id)")
+        raise FileNotFoundError(
+            f"problem source not found: {path} (expected a .jsonl or .parquet file, "
+            "a dataset directory or a Hugging Face dataset id)"
+        )
     out = []
     for index, (where, record) in enumerate(records):
         if limit is not None and index >= limit:
             break
         out.append(fields.to_problem(record, where, default_id=f"{name}-{index}"))
+    if not out and limit != 0:
+        raise ValueError(f"{text}: the source holds no problems (an empty file or split)")
     return out
 
 
@@ -87,8 +100,9 @@ class _Fields:
                 raise MissingFieldError(f"{where}: field {name!r} ({key}) {state}; fields present: {sorted(record)}")
         question = record[self.problem]
         if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"{where}: field {self.problem!r} (data.problem_field) must be non-empty text, "
-                             f"got {question!r:.80}")
+            raise ValueError(
+                f"{where}: field {self.problem!r} (data.problem_field) must be non-empty text, got {question!r:.80}"
+            )
         return Problem(
             id=str(record[self.id]) if self.id else default_id,
             question=question,
@@ -142,8 +156,9 @@ def _hf_records(source: str, split: str, fields: _Fields) -> Iterator[tuple[str,
         raise ValueError(f"could not load dataset {source!r} (split {split!r}): {e}") from e
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{source}: no split {split!r} (data.split / data.val_split); "
-                             f"splits present: {sorted(ds)}")
+            raise ValueError(
+                f"{source}: no split {split!r} (data.split / data.val_split); splits present: {sorted(ds)}"
+            )
         ds = ds[split]
     where = f"{source} [{split}]"
     fields.check_columns(ds.column_names, where)

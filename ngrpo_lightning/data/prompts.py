@@ -22,8 +22,9 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer, question: str, instruction: str | None = DEFAULT_INSTRUCTION,
-                  system_prompt: str | None = None) -> str:
+def render_prompt(
+    tokenizer, question: str, instruction: str | None = DEFAULT_INSTRUCTION, system_prompt: str | None = None
+) -> str:
     """The prompt text for ``question`` (None instruction = the default; "" = none).
 
     Without a chat template (a base model), the plain ``question\\ninstruction\\n``.
@@ -34,7 +35,7 @@ def render_prompt(tokenizer, question: str, instruction: str | None = DEFAULT_IN
     if not has_chat_template(tokenizer):
         prefix = f"{system_prompt}\n\n" if system_prompt else ""
         return f"{prefix}{content}\n"
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -46,8 +47,14 @@ class PromptDataset(Dataset):
     Items: ``{"id", "prompt_ids": list[int], "prompt_text", "answer"}``.
     """
 
-    def __init__(self, problems, tokenizer, max_prompt_tokens: int = 4096,
-                 instruction: str | None = DEFAULT_INSTRUCTION, system_prompt: str | None = None):
+    def __init__(
+        self,
+        problems,
+        tokenizer,
+        max_prompt_tokens: int = 4096,
+        instruction: str | None = DEFAULT_INSTRUCTION,
+        system_prompt: str | None = None,
+    ):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be a positive integer, got {max_prompt_tokens!r}")
         self.max_prompt_tokens = max_prompt_tokens
@@ -59,16 +66,19 @@ class PromptDataset(Dataset):
         self.items: list[dict[str, Any]] = []
         for p, text, ids in zip(problems, texts, encoded):
             if len(ids) <= max_prompt_tokens:
-                self.items.append({"id": str(p["id"]), "prompt_ids": list(ids), "prompt_text": text,
-                                   "answer": str(p["answer"])})
+                self.items.append(
+                    {"id": str(p["id"]), "prompt_ids": list(ids), "prompt_text": text, "answer": str(p["answer"])}
+                )
         self.num_total = len(problems)
         self.num_dropped = self.num_total - len(self.items)
         if self.num_dropped:
-            log.warning("dropped %d of %d prompts longer than %d tokens", self.num_dropped, self.num_total,
-                        max_prompt_tokens)
+            log.warning(
+                "dropped %d of %d prompts longer than %d tokens", self.num_dropped, self.num_total, max_prompt_tokens
+            )
             if not self.items:
-                raise ValueError(f"all {self.num_total} prompts are longer than data.max_prompt_tokens="
-                                 f"{max_prompt_tokens} tokens")
+                raise ValueError(
+                    f"all {self.num_total} prompts are longer than data.max_prompt_tokens={max_prompt_tokens} tokens"
+                )
 
     def __len__(self) -> int:
         return len(self.items)

@@ -10,39 +10,46 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..build import build_explorer
+from ..checks import check_number
+from ..config import ConfigError, compose
+from ..data import PromptDataset
+from ..eval_command import build_eval_sets, eval_rollouts, load_eval_policy
+from ..rollout import HFEngine
+from ..rollout.hf_engine import special_token_ids
+from ..tracking import log_report_run
+from .drift import run_drift, select_tokens
+from .report import drift_table, plot_drift, plot_rollouts, rollouts_table, to_jsonable
+from .rollouts import compare_explorers, mixture_weight_pool, resolve_explorers
 
 MODES = ("drift", "rollouts")
 WEIGHT_SOURCES = ("explorer", "uniform")
 
 
-def compose_diagnose(overrides: list[str]):
+def compose_diagnose(overrides: list[str]) -> DictConfig:
     """``conf/diagnose.yaml`` with the overrides (``model=<HF id | dir>`` as for ``ngrpo eval``)."""
-    from ..eval_command import compose_eval
-
-    return compose_eval(overrides, config_name="diagnose")
+    return compose(overrides, "diagnose", model_paths=True)
 
 
 def _check_int(cfg, key: str, minimum: int = 1) -> int:
-    from ..build import ConfigError
-
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
-    return value
+    try:
+        return check_number(key, cfg[key], minimum, integer=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _prompt_items(ev, tokenizer) -> list[dict]:
     """The evaluation set's prompts, rendered as ``ngrpo eval`` renders them."""
-    from ..data import PromptDataset
-
-    kwargs = {k: v for k, v in {"instruction": ev.instruction, "system_prompt": ev.system_prompt}.items() if v is not None}
+    kwargs = {
+        k: v for k, v in {"instruction": ev.instruction, "system_prompt": ev.system_prompt}.items() if v is not None
+    }
     return list(PromptDataset(ev.problems, tokenizer, max_prompt_tokens=ev.max_prompt_tokens, **kwargs))
 
 
 def _log_run(cfg, mode: str, metrics: dict[str, float], files: list[Path], seconds: float) -> list[str]:
     """Log config, metrics and files to an MLflow run named after the mode; lines for the summary."""
-    from ..tracking import log_report_run
-
     if cfg.logger.name == "mlflow" and not cfg.logger.get("run_name"):
         cfg.logger.run_name = mode
     return log_report_run(cfg, {**metrics, f"{mode}/seconds": seconds}, files)[1]
@@ -59,11 +66,6 @@ def weight_pool(cfg, policy, tokenizer, k: int) -> tuple[torch.Tensor, str]:
     of its own, so these real weight vectors are reused for every pilot token, anchor weight
     on the anchor and neighbor weights on its neighbors, nearest first.
     ``weights=uniform``: ``1/k`` each, the largest displacement mixing can make."""
-    from ..build import ConfigError, build_explorer
-    from ..eval_command import build_eval_sets
-    from ..rollout import HFEngine
-    from .rollouts import mixture_weight_pool, resolve_explorers
-
     if cfg.weights == "uniform":
         return torch.full((1, k), 1.0 / k), f"uniform weights 1/{k}"
     if cfg.weights != "explorer":
@@ -75,23 +77,19 @@ def weight_pool(cfg, policy, tokenizer, k: int) -> tuple[torch.Tensor, str]:
     explorer = build_explorer(explorer_cfg)
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     try:
-        pool = mixture_weight_pool(engine, [it["prompt_ids"] for it in _prompt_items(ev, tokenizer)], explorer, cfg.G,
-                                   cfg.max_new_tokens)
+        pool = mixture_weight_pool(
+            engine, [it["prompt_ids"] for it in _prompt_items(ev, tokenizer)], explorer, cfg.G, cfg.max_new_tokens
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return pool, (f"{len(pool)} weight vectors the neighbor explorer (k={k}, rho={explorer.rho:g}, T={explorer.temperature:g}) "
-                  f"drew in {len(ev.problems)} prompts x {cfg.G} rollouts; mean anchor weight {pool[:, 0].mean():.3f}")
+    return pool, (
+        f"{len(pool)} weight vectors the neighbor explorer (k={k}, rho={explorer.rho:g}, T={explorer.temperature:g}) "
+        f"drew in {len(ev.problems)} prompts x {cfg.G} rollouts; mean anchor weight {pool[:, 0].mean():.3f}"
+    )
 
 
 def run_drift_command(cfg) -> dict:
     """``ngrpo diagnose drift``: returns a summary with a ``text`` field."""
-    from omegaconf import OmegaConf
-
-    from ..build import ConfigError
-    from ..eval_command import load_eval_policy
-    from ..rollout.hf_engine import special_token_ids
-    from .drift import run_drift, select_tokens
-    from .report import drift_table, plot_drift, to_jsonable
 
     k, n = _check_int(cfg, "k"), _check_int(cfg, "n")
     scales = [float(s) for s in cfg.scales]
@@ -111,8 +109,19 @@ def run_drift_command(cfg) -> dict:
     pool, pool_text = weight_pool(cfg, policy, tokenizer, k)
     label = lambda i: tokenizer.decode([i])  # noqa: E731
     try:
-        result = run_drift(embeddings, ids, pool, scales, n=n, k=k, metric=cfg.metric, exclude_ids=exclude, seed=cfg.seed,
-                           label=label, num_examples=cfg.examples)
+        result = run_drift(
+            embeddings,
+            ids,
+            pool,
+            scales,
+            n=n,
+            k=k,
+            metric=cfg.metric,
+            exclude_ids=exclude,
+            seed=cfg.seed,
+            label=label,
+            num_examples=cfg.examples,
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from err
     seconds = time.perf_counter() - t0
@@ -121,35 +130,54 @@ def run_drift_command(cfg) -> dict:
     table = drift_table(result["rows"], k)
     paths = {"table": out / "drift.md", "json": out / "drift.json", "plot": out / "drift.png"}
     paths["table"].write_text(table)
-    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "seconds": seconds, "weights": pool_text,
-               "weight_pool": {"size": len(pool), "mean": pool.mean(0)},
-               "tokens": [{"id": i, "text": t} for i, t in zip(ids, labels)], "rows": result["rows"],
-               "neighborhoods": [{"id": a, "token": label(a), "neighborhood": [label(i) for i in hood]}
-                                 for a, hood in result["neighborhoods"].items()]}
+    payload = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "seconds": seconds,
+        "weights": pool_text,
+        "weight_pool": {"size": len(pool), "mean": pool.mean(0)},
+        "tokens": [{"id": i, "text": t} for i, t in zip(ids, labels)],
+        "rows": result["rows"],
+        "neighborhoods": [
+            {"id": a, "token": label(a), "neighborhood": [label(i) for i in hood]}
+            for a, hood in result["neighborhoods"].items()
+        ],
+    }
     paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
-    plot_drift(result, labels, paths["plot"], pca_key=f"gaussian@{cfg.pca_scale:g}",
-               title=f"{cfg.model.name_or_path}: {len(ids)} tokens x {n} draws; k={k}, {cfg.weights} weights")
+    plot_drift(
+        result,
+        labels,
+        paths["plot"],
+        pca_key=f"gaussian@{cfg.pca_scale:g}",
+        title=f"{cfg.model.name_or_path}: {len(ids)} tokens x {n} draws; k={k}, {cfg.weights} weights",
+    )
     metrics = {}
     for r in result["rows"]:
         name = f"drift/{r['method']}" + (f"_{r['scale']:g}" if r["method"] == "gaussian" else "")
-        metrics.update({f"{name}/{key}": r[key] for key in ("same_frac", "neighborhood_frac", "cosine", "nearest_cosine",
-                                                             "rel_norm")})
-    lines = [f"Drift pilot on {cfg.model.name_or_path}: {len(ids)} tokens x {n} draws per method in {seconds:.1f} s.",
-             f"  mixture weights: {pool_text}", "", table] + [f"  {key}: {p}" for key, p in paths.items()]
+        metrics.update(
+            {
+                f"{name}/{key}": r[key]
+                for key in ("same_frac", "neighborhood_frac", "cosine", "nearest_cosine", "rel_norm")
+            }
+        )
+    lines = [
+        f"Drift pilot on {cfg.model.name_or_path}: {len(ids)} tokens x {n} draws per method in {seconds:.1f} s.",
+        f"  mixture weights: {pool_text}",
+        "",
+        table,
+    ] + [f"  {key}: {p}" for key, p in paths.items()]
     lines += _log_run(cfg, "drift", metrics, list(paths.values()), seconds)
-    return {"result": result, "seconds": seconds, "table": table, "paths": {k_: str(p) for k_, p in paths.items()},
-            "text": "\n".join(lines)}
+    return {
+        "result": result,
+        "seconds": seconds,
+        "table": table,
+        "paths": {k_: str(p) for k_, p in paths.items()},
+        "text": "\n".join(lines),
+    }
 
 
 # ------------------------------------------------------------------ rollouts
 def run_rollouts_command(cfg) -> dict:
     """``ngrpo diagnose rollouts``: returns a summary with a ``text`` field."""
-    from omegaconf import OmegaConf
-
-    from ..build import ConfigError, build_explorer
-    from ..eval_command import build_eval_sets, eval_rollouts, load_eval_policy
-    from .report import plot_rollouts, rollouts_table, to_jsonable
-    from .rollouts import compare_explorers, resolve_explorers
 
     G, max_new = _check_int(cfg, "G"), _check_int(cfg, "max_new_tokens")
     batch_size = _check_int(cfg, "batch_size")
@@ -166,31 +194,49 @@ def run_rollouts_command(cfg) -> dict:
     items = _prompt_items(ev, tokenizer)
     t0 = time.perf_counter()
     with eval_rollouts(cfg, policy, tokenizer, max_new) as (engine, rewards):
-        results = compare_explorers(lambda: _reseeded(engine, cfg.seed), items, explorers, G, max_new,
-                                    rewards(ev.answer_format), batch_size)
+        results = compare_explorers(
+            lambda: _reseeded(engine, cfg.seed), items, explorers, G, max_new, rewards(ev.answer_format), batch_size
+        )
     seconds = time.perf_counter() - t0
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = rollouts_table(results, G)
     paths = {"table": out / "rollouts.md", "json": out / "rollouts.json", "plot": out / "rollouts.png"}
     paths["table"].write_text(table)
-    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "seconds": seconds, "set": ev.name,
-               "explorers": {name: repr(e) for name, e in explorers}, "results": results}
+    payload = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "seconds": seconds,
+        "set": ev.name,
+        "explorers": {name: repr(e) for name, e in explorers},
+        "results": results,
+    }
     paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
-    plot_rollouts(results, G, paths["plot"], title=f"{cfg.model.name_or_path} on {ev.name}: {len(items)} prompts x G={G}, "
-                                                   f"at most {max_new} new tokens")
+    plot_rollouts(
+        results,
+        G,
+        paths["plot"],
+        title=f"{cfg.model.name_or_path} on {ev.name}: {len(items)} prompts x G={G}, at most {max_new} new tokens",
+    )
     metrics = {f"rollouts/{name}/{key}": v for name, res in results.items() for key, v in res["metrics"].items()}
-    lines = [f"Rolled out {len(items)} prompts of {ev.name} x G={G} with {len(explorers)} explorers on "
-             f"{cfg.model.name_or_path} in {seconds:.1f} s.", "", table] + [f"  {key}: {p}" for key, p in paths.items()]
+    lines = [
+        f"Rolled out {len(items)} prompts of {ev.name} x G={G} with {len(explorers)} explorers on "
+        f"{cfg.model.name_or_path} in {seconds:.1f} s.",
+        "",
+        table,
+    ] + [f"  {key}: {p}" for key, p in paths.items()]
     lines += _log_run(cfg, "rollouts", metrics, list(paths.values()), seconds)
-    return {"results": results, "seconds": seconds, "table": table, "paths": {k: str(p) for k, p in paths.items()},
-            "text": "\n".join(lines)}
+    return {
+        "results": results,
+        "seconds": seconds,
+        "table": table,
+        "paths": {k: str(p) for k, p in paths.items()},
+        "text": "\n".join(lines),
+    }
 
 
 def run_diagnose(mode: str, overrides: list[str]) -> dict:
     """Compose the config and run one mode (``drift`` or ``rollouts``)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from ..build import ConfigError
 
     if mode not in MODES:
         raise ConfigError(f"diagnose mode {mode!r} is unknown: allowed {list(MODES)}")

@@ -37,8 +37,32 @@ from ..explorers.neighbor_index import NeighborIndex
 DIGITS = tuple(str(i) for i in range(10))
 OPERATORS = ("+", "-", "*", "/", "=", "^", "<", ">", "(", ")", "%", "!", ".", ",")
 MATH_SYMBOLS = ("π", "×", "±", "÷", "√", "≤", "≥", "≠", "∞", "\\", "{", "}", " x", " y", " n", " sqrt", " frac")
-FUNCTION_WORDS = (" the", " of", " and", " to", " is", " in", " a", " that", " for", " it", " with", " as", " be",
-                  " on", " not", " this", " are", " by", " if", " then", " so", " we", " or", " from")
+FUNCTION_WORDS = (
+    " the",
+    " of",
+    " and",
+    " to",
+    " is",
+    " in",
+    " a",
+    " that",
+    " for",
+    " it",
+    " with",
+    " as",
+    " be",
+    " on",
+    " not",
+    " this",
+    " are",
+    " by",
+    " if",
+    " then",
+    " so",
+    " we",
+    " or",
+    " from",
+)
 DEFAULT_TOKENS = DIGITS + OPERATORS + MATH_SYMBOLS + FUNCTION_WORDS
 
 
@@ -54,7 +78,9 @@ def token_id(tokenizer, text: str) -> int | None:
     return tokenizer.get_vocab().get(text)
 
 
-def select_tokens(tokenizer, tokens: Sequence | None = None, exclude_ids: Sequence[int] = ()) -> tuple[list[int], list[str]]:
+def select_tokens(
+    tokenizer, tokens: Sequence | None = None, exclude_ids: Sequence[int] = ()
+) -> tuple[list[int], list[str]]:
     """``(ids, labels)`` of the pilot tokens.
 
     ``tokens=None``: :data:`DEFAULT_TOKENS` that are single tokens of this tokenizer (others
@@ -62,7 +88,7 @@ def select_tokens(tokenizer, tokens: Sequence | None = None, exclude_ids: Sequen
     string that is not."""
     excluded = {int(i) for i in exclude_ids}
     ids, labels, missing, special = [], [], [], []
-    for text in (DEFAULT_TOKENS if tokens is None else [str(t) for t in tokens]):
+    for text in DEFAULT_TOKENS if tokens is None else [str(t) for t in tokens]:
         i = token_id(tokenizer, text)
         if i is None:
             missing.append(text)
@@ -72,8 +98,10 @@ def select_tokens(tokenizer, tokens: Sequence | None = None, exclude_ids: Sequen
             ids.append(i)
             labels.append(text)
     if tokens is not None and missing:
-        raise ValueError(f"tokens: {missing} not in the vocabulary (each entry must be one token of the model's "
-                         f"tokenizer, e.g. '+', '7' or ' the')")
+        raise ValueError(
+            f"tokens: {missing} not in the vocabulary (each entry must be one token of the model's "
+            f"tokenizer, e.g. '+', '7' or ' the')"
+        )
     if tokens is not None and special:
         raise ValueError(f"tokens: {special} are special tokens, which mixing never uses: drop them")
     if not ids:
@@ -82,7 +110,9 @@ def select_tokens(tokenizer, tokens: Sequence | None = None, exclude_ids: Sequen
 
 
 # ------------------------------------------------------------ perturbations
-def gaussian_perturb(vectors: torch.Tensor, radius: torch.Tensor | float, generator: torch.Generator | None = None) -> torch.Tensor:
+def gaussian_perturb(
+    vectors: torch.Tensor, radius: torch.Tensor | float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """``v + r * u`` per row, ``u`` uniform on the unit sphere (normalized ``N(0, I)``)."""
     noise = torch.randn(vectors.shape, generator=generator, device=vectors.device, dtype=torch.float32)
     unit = noise / noise.norm(dim=-1, keepdim=True).clamp(min=1e-12)
@@ -134,8 +164,14 @@ class Decoder:
 
 
 # ------------------------------------------------------------------- metrics
-def drift_metrics(anchors: torch.Tensor, originals: torch.Tensor, perturbed: torch.Tensor, decoded: torch.Tensor,
-                  neighborhoods: torch.Tensor, nearest_cosine: torch.Tensor | None = None) -> dict[str, float]:
+def drift_metrics(
+    anchors: torch.Tensor,
+    originals: torch.Tensor,
+    perturbed: torch.Tensor,
+    decoded: torch.Tensor,
+    neighborhoods: torch.Tensor,
+    nearest_cosine: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Metrics of N perturbations of ``anchors`` [N] (embeddings ``originals`` [N, d]):
     ``same_frac`` (decoded == anchor), ``neighborhood_frac`` (decoded in the anchor's row of
     ``neighborhoods`` [N, k], which includes the anchor), ``cosine`` (mean cosine of the
@@ -168,13 +204,24 @@ def examples(anchors: torch.Tensor, decoded: torch.Tensor, label: Callable[[int]
 
 
 # ------------------------------------------------------------------- the pilot
-def run_drift(embeddings: torch.Tensor, token_ids: Sequence[int], weight_pool: torch.Tensor, scales: Sequence[float],
-              n: int = 16, k: int = 3, metric: str = "cosine", exclude_ids: Sequence[int] = (), seed: int = 0,
-              label: Callable[[int], str] = str, num_examples: int = 5) -> dict:
+def run_drift(
+    embeddings: torch.Tensor,
+    token_ids: Sequence[int],
+    weight_pool: torch.Tensor,
+    scales: Sequence[float],
+    n: int = 16,
+    k: int = 3,
+    metric: str = "cosine",
+    exclude_ids: Sequence[int] = (),
+    seed: int = 0,
+    label: Callable[[int], str] = str,
+    num_examples: int = 5,
+) -> dict:
     """Perturb each token's embedding ``n`` times per method; decode; measure.
 
     Returns ``{"rows": [{method, scale, same_frac, neighborhood_frac, cosine, rel_norm,
-    nearest_cosine, examples}], "points": {...}, "neighborhoods": {anchor: [k ids]}}``: rows ``gaussian`` (one per scale), ``mixing`` (its
+    nearest_cosine, examples}], "points": {...}, "neighborhoods": {anchor: [k ids]}}``: rows
+    ``gaussian`` (one per scale), ``mixing`` (its
     ``scale`` is the mean relative displacement) and ``gaussian_matched`` (per-draw norms of
     the mixing rows); ``points`` holds one draw per token and method for the PCA picture.
     The k-neighborhood is :class:`NeighborIndex`'s (the explorer's own search, ``metric``).
@@ -201,8 +248,14 @@ def run_drift(embeddings: torch.Tensor, token_ids: Sequence[int], weight_pool: t
 
     def measure(method: str, scale: float, perturbed: torch.Tensor) -> None:
         decoded, cos = decode.nearest(perturbed)
-        rows.append({"method": method, "scale": scale, **drift_metrics(anchors, originals, perturbed, decoded, hoods, cos),
-                     "examples": examples(anchors, decoded, label, num_examples)})
+        rows.append(
+            {
+                "method": method,
+                "scale": scale,
+                **drift_metrics(anchors, originals, perturbed, decoded, hoods, cos),
+                "examples": examples(anchors, decoded, label, num_examples),
+            }
+        )
         points[f"{method}@{scale:g}" if method == "gaussian" else method] = perturbed[::n]  # the first draw per token
 
     for s in scales:

@@ -9,7 +9,11 @@ import torch
 
 from .drift import pca_2d
 
-METHOD_NAMES = {"gaussian": "Gaussian", "mixing": "neighbor mixing", "gaussian_matched": "Gaussian, norms matched to mixing"}
+METHOD_NAMES = {
+    "gaussian": "Gaussian",
+    "mixing": "neighbor mixing",
+    "gaussian_matched": "Gaussian, norms matched to mixing",
+}
 
 
 def _figure(width: float, height: float):
@@ -36,13 +40,27 @@ def _md_cell(text: str) -> str:
 # --------------------------------------------------------------------- drift
 def drift_table(rows: list[dict], k: int) -> str:
     """One row per method and scale: displacement, decoding fractions, cosine, examples."""
-    head = ["method", "‖δ‖/‖e‖", "→ original", f"→ {k}-neighborhood", "cos(p, e)", "cos(p, nearest token)",
-            "examples (original -> decoded)"]
+    head = [
+        "method",
+        "‖δ‖/‖e‖",
+        "→ original",
+        f"→ {k}-neighborhood",
+        "cos(p, e)",
+        "cos(p, nearest token)",
+        "examples (original -> decoded)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         name = f"Gaussian σ={r['scale']:g}" if r["method"] == "gaussian" else METHOD_NAMES[r["method"]]
-        cells = [name, f"{r['rel_norm']:.3f}", f"{100 * r['same_frac']:.1f}%", f"{100 * r['neighborhood_frac']:.1f}%",
-                 f"{r['cosine']:.3f}", f"{r['nearest_cosine']:.3f}", _md_cell(", ".join(r["examples"][:3]) or "-")]
+        cells = [
+            name,
+            f"{r['rel_norm']:.3f}",
+            f"{100 * r['same_frac']:.1f}%",
+            f"{100 * r['neighborhood_frac']:.1f}%",
+            f"{r['cosine']:.3f}",
+            f"{r['nearest_cosine']:.3f}",
+            _md_cell(", ".join(r["examples"][:3]) or "-"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -57,9 +75,12 @@ def plot_drift(result: dict, labels: list[str], path: str | os.PathLike, pca_key
     ax, bx, cx = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
     pts = result["points"]
     original = pts["original"]
-    series = [("original", "original tokens", "k", "o"), ("mixing", "neighbor mixing", "tab:blue", "^"),
-              ("gaussian_matched", "Gaussian, matched norm", "tab:orange", "s"),
-              (pca_key, f"Gaussian σ={pca_key.split('@')[-1]}", "tab:red", "x")]
+    series = [
+        ("original", "original tokens", "k", "o"),
+        ("mixing", "neighbor mixing", "tab:blue", "^"),
+        ("gaussian_matched", "Gaussian, matched norm", "tab:orange", "s"),
+        (pca_key, f"Gaussian σ={pca_key.split('@')[-1]}", "tab:red", "x"),
+    ]
     xy0 = pca_2d(original, original)
     for key, name, color, marker in series:
         if key in pts:
@@ -69,7 +90,9 @@ def plot_drift(result: dict, labels: list[str], path: str | os.PathLike, pca_key
                 for a, b in zip(xy0.tolist(), xy.tolist()):
                     ax.plot([a[0], b[0]], [a[1], b[1]], color=color, alpha=0.15, linewidth=0.6)
     for (x, y), text in list(zip(xy0.tolist(), labels))[:40]:
-        ax.annotate(text.strip() or repr(text), (x, y), fontsize=6, alpha=0.8, xytext=(2, 2), textcoords="offset points")
+        ax.annotate(
+            text.strip() or repr(text), (x, y), fontsize=6, alpha=0.8, xytext=(2, 2), textcoords="offset points"
+        )
     ax.set_title("PCA of the pilot tokens (axes of the originals)", fontsize=9)
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
@@ -77,8 +100,12 @@ def plot_drift(result: dict, labels: list[str], path: str | os.PathLike, pca_key
 
     rows = result["rows"]
     gauss = [r for r in rows if r["method"] == "gaussian"]
-    points = [(m, c, r) for m, c in (("mixing", "tab:blue"), ("gaussian_matched", "tab:orange"))
-              for r in rows if r["method"] == m]
+    points = [
+        (m, c, r)
+        for m, c in (("mixing", "tab:blue"), ("gaussian_matched", "tab:orange"))
+        for r in rows
+        if r["method"] == m
+    ]
     x = [r["rel_norm"] for r in gauss]
     bx.plot(x, [100 * r["same_frac"] for r in gauss], "-o", color="tab:red", label="Gaussian grid")
     bx.plot(x, [100 * r["neighborhood_frac"] for r in gauss], "--o", color="tab:red", alpha=0.5)
@@ -105,10 +132,16 @@ def plot_drift(result: dict, labels: list[str], path: str | os.PathLike, pca_key
 
 # ------------------------------------------------------------------ rollouts
 ROLLOUT_COLUMNS = (  # (metric key or None for mean@/pass@, header, format)
-    ("mean", "Mean@{G}", "pct"), ("pass", "Pass@{G}", "pct"), ("distinct_answers", "distinct answers", "f2"),
-    ("distinct_2gram", "distinct 2-gram", "f3"), ("distinct_4gram", "distinct 4-gram", "f3"),
-    ("edit_distance", "edit distance (tokens)", "f1"), ("edit_distance_norm", "edit distance / length", "f3"),
-    ("length", "length (tokens)", "f1"), ("truncated_frac", "cut at the limit", "pct"), ("mixed_frac", "mixed steps", "pct"),
+    ("mean", "Mean@{G}", "pct"),
+    ("pass", "Pass@{G}", "pct"),
+    ("distinct_answers", "distinct answers", "f2"),
+    ("distinct_2gram", "distinct 2-gram", "f3"),
+    ("distinct_4gram", "distinct 4-gram", "f3"),
+    ("edit_distance", "edit distance (tokens)", "f1"),
+    ("edit_distance_norm", "edit distance / length", "f3"),
+    ("length", "length (tokens)", "f1"),
+    ("truncated_frac", "cut at the limit", "pct"),
+    ("mixed_frac", "mixed steps", "pct"),
 )
 
 
@@ -118,8 +151,12 @@ def _key(col: str, G: int) -> str:
 
 def rollouts_table(results: dict, G: int) -> str:
     """One row per explorer; the columns of :data:`ROLLOUT_COLUMNS`."""
-    fmt = {"pct": lambda v: f"{100 * v:.1f}%", "f1": lambda v: f"{v:.1f}", "f2": lambda v: f"{v:.2f}",
-           "f3": lambda v: f"{v:.3f}"}
+    fmt = {
+        "pct": lambda v: f"{100 * v:.1f}%",
+        "f1": lambda v: f"{v:.1f}",
+        "f2": lambda v: f"{v:.2f}",
+        "f3": lambda v: f"{v:.3f}",
+    }
     head = ["explorer"] + [h.format(G=G) for _, h, _ in ROLLOUT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * len(ROLLOUT_COLUMNS) + "|"]
     for name, res in results.items():
@@ -130,9 +167,14 @@ def rollouts_table(results: dict, G: int) -> str:
 
 def plot_rollouts(results: dict, G: int, path: str | os.PathLike, title: str = "") -> Path:
     """Bar charts, one panel per metric, one bar per explorer."""
-    panels = [("mean", f"Mean@{G} (%)", 100), ("pass", f"Pass@{G} (%)", 100), ("distinct_answers", "distinct answers per group", 1),
-              ("distinct_4gram", "distinct 4-grams", 1), ("edit_distance_norm", "pairwise edit distance / length", 1),
-              ("length", "response length (tokens)", 1)]
+    panels = [
+        ("mean", f"Mean@{G} (%)", 100),
+        ("pass", f"Pass@{G} (%)", 100),
+        ("distinct_answers", "distinct answers per group", 1),
+        ("distinct_4gram", "distinct 4-grams", 1),
+        ("edit_distance_norm", "pairwise edit distance / length", 1),
+        ("length", "response length (tokens)", 1),
+    ]
     names = list(results)
     colors = [f"C{i}" for i in range(len(names))]
     fig = _figure(11, 5.8)

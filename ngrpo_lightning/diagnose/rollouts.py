@@ -25,26 +25,22 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
+from omegaconf import OmegaConf
 from rapidfuzz.distance import Levenshtein
 
+from ..config import ConfigError, compose, group_options
 from ..metrics import distinct_ngrams, pass_at_k
 
 
 def explorer_choices() -> list[str]:
     """Valid explorer names: the experiment options and the explorer options (but ``custom``)."""
-    from ..cli import group_options
-
     return sorted((set(group_options("explorer")) - {"custom"}) | set(group_options("experiment")))
 
 
 def resolve_explorers(names: Sequence[str], args: Mapping[str, Mapping] | None = None) -> list[tuple[str, dict]]:
     """``[(name, explorer config)]`` for each name, from the training configs, with
     ``args[name]`` merged in; an unknown name raises
-    :class:`~ngrpo_lightning.build.ConfigError` listing the valid ones."""
-    from omegaconf import OmegaConf
-
-    from ..build import ConfigError
-    from ..cli import compose, group_options
+    :class:`~ngrpo_lightning.config.ConfigError` listing the valid ones."""
 
     if isinstance(names, str) or not names:
         raise ConfigError(f"explorers must be a non-empty list, e.g. explorers=[temperature,ngrpo], got {names!r}")
@@ -79,8 +75,11 @@ def group_metrics(seqs: list[list[int]], correct: list[bool], answers: list) -> 
     pairs = list(itertools.combinations(range(g), 2))
     dists = [edit_distance(seqs[i], seqs[j]) for i, j in pairs]
     norm = [d / max(len(seqs[i]), len(seqs[j]), 1) for d, (i, j) in zip(dists, pairs)]
-    out = {f"mean@{g}": sum(correct) / g, f"pass@{g}": pass_at_k(g, int(sum(correct)), g),
-           "distinct_answers": float(len({a for a in answers if a is not None}))}
+    out = {
+        f"mean@{g}": sum(correct) / g,
+        f"pass@{g}": pass_at_k(g, int(sum(correct)), g),
+        "distinct_answers": float(len({a for a in answers if a is not None})),
+    }
     out.update({f"distinct_{n}gram": distinct_ngrams(seqs, n) for n in range(1, 5)})
     out["edit_distance"] = sum(dists) / len(dists) if dists else 0.0
     out["edit_distance_norm"] = sum(norm) / len(norm) if norm else 0.0
@@ -88,15 +87,16 @@ def group_metrics(seqs: list[list[int]], correct: list[bool], answers: list) -> 
     return out
 
 
-def explorer_rollouts(engine, items: list[dict], explorer, G: int, max_new_tokens: int, reward, batch_size: int = 8,
-                      progress=None) -> dict:
+def explorer_rollouts(
+    engine, items: list[dict], explorer, G: int, max_new_tokens: int, reward, batch_size: int = 8, progress=None
+) -> dict:
     """Roll out every prompt of ``items`` (``PromptDataset`` items) G times with ``explorer``
     and score it; returns ``{"metrics": {...}, "groups": [{id, answer, responses, answers,
     correct}]}``, the metrics averaged over groups (``mixed_frac``, ``truncated_frac`` over
     all responses)."""
     groups, per_group, tokens, mixed, truncated = [], [], 0, 0, 0
     for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
+        chunk = items[start : start + batch_size]
         batch = engine.generate([it["prompt_ids"] for it in chunk], explorer, n=G, max_new_tokens=max_new_tokens)
         scored = reward(batch.response_text, [it["answer"] for it in chunk for _ in range(G)])
         answers = list(scored.answers) if scored.answers else [None] * len(batch)
@@ -108,8 +108,15 @@ def explorer_rollouts(engine, items: list[dict], explorer, G: int, max_new_token
             rows = slice(i * G, (i + 1) * G)
             correct = [bool(s > 0.5) for s in scored.scores[rows].tolist()]
             per_group.append(group_metrics(seqs[rows], correct, answers[rows]))
-            groups.append({"id": it["id"], "answer": it["answer"], "responses": batch.response_text[rows],
-                           "answers": answers[rows], "correct": correct})
+            groups.append(
+                {
+                    "id": it["id"],
+                    "answer": it["answer"],
+                    "responses": batch.response_text[rows],
+                    "answers": answers[rows],
+                    "correct": correct,
+                }
+            )
         if progress is not None:
             progress(len(chunk))
     metrics = {key: sum(m[key] for m in per_group) / len(per_group) for key in per_group[0]}
@@ -118,8 +125,16 @@ def explorer_rollouts(engine, items: list[dict], explorer, G: int, max_new_token
     return {"metrics": metrics, "groups": groups}
 
 
-def compare_explorers(engine_factory, items: list[dict], explorers: list[tuple[str, object]], G: int,
-                      max_new_tokens: int, reward, batch_size: int = 8, show_progress: bool = True) -> dict:
+def compare_explorers(
+    engine_factory,
+    items: list[dict],
+    explorers: list[tuple[str, object]],
+    G: int,
+    max_new_tokens: int,
+    reward,
+    batch_size: int = 8,
+    show_progress: bool = True,
+) -> dict:
     """:func:`explorer_rollouts` for each ``(name, explorer)``, each with a fresh engine from
     ``engine_factory()`` (the same seed, so every explorer starts from the same RNG state)."""
     from tqdm.auto import tqdm
@@ -128,8 +143,9 @@ def compare_explorers(engine_factory, items: list[dict], explorers: list[tuple[s
     with tqdm(total=len(items) * len(explorers), desc="rollouts", unit="prompt", disable=not show_progress) as bar:
         for name, explorer in explorers:
             bar.set_postfix_str(name)
-            out[name] = explorer_rollouts(engine_factory(), items, explorer, G, max_new_tokens, reward, batch_size,
-                                          progress=bar.update)
+            out[name] = explorer_rollouts(
+                engine_factory(), items, explorer, G, max_new_tokens, reward, batch_size, progress=bar.update
+            )
     return out
 
 
@@ -138,6 +154,8 @@ def mixture_weight_pool(engine, prompt_ids: list[list[int]], explorer, G: int, m
     rollouts of ``prompt_ids``: the drift pilot's "weights drawn the way the explorer does"."""
     batch = engine.generate(prompt_ids, explorer, n=G, max_new_tokens=max_new_tokens)
     if not len(batch.records):
-        raise ValueError(f"the explorer mixed no step in {len(prompt_ids)} prompts x {G} rollouts of at most "
-                         f"{max_new_tokens} tokens: raise G, max_new_tokens or weight_prompts, or use weights=uniform")
+        raise ValueError(
+            f"the explorer mixed no step in {len(prompt_ids)} prompts x {G} rollouts of at most "
+            f"{max_new_tokens} tokens: raise G, max_new_tokens or weight_prompts, or use weights=uniform"
+        )
     return batch.records.weights.float().cpu()

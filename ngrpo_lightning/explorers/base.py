@@ -34,9 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_choice as _check_choice
+from ..checks import check_number
+
 __all__ = ["Explorer", "ExplorerStep", "EXPLORERS", "register_explorer", "check_range", "check_choice"]
 
-EXPLORERS: dict[str, type["Explorer"]] = {}
+EXPLORERS: dict[str, type[Explorer]] = {}
 
 
 def register_explorer(name: str):
@@ -118,16 +121,10 @@ class Explorer(ABC):
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *, low_open: bool = False):
-    """Validate a numeric hyper-parameter at construction time with an error naming its key."""
-    bad = (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high)
-    if bad:
-        lo = "-inf" if low is None else f"{low}"
-        hi = "inf" if high is None else f"{high}"
-        bracket = "(" if low_open else "["
-        raise ValueError(f"explorer.{key}={value!r} is out of range: allowed {bracket}{lo}, {hi}]")
+    """Validate a numeric hyper-parameter at construction time; the error names ``explorer.<key>``."""
+    return check_number(f"explorer.{key}", value, low, high, low_open=low_open)
 
 
 def check_choice(key: str, value, allowed) -> None:
-    """Validate a categorical hyper-parameter with an error naming its key and the choices."""
-    if value not in allowed:
-        raise ValueError(f"explorer.{key}={value!r} is unknown: allowed {sorted(allowed)}")
+    """Validate a categorical hyper-parameter; the error names ``explorer.<key>`` and the choices."""
+    return _check_choice(f"explorer.{key}", value, allowed)

@@ -36,23 +36,44 @@ class GaussianNoiseExplorer(Explorer):
 
     uses_embeddings = True
 
-    def __init__(self, sigma: float = 0.5, rho: float = 1.0, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0):
+    def __init__(
+        self,
+        sigma: float = 0.5,
+        rho: float = 1.0,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ):
         check_range("sigma", sigma, 0.0)
         check_range("rho", rho, 0.0, 1.0)
         self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
         self.sigma, self.rho = float(sigma), float(rho)
-        self.temperature, self.top_k, self.top_p, self.min_p = float(temperature), int(top_k), float(top_p), float(min_p)
+        self.temperature, self.top_k, self.top_p, self.min_p = (
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            float(min_p),
+        )
 
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
         tokens = self._sampler.sample(logits, generator)
         if self.sigma == 0.0 or self.rho == 0.0:
             return ExplorerStep(tokens=tokens)
         b, device = tokens.shape[0], logits.device
-        mixed = torch.ones(b, dtype=torch.bool, device=device) if self.rho == 1.0 else \
-            torch.rand(b, generator=generator, device=device) < self.rho
+        mixed = (
+            torch.ones(b, dtype=torch.bool, device=device)
+            if self.rho == 1.0
+            else torch.rand(b, generator=generator, device=device) < self.rho
+        )
         seeds = torch.randint(0, SEED_HIGH, (b,), generator=generator, device=device)
         emb = self.embeddings[tokens.to(self.embeddings.device)].float()
         scale = (self.sigma * emb.norm(dim=-1) / math.sqrt(emb.shape[-1])).to(device)
-        return ExplorerStep(tokens=tokens, mixed=mixed, ids=tokens[:, None], weights=torch.ones(b, 1, device=device),
-                            noise_seed=seeds, noise_scale=scale)
+        return ExplorerStep(
+            tokens=tokens,
+            mixed=mixed,
+            ids=tokens[:, None],
+            weights=torch.ones(b, 1, device=device),
+            noise_seed=seeds,
+            noise_scale=scale,
+        )

@@ -42,9 +42,21 @@ class NeighborMixingExplorer(Explorer):
 
     uses_embeddings = True
 
-    def __init__(self, k: int = 3, rho: float = 0.1, metric: str = "cosine", temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, exclude_special: bool = True,
-                 exclude_ids=(), refresh_every: int = 0, precompute: bool = False, chunk_size: int = 16384):
+    def __init__(
+        self,
+        k: int = 3,
+        rho: float = 0.1,
+        metric: str = "cosine",
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        exclude_special: bool = True,
+        exclude_ids=(),
+        refresh_every: int = 0,
+        precompute: bool = False,
+        chunk_size: int = 16384,
+    ):
         check_range("k", k, 1)
         check_range("rho", rho, 0.0, 1.0)
         check_choice("metric", metric, METRICS)
@@ -52,7 +64,12 @@ class NeighborMixingExplorer(Explorer):
         check_range("chunk_size", chunk_size, 1)
         self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
         self.k, self.rho, self.metric = int(k), float(rho), metric
-        self.temperature, self.top_k, self.top_p, self.min_p = float(temperature), int(top_k), float(top_p), float(min_p)
+        self.temperature, self.top_k, self.top_p, self.min_p = (
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            float(min_p),
+        )
         self.exclude_special, self.exclude_ids = bool(exclude_special), tuple(int(i) for i in exclude_ids)
         self.refresh_every, self.precompute, self.chunk_size = int(refresh_every), bool(precompute), int(chunk_size)
         self._index: NeighborIndex | None = None

@@ -13,13 +13,37 @@ token id, so the result is a deterministic function of the matrix.
 
 The index keeps its own copy of the matrix (normalized for cosine) in the matrix's dtype:
 its geometry is that of ``E`` when the index was built, even if ``E`` trains afterwards.
+
+On CPU, cosine search runs in two exact stages, because a pass over ``E`` in float32 is
+bound by memory bandwidth (one anchor: ~10 ms for 49k x 576) and rollouts mostly search one
+or two new anchors at a time. Stage 1 scores every column approximately: for a few anchors
+with a float16 copy of the keys (about a third of the time), for more in float32; its error
+is bounded (:func:`score_error`). Every column whose stage-1 score is within twice that bound
+of the n-th best one is a candidate, and stage 2 ranks the candidates by float64 scores of
+the index's keys. No column outside the candidates can beat or tie the n-th true score, so
+the result is the exact neighbors, ties included. An anchor with more near-ties than the
+candidate slots (duplicated rows) is ranked over all columns in float64.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 METRICS = ("cosine", "l2", "l1")
+CANDIDATE_SLACK = 16  # stage-1 candidate slots beyond the n neighbors (CPU cosine search)
+HALF_ANCHORS = 4  # stage 1 in float16 up to this many anchors per block (above, float32 matmuls are faster)
+
+
+def score_error(dim: int, half: bool) -> float:
+    """Bound on |stage-1 score - true score| for unit vectors of ``dim`` components. Float32:
+    the sum of ``dim`` products (dim x 2^-24, doubled for margin; inputs of lower precision
+    convert exactly, float64 ones round by 2^-24 each). Float16 adds rounding both operands
+    (2 x 2^-11 by Cauchy-Schwarz; components below float16's normal range 2^-25 each) and
+    the result (2^-11); the products are exact and summed in float32 by the CPU kernels."""
+    single = (dim + 2) * 2**-23
+    return single + 3 * 2**-11 + 2 * math.sqrt(dim) * 2**-25 if half else single
 
 
 class NeighborIndex:
@@ -34,8 +58,15 @@ class NeighborIndex:
         anchor_block: anchors per similarity block (memory ~ anchor_block x chunk_size).
     """
 
-    def __init__(self, embeddings: torch.Tensor, num_neighbors: int, metric: str = "cosine", exclude_ids=(),
-                 chunk_size: int = 16384, anchor_block: int = 256):
+    def __init__(
+        self,
+        embeddings: torch.Tensor,
+        num_neighbors: int,
+        metric: str = "cosine",
+        exclude_ids=(),
+        chunk_size: int = 16384,
+        anchor_block: int = 256,
+    ):
         if metric not in METRICS:
             raise ValueError(f"metric={metric!r} is unknown: allowed {list(METRICS)}")
         emb = embeddings.detach()
@@ -50,6 +81,9 @@ class NeighborIndex:
         ids = torch.as_tensor(list(exclude_ids), dtype=torch.long)
         self.excluded[ids.to(emb.device)] = True
         self.table = torch.full((self.vocab_size, self.num_neighbors), -1, dtype=torch.long, device=emb.device)
+        # the CPU cosine search runs in two stages (see the module docstring); other devices in one
+        self.two_stage = metric == "cosine" and emb.device.type == "cpu"
+        self.half_keys = self.keys.half() if self.two_stage else None
 
     # ---------------------------------------------------------------- public
     def query(self, anchors: torch.Tensor) -> torch.Tensor:
@@ -73,7 +107,10 @@ class NeighborIndex:
 
     def search(self, anchors: torch.Tensor) -> torch.Tensor:
         """Exact neighbors [B, n] of ``anchors`` [B], bypassing the cache."""
-        out = [self._search_block(anchors[i:i + self.anchor_block]) for i in range(0, len(anchors), self.anchor_block)]
+        if self.num_neighbors == 0:
+            return self.table[anchors]
+        block = self._search_two_stage if self.two_stage else self._search_block
+        out = [block(anchors[i : i + self.anchor_block]) for i in range(0, len(anchors), self.anchor_block)]
         return torch.cat(out) if out else self.table[:0]
 
     # -------------------------------------------------------------- internals
@@ -86,19 +123,62 @@ class NeighborIndex:
             return 2 * (query @ keys.T).float() - self.sq_norms[start:stop][None]
         return -torch.cdist(query.float(), keys.float(), p=1)
 
-    def _search_block(self, anchors: torch.Tensor) -> torch.Tensor:
+    def _exact_scores(self, query: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Cosine similarity in float64 (the CPU search's ranking): one product per component and
+        one sum per column, so identical columns get identical scores; ~16 MB at a time."""
+        step = max(1, 2**21 // (len(query) * query.shape[1]))
+        q = query.double()[:, None, :]
+        parts = [(q * self.keys[i : min(i + step, stop)].double()[None]).sum(-1) for i in range(start, stop, step)]
+        return torch.cat(parts, 1)
+
+    def _search_block(self, anchors: torch.Tensor, scores=None) -> torch.Tensor:
+        """Exact neighbors of a block of anchors: every column scored by ``scores`` (default:
+        the metric's, :meth:`_scores`), a chunk of columns at a time."""
         n, rows = self.num_neighbors, torch.arange(len(anchors), device=anchors.device)
+        scores = scores or self._scores
         query = self.keys[anchors]
         best_s = torch.empty(len(anchors), 0, device=anchors.device)
         best_i = torch.empty(len(anchors), 0, dtype=torch.long, device=anchors.device)
         for start in range(0, self.vocab_size, self.chunk_size):
             stop = min(start + self.chunk_size, self.vocab_size)
-            s = self._scores(query, start, stop).masked_fill_(self.excluded[start:stop][None], float("-inf"))
-            own = (anchors >= start) & (anchors < stop)  # never the anchor itself
-            s[rows[own], anchors[own] - start] = float("-inf")
+            s = self._mask(scores(query, start, stop), anchors, rows, start, stop)
             vals, idx = _top_lowest_index(s, min(n, stop - start))
-            best_s, best_i = _merge(torch.cat([best_s, vals], 1), torch.cat([best_i, idx + start], 1), n)
+            best_s, best_i = _merge(torch.cat([best_s.to(vals.dtype), vals], 1), torch.cat([best_i, idx + start], 1), n)
         return best_i
+
+    def _mask(self, s: torch.Tensor, anchors, rows, start: int, stop: int) -> torch.Tensor:
+        """Scores with excluded columns and each anchor's own column set to -inf."""
+        s = s.masked_fill_(self.excluded[start:stop][None], float("-inf"))
+        own = (anchors >= start) & (anchors < stop)  # never the anchor itself
+        s[rows[own], anchors[own] - start] = float("-inf")
+        return s
+
+    def _search_two_stage(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Exact cosine neighbors on CPU: approximate candidates, float64 ranking (module docstring)."""
+        n, m, rows = self.num_neighbors, self.num_neighbors + CANDIDATE_SLACK, torch.arange(len(anchors))
+        half = len(anchors) <= HALF_ANCHORS
+        keys = self.half_keys if half else self.keys
+        query = keys[anchors].float() if not half else keys[anchors]
+        best_s, best_i = torch.empty(len(anchors), 0), torch.empty(len(anchors), 0, dtype=torch.long)
+        for start in range(0, self.vocab_size, self.chunk_size):  # stage 1: the m best approximate scores
+            stop = min(start + self.chunk_size, self.vocab_size)
+            s = self._mask((query @ keys[start:stop].to(query.dtype).T).float(), anchors, rows, start, stop)
+            vals, idx = s.topk(min(m, stop - start), dim=-1)
+            best_s, best_i = torch.cat([best_s, vals], 1), torch.cat([best_i, idx + start], 1)
+            if best_s.shape[1] > m:
+                best_s, order = best_s.topk(m, dim=-1)
+                best_i = best_i.gather(1, order)
+        cut = best_s.topk(n, dim=-1).values[:, -1:]
+        candidate = best_s >= cut - 2 * score_error(self.keys.shape[1], half)  # all that could reach the n-th score
+        full = (candidate.sum(-1) == best_s.shape[1]) & (best_s.shape[1] == m)  # maybe more than m: rank all columns
+        best_i, order = best_i.sort(dim=-1)  # by id, so that ties go to the lowest id below
+        candidate = candidate.gather(1, order)
+        exact = (self.keys[anchors].double()[:, None, :] * self.keys[best_i].double()).sum(-1)  # stage 2
+        vals, top = _top_lowest_index(exact.masked_fill_(~candidate, float("-inf")), n)
+        _, out = _merge(vals, best_i.gather(1, top), n)
+        if bool(full.any()):
+            out[full] = self._search_block(anchors[full], self._exact_scores)
+        return out
 
 
 def _top_lowest_index(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

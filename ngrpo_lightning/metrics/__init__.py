@@ -3,5 +3,13 @@
 from .exploration import distinct_ngrams, exploration_metrics, mixture_entropy
 from .pass_at_k import PassAtK, maj_at_k, mean_at_k, pass_at_k, powers_of_two
 
-__all__ = ["PassAtK", "distinct_ngrams", "exploration_metrics", "maj_at_k", "mean_at_k", "mixture_entropy",
-           "pass_at_k", "powers_of_two"]
+__all__ = [
+    "PassAtK",
+    "distinct_ngrams",
+    "exploration_metrics",
+    "maj_at_k",
+    "mean_at_k",
+    "mixture_entropy",
+    "pass_at_k",
+    "powers_of_two",
+]

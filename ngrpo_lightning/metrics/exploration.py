@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from ..rewards import extract_answer
 from ..rollout.batch import RolloutBatch
 
 
 def distinct_ngrams(sequences: list[list[int]], n: int) -> float:
     """Distinct n-grams / total n-grams over a group of token sequences (1.0 = no repeats)."""
-    grams = [tuple(s[i:i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
@@ -32,14 +33,12 @@ def exploration_metrics(batch: RolloutBatch, answers: list | None = None) -> dic
     lengths = batch.response_lengths.tolist()
     seqs = [row[:n].tolist() for row, n in zip(batch.response_ids, lengths)]
     g = batch.group_size
-    groups = [seqs[i:i + g] for i in range(0, len(seqs), g)]
+    groups = [seqs[i : i + g] for i in range(0, len(seqs), g)]
     for n in range(1, 5):
         out[f"explore/distinct_{n}gram"] = sum(distinct_ngrams(grp, n) for grp in groups) / max(len(groups), 1)
     if answers is None and batch.response_text:
-        from ..rewards import extract_answer
-
         answers = [extract_answer(t) for t in batch.response_text]
     if answers:
-        per_group = [answers[i:i + g] for i in range(0, len(answers), g)]
+        per_group = [answers[i : i + g] for i in range(0, len(answers), g)]
         out["explore/distinct_answers_frac"] = sum(len(set(a)) / len(a) for a in per_group) / max(len(per_group), 1)
     return out

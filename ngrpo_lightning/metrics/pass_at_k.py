@@ -23,14 +23,13 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
+from ..checks import check_number
+
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not (hasattr(value, "is_integer") and value.is_integer()):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if isinstance(value, float) and value.is_integer():  # 4.0 from a config or a division is 4
+        value = int(value)
+    return check_number(name, value, minimum, integer=True)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -112,16 +111,21 @@ class PassAtK(Metric):
         if any(not r for r in rows):
             raise ValueError("every problem needs at least one sample")
         if self.ks and rows and min(map(len, rows)) < max(self.ks):
-            raise ValueError(f"pass@{max(self.ks)} needs at least {max(self.ks)} samples per problem, "
-                             f"got n={min(map(len, rows))}")
-        maj = [maj_at_k(a, r) if answers is not None else float("nan") for a, r in
-               zip(answers if answers is not None else rows, rows)]
+            raise ValueError(
+                f"pass@{max(self.ks)} needs at least {max(self.ks)} samples per problem, got n={min(map(len, rows))}"
+            )
+        maj = [
+            maj_at_k(a, r) if answers is not None else float("nan")
+            for a, r in zip(answers if answers is not None else rows, rows)
+        ]
         self.n.append(torch.tensor([len(r) for r in rows], dtype=torch.long, device=self.device))
         self.c.append(torch.tensor([sum(r) for r in rows], dtype=torch.long, device=self.device))
         self.maj.append(torch.tensor(maj, dtype=torch.float64, device=self.device))
 
     def _states(self):
-        as_tensor = lambda s, dtype: dim_zero_cat(s) if isinstance(s, torch.Tensor) or s else torch.zeros(0, dtype=dtype)  # noqa: E731
+        as_tensor = lambda s, dtype: (
+            dim_zero_cat(s) if isinstance(s, torch.Tensor) or s else torch.zeros(0, dtype=dtype)
+        )  # noqa: E731
         return as_tensor(self.n, torch.long), as_tensor(self.c, torch.long), as_tensor(self.maj, torch.float64)
 
     def compute(self) -> dict[str, torch.Tensor]:

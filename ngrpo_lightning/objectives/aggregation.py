@@ -14,7 +14,9 @@ import torch
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: int | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: int | None = None
+) -> torch.Tensor:
     """Aggregate per-token ``values`` [N, L] over the tokens where ``mask`` is 1.
 
     ``norm_length`` is the constant of ``seq-mean-token-sum-norm`` (default: L, the

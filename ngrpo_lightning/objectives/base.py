@@ -28,9 +28,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..checks import check_choice, check_number
+
 __all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
 
-OBJECTIVES: dict[str, type["PolicyObjective"]] = {}
+OBJECTIVES: dict[str, type[PolicyObjective]] = {}
 
 
 def register_objective(name: str):
@@ -77,12 +79,10 @@ class PolicyObjective(ABC):
 
 
 def check_objective_key(key: str, value: float, low: float = 0.0):
-    """Fail with the config key's name when ``value`` is below ``low``."""
-    if value is None or value < low:
-        raise ValueError(f"objective.{key}={value!r} is out of range: must be >= {low}")
+    """Fail with ``objective.<key>`` named when ``value`` is not a number >= ``low``."""
+    return check_number(f"objective.{key}", value, low)
 
 
 def check_objective_choice(key: str, value: str, allowed) -> None:
-    """Fail with the config key's name and the allowed values."""
-    if value not in allowed:
-        raise ValueError(f"objective.{key}={value!r} is unknown: allowed {list(allowed)}")
+    """Fail with ``objective.<key>`` named and the allowed values."""
+    return check_choice(f"objective.{key}", value, allowed)

@@ -23,8 +23,19 @@ MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: a safety clamp, far beyond any clip range
 
 
 def grpo_loss(
-    logp, old_logp, ref_logp, advantages, mask, *,
-    clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", loss_agg="token-mean", norm_length=None,
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    loss_agg="token-mean",
+    norm_length=None,
 ):
     """The GRPO loss and its metrics (see the module docstring)."""
     adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype)  # [N] or per token [N, L]
@@ -73,8 +84,16 @@ class GRPO(PolicyObjective):
 
     token_advantages = True  # accepts per-token advantages [N, L] (truncated importance sampling)
 
-    def __init__(self, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.001, kl_estimator="k3",
-                 loss_agg="token-mean", norm_length=None):
+    def __init__(
+        self,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        kl_coef=0.001,
+        kl_estimator="k3",
+        loss_agg="token-mean",
+        norm_length=None,
+    ):
         check_objective_key("clip_low", clip_low)
         check_objective_key("clip_high", clip_high)
         check_objective_key("kl_coef", kl_coef)

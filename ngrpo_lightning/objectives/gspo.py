@@ -35,7 +35,9 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def gspo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0, kl_estimator="k3"):
+def gspo_loss(
+    logp, old_logp, ref_logp, advantages, mask, *, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0, kl_estimator="k3"
+):
     """The GSPO loss and its metrics (see the module docstring). Ratio and clip metrics
     are per sequence."""
     adv = advantages.to(logp.dtype)

@@ -21,6 +21,8 @@ from .gspo import sequence_log_ratio
 
 
 @torch.no_grad()
-def sequence_importance_weight(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+def sequence_importance_weight(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     """Capped sequence importance weights [N] of ``pi(logp) / pi_behaviour`` (see module docstring)."""
     return torch.exp(sequence_log_ratio(logp, behaviour_logp, mask).clamp(max=20.0)).clamp(max=cap)

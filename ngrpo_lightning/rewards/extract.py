@@ -42,11 +42,11 @@ def extract_answer(text: str, method: str = "boxed") -> str | None:
 
 def _last_boxed(text: str) -> str | None:
     last = None
-    for last in _BOX_RE.finditer(text):
+    for last in _BOX_RE.finditer(text):  # noqa: B007 - the loop keeps the last match
         pass
     if last is None:
         return None
-    rest = text[last.end():]
+    rest = text[last.end() :]
     body = rest.lstrip()
     if not body.startswith("{"):
         # "\boxed 42" (TeX allows an undelimited one-token argument).
@@ -63,13 +63,13 @@ def _last_boxed(text: str) -> str | None:
         elif tok == "}":
             depth -= 1
             if depth == 0:
-                content = rest[start:m.start()].strip()
+                content = rest[start : m.start()].strip()
                 return content or None
     return None  # unbalanced: truncated completion
 
 
 def _last_number(text: str) -> str | None:
     last = None
-    for last in _NUMBER_RE.finditer(text):
+    for last in _NUMBER_RE.finditer(text):  # noqa: B007 - the loop keeps the last match
         pass
     return None if last is None else last.group(0).replace(",", "")

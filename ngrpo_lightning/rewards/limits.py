@@ -32,8 +32,10 @@ def soft_time_limit(seconds: float | None):
     if not hasattr(signal, "setitimer"):
         raise RuntimeError("soft_time_limit needs signal.setitimer (POSIX); pass timeout_s=None on this platform")
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("soft_time_limit only works in the main thread; pass timeout_s=None and "
-                           "enforce the limit from outside (MathReward does, with worker processes)")
+        raise RuntimeError(
+            "soft_time_limit only works in the main thread; pass timeout_s=None and "
+            "enforce the limit from outside (MathReward does, with worker processes)"
+        )
     armed = True
 
     def on_alarm(signum, frame):

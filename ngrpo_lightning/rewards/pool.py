@@ -75,8 +75,12 @@ class VerifierPool:
             st.slots = self._ctx.Array("d", self.num_workers * worker.SLOT_WIDTH, lock=False)
             st.counter = self._ctx.Value("i", 0)
             st.owner_pid = os.getpid()
-            st.executor = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=self._ctx,
-                                              initializer=worker.init_worker, initargs=(st.slots, st.counter))
+            st.executor = ProcessPoolExecutor(
+                max_workers=self.num_workers,
+                mp_context=self._ctx,
+                initializer=worker.init_worker,
+                initargs=(st.slots, st.counter),
+            )
             # Workers are spawned on demand: one submit per worker starts all of them.
             pings = [st.executor.submit(worker.ping) for _ in range(self.num_workers)]
             deadline = time.monotonic() + self.start_timeout_s
@@ -84,15 +88,19 @@ class VerifierPool:
                 failed = next((f.exception() for f in pings if f.done() and f.exception()), None)
                 if failed is not None:
                     self._kill()
-                    raise RuntimeError(f"verifier workers failed to start: {failed} (a common cause: with the "
-                                       "spawn start method the main script needs an `if __name__ == '__main__':` "
-                                       "guard)") from failed
+                    raise RuntimeError(
+                        f"verifier workers failed to start: {failed} (a common cause: with the "
+                        "spawn start method the main script needs an `if __name__ == '__main__':` "
+                        "guard)"
+                    ) from failed
                 if time.monotonic() > deadline:
                     self._kill()
-                    raise RuntimeError(f"verifier workers did not start within {self.start_timeout_s:g} s "
-                                       f"({self.num_workers} spawned processes importing math-verify; they re-import the main "
-                                       "script, so a script without an `if __name__ == '__main__':` guard runs again "
-                                       "in each of them)")
+                    raise RuntimeError(
+                        f"verifier workers did not start within {self.start_timeout_s:g} s "
+                        f"({self.num_workers} spawned processes importing math-verify; they re-import the main "
+                        "script, so a script without an `if __name__ == '__main__':` guard runs again "
+                        "in each of them)"
+                    )
                 time.sleep(0.01)
             wait(pings)
         return self.worker_pids()
@@ -112,8 +120,9 @@ class VerifierPool:
         self._state.kill()
 
     # ------------------------------------------------------------------ checking
-    def run(self, items: list[tuple[int, str, str]], *, check_fn, timeout_s: float, kill_after_s: float,
-            num_chunks: int) -> dict[int, tuple[str, int]]:
+    def run(
+        self, items: list[tuple[int, str, str]], *, check_fn, timeout_s: float, kill_after_s: float, num_chunks: int
+    ) -> dict[int, tuple[str, int]]:
         """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid)}``."""
         results: dict[int, tuple[str, int]] = {}
         pending = {item[0]: item for item in items}
@@ -127,8 +136,9 @@ class VerifierPool:
                 raise
             stalled = stalled + 1 if len(pending) == before else 0
         if pending:
-            log.error("gave up on %d answers: %d verifier pool restarts in a row made no progress",
-                      len(pending), stalled)
+            log.error(
+                "gave up on %d answers: %d verifier pool restarts in a row made no progress", len(pending), stalled
+            )
         for index in pending:
             results[index] = ("error", 0)
         return results
@@ -137,10 +147,12 @@ class VerifierPool:
         self.start()
         self._call_id += 1
         call_id = self._call_id
-        ordered = [pending[i] for i in sorted(pending)]  # contiguous chunks keep a group's gold together
+        ordered = [pending[i] for i in sorted(pending)]
         try:
-            futures = {self._state.executor.submit(worker.run_chunk, call_id, chunk, check_fn, timeout_s)
-                       for chunk in _split(ordered, num_chunks)}
+            futures = {
+                self._state.executor.submit(worker.run_chunk, call_id, chunk, check_fn, timeout_s)
+                for chunk in _split(ordered, num_chunks)
+            }
         except BrokenProcessPool:  # a worker died while idle (e.g. OOM killer): start afresh
             self._kill()
             return
@@ -174,8 +186,9 @@ class VerifierPool:
                     results[index] = (status, pid)
                     pending.pop(index)
             if overrun:
-                log.warning("killed the verifier pool: %d answers ran past the %.1f s hard limit",
-                            len(overrun), kill_after_s)
+                log.warning(
+                    "killed the verifier pool: %d answers ran past the %.1f s hard limit", len(overrun), kill_after_s
+                )
             else:
                 log.error("a verifier worker died; %d answers in progress marked 'error'", len(stuck))
             return
@@ -226,12 +239,8 @@ class _PoolState:
 
 
 def _split(items: list, num_chunks: int) -> list[list]:
-    """``num_chunks`` contiguous chunks of near-equal size (fewer if there are fewer items)."""
+    """``num_chunks`` chunks of near-equal size (fewer if there are fewer items), dealt round-robin:
+    neighbouring items (a group's answers, often pathological together) land in different chunks,
+    so their time-outs run in parallel on different workers."""
     n = max(1, min(num_chunks, len(items)))
-    size, extra = divmod(len(items), n)
-    chunks, start = [], 0
-    for i in range(n):
-        end = start + size + (i < extra)
-        chunks.append(items[start:end])
-        start = end
-    return chunks
+    return [items[i::n] for i in range(n)]

@@ -55,9 +55,11 @@ class MathReward:
         timeout_s: time limit per answer. Enforced softly inside the worker (SIGALRM), and
             hard at ``timeout_s + kill_grace_s`` by killing the worker pool.
         num_workers: verifier processes; default ``min(os.cpu_count(), 8)``.
-        parallel_threshold: batches with fewer answers to check go to ONE worker as a single
-            task (splitting costs more IPC than it saves); larger ones are cut into
-            ``4 * num_workers`` contiguous chunks spread over all workers. Either way the
+        parallel_threshold: batches with fewer answers to check are sent one answer per task,
+            so that workers take the next answer as they become free and a few pathological
+            answers time out in parallel (a batch costs about ``timeout_s x
+            ceil(pathological / num_workers)``, not their sum); larger batches are dealt
+            round-robin into ``4 * num_workers`` chunks spread over all workers. Either way the
             check runs in a worker, never in-process (see module docstring).
         kill_grace_s: slack past ``timeout_s`` before the hard kill.
         check_fn: ``(answer, gold) -> bool`` run in the workers, default
@@ -68,9 +70,16 @@ class MathReward:
     shut down by :meth:`close`, ``with`` exit, garbage collection or interpreter exit.
     """
 
-    def __init__(self, extract: str = "boxed", timeout_s: float = 2.0, num_workers: int | None = None,
-                 parallel_threshold: int = 32, kill_grace_s: float = 2.0, check_fn=None,
-                 start_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        extract: str = "boxed",
+        timeout_s: float = 2.0,
+        num_workers: int | None = None,
+        parallel_threshold: int = 32,
+        kill_grace_s: float = 2.0,
+        check_fn=None,
+        start_timeout_s: float = 120.0,
+    ):
         if extract not in EXTRACT_METHODS:
             raise ValueError(f"reward.extract={extract!r} is unknown: allowed {list(EXTRACT_METHODS)}")
         if not timeout_s or timeout_s <= 0:
@@ -87,8 +96,10 @@ class MathReward:
             try:
                 pickle.dumps(check_fn)
             except Exception as e:
-                raise TypeError(f"check_fn must be picklable (a module-level function): verifier workers "
-                                f"are spawned processes; got {check_fn!r}") from e
+                raise TypeError(
+                    f"check_fn must be picklable (a module-level function): verifier workers "
+                    f"are spawned processes; got {check_fn!r}"
+                ) from e
         self.extract = extract
         self.timeout_s = float(timeout_s)
         self.num_workers = int(num_workers)
@@ -106,9 +117,14 @@ class MathReward:
         pids = [0] * len(answers)
         items = [(i, a, str(g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
         if items:
-            chunks = 1 if len(items) < self.parallel_threshold else 4 * self.num_workers
-            checked = self.pool.run(items, check_fn=self.check_fn, timeout_s=self.timeout_s,
-                                    kill_after_s=self.timeout_s + self.kill_grace_s, num_chunks=chunks)
+            chunks = len(items) if len(items) < self.parallel_threshold else 4 * self.num_workers
+            checked = self.pool.run(
+                items,
+                check_fn=self.check_fn,
+                timeout_s=self.timeout_s,
+                kill_after_s=self.timeout_s + self.kill_grace_s,
+                num_chunks=chunks,
+            )
             for i, (s, pid) in checked.items():
                 status[i], pids[i] = s, pid
         scores = torch.tensor([1.0 if s == "correct" else 0.0 for s in status], dtype=torch.float32)
@@ -128,5 +144,7 @@ class MathReward:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"MathReward(extract={self.extract!r}, timeout_s={self.timeout_s:g}, "
-                f"num_workers={self.num_workers}, parallel_threshold={self.parallel_threshold})")
+        return (
+            f"MathReward(extract={self.extract!r}, timeout_s={self.timeout_s:g}, "
+            f"num_workers={self.num_workers}, parallel_threshold={self.parallel_threshold})"
+        )

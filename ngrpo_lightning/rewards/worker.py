@@ -12,21 +12,26 @@ system-wide on Linux, so the clocks agree), and kill it when it overruns the har
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
+import threading
 import time
 
 from .limits import soft_time_limit
 from .verify import verify_answer
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 SLOT_WIDTH = 4
 _slots = None  # shared multiprocessing RawArray('d'), set by init_worker
 _slot = -1
 
 
 def init_worker(slots, counter) -> None:
-    """Pool initializer: claim a progress slot; leave Ctrl-C to the parent."""
+    """Pool initializer: die with the parent; claim a progress slot; leave Ctrl-C to the parent."""
     global _slots, _slot
+    die_with_parent()
     # Ctrl-C goes to the whole process group; the parent handles it and kills the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with counter.get_lock():
@@ -37,12 +42,36 @@ def init_worker(slots, counter) -> None:
         _slots[slot * SLOT_WIDTH] = os.getpid()
 
 
+def die_with_parent() -> None:
+    """A worker must not outlive a trainer killed outright (SIGKILL runs no clean-up): on Linux the
+    kernel sends it SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), even if it is stuck
+    in C code; elsewhere a daemon thread exits once the parent is gone. Once the workers are gone,
+    multiprocessing's resource tracker sees its last pipe close and exits too."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-death-watch", daemon=True).start()
+
+
 def ping() -> int:
     return os.getpid()
 
 
-def run_chunk(call_id: int, items: list[tuple[int, str, str]], check_fn,
-              timeout_s: float) -> tuple[int, list[tuple[int, str]]]:
+def run_chunk(
+    call_id: int, items: list[tuple[int, str, str]], check_fn, timeout_s: float
+) -> tuple[int, list[tuple[int, str]]]:
     """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status), ...])``."""
     out = []
     for index, answer, gold in items:

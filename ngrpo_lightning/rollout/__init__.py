@@ -7,6 +7,7 @@ from .reconstruction import build_inputs_embeds, mixture_embeddings
 from .records import InputRecords
 
 __all__ = ["HFEngine", "InputRecords", "RolloutBatch", "RolloutEngine", "build_inputs_embeds", "mixture_embeddings"]
-from .datamodule import ENGINES, RolloutDataModule, build_engine  # noqa: E402
+from .datamodule import RolloutDataModule  # noqa: E402
+from .engines import ENGINES, build_engine, check_engine  # noqa: E402
 
-__all__ += ["ENGINES", "RolloutDataModule", "build_engine"]
+__all__ += ["ENGINES", "RolloutDataModule", "build_engine", "check_engine"]

@@ -57,7 +57,7 @@ class RolloutBatch:
 
     # ------------------------------------------------------------ utilities
     @classmethod
-    def concat(cls, batches: list["RolloutBatch"], pad_id: int = 0) -> "RolloutBatch":
+    def concat(cls, batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         """The rows of several batches (same ``group_size``), in order: prompts re-padded on
         the left and responses on the right (with ``pad_id``), records renumbered. ``stats``
         are the first batch's."""
@@ -74,9 +74,9 @@ class RolloutBatch:
         offsets = [0]
         for b in batches[:-1]:
             offsets.append(offsets[-1] + len(b))
-        records = InputRecords.concat([
-            InputRecords(**{**vars(b.records), "row": b.records.row + off}) for b, off in zip(batches, offsets)
-        ])
+        records = InputRecords.concat(
+            [InputRecords(**{**vars(b.records), "row": b.records.row + off}) for b, off in zip(batches, offsets)]
+        )
         joined = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
         return cls(
             prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
@@ -93,14 +93,14 @@ class RolloutBatch:
             stats=dict(batches[0].stats),
         )
 
-    def clone(self) -> "RolloutBatch":
+    def clone(self) -> RolloutBatch:
         """A copy with fresh tensors (e.g. to leave ``torch.inference_mode``)."""
         return self._map(lambda t: t.clone())
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         return self._map(lambda t: t.to(device))
 
-    def _map(self, fn) -> "RolloutBatch":
+    def _map(self, fn) -> RolloutBatch:
         """Apply ``fn`` to every tensor (record tensors included)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in out.items():
@@ -110,7 +110,7 @@ class RolloutBatch:
                 out[name] = InputRecords(**{k: fn(v) for k, v in vars(value).items()})
         return RolloutBatch(**out)
 
-    def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
+    def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
         """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so
         select whole groups if group structure matters downstream."""
         rows = torch.as_tensor(rows, dtype=torch.long)
@@ -129,7 +129,7 @@ class RolloutBatch:
             truncated=None if self.truncated is None else self.truncated[rows],
         )
 
-    def trim(self) -> "RolloutBatch":
+    def trim(self) -> RolloutBatch:
         """Drop columns that are padding in every row (after selecting a sub-batch)."""
         keep_p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
         keep_l = int(self.response_mask.sum(-1).max().item()) if len(self) else 0

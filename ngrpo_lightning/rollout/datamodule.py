@@ -20,23 +20,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..data import PromptDataset, collate_prompts
 from .batch import RolloutBatch
-from .engine import RolloutEngine
-
-ENGINES = ("hf", "vllm")
-
-
-def build_engine(name: str, module: L.LightningModule, max_new_tokens: int, seed: int, **kwargs) -> RolloutEngine:
-    """The rollout engine ``rollout.engine=<name>`` for the module's policy."""
-    if name == "hf":
-        from .hf_engine import HFEngine
-
-        return HFEngine(module.policy, module.tokenizer, max_new_tokens=max_new_tokens, seed=seed)
-    if name == "vllm":
-        from .vllm_engine import VLLMEngine  # noqa: F401  (optional dependency)
-
-        return VLLMEngine.for_module(module, max_new_tokens=max_new_tokens, seed=seed, **kwargs)
-    raise ValueError(f"rollout.engine={name!r} is unknown: allowed {list(ENGINES)}")
+from .engine import RolloutEngine, full_named_tensors
+from .engines import ENGINES, build_engine
 
 
 class PromptSampler(Sampler[int]):
@@ -54,8 +41,18 @@ class PromptSampler(Sampler[int]):
     ``on_pass(epoch, batches_skipped)`` is told where each pass starts.
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, batch_size: int = 1,
-                 epoch: int = 0, skip: int = 0, on_pass: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        size: int,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int = 1,
+        epoch: int = 0,
+        skip: int = 0,
+        on_pass: Callable[[int, int], None] | None = None,
+    ):
         self.size, self.seed, self.shuffle = size, seed, shuffle
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.per_rank = math.ceil(size / world_size)
@@ -73,7 +70,7 @@ class PromptSampler(Sampler[int]):
             order = list(range(self.size))
         total = self.per_rank * self.world_size
         order = (order * math.ceil(total / max(len(order), 1)))[:total] if total > len(order) else order[:total]
-        return order[self.rank:total:self.world_size]
+        return order[self.rank : total : self.world_size]
 
     def __iter__(self):
         while self.per_rank and self.skip >= self.per_rank:  # the saved position ended a pass
@@ -140,14 +137,18 @@ class RolloutDataModule(L.LightningDataModule):
         if engine not in ENGINES:
             raise ValueError(f"rollout.engine={engine!r} is unknown: allowed {list(ENGINES)}")
         if group_size < 1 or prompts_per_step < 1:
-            raise ValueError(f"rollout.group_size ({group_size}) and data.prompts_per_step ({prompts_per_step}) must be >= 1")
+            raise ValueError(
+                f"rollout.group_size ({group_size}) and data.prompts_per_step ({prompts_per_step}) must be >= 1"
+            )
         self.tokenizer = tokenizer
         self.train_problems, self.val_problems = list(train_problems), list(val_problems)
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.val_samples, self.val_batch_size = val_samples, val_batch_size
         self.engine_name, self.engine_kwargs = engine, engine_kwargs or {}
-        self.prompt_kwargs = {k: v for k, v in {"instruction": instruction, "system_prompt": system_prompt}.items() if v is not None}
+        self.prompt_kwargs = {
+            k: v for k, v in {"instruction": instruction, "system_prompt": system_prompt}.items() if v is not None
+        }
         self.seed, self.shuffle = seed, shuffle
         self.engine: RolloutEngine | None = None
         self.train_set = self.val_set = None
@@ -163,8 +164,6 @@ class RolloutDataModule(L.LightningDataModule):
             self.val_set = self._dataset(self.val_problems) if self.val_problems else None
 
     def _dataset(self, problems):
-        from ..data import PromptDataset
-
         return PromptDataset(problems, self.tokenizer, max_prompt_tokens=self.max_prompt_tokens, **self.prompt_kwargs)
 
     def _rank(self) -> tuple[int, int]:
@@ -176,22 +175,32 @@ class RolloutDataModule(L.LightningDataModule):
         """This rank's prompts, ``prompts_per_step`` per batch (the global batch is
         ``prompts_per_step x world_size`` prompts). The order is a shuffle seeded by
         ``seed + epoch``; a resumed run continues at its saved position."""
-        from ..data import collate_prompts
-
         rank, world = self._rank()
         epoch, batches = self._resume_position or (0, 0)
         self._resume_position = None
-        sampler = PromptSampler(len(self.train_set), self.seed, self.shuffle, rank, world, self.prompts_per_step,
-                                epoch=epoch, skip=batches * self.prompts_per_step, on_pass=self._start_pass)
-        return PromptLoader(self.train_set, batch_size=self.prompts_per_step, sampler=sampler,
-                          drop_last=len(sampler) >= self.prompts_per_step, collate_fn=collate_prompts)
+        sampler = PromptSampler(
+            len(self.train_set),
+            self.seed,
+            self.shuffle,
+            rank,
+            world,
+            self.prompts_per_step,
+            epoch=epoch,
+            skip=batches * self.prompts_per_step,
+            on_pass=self._start_pass,
+        )
+        return PromptLoader(
+            self.train_set,
+            batch_size=self.prompts_per_step,
+            sampler=sampler,
+            drop_last=len(sampler) >= self.prompts_per_step,
+            collate_fn=collate_prompts,
+        )
 
     def _start_pass(self, epoch: int, batches_skipped: int) -> None:
         self.epoch, self.batches_in_epoch = epoch, batches_skipped
 
     def val_dataloader(self) -> DataLoader:
-        from ..data import collate_prompts
-
         if self.val_set is None or len(self.val_set) == 0:
             return []
         rank, world = self._rank()
@@ -212,7 +221,14 @@ class RolloutDataModule(L.LightningDataModule):
     def _module_with_engine(self) -> L.LightningModule:
         module = self.trainer.lightning_module
         if self.engine is None:
-            self.engine = build_engine(self.engine_name, module, self.max_new_tokens, self.seed + self._rank()[0], **self.engine_kwargs)
+            self.engine = build_engine(
+                self.engine_name,
+                module.policy,
+                module.tokenizer,
+                max_new_tokens=self.max_new_tokens,
+                seed=self.seed + self._rank()[0],
+                **self.engine_kwargs,
+            )
             if self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
                 self.engine.load_state_dict(self._engine_state)
             self._engine_state = None
@@ -226,8 +242,6 @@ class RolloutDataModule(L.LightningDataModule):
         pass, independent of the dataloader's order. Its position (``extra_prompts_drawn``)
         is saved in checkpoints, so a resumed run draws the same prompts.
         """
-        from ..data import collate_prompts
-
         module = self._module_with_engine()
         self.setup("fit")
         size, count = len(self.train_set), self.prompts_per_step
@@ -235,7 +249,7 @@ class RolloutDataModule(L.LightningDataModule):
         while len(rows) < count:
             shuffle, start = divmod(self.extra_prompts_drawn, size)
             order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + 7919 * (shuffle + 1)))
-            take = order[start:start + count - len(rows)].tolist()
+            take = order[start : start + count - len(rows)].tolist()
             rows += take
             self.extra_prompts_drawn += len(take)
         return self.rollout(collate_prompts([self.train_set[i] for i in rows]), module.explorer, self.group_size)
@@ -256,8 +270,6 @@ class RolloutDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         version = getattr(module, "policy_version", 0)
         if getattr(self.engine, "needs_sync", False) and self.engine.weights_version != version:
-            from ..parallel import full_named_tensors
-
             self.engine.sync_weights(full_named_tensors(module.policy), version=version)
 
     def teardown(self, stage: str | None = None) -> None:
@@ -275,14 +287,24 @@ class RolloutDataModule(L.LightningDataModule):
         """Seed, data position (epoch and batches rolled out in it), the extra-prompt stream's
         position and the engine's sampling RNG. Under several processes each rank's engine
         has its own RNG: the states of all ranks are saved (gathered), each rank restores its own."""
-        engine = self.engine.state_dict() if self.engine is not None and hasattr(self.engine, "state_dict") else self._engine_state
+        engine = (
+            self.engine.state_dict()
+            if self.engine is not None and hasattr(self.engine, "state_dict")
+            else self._engine_state
+        )
         rank, world = self._rank()
         engines = [engine]
         if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             engines = [None] * world
             torch.distributed.all_gather_object(engines, engine)
-        return {"seed": self.seed, "extra_prompts_drawn": self.extra_prompts_drawn, "epoch": self.epoch,
-                "batches_in_epoch": self.batches_in_epoch, "engine": engines, "world_size": world}
+        return {
+            "seed": self.seed,
+            "extra_prompts_drawn": self.extra_prompts_drawn,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "engine": engines,
+            "world_size": world,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.seed = state.get("seed", self.seed)
@@ -293,11 +315,12 @@ class RolloutDataModule(L.LightningDataModule):
         rank, world = self._rank()
         saved_world = state.get("world_size", 1)
         if saved_world != world:
-            raise ValueError(f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
-                             "resume with the same trainer (number of devices)")
+            raise ValueError(
+                f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
+                "resume with the same trainer (number of devices)"
+            )
         engines = state.get("engine") or [None]
         self._engine_state = engines[rank] if rank < len(engines) else None
         if self.engine is not None and self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
             self.engine.load_state_dict(self._engine_state)
             self._engine_state = None
-

@@ -1,4 +1,5 @@
-"""The RolloutEngine interface: prompts in, a :class:`RolloutBatch` out."""
+"""The RolloutEngine interface: prompts in, a :class:`RolloutBatch` out; and the policy's full
+weights for engines that keep their own copy."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..explorers import Explorer
 from .batch import RolloutBatch
@@ -68,3 +70,11 @@ class SeededEngine(RolloutEngine):
         gen_state = state.get("generator")
         self._pending_state = None if gen_state is None else gen_state.cpu()
         self._generator = None  # rebuilt (with this state) on the next rollout
+
+
+def full_named_tensors(model: torch.nn.Module):
+    """``(name, tensor)`` for every entry of ``model.state_dict()``, with FSDP2's sharded
+    DTensors gathered into full tensors one at a time (a collective: all ranks iterate
+    together), so that an engine with its own weights can load them."""
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

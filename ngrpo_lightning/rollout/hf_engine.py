@@ -2,9 +2,10 @@
 
 Feeding embeddings rather than token ids is what lets any explorer replace the next
 input by a mixture. The loop is the plain KV-cache loop: one prefill of the left-padded
-prompts, then one forward of one position per step, the attention mask growing by one
-column and position ids continuing from each row's prompt length (exactly what
-``model.generate`` does, so greedy outputs agree).
+prompts, then one forward of one position per step, position ids continuing from each
+row's prompt length (what ``model.generate`` does, so greedy outputs agree). A row that
+ends (EOS) leaves the decoding batch, so a rollout whose lengths vary costs the sum of its
+lengths rather than its longest length times its rows.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if len(s):
-            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -52,17 +53,49 @@ def special_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> li
 class HFEngine(SeededEngine):
     """Rollouts with the policy module itself (no weight copy, no sync).
 
+    The decoding loop. Rows are the ``n`` samples of each prompt, grouped by prompt, and keep
+    that index in every output. Step ``t`` runs the model on the rows still decoding (the
+    *live* rows) for one position, asks the explorer for the emitted tokens and the next
+    inputs, and writes token ``t`` and its log-prob into the live rows' outputs. When rows end
+    with EOS they leave the batch: their rows are dropped from the KV cache, the attention
+    mask, the positions and the next inputs, so later steps cost only what is still running.
+    A row that reaches ``max_new_tokens`` without EOS is ``truncated``.
+
+    The explorer sees every row, always. Its logits are [rows, V] in the original row order:
+    the live rows' fresh logits, and for rows that have ended their last logits, whose choices
+    are discarded. So an explorer that keys anything on the row index (per-row seeds, row
+    schedules) gets the same rows at every step, and the sampling generator is consumed
+    exactly as by a batch that never shrinks (``drop_finished_rows=False`` keeps ended rows
+    decoding padding, the behaviour before rows could leave; kept for comparisons).
+
+    Reproducibility: the same seed and settings give the same rollouts. With rows leaving or
+    not, the generator draws the same numbers, but a row's logits can differ in their last bits
+    with the batch's size (matmul kernels sum in a different order), which is enough to flip a
+    sampled token that falls on a boundary of the sampler's cumulative distribution, and that
+    row then continues differently. So the two agree exactly on the tiny test model and greedy
+    decoding agrees with ``generate``, while long sampled rollouts of a real model agree only
+    in distribution; the same holds against rollouts made before rows could leave.
+
     Args:
         model: a causal LM (the policy being trained).
         tokenizer: its tokenizer (pad token required).
         max_new_tokens: default response length limit.
         seed: seed of the sampling generator (reproducible rollouts).
+        drop_finished_rows: rows that end leave the decoding batch (default).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 256, seed: int = 0):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int = 256,
+        seed: int = 0,
+        drop_finished_rows: bool = True,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = max_new_tokens
         self.seed = seed
+        self.drop_finished_rows = drop_finished_rows
         self.eos_ids = eos_token_ids(model, tokenizer)
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
@@ -90,7 +123,9 @@ class HFEngine(SeededEngine):
             batch = self._generate(prompts, explorer, n, max_new_tokens)
         return batch.clone()
 
-    def _generate_unsharded(self, modules: list, prompts, explorer: Explorer, n: int, max_new_tokens: int | None) -> RolloutBatch:
+    def _generate_unsharded(
+        self, modules: list, prompts, explorer: Explorer, n: int, max_new_tokens: int | None
+    ) -> RolloutBatch:
         # All-gathers are collectives: every rank enters here the same number of times (the
         # datamodule gives every rank the same number of prompt batches); the decoding loop
         # itself has none, so ranks may stop after different numbers of steps.
@@ -99,12 +134,13 @@ class HFEngine(SeededEngine):
         for m in modules:
             m.unshard()
         try:
-            with torch.no_grad():  # not inference_mode: FSDP2's unsharded parameters are autograd-visible tensors
+            with torch.no_grad():  # not inference_mode: FSDP2's unsharded parameters are autograd-visible
                 batch = self._generate(prompts, explorer, n, max_new_tokens)
         finally:
             for m in modules:
                 m.reshard()
-                m.set_reshard_after_forward(m is not modules[0], recurse=False)  # the root keeps its weights (FSDP2's default)
+                # the root keeps its weights (FSDP2's default)
+                m.set_reshard_after_forward(m is not modules[0], recurse=False)
         return batch
 
     def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None) -> RolloutBatch:
@@ -122,53 +158,85 @@ class HFEngine(SeededEngine):
 
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        rows = prompt_ids.shape[0]
-        eos = torch.tensor(self.eos_ids, device=device)
-        tokens, logprobs, alive_cols, step_records = [], [], [], []
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        mask = prompt_mask
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows, width = prompt_ids.shape
+        eos = torch.tensor(self.eos_ids, device=device, dtype=torch.long)
+        # Outputs, by original row: pad / 0 wherever a row emitted nothing.
+        tokens = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, max_new), device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.full((rows,), max_new, dtype=torch.long, device=device)  # set when a row ends
+        step_records = []
+        # The decoding batch: row i of the model's inputs is original row live[i] (slot is the inverse map).
+        live = torch.arange(rows, device=device)
+        slot = live.clone()
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
+        position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         inputs = embedding[prompt_ids]
+        explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
+        steps = 0
         for t in range(max_new):
-            out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            steps = t + 1
+            out = model(
+                inputs_embeds=inputs,
+                attention_mask=mask[:, : width + t],
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             logits = out.logits[:, -1].float()
-            step = explorer.step(logits, generator=gen)
-            alive = ~done
-            token = torch.where(alive, step.tokens, pad_id)
+            if explorer_logits is not None:
+                explorer_logits.index_copy_(0, live, logits)
+            step = explorer.step(logits if explorer_logits is None else explorer_logits, generator=gen)
+            running = ~finished[live]  # all true unless finished rows are kept decoding padding
+            token = torch.where(running, step.tokens[live], pad_id)
             scaled = logits if temperature == 1.0 else logits / temperature
             logprob = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)  # no B x V output
-            tokens.append(token)
-            logprobs.append(torch.where(alive, logprob, 0.0))
-            alive_cols.append(alive)
+            tokens[live, t] = token
+            logprobs[live, t] = torch.where(running, logprob, 0.0)
             inputs = embedding[token]
-            if step.mixed is not None and (m := step.mixed & alive).any():
-                rec = InputRecords.from_step(step, m, t)
-                inputs = inputs.index_put((rec.row,), mixture_embeddings(embedding, rec))
+            if step.mixed is not None and (mixed := step.mixed & ~finished).any():
+                rec = InputRecords.from_step(step, mixed, t)  # original rows, response position t
+                inputs = inputs.index_put((slot[rec.row],), mixture_embeddings(embedding, rec))
                 step_records.append(rec)
-            done = done | torch.isin(token, eos)
-            if bool(done.all()):
-                break
+            ended = torch.isin(token, eos) & running
+            if ended.any():
+                finished[live[ended]] = True
+                lengths[live[ended]] = t + 1
+                if bool(finished.all()):
+                    break
+                if self.drop_finished_rows:
+                    keep = (~ended).nonzero().squeeze(-1)
+                    if explorer_logits is None:
+                        explorer_logits = logits.clone()  # the batch still had every row
+                    live, inputs, mask, position = live[keep], inputs[keep], mask[keep], position[keep]
+                    slot[live] = torch.arange(len(live), device=device)
+                    cache.batch_select_indices(keep)
             inputs = inputs[:, None]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = position[:, -1:] + 1
 
         if was_training:
             model.train()
-        response_mask = torch.stack(alive_cols, 1).long()
-        response_ids = torch.stack(tokens, 1)
-        n_tokens = int(response_mask.sum())
+        lengths.clamp_(max=steps)
+        response_ids, logprobs = tokens[:, :steps], logprobs[:, :steps]
+        response_mask = (torch.arange(steps, device=device)[None] < lengths[:, None]).long()
+        n_tokens = int(lengths.sum())
         elapsed = time.perf_counter() - t0
-        texts = self.tokenizer.batch_decode(response_ids.masked_fill(response_mask == 0, pad_id).cpu(), skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=response_ids,
             response_mask=response_mask,
-            rollout_logprobs=torch.stack(logprobs, 1),
+            rollout_logprobs=logprobs,
             records=InputRecords.concat(step_records),
             group_size=n,
             response_text=texts,
-            truncated=~done,
-            stats={"rollout/time_s": elapsed, "rollout/tokens": n_tokens, "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9)},
+            truncated=~finished,
+            stats={
+                "rollout/time_s": elapsed,
+                "rollout/tokens": n_tokens,
+                "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9),
+            },
         )

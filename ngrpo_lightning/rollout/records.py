@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 NO_NOISE = -1  # noise_seed of records without additive noise
+RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")  # a record's fields besides its row
 
 
 @dataclass
@@ -32,7 +33,7 @@ class InputRecords:
         return int(self.row.numel())
 
     @classmethod
-    def concat(cls, parts: list["InputRecords"]) -> "InputRecords":
+    def concat(cls, parts: list[InputRecords]) -> InputRecords:
         """Concatenate records (of the same batch), padding K to the largest."""
         parts = [p for p in parts if len(p)]
         if not parts:
@@ -49,17 +50,27 @@ class InputRecords:
         )
 
     @classmethod
-    def from_step(cls, step, mixed: torch.Tensor, pos: int) -> "InputRecords":
+    def from_step(cls, step, mixed: torch.Tensor, pos: int) -> InputRecords:
         """The records of one decoding step's ``mixed`` rows (an :class:`ExplorerStep`), at
         response position ``pos``."""
         rows = mixed.nonzero().squeeze(-1)
         m = rows.numel()
-        seed = step.noise_seed[rows] if step.noise_seed is not None else torch.full((m,), NO_NOISE, dtype=torch.long, device=rows.device)
+        seed = (
+            step.noise_seed[rows]
+            if step.noise_seed is not None
+            else torch.full((m,), NO_NOISE, dtype=torch.long, device=rows.device)
+        )
         scale = step.noise_scale[rows].float() if step.noise_scale is not None else torch.zeros(m, device=rows.device)
-        return cls(row=rows, pos=torch.full((m,), pos, dtype=torch.long, device=rows.device), ids=step.ids[rows],
-                   weights=step.weights[rows].float(), noise_seed=seed, noise_scale=scale)
+        return cls(
+            row=rows,
+            pos=torch.full((m,), pos, dtype=torch.long, device=rows.device),
+            ids=step.ids[rows],
+            weights=step.weights[rows].float(),
+            noise_seed=seed,
+            noise_scale=scale,
+        )
 
-    def select_rows(self, rows: torch.Tensor) -> "InputRecords":
+    def select_rows(self, rows: torch.Tensor) -> InputRecords:
         """Records of a subset of batch rows, renumbered to the subset's order."""
         match = self.row[:, None] == rows.to(self.row.device)[None, :]  # [M, R]
         keep = match.any(1)
@@ -72,7 +83,7 @@ class InputRecords:
             noise_scale=self.noise_scale[keep],
         )
 
-    def to(self, device) -> "InputRecords":
+    def to(self, device) -> InputRecords:
         return InputRecords(**{k: v.to(device) for k, v in vars(self).items()})
 
     def counts_per_row(self, num_rows: int) -> torch.Tensor:

@@ -10,8 +10,15 @@ replays exactly as with :class:`~.hf_engine.HFEngine`.
 
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the explorer, its
 generator and the records live next to the trainer, and each training process drives its
-own colocated engine. On GPU the engine sleeps between rollouts (``sleep=True``), giving
-its weights and KV cache memory back to training.
+own colocated engine. The patch is written for vLLM's Model Runner V1, which the engine
+selects explicitly on CPU and GPU alike (``VLLM_USE_V2_MODEL_RUNNER=0``; vLLM's default on a
+GPU is V2), and start-up fails, naming the runner class, if vLLM ran another one.
+
+On GPU, CUDA graphs stay on (the mixed rows are written into the persistent input buffer
+the graphs read), and the engine sleeps between rollouts (``sleep``), giving its KV cache
+and weights memory back to training, in the order wake weights -> sync -> wake KV cache ->
+generate -> sleep (docs/vllm.md, "Weight sync"). The engine never reloads weights from
+disk after start-up: that would overwrite a sync.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from collections.abc import Iterable
 import torch
 
 from ..explorers import Explorer, TemperatureExplorer
+from ..models import resolve_model_path
 from .batch import RolloutBatch
-from .engine import SeededEngine
+from .engine import SeededEngine, full_named_tensors
 from .hf_engine import left_pad, special_token_ids
-from .records import InputRecords
-from .vllm_runner_patch import RolloutSession, install
-from .vllm_support import check_vllm
+from .vllm_runner_patch import RolloutSession, install, runner_class
+from .vllm_support import check_vllm, select_model_runner_v1
+
+WEIGHTS_DISCARDED = -1  # weights_version after a level-2 sleep: never a policy version, so the next rollout syncs
 
 
 def _start_in_process() -> None:
@@ -48,37 +57,74 @@ class VLLMEngine(SeededEngine):
         max_model_len: longest prompt + response.
         gpu_memory_utilization: share of GPU memory vLLM may take (colocated with training).
         kv_cache_gib: KV cache size on CPU.
-        sleep: on GPU, release vLLM's memory between rollouts (``LLM.sleep``/``wake_up``).
+        sleep: on GPU, release vLLM's memory between rollouts (``LLM.sleep``/``wake_up``):
+            ``True`` or ``1`` = sleep level 1 (weights offloaded to host memory, KV cache
+            freed); ``2`` = level 2 (weights discarded too: every rollout must then follow a
+            sync, which :meth:`generate` makes itself from the live policy of
+            :meth:`from_policy`, or refuses); ``False``/``0`` = never. Ignored on CPU.
+        enforce_eager: ``None`` = eager on CPU, CUDA graphs on GPU (they see the mixed inputs).
         engine_kwargs: further ``vllm.LLM`` arguments.
+        policy: the live policy module whose weights the engine mirrors (set by
+            :meth:`from_policy`); only used to restore weights discarded by a level-2 sleep.
     """
 
-    def __init__(self, model: str, tokenizer, max_new_tokens: int = 256, seed: int = 0, dtype: str = "float32",
-                 max_model_len: int = 2048, gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0,
-                 sleep: bool = True, enforce_eager: bool | None = None, engine_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        tokenizer,
+        max_new_tokens: int = 256,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_gib: float = 1.0,
+        sleep: bool | int = True,
+        enforce_eager: bool | None = None,
+        engine_kwargs: dict | None = None,
+        policy: torch.nn.Module | None = None,
+    ):
         check_vllm()
+        if int(sleep) not in (0, 1, 2):
+            raise ValueError(f"rollout.vllm.sleep={sleep!r} is out of range: allowed false, true (= 1), 1, 2")
         _start_in_process()
+        select_model_runner_v1()  # the runner the explorers are patched into: before vLLM builds its config
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         from vllm import LLM
 
-        self.tokenizer, self.max_new_tokens, self.seed = tokenizer, max_new_tokens, seed
+        self.tokenizer, self.max_new_tokens, self.seed, self.policy = tokenizer, max_new_tokens, seed, policy
         if tokenizer.pad_token_id is None:
             raise ValueError("VLLMEngine needs a tokenizer with a pad token")
         self.on_gpu = torch.cuda.is_available()
-        self.sleep_enabled = bool(sleep and self.on_gpu)
+        self.sleep_level = int(sleep) if self.on_gpu else 0
+        self.sleep_enabled = self.sleep_level > 0
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       enable_prompt_embeds=True, enable_prefix_caching=False, async_scheduling=False,
-                       enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                       **(engine_kwargs or {}))
+        self.llm = LLM(
+            model=model,
+            tokenizer=model,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prompt_embeds=True,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            **(engine_kwargs or {}),
+        )
         # vLLM's CPU worker picks its own thread count for decoding (1: more threads spin-wait against
         # each other) and disables torch.set_num_threads process-wide; the trainer gets its threads
-        # back, and decoding runs with vLLM's count (see _decoding_threads).
+        # back, and decoding runs with vLLM's count (see generate).
         self.serving_threads = torch.get_num_threads()
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
-        self.runner = self._runner()
-        install(self.runner)
+        try:
+            self.runner = self._runner()
+            install(self.runner)  # checks the runner's class first: Model Runner V1, or a clear error
+        except Exception:
+            self.close()
+            raise
+        self.runner_class = runner_class(self.runner)
         gen_cfg = self.llm.llm_engine.model_config.try_get_generation_config() or {}
         eos = gen_cfg.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -88,37 +134,53 @@ class VLLMEngine(SeededEngine):
         self.weights_version = None  # policy version of the weights vLLM holds (None: the files on disk)
 
     @classmethod
-    def for_module(cls, module, max_new_tokens: int, seed: int, **kwargs) -> "VLLMEngine":
-        """An engine for an :class:`~ngrpo_lightning.module.RLModule`'s policy, loaded from the
-        same directory (its weights are synced before the first rollout)."""
-        from ..models import resolve_model_path
+    def from_policy(
+        cls, policy: torch.nn.Module, tokenizer, *, max_new_tokens: int, seed: int, **settings
+    ) -> VLLMEngine:
+        """An engine for a live policy model and its tokenizer: vLLM loads the directory the
+        policy was loaded from (``settings["model"]`` overrides it) in the policy's dtype unless
+        ``settings["dtype"]`` says otherwise; the policy's own weights, which may differ from that
+        directory's, arrive with :meth:`sync_weights`. ``settings`` are the other constructor
+        arguments (``rollout.vllm.*``)."""
+        path = settings.pop("model", None) or resolve_model_path(policy.name_or_path)
+        dtype = settings.pop("dtype", None) or str(next(policy.parameters()).dtype).removeprefix("torch.")
+        return cls(path, tokenizer, max_new_tokens=max_new_tokens, seed=seed, dtype=dtype, policy=policy, **settings)
 
-        policy = module.policy
-        path = kwargs.pop("model", None) or resolve_model_path(policy.name_or_path)
-        dtype = kwargs.pop("dtype", None) or str(next(policy.parameters()).dtype).removeprefix("torch.")
-        return cls(path, module.tokenizer, max_new_tokens=max_new_tokens, seed=seed, dtype=dtype, **kwargs)
+    @classmethod
+    def for_module(cls, module, max_new_tokens: int, seed: int, **settings) -> VLLMEngine:
+        """:meth:`from_policy` for a module with ``policy`` and ``tokenizer`` attributes (an ``RLModule``)."""
+        return cls.from_policy(module.policy, module.tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)
 
     def _runner(self):
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
         runner = getattr(worker, "model_runner", None)
         if runner is None:
-            raise RuntimeError("vLLM's model runner is not reachable in this process: the engine must run in-process "
-                               "(VLLM_ENABLE_V1_MULTIPROCESSING=0, single worker: tensor_parallel_size=1)")
+            raise RuntimeError(
+                "vLLM's model runner is not reachable in this process: the engine must run in-process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0, single worker: tensor_parallel_size=1)"
+            )
         return runner
 
     def embedding(self) -> torch.Tensor:
         """vLLM's input embedding matrix E [V, d] (rows beyond the logits' vocabulary dropped)."""
         model = self.runner.get_model()
-        weight = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.model.embed_tokens.weight
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
+        weight = embed.weight
         return weight[: self.llm.llm_engine.model_config.get_vocab_size()]
 
     # ------------------------------------------------------------- weights
+    # The order on GPU: [sleeping] -> wake weights -> sync_weights -> wake KV cache -> generate -> sleep.
+    # Only the weights are woken for a sync (the KV cache stays released while the full tensors
+    # arrive), and weights are loaded from the given tensors only, never from disk again, so
+    # nothing can overwrite a sync before the rollout it was made for.
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Load the policy's current weights (Hugging Face names; full, unsharded tensors)
-        into vLLM, converting them to vLLM's layout (fused projections, packed kernels)."""
+        into vLLM, converting them to vLLM's layout (fused projections, packed kernels). The
+        tensors are copied into the storage vLLM's CUDA graphs were captured with."""
         self._wake(tags=["weights"])
-        self.runner.reload_weights(weights_iterator=((n, t.detach()) for n, t in named_tensors), is_checkpoint_format=True)
+        weights = ((n, t.detach()) for n, t in named_tensors)
+        self.runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.weights_version = version
 
     def _wake(self, tags=("weights", "kv_cache")) -> None:
@@ -128,10 +190,32 @@ class VLLMEngine(SeededEngine):
             self.llm.wake_up(tags=waking)
             self.asleep -= set(waking)
 
+    def _sleep(self) -> None:
+        """After a rollout, on GPU: give the memory back to training (see ``sleep``)."""
+        if not self.sleep_level:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = {"weights", "kv_cache"}
+        if self.sleep_level == 2:  # vLLM dropped the weights: the next rollout needs a sync first
+            self.weights_version = WEIGHTS_DISCARDED
+
+    def _ensure_weights(self) -> None:
+        """Before a rollout: weights dropped by a level-2 sleep and not synced since are restored
+        from the live policy (a collective under FSDP2, as in the DataModule's sync), or refused."""
+        if self.weights_version != WEIGHTS_DISCARDED:
+            return
+        if self.policy is None:
+            raise RuntimeError(
+                "VLLMEngine: sleep level 2 dropped vLLM's weights and no sync_weights(...) followed; "
+                "sync the policy's weights before this rollout, or use sleep=1"
+            )
+        self.sync_weights(full_named_tensors(self.policy), version=None)
+
     # ------------------------------------------------------------ rollouts
     def generate(self, prompts, explorer: Explorer, n: int = 1, max_new_tokens: int | None = None) -> RolloutBatch:
         from vllm import SamplingParams
 
+        self._ensure_weights()
         self._wake()
         max_new = max_new_tokens or self.max_new_tokens
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
@@ -144,11 +228,20 @@ class VLLMEngine(SeededEngine):
         temperature = explorer.temperature or 1.0
         seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=gen).tolist()
         # eos_ids = [] decodes exactly max_new tokens per row (as HFEngine does; benchmarks use it)
-        params = [SamplingParams(max_tokens=max_new, stop_token_ids=self.eos_ids, ignore_eos=not self.eos_ids,
-                                 detokenize=False, seed=s,
-                                 **(_sampling_kwargs(explorer) if native else {"temperature": 1.0}))
-                  for s in seeds]
-        session = RolloutSession(embedding=E, temperature=temperature, explorer=None if native else explorer, generator=gen)
+        params = [
+            SamplingParams(
+                max_tokens=max_new,
+                stop_token_ids=self.eos_ids,
+                ignore_eos=not self.eos_ids,
+                detokenize=False,
+                seed=s,
+                **(_sampling_kwargs(explorer) if native else {"temperature": 1.0}),
+            )
+            for s in seeds
+        ]
+        session = RolloutSession(
+            embedding=E, temperature=temperature, explorer=None if native else explorer, generator=gen
+        )
         self.runner.ngrpo_session = session
         t0 = time.perf_counter()
         threads = torch.get_num_threads()
@@ -159,42 +252,42 @@ class VLLMEngine(SeededEngine):
             self.runner.ngrpo_session = None
             torch.set_num_threads(threads)
         elapsed = time.perf_counter() - t0
-        if self.sleep_enabled:
-            self.llm.sleep(level=1)  # weights to CPU, KV cache freed: training gets the memory back
-            self.asleep = {"weights", "kv_cache"}
-        return self._batch(rows, outputs, session, n, elapsed)
+        batch = self._batch(rows, outputs, session, n, elapsed)
+        self._sleep()
+        return batch
 
     def _batch(self, rows, outputs, session: RolloutSession, n: int, elapsed: float) -> RolloutBatch:
         pad_id = self.tokenizer.pad_token_id
-        internal = {rid.rsplit("-", 1)[0]: rid for rid in set(session.logprobs) | set(session.records)}
+        internal = {rid.rsplit("-", 1)[0]: rid for rid in session.request_ids()}  # vLLM suffixes the ids we gave
+        row_of = {internal[o.request_id]: i for i, o in enumerate(outputs) if o.request_id in internal}
         responses = [list(o.outputs[0].token_ids) for o in outputs]
-        width = max(1, max(len(r) for r in responses))
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        width = max(1, int(lengths.max()) if len(lengths) else 1)
         response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        response_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width))
-        parts = []
-        for i, (out, resp) in enumerate(zip(outputs, responses)):
-            response_ids[i, :len(resp)] = torch.tensor(resp, dtype=torch.long)
-            response_mask[i, :len(resp)] = 1
-            rid = internal.get(out.request_id)
-            lp = session.logprobs.get(rid, {})
-            logprobs[i, :len(resp)] = torch.tensor([lp.get(p, 0.0) for p in range(len(resp))])
-            recs = [r for r in session.records.get(rid, []) if r[0] < len(resp)]
-            if recs:
-                parts.append(InputRecords(
-                    row=torch.full((len(recs),), i, dtype=torch.long), pos=torch.tensor([r[0] for r in recs]),
-                    ids=torch.stack([r[1] for r in recs]), weights=torch.stack([r[2] for r in recs]),
-                    noise_seed=torch.tensor([r[3] for r in recs], dtype=torch.long),
-                    noise_scale=torch.tensor([r[4] for r in recs], dtype=torch.float32)))
+        for i, resp in enumerate(responses):
+            response_ids[i, : len(resp)] = torch.tensor(resp, dtype=torch.long)
+        response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
         prompt_ids, prompt_mask = left_pad(rows, pad_id)
         n_tokens = int(response_mask.sum())
         truncated = torch.tensor([o.outputs[0].finish_reason == "length" for o in outputs])
-        texts = self.tokenizer.batch_decode(response_ids.masked_fill(response_mask == 0, pad_id), skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            response_ids.masked_fill(response_mask == 0, pad_id), skip_special_tokens=True
+        )
         return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            rollout_logprobs=logprobs, records=InputRecords.concat(parts), group_size=n, response_text=texts,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            rollout_logprobs=session.logprob_table(row_of, lengths, width),
+            records=session.input_records(row_of, lengths),
+            group_size=n,
+            response_text=texts,
             truncated=truncated,
-            stats={"rollout/time_s": elapsed, "rollout/tokens": n_tokens, "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9)},
+            stats={
+                "rollout/time_s": elapsed,
+                "rollout/tokens": n_tokens,
+                "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9),
+            },
         )
 
     def close(self) -> None:
@@ -205,5 +298,9 @@ class VLLMEngine(SeededEngine):
 
 def _sampling_kwargs(explorer: TemperatureExplorer) -> dict:
     """vLLM sampling parameters equal to a :class:`TemperatureExplorer` (T = 0: greedy)."""
-    return {"temperature": explorer.temperature, "top_p": explorer.top_p, "top_k": explorer.top_k or -1,
-            "min_p": explorer.min_p}
+    return {
+        "temperature": explorer.temperature,
+        "top_p": explorer.top_p,
+        "top_k": explorer.top_k or -1,
+        "min_p": explorer.min_p,
+    }

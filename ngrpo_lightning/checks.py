@@ -1,0 +1,53 @@
+"""Value checks with errors that name the config key once, in full.
+
+Every component validates its own hyper-parameters at construction time with these two
+functions, so a bad ``explorer.rho``, ``objective.clip_low``, ``train.ppo_epochs`` or
+``replay.capacity`` is reported the same way, by its full key, before anything loads::
+
+    check_number("train.ppo_epochs", 0, 1, integer=True)
+    ValueError: train.ppo_epochs=0 is out of range: allowed [1, inf] (an integer)
+
+Pure Python (no torch, no Hydra): every layer of the package may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["check_choice", "check_number"]
+
+
+def check_number(
+    key: str,
+    value,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    integer: bool = False,
+    optional: bool = False,
+):
+    """Return ``value`` if it is a number (an ``int`` when ``integer``) within ``[low, high]``
+    (``(low, high]`` when ``low_open``); ``None`` passes when ``optional``. Otherwise raise
+    ``ValueError`` naming ``key``, the value and what is allowed."""
+    if value is None and optional:
+        return None
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ValueError(f"{key}={value!r} must be {kind}" + (" (or null)" if optional else ""))
+    bad = (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high)
+    if bad:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        suffix = " (an integer)" if integer else ""
+        raise ValueError(f"{key}={value!r} is out of range: allowed {'(' if low_open else '['}{lo}, {hi}]{suffix}")
+    return value
+
+
+def check_choice(key: str, value, allowed: Iterable):
+    """Return ``value`` if it is one of ``allowed``; otherwise raise ``ValueError`` naming ``key``
+    and the allowed values."""
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is unknown: allowed {sorted(allowed, key=str)}")
+    return value

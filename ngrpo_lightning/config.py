@@ -1,0 +1,115 @@
+"""Composing a run's configuration: ``conf/`` + command-line overrides -> one ``DictConfig``.
+
+Every command composes here: ``ngrpo train`` and ``ngrpo config`` from ``conf/config.yaml``,
+``ngrpo eval`` from ``conf/eval.yaml``, ``ngrpo diagnose`` from ``conf/diagnose.yaml``. Hydra
+does the composition; this module adds what a command line needs on top:
+
+* ``explorer._target_=pkg.Cls explorer.x=1`` selects a user class (the group's ``custom`` option);
+* ``model=<HF id | directory | file.ckpt>`` where a command takes any model (eval, diagnose);
+* errors as one :class:`ConfigError` line that names the key and, for an unknown key, the valid
+  keys beside it.
+
+A leaf module: it imports Hydra and OmegaConf only, so every layer may compose a config.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+__all__ = ["GROUPS", "ConfigError", "compose", "config_dir", "group_options"]
+
+GROUPS = ("model", "data", "explorer", "objective", "trainer", "logger", "experiment")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the key."""
+
+
+def config_dir() -> Path:
+    """The ``conf/`` folder (in a checkout ``ngrpo_lightning/conf`` links to the top-level ``conf/``;
+    wheels ship a copy)."""
+    path = Path(__file__).parent / "conf"
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"ngrpo-lightning's config folder {path} is missing: reinstall the package")
+    return path
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (``group_options("explorer")`` -> ``["custom", "gaussian", ...]``)."""
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def compose(overrides: list[str], config_name: str = "config", *, model_paths: bool = False) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with command-line overrides, resolved.
+
+    ``model_paths``: ``model=<value>`` that is not a ``conf/model`` option means
+    ``model=hf model.name_or_path=<value>`` (commands that take any model: eval, diagnose).
+    Raises :class:`ConfigError` naming the key on any composition error or missing value.
+    """
+    overrides = normalize_overrides(overrides, model_paths=model_paths)
+    try:
+        cfg = _hydra_compose(config_name, overrides)
+        OmegaConf.resolve(cfg)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(explain_compose_error(err, overrides, config_name)) from err
+    if missing:
+        raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
+    return cfg
+
+
+def _hydra_compose(config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> list[str]:
+    """Let ``explorer._target_=pkg.Cls explorer.x=1`` select a user class: it switches the
+    group to its ``custom`` option and turns the other keys of that group into additions.
+    With ``model_paths``, ``model=<not an option>`` becomes ``model=hf model.name_or_path=...``."""
+    out, custom = list(overrides), set()
+    for o in overrides:
+        m = re.match(r"^\+?(explorer|objective)\._target_=", o)
+        if m:
+            custom.add(m.group(1))
+    for group in custom:
+        out = [f"+{o}" if o.startswith(f"{group}.") and not o.startswith(f"{group}._target_=") else o for o in out]
+        out = [o.lstrip("+") if o.lstrip("+").startswith(f"{group}._target_=") else o for o in out]
+        out = [o for o in out if not o.startswith(f"{group}=")] + [f"{group}=custom"]
+    if model_paths:
+        models, expanded = group_options("model"), []
+        for o in out:
+            key, _, value = o.partition("=")
+            expanded += (
+                ["model=hf", f"model.name_or_path={value}"] if key == "model" and value and value not in models else [o]
+            )
+        out = expanded
+    return out
+
+
+def explain_compose_error(err: Exception, overrides: list[str], config_name: str = "config") -> str:
+    """Hydra's message, plus the keys that *are* valid where an unknown key was given."""
+    msg = str(err).strip()
+    m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
+    if m:
+        key = m.group(1)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        try:
+            base = _hydra_compose(
+                config_name, [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in GROUPS]
+            )
+            node = OmegaConf.select(base, parent) if parent else base
+            if isinstance(node, DictConfig):
+                where = f" of {parent}" if parent else ""
+                return f"unknown config key {key!r}; valid keys{where}: {sorted(node.keys())}"
+        except (HydraException, OmegaConfBaseException):  # fall back to Hydra's own message
+            pass
+    lines = msg.splitlines()
+    return lines[0] + ("\n" + "\n".join(lines[1:]) if "Available options" in msg else "")

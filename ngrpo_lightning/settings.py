@@ -1,0 +1,97 @@
+"""The training settings as validated dataclasses: ``optim.*``, ``train.*`` and ``replay.*``.
+
+Each default lives here once (``conf/config.yaml`` shows the same values to the reader, and a
+test keeps the two equal). A wrong value fails at construction, before any model loads, with
+its full key: ``OptimConfig(lr=-1)`` -> ``optim.lr=-1 is out of range: allowed (0.0, inf]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import check_number
+
+__all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, schedule, and the memory of the training forward (``optim.*``).
+
+    ``micro_batch_size`` and ``max_tokens_per_micro_batch`` bound the rows and the tokens of
+    one forward/backward (see :class:`~ngrpo_lightning.planning.UpdatePlan`); gradients are
+    the same whatever they are. ``logprob_chunk_size`` bounds the LM head's logits: log-probs
+    are computed that many tokens at a time and recomputed in backward, so no [N, L, V]
+    tensor exists (see :mod:`ngrpo_lightning.forward`).
+    """
+
+    lr: float = 2.0e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0  # in optimizer steps
+    grad_clip: float | None = 1.0  # max global gradient norm (null or 0 = no clipping)
+    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
+    max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
+    logprob_chunk_size: int | None = 512  # tokens whose LM-head logits exist at once (null = all: [N, L, V])
+
+    def __post_init__(self):
+        check_number("optim.lr", self.lr, 0.0, low_open=True)
+        check_number("optim.weight_decay", self.weight_decay, 0.0)
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas={list(self.betas)!r} must be two numbers, e.g. [0.9, 0.999]")
+        for i, beta in enumerate(self.betas):
+            check_number(f"optim.betas[{i}]", beta, 0.0, 1.0)
+        check_number("optim.warmup_steps", self.warmup_steps, 0, integer=True)
+        check_number("optim.grad_clip", self.grad_clip, 0.0, optional=True)
+        check_number("optim.micro_batch_size", self.micro_batch_size, 0, integer=True)
+        check_number(
+            "optim.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, integer=True, optional=True
+        )
+        check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
+
+
+@dataclass
+class TrainConfig:
+    """How a step's rollouts become optimizer updates (``train.*``).
+
+    A step makes ``ppo_epochs x num_mini_batches`` optimizer steps (later ones see ratios != 1,
+    so the clip acts); ``trainer.max_steps`` counts optimizer steps. ``dynamic_sampling`` (DAPO)
+    drops groups whose rewards are all equal and rolls out up to ``max_extra_rollouts`` more
+    prompt batches to refill the step. ``tis_cap`` weights each fresh token's policy gradient by
+    ``min(p_train_old / p_rollout, tis_cap)`` (truncated importance sampling of the rollout/train
+    mismatch; null = off).
+    """
+
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    dynamic_sampling: bool = False
+    max_extra_rollouts: int = 4
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        check_number("train.ppo_epochs", self.ppo_epochs, 1, integer=True)
+        check_number("train.num_mini_batches", self.num_mini_batches, 1, integer=True)
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"train.dynamic_sampling={self.dynamic_sampling!r} must be true or false")
+        check_number("train.max_extra_rollouts", self.max_extra_rollouts, 0, integer=True)
+        check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.ppo_epochs * self.num_mini_batches
+
+
+@dataclass
+class ReplayConfig:
+    """Replay of past successes into groups whose fresh rollouts are all wrong (``replay.*``;
+    see ``ngrpo_lightning.callbacks.ReplayBuffer``)."""
+
+    capacity: int = 0  # prompts whose latest success is kept (0 = no replay)
+    max_staleness: int = 4  # a success is replayed at most this many steps after it was sampled
+    is_cap: float = 2.0  # cap of a replayed trajectory's importance weight
+
+    def __post_init__(self):
+        check_number("replay.capacity", self.capacity, 0, integer=True)
+        check_number("replay.max_staleness", self.max_staleness, 1, integer=True)
+        check_number("replay.is_cap", self.is_cap, 1.0)

@@ -1,0 +1,252 @@
+"""Chunked log-probs (``response_logprobs(..., chunk_size=c)``) against the full-logits path.
+
+The chunked path applies the LM head to ``c`` tokens at a time and recomputes each chunk in
+backward. It must give the full path's values, entropies and gradients (every parameter:
+decoder, head, tied embeddings through both the head and the rebuilt inputs), and must never
+hold an [N, L, V] tensor.
+
+Tolerances. In float64 the two formulations agree to 1e-10: that is the exactness check. In
+float32 they sum the same terms in a different order (per chunk, and the softmax gradient as
+``onehot - exp(z - lse)`` rather than through ``log_softmax``'s output); gradients of a random
+model are sums of many cancelling terms, so their float32 noise is a few 1e-6 of each tensor's
+largest entry (measured: at most 8e-6), hence 2e-5 of the largest entry.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ngrpo_lightning.forward import ChunkedTokenLogprobs, response_logprobs, split_lm_head
+from ngrpo_lightning.rollout import InputRecords, RolloutBatch
+
+N, P, L = 4, 6, 11
+
+
+def make_batch(vocab: int, n: int = N, p: int = P, length: int = L, seed: int = 0) -> RolloutBatch:
+    """Left-padded prompts, right-padded responses of different lengths (one row with a single
+    token, one empty padding row), and mixed-step records in several rows, with noise in some."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(0, vocab, (n, p), generator=g)
+    prompt_mask = torch.ones(n, p, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    prompt_mask[2:3, :4] = 0
+    response_ids = torch.randint(0, vocab, (n, length), generator=g)
+    lengths = ([length, length - 4, 1, 0] + [length] * n)[:n]
+    response_mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).long()
+    records = InputRecords(
+        row=torch.tensor([0, 0, 1, 1]),
+        pos=torch.tensor([0, 5, 2, 6]),
+        ids=torch.randint(0, vocab, (4, 3), generator=g),
+        weights=torch.rand(4, 3, generator=g).softmax(-1),
+        noise_seed=torch.tensor([11, -1, 12, -1]),
+        noise_scale=torch.tensor([0.3, 0.0, 0.2, 0.0]),
+    )
+    return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(n, length), records)
+
+
+def small_llama(vocab: int = 512, hidden: int = 32, tied: bool = True, bias: bool = False, seed: int = 0):
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        if bias:  # Llama has no head bias: give it one, the full path then adds it too
+            head = torch.nn.Linear(hidden, vocab, bias=True)
+            torch.nn.init.normal_(head.bias, std=0.5)
+            head.weight = model.lm_head.weight if tied else head.weight
+            model.lm_head = head
+    return model.train()
+
+
+def run(model, batch, chunk_size, temperature=1.0, with_entropy=True):
+    """(log-probs, entropy, {name: grad}) of a weighted sum of the log-probs."""
+    model.zero_grad(set_to_none=True)
+    logp, entropy = response_logprobs(model, batch, temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1), dtype=logp.dtype)
+    (logp * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), entropy, grads
+
+
+def full_float64_reference(model, batch, temperature):
+    """The full-logits log-probs computed in float64 throughout (the library's full path takes
+    its softmax in float32 whatever the model's dtype)."""
+    from ngrpo_lightning.forward import position_ids_from_mask
+    from ngrpo_lightning.rollout import build_inputs_embeds
+
+    mask = batch.attention_mask
+    embedding = model.get_input_embeddings().weight
+    embeds = build_inputs_embeds(embedding, batch.input_ids, batch.records, batch.response_offset)
+    length = batch.response_ids.shape[1]
+    logits = (
+        model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+            logits_to_keep=length + 1,
+        ).logits[:, :-1]
+        / temperature
+    )
+    return torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
+
+
+def assert_grads_close(got, ref, rel):
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        err = (got[name] - r).abs().max().item()
+        assert err <= rel * r.abs().max().item() + 1e-30, f"{name}: {err:.3g} vs max {r.abs().max().item():.3g}"
+
+
+@pytest.fixture(scope="module")
+def tiny_copy(tiny):
+    """A private copy of the tiny model (tied embeddings), so that gradients stay here."""
+    return copy.deepcopy(tiny[0]).train()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 512])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tiny_model_values_entropy_and_gradients_equal_the_full_path(tiny_copy, chunk_size, temperature):
+    model = tiny_copy
+    assert model.config.tie_word_embeddings and split_lm_head(model) is not None
+    batch = make_batch(model.config.vocab_size)
+    ref_logp, ref_entropy, ref_grads = run(model, batch, None, temperature)
+    logp, entropy, grads = run(model, batch, chunk_size, temperature)
+    mask = batch.response_mask.bool()
+    assert (logp - ref_logp).abs().max() <= 1e-5
+    assert (logp[~mask] == 0).all()
+    assert (entropy - ref_entropy)[mask].abs().max() <= 1e-5 * ref_entropy[mask].abs().max()
+    assert not entropy.requires_grad
+    assert "model.embed_tokens.weight" in grads  # tied: the head's and the inputs' gradients, summed
+    assert_grads_close(grads, ref_grads, 2e-5)
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_float64_chunked_path_is_exact(tied, bias, chunk_size):
+    model = small_llama(tied=tied, bias=bias).double()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    batch = make_batch(model.config.vocab_size)
+    model.zero_grad(set_to_none=True)
+    ref = full_float64_reference(model, batch, 0.8)
+    (ref * torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)).sum().backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    logp, _, grads = run(model, batch, chunk_size, 0.8, with_entropy=False)
+    assert logp.dtype == torch.float64
+    assert (logp - ref.detach()).abs().max() <= 1e-10
+    if bias:
+        assert grads["lm_head.bias"].abs().max() > 0
+    assert_grads_close(grads, ref_grads, 1e-10)
+
+
+def test_untied_head_with_bias_in_float32():
+    model = small_llama(tied=False, bias=True)
+    batch = make_batch(model.config.vocab_size)
+    ref_logp, ref_entropy, ref_grads = run(model, batch, None, 1.3)
+    logp, entropy, grads = run(model, batch, 5, 1.3)
+    mask = batch.response_mask.bool()
+    assert (logp - ref_logp).abs().max() <= 1e-5
+    assert (entropy - ref_entropy)[mask].abs().max() <= 1e-5 * ref_entropy[mask].abs().max()
+    assert_grads_close(grads, ref_grads, 2e-5)
+
+
+def test_autograd_function_passes_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(13, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(13, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 13, (7,), generator=g)
+    fn = lambda h, w, b: ChunkedTokenLogprobs.apply(h, w, b, targets, 0.7, 3, False)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
+def test_bfloat16_model_matches_the_full_path(tiny_copy):
+    model = copy.deepcopy(tiny_copy).to(torch.bfloat16)
+    batch = make_batch(model.config.vocab_size)
+    ref_logp, _, ref_grads = run(model, batch, None)
+    logp, _, grads = run(model, batch, 4)
+    assert logp.dtype == torch.float32
+    assert (logp - ref_logp).abs().max() <= 1e-5  # the same bf16 logits, both softmaxes in float32
+    assert_grads_close(grads, ref_grads, 2e-2)  # bf16 gradients, rounded at different places
+
+
+def test_chunk_size_must_be_positive(tiny_copy):
+    batch = make_batch(tiny_copy.config.vocab_size)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"chunk_size={bad}.*positive"):
+            response_logprobs(tiny_copy, batch, chunk_size=bad)
+
+
+def test_models_with_a_logit_transform_take_the_full_path():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).train()
+    assert split_lm_head(model) is None
+    batch = make_batch(256)
+    ref, _, ref_grads = run(model, batch, None)
+    got, _, grads = run(model, batch, 4)
+    assert torch.equal(got, ref)  # same path, soft-capping included
+    assert_grads_close(grads, ref_grads, 1e-6)
+    config.final_logit_softcapping = None
+    assert split_lm_head(model) is not None
+
+
+def test_no_tensor_of_n_x_l_x_vocab_is_saved_or_created():
+    """Every tensor saved for backward and every op output, forward and backward, stays far below
+    N x L x V with the chunked path; the full path (checked too, so the probe is known to bite)
+    creates several."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    vocab, n, length, chunk = 4096, 2, 64, 8
+    model = small_llama(vocab=vocab, hidden=16, tied=True)
+    batch = make_batch(vocab, n=n, length=length)
+    batch.response_mask.fill_(1)
+    budget = n * length * vocab
+
+    def largest(chunk_size):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            with LargestOutput() as probe:
+                logp, entropy = response_logprobs(model, batch, 0.9, with_entropy=True, chunk_size=chunk_size)
+                logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+        return max(saved), probe.largest
+
+    saved, created = largest(chunk)
+    assert saved < budget / 4 and created < budget / 4, (saved, created, budget)  # E [V, d], [chunk, V] logits
+    saved_full, created_full = largest(None)
+    assert saved_full >= budget and created_full >= budget

@@ -1,0 +1,145 @@
+"""HFEngine drops ended rows from the decoding batch: outputs stay in their original rows,
+explorers still see every row, and rollouts are those of a batch that never shrinks."""
+
+import pytest
+import torch
+from conftest import chat_prompt_ids
+
+from ngrpo_lightning.explorers import Explorer, NeighborMixingExplorer, TemperatureExplorer
+from ngrpo_lightning.forward import response_logprobs
+from ngrpo_lightning.rollout import HFEngine
+
+QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "What is 12 - 9?"]
+
+
+class EndAtStep(Explorer):
+    """Wraps an explorer and makes row ``r`` emit EOS at step ``ends[r]`` (per-row state keyed on
+    the row index); records the batch width it is shown at every step."""
+
+    def __init__(self, inner: Explorer, ends: list[int], eos: int):
+        self.inner, self.ends, self.eos = inner, torch.tensor(ends), eos
+        self.temperature = inner.temperature
+        self.widths = []
+
+    def prepare(self, embeddings):
+        self.inner.set_special_ids(self._special_ids)
+        self.inner.prepare(embeddings)
+        self.t = 0
+
+    def step(self, logits, generator=None):
+        self.widths.append(logits.shape[0])
+        step = self.inner.step(logits, generator)
+        step.tokens = torch.where(self.ends == self.t, self.eos, step.tokens)
+        self.t += 1
+        return step
+
+
+def count_batch_rows(model):
+    """A forward pre-hook on the model recording the batch size of every forward."""
+    sizes = []
+    handle = model.register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append(kwargs["inputs_embeds"].shape[0]), with_kwargs=True
+    )
+    return sizes, handle
+
+
+def rollout(model, tok, explorer_factory, ends, drop, seed=0, n=2, max_new_tokens=12):
+    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, seed=seed, drop_finished_rows=drop)
+    explorer = EndAtStep(explorer_factory(), ends, engine.eos_ids[0])
+    sizes, handle = count_batch_rows(model)
+    try:
+        batch = engine.generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=n)
+    finally:
+        handle.remove()
+    return batch, explorer.widths, sizes
+
+
+def assert_same_rollouts(a, b):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() <= 1e-5  # batch composition: float rounding only
+    for field in ("row", "pos", "ids", "noise_seed"):
+        assert torch.equal(getattr(a.records, field), getattr(b.records, field)), field
+    assert torch.allclose(a.records.weights, b.records.weights, atol=1e-5)
+
+
+ENDS = [0, 5, 2, 20, 8, 3]  # row r ends at step ENDS[r]; row 3 runs to the limit
+
+
+def test_ended_rows_leave_the_batch_and_keep_their_outputs(tiny):
+    model, tok = tiny
+    dropped, widths, sizes = rollout(model, tok, lambda: TemperatureExplorer(temperature=1.0), ENDS, drop=True)
+    kept, kept_widths, kept_sizes = rollout(model, tok, lambda: TemperatureExplorer(temperature=1.0), ENDS, drop=False)
+    assert dropped.response_lengths.tolist() == [1, 6, 3, 12, 9, 4]
+    assert dropped.truncated.tolist() == [False, False, False, True, False, False]
+    assert_same_rollouts(dropped, kept)  # same tokens: the sampling generator is consumed identically
+    # the model ran on the live rows only; the explorer always saw all 6 rows
+    assert sizes == [6, 5, 5, 4, 3, 3, 2, 2, 2, 1, 1, 1] and kept_sizes == [6] * 12
+    assert widths == kept_widths == [6] * 12
+    m = dropped.response_mask.bool()
+    assert (dropped.response_ids[~m] == tok.pad_token_id).all() and (dropped.rollout_logprobs[~m] == 0).all()
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, dropped, 1.0)
+    assert (logp - dropped.rollout_logprobs)[m].abs().max() < 1e-4
+
+
+def test_mixed_steps_keep_their_rows_and_positions(tiny):
+    model, tok = tiny
+    make = lambda: NeighborMixingExplorer(k=3, rho=0.5)  # noqa: E731
+    dropped, _, sizes = rollout(model, tok, make, ENDS, drop=True)
+    kept, _, _ = rollout(model, tok, make, ENDS, drop=False)
+    assert min(sizes) < 6 and len(dropped.records) > 10
+    assert set(dropped.records.row.tolist()) == set(range(6))
+    lengths = dropped.response_lengths
+    assert (dropped.records.pos < lengths[dropped.records.row]).all()  # no record after a row ended
+    assert_same_rollouts(dropped, kept)
+    with torch.no_grad():  # the training forward rebuilds the inputs the shrinking batch saw
+        logp, _ = response_logprobs(model, dropped, 1.0)
+    assert (logp - dropped.rollout_logprobs)[dropped.response_mask.bool()].abs().max() < 1e-4
+
+
+def test_sampled_rollouts_are_reproducible_from_the_seed(tiny):
+    model, tok = tiny
+    make = lambda: TemperatureExplorer(temperature=1.0)  # noqa: E731
+    a, _, _ = rollout(model, tok, make, ENDS, drop=True, seed=5)
+    b, _, _ = rollout(model, tok, make, ENDS, drop=True, seed=5)
+    c, _, _ = rollout(model, tok, make, ENDS, drop=True, seed=6)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+@pytest.mark.slow
+def test_greedy_with_eos_equals_generate_on_the_packaged_model(smollm2):
+    """Responses of very different lengths, EOS on: the same tokens and lengths as ``generate``."""
+    model, tok = smollm2
+    questions = [
+        "Answer with one word: what colour is the sky on a clear day?",
+        "Explain in detail how a bicycle works, part by part.",
+        "Reply with just the number: what is 2 + 2?",
+        "Write a short story about a lighthouse keeper.",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    sizes, handle = count_batch_rows(model)
+    try:
+        batch = HFEngine(model, tok, max_new_tokens=48).generate(prompts, TemperatureExplorer(temperature=0.0))
+    finally:
+        handle.remove()
+    lengths = batch.response_lengths.tolist()
+    assert min(lengths) < 10 and max(lengths) == 48 and min(sizes) < len(prompts)  # rows did leave the batch
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=48, do_sample=False)[:, enc["input_ids"].shape[1] :]
+    eos = set(HFEngine(model, tok).eos_ids)
+    for i, n in enumerate(lengths):
+        row = out[i].tolist()
+        expected = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        assert n == expected and batch.response_ids[i, :n].tolist() == row[:n], i
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, batch, 1.0)
+    assert (logp - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max() < 1e-4

@@ -1,0 +1,126 @@
+"""The package's imports flow one way (docs/architecture.md): no module imports, directly or
+through others, a module that imports it back; and package-internal imports sit at module
+level, where a reader sees them (the exceptions are listed, each with its reason)."""
+
+import ast
+import os
+from pathlib import Path
+
+import ngrpo_lightning
+
+ROOT = Path(ngrpo_lightning.__file__).parent
+
+# Package-internal imports that stay inside functions, and why.
+LAZY_OK = {
+    ("ngrpo_lightning.rollout.engines", "ngrpo_lightning.rollout.vllm_engine"): "vLLM is an optional dependency",
+    ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = ["ngrpo_lightning", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, ``callbacks/`` (linked in from the top level) included."""
+    found = {}
+    for folder, dirs, files in os.walk(ROOT, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in ("conf", "__pycache__")]
+        for f in files:
+            if f.endswith(".py"):
+                found[module_name(Path(folder) / f)] = Path(folder) / f
+    return found
+
+
+def resolve(importer: str, is_package: bool, node: ast.ImportFrom | ast.Import, known: set[str]) -> list[str]:
+    """The package modules an import statement loads (a submodule loads its packages first)."""
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        base = importer.split(".") if is_package else importer.split(".")[:-1]
+        if node.level:
+            base = base[: len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
+    out = []
+    for target in targets:
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ first
+            name = ".".join(parts[:i])
+            if name in known and not importer.startswith(name + ".") and name != importer:
+                out.append(name)
+    return out
+
+
+def import_graph():
+    mods = modules()
+    known = set(mods)
+    edges, lazy = {m: set() for m in mods}, []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        top_level = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+                    continue
+                targets = resolve(name, path.name == "__init__.py", node, known)
+                edges[name].update(targets)
+                if targets and id(node) not in top_level and not _in_type_checking(tree, node):
+                    lazy += [(name, t) for t in targets]
+    return edges, lazy
+
+
+def _in_type_checking(tree, node) -> bool:
+    for block in tree.body:
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
+            if any(n is node for n in ast.walk(block)):
+                return True
+    return False
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == "open":
+                return stack[stack.index(t) :] + [t]
+            if t not in state:
+                found = visit(t)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(edges):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle():
+    edges, _ = import_graph()
+    assert find_cycle(edges) is None, " -> ".join(find_cycle(edges))
+
+
+def test_package_imports_are_at_module_level():
+    _, lazy = import_graph()
+    unexpected = sorted({pair for pair in lazy if pair[:2] not in LAZY_OK})
+    assert not unexpected, f"imports inside functions (move them to the top, or list them with a reason): {unexpected}"
+
+
+def test_callbacks_are_part_of_the_package():
+    assert "ngrpo_lightning.callbacks.replay_buffer" in modules()
+
+
+def test_the_checker_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -1,0 +1,132 @@
+"""MLflow tracking fails fast and tells the truth: an unusable store is one line before any model
+loads, a run's status is RUNNING while it trains and FINISHED / FAILED at its end, runs are named
+after what ran, and two runs may create the same new store at once."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import ScriptedReward
+from mlflow.tracking import MlflowClient
+
+from ngrpo_lightning import build, cli
+from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.config import compose
+from ngrpo_lightning.tracking import build_logger
+
+TINY = [
+    "model=tiny",
+    "data.train_size=4",
+    "data.val_size=2",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=4",
+    "trainer.max_steps=2",
+    "logger.log_samples_every=0",
+    "checkpoint.every_n_steps=0",
+]
+
+
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tracking store was checked")
+
+    monkeypatch.setattr(build, "load_policy", refuse)
+
+
+def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    no_model_loading(monkeypatch)
+    t0 = time.perf_counter()
+    assert main(["train", "model=tiny", "logger.tracking_uri=http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert time.perf_counter() - t0 < 30  # not minutes of retries
+    assert len(err.splitlines()) == 1
+    assert "logger.tracking_uri=http://127.0.0.1:9: the tracking server does not answer" in err and "logger=none" in err
+
+
+def test_a_store_that_cannot_be_created_names_the_key_and_the_path(tmp_path, monkeypatch, capsys):
+    no_model_loading(monkeypatch)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["train", "model=tiny", f"logger.tracking_uri=sqlite:///{blocker}/mlruns/mlflow.db"]) == 2
+    err = capsys.readouterr().err
+    assert f"logger.tracking_uri=sqlite:///{blocker}/mlruns/mlflow.db" in err and "logger=none" in err
+
+
+def test_run_status_is_running_while_training_and_finished_after(tmp_path, monkeypatch):
+    seen = {}
+
+    class StatusSpy(build.L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logger = trainer.logger
+            seen.setdefault("status", logger.experiment.get_run(logger.run_id).info.status)
+
+    monkeypatch.setattr(cli, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
+    monkeypatch.setattr(build, "build_reward", lambda cfg: ScriptedReward((1, 0)))
+    store = f"sqlite:///{tmp_path}/mlruns.db"
+    summary = train(compose([*TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]))
+    assert seen["status"] == "RUNNING"  # the validation before fit did not end the run
+    run = MlflowClient(store).get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    name = run.info.run_name
+    assert name.startswith("grpo-temperature-grpo-seed0-") and len(name.rsplit("-", 1)[-1]) == 6
+
+
+def test_a_failing_run_is_marked_failed(tmp_path, monkeypatch):
+    def broken(cfg):
+        raise RuntimeError("the reward broke")
+
+    monkeypatch.setattr(build, "build_reward", broken)
+    store = f"sqlite:///{tmp_path}/mlruns.db"
+    with pytest.raises(RuntimeError, match="the reward broke"):
+        train(compose([*TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]))
+    client = MlflowClient(store)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "grpo"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_run_names_differ_between_runs_of_the_same_seed(tmp_path):
+    cfg = compose(["experiment=ngrpo", f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db"])
+    a, b = build_logger(cfg), build_logger(cfg)
+    name_a = a.experiment.get_run(a.run_id).info.run_name
+    name_b = b.experiment.get_run(b.run_id).info.run_name
+    assert name_a != name_b and name_a.startswith("ngrpo-neighbor-grpo-seed0-")
+
+
+CREATE = textwrap.dedent("""
+    import sys, time
+    from ngrpo_lightning.config import compose
+    from ngrpo_lightning.tracking import build_logger
+    while time.time() < float(sys.argv[2]):  # start together
+        time.sleep(0.005)
+    logger = build_logger(compose([f"logger.tracking_uri=sqlite:///{sys.argv[1]}", "experiment_name=race"]))
+    print(logger.run_id)
+""")
+
+
+def test_two_runs_may_create_the_same_new_store_at_once(tmp_path):
+    script = tmp_path / "create.py"
+    script.write_text(CREATE)
+    db = tmp_path / "new" / "mlflow.db"
+    start = str(time.time() + 15)  # after both interpreters have imported everything
+    env = {"MLFLOW_DISABLE_TELEMETRY": "true", "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(db), start],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    run_ids = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(run_ids) == 2
+    client = MlflowClient(f"sqlite:///{db}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "race"]
+    assert {r.info.run_id for r in client.search_runs([experiment.experiment_id])} == run_ids
