@@ -237,6 +237,8 @@ def check_run_settings(cfg: DictConfig) -> None:
         for key, value, low in checks:
             check_number(key, value, low, integer=True)
         check_number("rollout.val_temperature", r.val_temperature, 0.0)
+        if not isinstance(cfg.get("overwrite", False), bool):
+            raise ValueError(f"overwrite={cfg.overwrite!r}: allowed true or false")
         max_steps = cfg.trainer.get("max_steps", -1)
         if max_steps != -1:  # Lightning's "no step limit" (then trainer.max_epochs bounds the run)
             check_number("trainer.max_steps", max_steps, 1, integer=True)

@@ -4,12 +4,15 @@ what a checkpoint holds beyond Lightning's own state: RNG states and the run's c
 from __future__ import annotations
 
 import random
+import shutil
+import time
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError
@@ -58,6 +61,7 @@ RESUMABLE_KEYS = (
     "reward.num_workers",
     "reward.timeout_s",
     "experiment_name",
+    "overwrite",
 )
 
 
@@ -184,3 +188,58 @@ def check_resume(cfg: DictConfig, meta: dict) -> None:
     problem = config_mismatch(saved, OmegaConf.to_container(cfg, resolve=True))
     if problem:
         raise ConfigError(f"resume={cfg.resume}: the checkpoint is of a different run: {problem}")
+
+
+# ---------------------------------------------------------------- one run per output_dir
+def _run_in(folder: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in a checkpoints folder and what it says about its run."""
+    found = sorted((p for p in folder.iterdir() if p.suffix == ".ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return None
+    newest = folder / "last.ckpt" if (folder / "last.ckpt").exists() else found[-1]
+    try:
+        ckpt = torch.load(newest, map_location="cpu", weights_only=False, mmap=not newest.is_dir())
+        meta = dict(ckpt.get("ngrpo") or {}, global_step=ckpt.get("global_step"))
+    except Exception:  # noqa: BLE001 - an unreadable file still belongs to some earlier run
+        meta = {}
+    return newest, meta
+
+
+def _describe(path: Path, meta: dict) -> str:
+    config = meta.get("config") or {}
+    parts = [f"{path}"]
+    if meta.get("global_step") is not None:
+        parts.append(f"step {meta['global_step']}")
+    if config.get("experiment_name"):
+        parts.append(f"experiment {config['experiment_name']}")
+    if meta.get("mlflow_run_id"):
+        parts.append(f"MLflow run {meta['mlflow_run_id']}")
+    parts.append("saved " + time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime)))
+    return ", ".join(parts)
+
+
+def claim_output_dir(cfg: DictConfig, ckpt_path: str | None, meta: dict) -> None:
+    """One run per ``output_dir``: a new run into a folder that holds another run's checkpoints
+    is refused (its ``last.ckpt`` would be replaced, and a later ``resume=last`` would continue
+    the wrong run), naming the run found and the ways out. ``overwrite=true`` deletes them
+    first. A resumed run may write where the run it continues wrote."""
+    folder = checkpoint_dir(cfg)
+    if rank_zero_only.rank != 0 or not folder.is_dir():  # the other ranks start after rank 0 checked
+        return
+    found = _run_in(folder)
+    if found is None:
+        return
+    path, other = found
+    if ckpt_path is not None:
+        inside = folder.resolve() in Path(ckpt_path).resolve().parents
+        if inside or other.get("mlflow_run_id") == meta.get("mlflow_run_id"):
+            return
+    if cfg.get("overwrite"):
+        shutil.rmtree(folder)
+        print(f"ngrpo: overwrite=true: deleted the checkpoints of the earlier run in {folder}")
+        return
+    raise ConfigError(
+        f"output_dir={cfg.output_dir} holds another run's checkpoints ({_describe(path, other)}); "
+        "a new run there would replace them. Continue that run with resume=last, write this one "
+        "elsewhere with output_dir=<another folder>, or replace them with overwrite=true"
+    )

@@ -35,6 +35,7 @@ from .build import (
     checkpoint_meta,
     resolve_resume,
 )
+from .checkpointing import claim_output_dir
 from .config import GROUPS, ConfigError, compose, group_options
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
@@ -73,7 +74,8 @@ def train(cfg: DictConfig) -> dict:
     if ckpt_path:
         check_resume(cfg, meta)  # a checkpoint of another model or config: a clear error, nothing runs
     problems = build_problems(cfg.data, cfg.seed)  # data errors first: before minutes of model loading
-    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"))  # so are tracking-store errors
+    claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
+    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
     try:
         summary = _fit(cfg, logger, problems, ckpt_path)
     except BaseException as err:
@@ -139,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "diagnose":
             print(run_diagnose(args.mode, args.overrides)["text"])
             return 0
-        cfg = compose(args.overrides)
+        cfg = compose(args.overrides, allow_missing=args.command == "config")
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))
+            for key in sorted(OmegaConf.missing_keys(cfg)):
+                print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
         summary = train(cfg)
     except ConfigError as err:

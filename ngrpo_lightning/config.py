@@ -46,12 +46,15 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
-def compose(overrides: list[str], config_name: str = "config", *, model_paths: bool = False) -> DictConfig:
+def compose(
+    overrides: list[str], config_name: str = "config", *, model_paths: bool = False, allow_missing: bool = False
+) -> DictConfig:
     """Compose ``conf/<config_name>.yaml`` with command-line overrides, resolved.
 
     ``model_paths``: ``model=<value>`` that is not a ``conf/model`` option means
     ``model=hf model.name_or_path=<value>`` (commands that take any model: eval, diagnose).
-    Raises :class:`ConfigError` naming the key on any composition error or missing value.
+    Raises :class:`ConfigError` naming the key on any composition error or missing value
+    (``allow_missing``: values still to be given stay ``???``, for printing).
     """
     overrides = normalize_overrides(overrides, model_paths=model_paths)
     try:
@@ -60,7 +63,7 @@ def compose(overrides: list[str], config_name: str = "config", *, model_paths: b
         missing = sorted(OmegaConf.missing_keys(cfg))
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(explain_compose_error(err, overrides, config_name)) from err
-    if missing:
+    if missing and not allow_missing:
         raise ConfigError(f"config key {missing[0]} has no value: set it on the command line, e.g. {missing[0]}=...")
     return cfg
 

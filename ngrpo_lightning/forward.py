@@ -181,6 +181,7 @@ def response_logprobs(
     detach_mixture: bool = False,
     use_records: bool = True,
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the
     per-token entropy [N, L] (detached, for metrics; 0 on padding on the chunked path).
@@ -191,6 +192,11 @@ def response_logprobs(
     logits are not a plain linear head of the decoder's output (see :func:`split_lm_head`:
     e.g. Gemma 2's ``final_logit_softcapping`` or Cohere's ``logit_scale``). Both paths give
     the same values and gradients up to float rounding.
+
+    ``share_prompts``: rows with the same prompt (the G samples of a group) run the prompt's
+    tokens once (see :func:`_hidden_with_shared_prompts`); same values and gradients. Chunked
+    path only, and not under activation checkpointing (a recomputed layer would append to
+    the shared cache twice): the caller decides.
 
     ``use_records=False`` ignores the mixed steps (feeds ``E[token]`` everywhere): only
     useful as a negative control.
@@ -220,9 +226,12 @@ def response_logprobs(
         return logp, entropy
 
     decoder, head = split
-    out = decoder(**inputs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    hidden = hidden[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]: position t predicts token t
+    shared = shared_prompts(batch) if share_prompts else None
+    if shared is not None:
+        hidden = _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, *shared)
+    else:
+        out = decoder(**inputs)
+        hidden = _last_hidden(out)[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]
     keep = batch.response_mask.bool()
     where = keep.nonzero(as_tuple=True)  # only real response tokens reach the head
     token_logp, token_entropy_ = chunked_token_logprobs(
@@ -231,3 +240,50 @@ def response_logprobs(
     logp = token_logp.new_zeros(keep.shape).index_put(where, token_logp)
     entropy = None if token_entropy_ is None else token_entropy_.new_zeros(keep.shape).index_put(where, token_entropy_)
     return logp, entropy
+
+
+# ---------------------------------------------------------------- prompts shared by a group
+def _last_hidden(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def shared_prompts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, inverse)`` when rows repeat a prompt: ``first`` [U] is a row of each distinct
+    prompt, ``inverse`` [N] the index into ``first`` of every row's prompt. ``None`` when every
+    prompt is distinct (nothing to share)."""
+    key = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(unique) == len(batch):
+        return None
+    rows = torch.arange(len(batch), device=inverse.device)
+    first = torch.full((len(unique),), len(batch), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
+def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, first, inverse) -> torch.Tensor:
+    """Final hidden states [N, L, d] of the positions that predict the response tokens, with each
+    distinct prompt run once (Prefix Grouper, arXiv 2506.05433): the prompts' pass returns their
+    keys and values, whose rows are repeated for the samples, and the responses attend to them.
+    Gradients flow back into the one prompt pass through those keys and values, so they equal
+    the repeated-prompt forward's. Only the prompt part is shared: mixed steps lie in the
+    responses, whose inputs are rebuilt from the records as usual."""
+    prompt_mask = batch.prompt_mask[first]
+    prompt = decoder(
+        inputs_embeds=torch.nn.functional.embedding(batch.prompt_ids[first], embedding),
+        attention_mask=prompt_mask,
+        position_ids=position_ids_from_mask(prompt_mask),
+        use_cache=True,
+    )
+    cache = prompt.past_key_values
+    cache.reorder_cache(inverse)  # the prompt's keys and values, one row per sample
+    mask = batch.attention_mask
+    response = decoder(
+        inputs_embeds=build_inputs_embeds(embedding, batch.response_ids, records, 0, detach_mixture),
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask)[:, batch.response_offset :],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # position t predicts response token t: the prompt's last position, then the response's
+    last_prompt = _last_hidden(prompt)[:, -1:][inverse]
+    return torch.cat([last_prompt, _last_hidden(response)[:, :-1]], dim=1)

@@ -117,7 +117,9 @@ class RLModule(L.LightningModule):
             self.optim.max_tokens_per_micro_batch,
             seed=seed,
         )
-        self.dynamic_sampling = DynamicSampling(train.max_extra_rollouts) if train.dynamic_sampling else None
+        self.dynamic_sampling = (
+            DynamicSampling(train.max_extra_rollouts, train.drop_groups) if train.dynamic_sampling else None
+        )
         self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
@@ -148,15 +150,18 @@ class RLModule(L.LightningModule):
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
         """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
         cut to its own longest sequence and padded back to its width, so a micro-batch of short
-        rows costs what its rows cost. The LM head works ``optim.logprob_chunk_size`` tokens at a time."""
+        rows costs what its rows cost. The LM head works ``optim.logprob_chunk_size`` tokens at a time;
+        with ``optim.share_prompts`` a group's common prompt runs once."""
         width = batch.response_ids.shape[1]
         forward = self._forwards.get(id(model))
         trimmed = batch.trim()
         kwargs["chunk_size"] = self.optim.logprob_chunk_size
-        if forward is not None:
+        if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:
-            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
+            # a recomputed (checkpointed) layer would append to the shared prompt cache twice
+            share = self.optim.share_prompts and not getattr(model, "is_gradient_checkpointing", False)
+            logp, entropy = response_logprobs(model, trimmed, temperature, share_prompts=share, **kwargs)
         pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
         return pad(logp), pad(entropy)
 
@@ -196,14 +201,19 @@ class RLModule(L.LightningModule):
         return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, StepHook)]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
+        t0 = time.perf_counter()
         scored = self.score(batch)
         rewards = scored.scores.to(self.device)
         step = self.collect(batch, rewards)
+        t1 = time.perf_counter()
         self.prepare(step, reuse_forward=self.plan.single)
         for hook in self.step_hooks:
             step = hook.weigh(step)
+        t2 = time.perf_counter()
         metrics = self.optimize(self.plan.updates(step))
-        self.log_step(batch, scored, rewards, step, metrics)
+        # where a step's time goes (the rollout's own time is rollout/time_s)
+        phases = {"time/reward_s": t1 - t0, "time/logprobs_s": t2 - t1, "time/update_s": time.perf_counter() - t2}
+        self.log_step(batch, scored, rewards, step, metrics, phases)
         return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
 
     def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
@@ -306,8 +316,11 @@ class RLModule(L.LightningModule):
         }
         return mb.advantages[:, None] * weights, stats
 
-    def log_step(self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict) -> None:
-        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates."""
+    def log_step(
+        self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict
+    ) -> None:
+        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
+        ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
         lengths = batch.response_lengths.float()
         fresh = (~step.replayed)[:, None] * step.batch.response_mask
         mismatch = (step.batch.rollout_logprobs - step.old_logp).abs()
@@ -332,6 +345,7 @@ class RLModule(L.LightningModule):
         log.update(scored.metrics())  # reward/* status fractions
         log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
         log.update(batch.stats)  # rollout/* timings and throughput
+        log.update(phases)  # time/*_s
         now = time.perf_counter()
         log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
         self._last_step_end = now

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .checks import check_number
+from .checks import check_choice, check_number
 from .objectives import zero_variance_groups
 from .rollout.batch import RolloutBatch
-from .settings import OptimConfig, TrainConfig
+from .settings import DROP_GROUPS, OptimConfig, TrainConfig
 from .updates import StepRollouts
 
 __all__ = ["DynamicSampling", "UpdatePlan"]
@@ -115,20 +115,28 @@ class UpdatePlan:
 
 class DynamicSampling:
     """DAPO's dynamic sampling: groups whose rewards are all equal carry no learning signal;
-    they are dropped and the step is refilled with informative groups of extra rollouts, at
-    most ``max_extra_rollouts`` prompt batches per step. Surplus groups are discarded; if
+    they are dropped (``drop="all_correct"``: only the all-correct ones, as NGRPO does) and
+    the step is refilled with informative groups of extra rollouts, at most
+    ``max_extra_rollouts`` prompt batches per step. Surplus groups are discarded; if
     nothing informative is found within the bound, the step trains on its original batch
     (whose zero-variance groups then have zero advantages)."""
 
-    def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts):
+    def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts, drop: str = TrainConfig.drop_groups):
         self.max_extra_rollouts = check_number("train.max_extra_rollouts", max_extra_rollouts, 0, integer=True)
+        self.drop = check_choice("train.drop_groups", drop, DROP_GROUPS)
+
+    def uninformative(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """[num_groups] bool: the groups to drop."""
+        if self.drop == "all_correct":
+            return (rewards.view(-1, group_size) >= 1.0).all(-1)
+        return zero_variance_groups(rewards, group_size)
 
     def fill(self, step: StepRollouts, more: Callable[[], StepRollouts]) -> StepRollouts:
         """The step with its zero-variance groups replaced; ``more()`` rolls out and scores one
         more prompt batch. Counts go to ``stats`` as ``dynamic/*``."""
         target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
         while True:
-            informative = ~zero_variance_groups(piece.rewards, piece.group_size)
+            informative = ~self.uninformative(piece.rewards, piece.group_size)
             dropped += int((~informative).sum())
             if informative.any():
                 kept.append(piece.select_groups(informative.nonzero().squeeze(-1).cpu()))

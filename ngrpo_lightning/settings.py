@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import check_number
+from .checks import check_choice, check_number
 
 __all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
 
@@ -22,7 +22,9 @@ class OptimConfig:
     one forward/backward (see :class:`~ngrpo_lightning.planning.UpdatePlan`); gradients are
     the same whatever they are. ``logprob_chunk_size`` bounds the LM head's logits: log-probs
     are computed that many tokens at a time and recomputed in backward, so no [N, L, V]
-    tensor exists (see :mod:`ngrpo_lightning.forward`).
+    tensor exists (see :mod:`ngrpo_lightning.forward`). ``share_prompts``: the G samples of a
+    group run their common prompt once in every log-prob pass (training, old and reference),
+    its keys and values shared; same values and gradients, fewer FLOPs.
     """
 
     lr: float = 2.0e-5
@@ -33,6 +35,7 @@ class OptimConfig:
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
     max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
     logprob_chunk_size: int | None = 512  # tokens whose LM-head logits exist at once (null = all: [N, L, V])
+    share_prompts: bool = True  # rows with the same prompt run its tokens once (exact; see forward.py)
 
     def __post_init__(self):
         check_number("optim.lr", self.lr, 0.0, low_open=True)
@@ -49,6 +52,11 @@ class OptimConfig:
             "optim.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, integer=True, optional=True
         )
         check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
+        if not isinstance(self.share_prompts, bool):
+            raise ValueError(f"optim.share_prompts={self.share_prompts!r} must be true or false")
+
+
+DROP_GROUPS = ("equal", "all_correct")
 
 
 @dataclass
@@ -58,7 +66,9 @@ class TrainConfig:
     A step makes ``ppo_epochs x num_mini_batches`` optimizer steps (later ones see ratios != 1,
     so the clip acts); ``trainer.max_steps`` counts optimizer steps. ``dynamic_sampling`` (DAPO)
     drops groups whose rewards are all equal and rolls out up to ``max_extra_rollouts`` more
-    prompt batches to refill the step. ``tis_cap`` weights each fresh token's policy gradient by
+    prompt batches to refill the step; ``drop_groups=all_correct`` drops only the groups whose
+    rewards are all correct and keeps all-wrong ones (NGRPO, whose ``calibrated`` advantage
+    learns from them). ``tis_cap`` weights each fresh token's policy gradient by
     ``min(p_train_old / p_rollout, tis_cap)`` (truncated importance sampling of the rollout/train
     mismatch; null = off).
     """
@@ -67,6 +77,7 @@ class TrainConfig:
     num_mini_batches: int = 1
     dynamic_sampling: bool = False
     max_extra_rollouts: int = 4
+    drop_groups: str = "equal"  # which groups dynamic sampling drops: equal (DAPO) | all_correct (NGRPO)
     tis_cap: float | None = None
 
     def __post_init__(self):
@@ -75,6 +86,7 @@ class TrainConfig:
         if not isinstance(self.dynamic_sampling, bool):
             raise ValueError(f"train.dynamic_sampling={self.dynamic_sampling!r} must be true or false")
         check_number("train.max_extra_rollouts", self.max_extra_rollouts, 0, integer=True)
+        check_choice("train.drop_groups", self.drop_groups, DROP_GROUPS)
         check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
 
     @property

@@ -12,9 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from .checks import check_number
 from .config import ConfigError
+from .system_metrics import start_system_metrics
 
 
 def mlflow_key(name: str) -> str:
@@ -99,21 +102,40 @@ class RunLogger(MLFlowLogger):
     FINISHED, FAILED (an exception) or KILLED (interrupted). A run killed outright stays RUNNING
     and is set RUNNING again when ``resume`` continues it."""
 
+    _monitor = None
+
     def finalize(self, status: str = "success") -> None:
         pass  # the run ends in close()
 
+    def monitor_system(self, interval_s: float, resume: bool = False) -> None:
+        """Log system metrics (``system/*``: CPU, memory, GPU, this process's RSS) into the run
+        every ``interval_s`` seconds until :meth:`close`."""
+        self._monitor = start_system_metrics(self.run_id, self._tracking_uri, interval_s, resume)
+
     def close(self, status: str = "success") -> None:
+        if self._monitor is not None:
+            self._monitor.finish()  # its last samples are flushed while the run is still open
+            self._monitor = None
         super().finalize(status)
 
 
-def build_logger(cfg: DictConfig, run_id: str | None = None) -> RunLogger | None:
+def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = False) -> RunLogger | None:
     """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``), its store checked, created
     (under a lock) and its run started, all before any model loads; ``run_id`` continues an
-    existing run (resume)."""
+    existing run (resume). ``monitor``: a training run, whose system metrics are logged when
+    ``logger.system_metrics`` is on (by the first process only)."""
     if cfg.logger.name == "none":
         return None
     if cfg.logger.name != "mlflow":
         raise ConfigError(f"logger.name={cfg.logger.name!r} is unknown: allowed ['mlflow', 'none']")
+    system_metrics = cfg.logger.get("system_metrics", False)
+    interval = cfg.logger.get("system_metrics_interval_s", 10.0)
+    if not isinstance(system_metrics, bool):
+        raise ConfigError(f"logger.system_metrics={system_metrics!r}: allowed true or false")
+    try:
+        check_number("logger.system_metrics_interval_s", interval, 0.0, low_open=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = resolve_tracking_uri(cfg.logger.tracking_uri)
     check_tracking_store(uri)
@@ -132,6 +154,8 @@ def build_logger(cfg: DictConfig, run_id: str | None = None) -> RunLogger | None
         client = logger.experiment
     if run_id is not None:
         client.update_run(run_id, status="RUNNING")
+    if monitor and system_metrics and rank_zero_only.rank == 0:
+        logger.monitor_system(float(interval), resume=run_id is not None)
     return logger
 
 

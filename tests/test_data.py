@@ -177,6 +177,42 @@ def test_parquet_round_trip(tmp_path):
     assert len(load_problems(str(path), limit=2)) == 2
 
 
+def write_verl_parquet(path, rows):
+    """The N-GRPO release's layout: chat-message prompts, nested ground truths, extra columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table(
+            {
+                "data_source": ["agentica-org/DeepScaleR-Preview-Dataset_train"] * len(rows),
+                "prompt": [[{"role": "user", "content": q}] for q, _ in rows],
+                "ability": ["math"] * len(rows),
+                "reward_model": [{"style": "rule", "ground_truth": a} for _, a in rows],
+                "extra_info": [{"split": "train", "index": i} for i in range(len(rows))],
+            }
+        ),
+        path,
+    )
+
+
+def test_verl_parquet_layout_is_read_by_data_verl(tmp_path):
+    from ngrpo_lightning.config import compose
+
+    path = tmp_path / "train.parquet"
+    instruction = "Let's think step by step and output the final answer within \\boxed{}"
+    write_verl_parquet(path, [(f"What is 2+2? {instruction}", "4"), (f"Solve x+1=3. {instruction}", "2")])
+    data = compose(["data=verl", f"data.train={path}"]).data
+    problems = load_problems(path, data.problem_field, data.answer_field)
+    assert [(p.question, p.answer) for p in problems] == [
+        (f"What is 2+2? {instruction}", "4"),
+        (f"Solve x+1=3. {instruction}", "2"),
+    ]
+    assert data.instruction is None  # the release's prompts carry their instruction
+    with pytest.raises(KeyError, match=r"'reward_model\.answer' \(data\.answer_field\) is missing"):
+        load_problems(path, "prompt", "reward_model.answer")
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", RECORDS[:2], extra_lines=['{"problem": "x", "answer": '])
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):

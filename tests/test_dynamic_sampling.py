@@ -42,6 +42,17 @@ def test_extra_rollouts_are_bounded(tiny):
     assert dm.extra_prompts_drawn == 2
 
 
+def test_all_correct_groups_only_are_dropped_for_ngrpo(tiny):
+    # batch: group 0 all correct (dropped), group 1 all wrong (kept: calibrated advantages learn from it)
+    metrics, updates, dm = run_one_step(
+        tiny, ScriptedReward([1, 1, 0, 0], [1, 0, 1, 0]), drop_groups="all_correct", advantage="calibrated"
+    )
+    assert metrics["dynamic/dropped_groups"] == 1 and metrics["dynamic/kept_groups"] == 2
+    (step,) = updates
+    assert step.rewards.tolist() == [0, 0, 1, 0]  # the all-wrong group, then a group of the extra batch
+    assert (step.advantages[:2] < 0).all()
+
+
 def test_bad_max_extra_rollouts_names_the_key(tiny):
     with pytest.raises(ValueError, match="train.max_extra_rollouts"):
         tiny_rl(tiny, ScriptedReward([0]), max_extra_rollouts=-1)

@@ -30,6 +30,43 @@ def test_dr_grpo_experiment():
     assert not obj.needs_reference
 
 
+def test_ne_grpo_experiment_is_nan_et_al_ngrpo():
+    cfg = compose(["experiment=ne-grpo"])
+    obj = build_objective(cfg.objective)
+    assert isinstance(obj, GRPO) and (obj.clip_low, obj.clip_high, obj.kl_coef) == (0.16, 0.24, 0.0)
+    assert cfg.advantage == "calibrated" and cfg.train.dynamic_sampling and cfg.train.drop_groups == "all_correct"
+    assert compose(["experiment=ne-grpo", "explorer=neighbor"]).explorer.name == "neighbor"
+
+
+@pytest.mark.parametrize(
+    "name, size, lr, kl, mix",
+    [
+        ("n-grpo-1.5b", "1.5B", 5e-7, 0.01, (2, 0.1)),
+        ("n-grpo-7b", "7B", 1e-6, 0.001, (3, 0.15)),
+        ("grpo-1.5b", "1.5B", 1e-6, 0.001, None),
+        ("grpo-7b", "7B", 1e-6, 0.001, None),
+    ],
+)
+def test_release_presets_compose_with_the_release_settings(name, size, lr, kl, mix, capsys):
+    from ngrpo_lightning.build import build_explorer
+
+    cfg = compose([f"experiment={name}", "data.train=train.parquet"])
+    assert cfg.model.name_or_path == f"deepseek-ai/DeepSeek-R1-Distill-Qwen-{size}"
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.data.max_prompt_tokens) == (4, 8192, 4096)
+    assert cfg.data.problem_field == "prompt" and cfg.data.answer_field == "reward_model.ground_truth"
+    optim, train, _ = settings(cfg)
+    assert optim.lr == lr and train.num_mini_batches == 4
+    obj = build_objective(cfg.objective)
+    assert (obj.kl_coef, obj.kl_estimator, obj.kl_clamp, obj.dual_clip) == (kl, "k3", 10.0, 3.0)
+    explorer = build_explorer(cfg.explorer)
+    if mix:
+        assert (explorer.k, explorer.rho, explorer.emit, explorer.metric) == (*mix, "sampled", "cosine")
+    else:
+        assert explorer.registered_name == "temperature"
+    assert main(["config", f"experiment={name}"]) == 0  # printable without the data path
+    assert "data.train has no value yet" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(
     not (config_dir() / "explorer" / "neighbor.yaml").is_file(), reason="the neighbor explorer config is not there yet"
 )

@@ -10,7 +10,14 @@ import pytest
 import torch
 from conftest import chat_prompt_ids
 
-from ngrpo_lightning.explorers import GaussianNoiseExplorer, GumbelSoftExplorer, NeighborMixingExplorer
+from ngrpo_lightning.explorers import (
+    GaussianEmbedNoiseExplorer,
+    GaussianNoiseExplorer,
+    GumbelSoftExplorer,
+    NeighborMixingExplorer,
+    TopKGumbelMixExplorer,
+    TopKMixExplorer,
+)
 from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.metrics.exploration import exploration_metrics
 from ngrpo_lightning.rollout import HFEngine
@@ -21,8 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPLORERS = {  # mixing often, so that many steps are non-discrete
     "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
     "neighbor-l1-every-step": lambda: NeighborMixingExplorer(k=4, rho=1.0, metric="l1", temperature=0.8),
+    "neighbor-release": lambda: NeighborMixingExplorer(k=2, rho=0.5, metric="dot", emit="sampled", top_p=0.9),
+    "neighbor-entropy-gate": lambda: NeighborMixingExplorer(k=3, gate="entropy", entropy_threshold=0.5, top_k=50),
     "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5, rho=0.5),
     "gumbel": lambda: GumbelSoftExplorer(top_k=5, tau=1.0),
+    "topk": lambda: TopKMixExplorer(k=3, rho=0.5, top_p=0.9),
+    "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5, mix_temperature=0.7),
+    "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=2, rho=0.5),
 }
 
 
@@ -143,3 +155,60 @@ def test_distinct_answers_use_the_answers_the_reward_extracted():
     )
     assert exploration_metrics(batch, ["1", "2", "3", "3"])["explore/distinct_answers_frac"] == 0.75  # (2/2 + 1/2) / 2
     assert exploration_metrics(batch)["explore/distinct_answers_frac"] == 0.5  # no boxes: one "None" answer per group
+
+
+# --------------------------------------------------- no mixing after the answer marker
+def first_completion(tokens: list[int], marker: list[int]) -> int | None:
+    """Independent: the response position whose token completes ``marker`` first."""
+    for end in range(len(marker) - 1, len(tokens)):
+        if tokens[end - len(marker) + 1 : end + 1] == marker:
+            return end
+    return None
+
+
+def two_token_marker(tok, batch, row=0):
+    """A marker of two tokens that row ``row`` emitted (at positions >= 2), as text that encodes
+    back to the same ids."""
+    ids = batch.response_ids[row, : int(batch.response_lengths[row])].tolist()
+    for start in range(2, len(ids) - 1):
+        text = tok.decode(ids[start : start + 2])
+        if tok(text, add_special_tokens=False)["input_ids"] == ids[start : start + 2]:
+            return text, ids[start : start + 2]
+    raise AssertionError("no two-token marker in the row")
+
+
+def check_answer_marker(generate, tok, make_explorer, logprobs_of):
+    """Roll out without a marker, take a two-token text row 0 emitted, roll out again with it as
+    ``answer_start``: no record at or after each row's first completion, earlier steps as before,
+    and the training forward still rebuilds the rollout's log-probs."""
+    free = generate(make_explorer(None))
+    text, marker = two_token_marker(tok, free)
+    batch = generate(make_explorer(text))
+    cut = first_completion(batch.response_ids[0].tolist(), marker)
+    assert cut is not None and cut == first_completion(free.response_ids[0].tolist(), marker)
+    assert bool((free.records.pos[free.records.row == 0] >= cut).any())  # without the marker, mixing went on
+    for row in range(len(batch)):
+        length = int(batch.response_lengths[row])
+        end = first_completion(batch.response_ids[row, :length].tolist(), marker)
+        positions = batch.records.pos[batch.records.row == row]
+        if end is not None:
+            assert bool((positions < end).all()), (row, end, positions.tolist())
+    before = free.records.pos[free.records.row == 0]
+    assert sorted(batch.records.pos[batch.records.row == 0].tolist()) == sorted(before[before < cut].tolist())
+    mask = batch.response_mask.bool()
+    assert (logprobs_of(batch) - batch.rollout_logprobs)[mask].abs().max() <= 1e-3
+
+
+def test_no_mixing_after_the_answer_marker_in_hf_engine(tiny):
+    model, tok = tiny
+
+    def generate(explorer):
+        return HFEngine(model, tok, max_new_tokens=16, seed=3).generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2)
+
+    def logprobs_of(batch):
+        with torch.no_grad():
+            return response_logprobs(model, batch, 1.0)[0]
+
+    check_answer_marker(
+        generate, tok, lambda text: NeighborMixingExplorer(k=3, rho=0.6, emit="sampled", answer_start=text), logprobs_of
+    )

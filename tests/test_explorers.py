@@ -11,11 +11,14 @@ from ngrpo_lightning.build import build_explorer
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.explorers import (
     EXPLORERS,
+    GaussianEmbedNoiseExplorer,
     GaussianNoiseExplorer,
     GumbelSoftExplorer,
     NeighborIndex,
     NeighborMixingExplorer,
     TemperatureExplorer,
+    TopKGumbelMixExplorer,
+    TopKMixExplorer,
 )
 from ngrpo_lightning.rollout import InputRecords, mixture_embeddings
 
@@ -36,6 +39,8 @@ def brute_force(e, metric, n, exclude=()):
     if metric == "cosine":
         en = torch.nn.functional.normalize(e, dim=-1)
         s = en @ en.T
+    elif metric == "dot":
+        s = e @ e.T
     else:
         s = -torch.cdist(e, e, p=2 if metric == "l2" else 1)
     s.fill_diagonal_(float("-inf"))
@@ -100,7 +105,7 @@ def test_special_ids_are_never_neighbors(emb):
 
 
 # ------------------------------------------------------------ neighbor mixing
-@pytest.mark.parametrize("metric", ["cosine", "l2", "l1"])
+@pytest.mark.parametrize("metric", ["cosine", "dot", "l2", "l1"])
 def test_mixed_step_anchor_neighbors_and_weights(emb, metric):
     ex = NeighborMixingExplorer(k=3, rho=1.0, metric=metric, temperature=0.7)
     ex.prepare(emb)
@@ -127,6 +132,60 @@ def test_gate_frequency_matches_rho_and_unmixed_rows_sample_plainly(emb):
     plain = TemperatureExplorer(top_k=5).step(logits, g).tokens
     assert torch.equal(step.mixed, mixed)
     assert torch.equal(step.tokens, torch.where(mixed, logits.argmax(-1), plain))
+
+
+# ---------------------------------------------- the released code's behaviour (ZJUSCL/N-GRPO)
+def test_emit_sampled_keeps_the_sampled_token_and_mixes_the_anchor_set(emb):
+    ex = NeighborMixingExplorer(k=2, rho=0.3, emit="sampled")
+    ex.prepare(emb)
+    logits = torch.randn(512, V, generator=gen())
+    step = ex.step(logits, gen(5))
+    g = gen(5)  # re-derived: the gate draw, then plain sampling for every row
+    mixed = torch.rand(512, generator=g) < 0.3
+    sampled = TemperatureExplorer().step(logits, g).tokens
+    assert torch.equal(step.mixed, mixed) and torch.equal(step.tokens, sampled)
+    anchor = logits.argmax(-1)
+    assert torch.equal(step.ids[mixed, 0], anchor[mixed])  # the set is still the anchor's
+    assert torch.equal(step.ids[mixed, 1:], brute_force(emb, "cosine", 1)[anchor[mixed]])
+    assert (step.tokens[mixed] != anchor[mixed]).any()  # the text is not the anchor's
+
+
+def test_entropy_gate_mixes_the_uncertain_steps(emb):
+    ex = NeighborMixingExplorer(k=3, gate="entropy", entropy_threshold=2.0, temperature=0.8, top_k=20)
+    ex.prepare(emb)
+    scale = torch.linspace(0.1, 10.0, 256)[:, None]  # from flat to peaked rows
+    logits = torch.randn(256, V, generator=gen()) * scale
+    step = ex.step(logits, gen(2))
+    z = logits / 0.8  # independent: entropy of softmax over the top-20 of z / T
+    top = z.topk(20, dim=-1).values
+    p = top.softmax(-1)
+    entropy = -(p * p.log()).sum(-1)
+    assert torch.equal(step.mixed, entropy >= 2.0) and 0 < step.mixed.sum() < 256
+    assert torch.equal(
+        step.tokens[~step.mixed], TemperatureExplorer(0.8, top_k=20).step(logits, gen(2)).tokens[~step.mixed]
+    )
+
+
+def test_weights_are_the_warped_probabilities_renormalised_over_the_set(emb):
+    ex = NeighborMixingExplorer(k=3, rho=1.0, top_p=0.5)
+    ex.prepare(emb)
+    logits = torch.randn(64, V, generator=gen()) * 3
+    step = ex.step(logits, gen())
+    probs = logits.softmax(-1)  # independent nucleus: the smallest prefix of sorted probs reaching 0.5
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < 0.5
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    member_p = (probs * keep).gather(-1, step.ids)
+    assert torch.allclose(step.weights, member_p / member_p.sum(-1, keepdim=True), atol=1e-6)
+    outside = ~keep.gather(-1, step.ids)
+    assert outside.any() and (step.weights[outside] == 0).all()  # a member outside the nucleus: weight 0
+
+
+def test_bad_release_options_name_the_key():
+    with pytest.raises(ValueError, match=r"explorer\.emit='text' is unknown: allowed \['anchor', 'sampled'\]"):
+        NeighborMixingExplorer(emit="text")
+    with pytest.raises(ValueError, match=r"explorer\.gate"):
+        NeighborMixingExplorer(gate="always")
 
 
 def test_rho_zero_is_plain_sampling_and_rho_one_mixes_every_row(emb):
@@ -212,7 +271,9 @@ def test_bad_values_name_the_key(name, key, value):
 
 
 def test_unknown_metric_lists_the_choices():
-    with pytest.raises(ConfigError, match=r"explorer\.metric='cos' is unknown: allowed \['cosine', 'l1', 'l2'\]"):
+    with pytest.raises(
+        ConfigError, match=r"explorer\.metric='cos' is unknown: allowed \['cosine', 'dot', 'l1', 'l2'\]"
+    ):
         build_explorer(OmegaConf.create({"name": "neighbor", "metric": "cos"}))
 
 
@@ -237,3 +298,36 @@ def test_registry_and_shipped_configs():
         assert type(ex) is cls
     ex = build_explorer(OmegaConf.load(config_dir() / "explorer" / "neighbor.yaml"))
     assert (ex.k, ex.rho, ex.metric, ex.refresh_every) == (3, 0.1, "cosine", 0)  # the paper's defaults
+
+
+# ------------------------------------------------------- the release's baselines
+@pytest.mark.parametrize("gumbel", [False, True])
+def test_topk_mixtures_re_derived(emb, gumbel):
+    cls = TopKGumbelMixExplorer if gumbel else TopKMixExplorer
+    ex = cls(k=3, rho=0.4, mix_temperature=0.5, temperature=0.8)
+    logits = torch.randn(256, V, generator=gen())
+    step = ex.step(logits, gen(4))
+    g = gen(4)  # the stream: gate draw, plain sampling, then (topk_gumbel) one uniform per logit
+    mixed = torch.rand(256, generator=g) < 0.4
+    tokens = TemperatureExplorer(0.8).step(logits, g).tokens
+    scores = logits / 0.8 / 0.5
+    select = scores
+    if gumbel:
+        u = torch.rand(scores.shape, generator=g).clamp(1e-6, 1 - 1e-6)
+        select = scores - torch.log(-torch.log(u))
+    ids = select.topk(3, dim=-1).indices
+    assert torch.equal(step.mixed, mixed) and torch.equal(step.tokens, tokens)  # the sampled token is the text
+    assert torch.equal(step.ids, ids)
+    assert torch.allclose(step.weights, scores.gather(-1, ids).softmax(-1), atol=1e-6)  # no noise in the weights
+    if gumbel:
+        assert not torch.equal(ids, scores.topk(3, dim=-1).indices)
+
+
+def test_gaussian_embed_noise_scale_is_a_fraction_of_the_mixtures_rms(emb):
+    ex = GaussianEmbedNoiseExplorer(k=2, rho=1.0, noise_rms_scale=0.33)
+    ex.prepare(emb)
+    step = ex.step(torch.randn(32, V, generator=gen()), gen(1))
+    mixture = (step.weights[..., None] * emb[step.ids]).sum(1)
+    expected = 0.33 * torch.sqrt((mixture**2).mean(-1))
+    assert step.mixed.all() and torch.allclose(step.noise_scale, expected, atol=1e-6)
+    assert step.noise_seed.unique().numel() == 32  # every row its own recorded noise

@@ -74,8 +74,9 @@ def test_ended_rows_leave_the_batch_and_keep_their_outputs(tiny):
     assert dropped.response_lengths.tolist() == [1, 6, 3, 12, 9, 4]
     assert dropped.truncated.tolist() == [False, False, False, True, False, False]
     assert_same_rollouts(dropped, kept)  # same tokens: the sampling generator is consumed identically
-    # the model ran on the live rows only; the explorer always saw all 6 rows
-    assert sizes == [6, 5, 5, 4, 3, 3, 2, 2, 2, 1, 1, 1] and kept_sizes == [6] * 12
+    # the prefill ran once per prompt (3 prompts x n=2), then the model ran on the live rows
+    # only; the explorer always saw all 6 rows
+    assert sizes == [3, 5, 5, 4, 3, 3, 2, 2, 2, 1, 1, 1] and kept_sizes == [3] + [6] * 11
     assert widths == kept_widths == [6] * 12
     m = dropped.response_mask.bool()
     assert (dropped.response_ids[~m] == tok.pad_token_id).all() and (dropped.rollout_logprobs[~m] == 0).all()

@@ -82,7 +82,8 @@ def test_tis_cap_is_checked(tiny):
 )
 def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objective):
     """optim.max_tokens_per_micro_batch: rows grouped by length, each micro-batch cut to its own
-    longest sequence in the forward; the policy's gradient equals the whole batch's."""
+    longest sequence in the forward; the policy's gradient equals the whole batch's, with the
+    groups' prompts shared or not."""
     from conftest import ScriptedReward, tiny_rl
 
     from ngrpo_lightning.module import OptimConfig
@@ -90,9 +91,12 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objectiv
     step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 5, 2, 3, 5, 4])
     step.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
     grads = []
-    for budget, size in ((None, 0), (16, 0), (9, 2)):
+    # the first is the plain forward; the others share each group's prompt (optim.share_prompts)
+    for budget, size, share in ((None, 0, False), (None, 0, True), (16, 0, True), (9, 2, True)):
         module, _ = tiny_rl(tiny, ScriptedReward([1]), objective=objective)
-        module.optim = OptimConfig(lr=1e-2, max_tokens_per_micro_batch=budget, micro_batch_size=size)
+        module.optim = OptimConfig(
+            lr=1e-2, max_tokens_per_micro_batch=budget, micro_batch_size=size, share_prompts=share
+        )
         module.plan = UpdatePlan(micro_batch_size=size, max_tokens_per_micro_batch=budget)
         torch.manual_seed(0)
         with torch.no_grad():

@@ -99,6 +99,21 @@ def test_group_advantages_estimators():
     assert zero_variance_groups(r, 4).tolist() == [False, True]
 
 
+def test_calibrated_advantage_adds_a_virtual_max_reward_sample():
+    """NGRPO: statistics over G rewards + one reward 1.0, re-derived by hand for G = 8."""
+    wrong = torch.zeros(8)  # mean' = 1/9, std' = sqrt((8 (1/9)^2 + (8/9)^2) / 8) = 1/3
+    assert torch.allclose(group_advantages(wrong, 8, "calibrated"), torch.full((8,), -1 / 3), atol=1e-5)
+    assert torch.all(group_advantages(torch.ones(8), 8, "calibrated") == 0)  # all correct: no signal
+    mixed = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    values = [1.0, 0.0, 0.0, 1.0, 1.0]
+    mean = sum(values) / 5
+    std = (sum((v - mean) ** 2 for v in values) / 4) ** 0.5
+    expected = torch.tensor([(v - mean) / (std + 1e-6) for v in mixed.tolist()])
+    assert torch.allclose(group_advantages(mixed, 4, "calibrated"), expected, atol=1e-6)
+    grpo = group_advantages(mixed, 4, "grpo")  # positives shrunk, negatives enlarged relative to GRPO
+    assert (expected[0] < grpo[0]) and (expected[1] < grpo[1])
+
+
 @pytest.mark.parametrize(
     "kwargs, key",
     [

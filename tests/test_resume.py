@@ -180,3 +180,35 @@ def test_resuming_another_config_names_the_mismatch(uninterrupted, capsys):
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="resume=last: no checkpoint at .*last.ckpt"):
         train(compose(RUN + [f"output_dir={tmp_path}/none", "resume=last", "logger=none"]))
+
+
+def test_a_new_run_into_another_runs_output_dir_is_refused(uninterrupted, monkeypatch, capsys):
+    """Nothing of the earlier run is replaced; the message names it and the three ways out."""
+    whole_tmp, whole = uninterrupted
+    last = whole_tmp / "out/checkpoints/last.ckpt"
+    before = last.stat().st_mtime_ns
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before output_dir was checked")
+
+    monkeypatch.setattr("ngrpo_lightning.build.load_policy", no_loading)
+    args = RUN + [f"logger.tracking_uri=sqlite:///{whole_tmp}/mlruns.db", f"output_dir={whole_tmp}/out"]
+    assert main(["train", *args, "seed=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"output_dir={whole_tmp}/out holds another run's checkpoints" in err
+    assert f"step {STEPS}" in err and f"MLflow run {whole['run_id']}" in err
+    for way_out in ("resume=last", "output_dir=<another folder>", "overwrite=true"):
+        assert way_out in err
+    assert last.stat().st_mtime_ns == before
+
+
+def test_overwrite_replaces_the_earlier_runs_checkpoints(tmp_path):
+    # 2 optimizer steps per rollout batch (RUN): checkpoints at steps 2, 4, then 2 again
+    first = run(tmp_path, "out", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep=-1")
+    ckpts = tmp_path / "out/checkpoints"
+    assert (ckpts / "step-step=4.ckpt").exists()
+    second = run(tmp_path, "out", "trainer.max_steps=2", "checkpoint.every_n_steps=2", "overwrite=true")
+    assert second["run_id"] != first["run_id"]
+    assert (ckpts / "step-step=2.ckpt").exists()
+    assert not (ckpts / "step-step=4.ckpt").exists()  # the earlier run's step files are gone, not mixed in
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["ngrpo"]["mlflow_run_id"] == second["run_id"]

@@ -59,7 +59,7 @@ def test_checks_name_the_key_once(make, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["advantage=ppo"], "advantage='ppo' is unknown: allowed ['batch_std', 'dr_grpo', 'grpo']"),
+        (["advantage=ppo"], "advantage='ppo' is unknown: allowed ['batch_std', 'calibrated', 'dr_grpo', 'grpo']"),
         (["objective.clip_low=-1"], "objective.clip_low=-1 is out of range"),
         (["optim.lr=-1"], "optim.lr=-1 is out of range"),
         (["train.ppo_epochs=0"], "train.ppo_epochs=0 is out of range"),
@@ -77,6 +77,7 @@ def test_checks_name_the_key_once(make, message):
         ),
         (["trainer.max_steps=0"], "trainer.max_steps=0 is out of range"),
         (["data.prompts_per_step=0"], "data.prompts_per_step=0 is out of range"),
+        (["overwrite=maybe"], "overwrite='maybe': allowed true or false"),
     ],
 )
 def test_bad_values_fail_before_the_model_loads(overrides, message, monkeypatch, capsys):

@@ -5,6 +5,7 @@ after what ran, and two runs may create the same new store at once."""
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -66,10 +67,19 @@ def test_run_status_is_running_while_training_and_finished_after(tmp_path, monke
     monkeypatch.setattr(cli, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
     monkeypatch.setattr(build, "build_reward", lambda cfg: ScriptedReward((1, 0)))
     store = f"sqlite:///{tmp_path}/mlruns.db"
-    summary = train(compose([*TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]))
+    overrides = [*TINY, f"logger.tracking_uri={store}"]
+    summary = train(compose([*overrides, f"output_dir={tmp_path}/out", "logger.system_metrics_interval_s=0.2"]))
     assert seen["status"] == "RUNNING"  # the validation before fit did not end the run
     run = MlflowClient(store).get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
+    # system metrics, this process's memory among them, and where each step's time went
+    metrics = run.data.metrics
+    assert metrics["system/process_rss_megabytes"] > 100 and metrics["system/process_peak_rss_megabytes"] > 100
+    assert "system/cpu_utilization_percentage" in metrics and "system/system_memory_usage_megabytes" in metrics
+    assert all(metrics[f"time/{phase}_s"] > 0 for phase in ("reward", "logprobs", "update"))
+    assert not [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor"]  # stopped with the run
+    off = train(compose([*overrides, "logger.system_metrics=false", f"output_dir={tmp_path}/off"]))
+    assert not [k for k in MlflowClient(store).get_run(off["run_id"]).data.metrics if k.startswith("system/")]
     name = run.info.run_name
     assert name.startswith("grpo-temperature-grpo-seed0-") and len(name.rsplit("-", 1)[-1]) == 6
 
@@ -82,6 +92,7 @@ def test_a_failing_run_is_marked_failed(tmp_path, monkeypatch):
     store = f"sqlite:///{tmp_path}/mlruns.db"
     with pytest.raises(RuntimeError, match="the reward broke"):
         train(compose([*TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]))
+    assert not [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor"]  # stopped with the run
     client = MlflowClient(store)
     (experiment,) = [e for e in client.search_experiments() if e.name == "grpo"]
     (run,) = client.search_runs([experiment.experiment_id])

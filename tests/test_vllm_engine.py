@@ -214,3 +214,29 @@ def test_eval_with_vllm_equals_eval_with_hf_engine(tmp_path):
     hf, vllm = (json.loads((tmp_path / e / "results.json").read_text())["sets"]["arithmetic"] for e in ("hf", "vllm"))
     assert [p["answers"] for p in vllm["problems"]] == [p["answers"] for p in hf["problems"]]
     assert vllm["metrics"] == hf["metrics"]
+
+
+def test_no_mixing_after_the_answer_marker_in_vllm(engine, smollm2, prompts):
+    """The marker is tracked per request id (rows move between vLLM's steps); each rollout
+    starts from the same generator state, so the two rollouts agree up to the marker."""
+    from test_explorer_rollouts import check_answer_marker
+
+    from ngrpo_lightning.explorers import NeighborMixingExplorer
+    from ngrpo_lightning.forward import response_logprobs
+
+    start = engine.state_dict()
+
+    def generate(explorer):
+        engine.load_state_dict(copy.deepcopy(start))
+        return engine.generate(prompts, explorer, n=2)
+
+    def logprobs_of(batch):
+        with torch.no_grad():
+            return response_logprobs(smollm2[0], batch, 1.0)[0]
+
+    check_answer_marker(
+        generate,
+        smollm2[1],
+        lambda text: NeighborMixingExplorer(k=3, rho=0.6, emit="sampled", answer_start=text),
+        logprobs_of,
+    )

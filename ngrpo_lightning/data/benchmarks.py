@@ -106,19 +106,9 @@ def load_benchmark(cfg) -> list[Problem]:
 
 
 def _plain_problem(record, where, default_id, problem_field, answer_field, id_field) -> Problem:
-    for name, key in ((problem_field, "data.problem_field"), (answer_field, "data.answer_field")) + (
-        ((id_field, "data.id_field"),) if id_field else ()
-    ):
-        if record.get(name) is None:
-            raise MissingFieldError(f"{where}: field {name!r} ({key}) is missing; fields present: {sorted(record)}")
-    answer = record[answer_field]
-    answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer).strip()
-    return Problem(
-        id=str(record[id_field]) if id_field else default_id,
-        question=str(record[problem_field]),
-        answer=answer,
-        meta={"source": where},
-    )
+    """One problem of a plain (question, answer) benchmark; dotted fields and chat-message
+    prompts (verl's parquet layout) are read as ``data=files`` reads them."""
+    return loaders._Fields(problem_field, answer_field, id_field).to_problem(record, where, default_id)
 
 
 def _records(source: str, split: str, subset: str | None):

@@ -86,29 +86,59 @@ class _Fields:
         req = [(self.problem, "data.problem_field"), (self.answer, "data.answer_field")]
         return req + ([(self.id, "data.id_field")] if self.id else [])
 
+    def columns(self) -> list[str]:
+        """The top-level columns the fields read (``reward_model.ground_truth`` reads ``reward_model``)."""
+        return list(dict.fromkeys(name.split(".")[0] for name, _ in self.required()))
+
     def check_columns(self, columns, where: str) -> None:
         for name, key in self.required():
-            if name not in columns:
+            if name.split(".")[0] not in columns:
                 raise MissingFieldError(f"{where}: no field {name!r} ({key}); fields present: {sorted(columns)}")
 
     def to_problem(self, record: Any, where: str, default_id: str) -> Problem:
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object per record, got {type(record).__name__}")
+        values = {}
         for name, key in self.required():
-            if record.get(name) is None:
-                state = "is null" if name in record else "is missing"
+            values[name] = field_value(record, name)
+            if values[name] is None:
+                state = "is null" if _has_field(record, name) else "is missing"
                 raise MissingFieldError(f"{where}: field {name!r} ({key}) {state}; fields present: {sorted(record)}")
-        question = record[self.problem]
+        question = chat_question(values[self.problem])
         if not isinstance(question, str) or not question.strip():
             raise ValueError(
                 f"{where}: field {self.problem!r} (data.problem_field) must be non-empty text, got {question!r:.80}"
             )
         return Problem(
-            id=str(record[self.id]) if self.id else default_id,
+            id=str(values[self.id]) if self.id else default_id,
             question=question,
-            answer=_answer_text(record[self.answer]),
+            answer=_answer_text(values[self.answer]),
             meta={"source": where},
         )
+
+
+def field_value(record: dict, name: str) -> Any:
+    """``record[name]``; a dotted name reads nested objects (verl's ``reward_model.ground_truth``)."""
+    value: Any = record
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _has_field(record: dict, name: str) -> bool:
+    head, _, rest = name.partition(".")
+    return head in record and (not rest or (isinstance(record[head], dict) and _has_field(record[head], rest)))
+
+
+def chat_question(value: Any) -> Any:
+    """A question given as chat messages (verl's ``prompt``: ``[{"role": "user", "content": ...}]``)
+    is its last user message's content; anything else is returned as it is."""
+    if isinstance(value, list | tuple) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        users = [m["content"] for m in value if m.get("role", "user") == "user"]
+        return users[-1] if users else None
+    return value
 
 
 def _answer_text(value: Any) -> str:
@@ -134,7 +164,7 @@ def _parquet_records(path: Path, fields: _Fields) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     fields.check_columns(pq.read_schema(path).names, str(path))
-    table = pq.read_table(path, columns=[name for name, _ in fields.required()])
+    table = pq.read_table(path, columns=fields.columns())
     for row, record in enumerate(table.to_pylist()):
         yield f"{path} row {row}", record
 

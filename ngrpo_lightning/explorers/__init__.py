@@ -2,7 +2,8 @@
 
 Registered names (``explorer.name=``): ``temperature`` (plain sampling), ``neighbor``
 (N-GRPO neighbor mixing), ``gaussian`` (STHT embedding noise), ``gumbel`` (Gumbel soft
-thinking). Any other :class:`Explorer` subclass works through ``explorer._target_=``.
+thinking), and the N-GRPO release's baselines ``topk``, ``topk_gumbel`` and
+``gaussian_embed_noise``. Any other :class:`Explorer` subclass works through ``explorer._target_=``.
 """
 
 from .base import EXPLORERS, Explorer, ExplorerStep, check_choice, check_range, register_explorer
@@ -10,6 +11,7 @@ from .gaussian import GaussianNoiseExplorer
 from .gumbel import GumbelSoftExplorer
 from .neighbor import NeighborMixingExplorer
 from .neighbor_index import METRICS, NeighborIndex
+from .release import GaussianEmbedNoiseExplorer, TopKGumbelMixExplorer, TopKMixExplorer
 from .sampling import filter_logits, sample_tokens
 from .temperature import TemperatureExplorer
 
@@ -18,11 +20,14 @@ __all__ = [
     "METRICS",
     "Explorer",
     "ExplorerStep",
+    "GaussianEmbedNoiseExplorer",
     "GaussianNoiseExplorer",
     "GumbelSoftExplorer",
     "NeighborIndex",
     "NeighborMixingExplorer",
     "TemperatureExplorer",
+    "TopKGumbelMixExplorer",
+    "TopKMixExplorer",
     "check_choice",
     "check_range",
     "filter_logits",

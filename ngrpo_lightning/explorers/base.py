@@ -37,7 +37,15 @@ import torch
 from ..checks import check_choice as _check_choice
 from ..checks import check_number
 
-__all__ = ["Explorer", "ExplorerStep", "EXPLORERS", "register_explorer", "check_range", "check_choice"]
+__all__ = [
+    "Explorer",
+    "ExplorerStep",
+    "EXPLORERS",
+    "register_explorer",
+    "check_answer_start",
+    "check_range",
+    "check_choice",
+]
 
 EXPLORERS: dict[str, type[Explorer]] = {}
 
@@ -87,10 +95,15 @@ class Explorer(ABC):
         temperature, so every explorer must define it (1.0 if it does not sample).
     uses_embeddings:
         True if :meth:`step` needs the embedding matrix passed to :meth:`prepare`.
+    answer_start:
+        A marker text (e.g. ``"</think>"``): once a sequence has emitted its tokens, the engine
+        clears ``mixed`` for that sequence's steps (the one completing the marker included), so
+        exploration stops where the answer starts. ``None``: mix to the end.
     """
 
     temperature: float = 1.0
     uses_embeddings: bool = False
+    answer_start: str | None = None  # engines stop mixing a sequence once it has emitted this text
     registered_name: str = ""
     _special_ids: tuple[int, ...] = ()
 
@@ -128,3 +141,10 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
 def check_choice(key: str, value, allowed) -> None:
     """Validate a categorical hyper-parameter; the error names ``explorer.<key>`` and the choices."""
     return _check_choice(f"explorer.{key}", value, allowed)
+
+
+def check_answer_start(value) -> str | None:
+    """``explorer.answer_start``: a non-empty text or null."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"explorer.answer_start={value!r} must be a non-empty text (e.g. '</think>') or null")
+    return value

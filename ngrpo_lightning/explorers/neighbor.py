@@ -8,6 +8,12 @@ Per row and per step (DESIGN.md, "The algorithm, precisely"):
    tokens nearest to v* in E``; weights ``softmax(z~[C])``; next input ``sum_c w_c E[c]``;
    the emitted token (the text) is ``v*``.
 
+The released code (ZJUSCL/N-GRPO) differs in places; each is an option here (docs/explorers.md
+has the table): the text of a mixed step is the sampled token (``emit="sampled"``), the gate
+may be the step's entropy (``gate="entropy"``), and the weights are the warped (top-k / top-p)
+probabilities of the set's members renormalised over the set, so a member outside the nucleus
+gets weight 0 (without warping this equals ``softmax(z~[C])``).
+
 The neighbor index (:mod:`.neighbor_index`) is built from ``E`` at the first rollout and,
 as in the paper, kept static unless ``refresh_every`` asks for periodic rebuilds.
 """
@@ -16,9 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import Explorer, ExplorerStep, check_choice, check_range, register_explorer
+from .base import Explorer, ExplorerStep, check_answer_start, check_choice, check_range, register_explorer
 from .neighbor_index import METRICS, NeighborIndex
+from .sampling import filter_logits
 from .temperature import TemperatureExplorer
+
+EMIT = ("anchor", "sampled")  # the text of a mixed step: the paper's anchor, or the release's sampled token
+GATES = ("rate", "entropy")
 
 
 @register_explorer("neighbor")
@@ -26,12 +36,23 @@ class NeighborMixingExplorer(Explorer):
     """Neighbor mixing (N-GRPO).
 
     Args:
-        k: size of the mixed set, the anchor included (paper: 3); ``k=1`` mixes nothing in.
+        k: size of the mixed set, the anchor included (paper: 3; the release's ``mix_top_k``:
+            2 in its 1.5B preset, 3 in its 7B one); ``k=1`` mixes nothing in.
         rho: probability that a row's step is mixed (paper: 0.1; 1.0 = "w/o rate" ablation).
-        metric: neighbor metric, ``cosine`` (paper), ``l2`` or ``l1``.
+        metric: neighbor metric, ``cosine`` (paper), ``dot``, ``l2`` or ``l1``.
+        emit: the text of a mixed step: ``anchor`` (paper) or ``sampled`` (release: the
+            token the sampler drew; the mixture is only the next input).
+        gate: ``rate`` (a Bernoulli(rho) draw per row and step) or ``entropy`` (mix when the
+            step's entropy of the warped distribution is >= ``entropy_threshold`` nats; the
+            release's ``mix_entropy_threshold``).
+        entropy_threshold: the entropy gate's threshold (nats).
+        answer_start: no mixing once a sequence has emitted this text (release: ``"</think>"``;
+            matched on token ids, see :class:`~ngrpo_lightning.explorers.base.Explorer`).
+            With ``emit="anchor"`` a gated step after it still emits the anchor, unmixed.
         temperature, top_k, top_p, min_p: the unmixed steps' sampling (see
             :class:`TemperatureExplorer`); ``temperature`` also scales the logits whose
-            softmax gives the mixture weights (T=0: greedy steps, weights at T=1).
+            softmax gives the mixture weights (T=0: greedy steps, weights at T=1), and the
+            weights follow the same filters (a member filtered out gets weight 0).
         exclude_special: never use the tokenizer's special tokens as neighbors.
         exclude_ids: further token ids never used as neighbors.
         refresh_every: rebuild the index every N rollouts as E trains (0 = static, as in the paper).
@@ -47,6 +68,10 @@ class NeighborMixingExplorer(Explorer):
         k: int = 3,
         rho: float = 0.1,
         metric: str = "cosine",
+        emit: str = "anchor",
+        gate: str = "rate",
+        entropy_threshold: float = 1.0,
+        answer_start: str | None = None,
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -60,6 +85,9 @@ class NeighborMixingExplorer(Explorer):
         check_range("k", k, 1)
         check_range("rho", rho, 0.0, 1.0)
         check_choice("metric", metric, METRICS)
+        self.emit, self.gate = check_choice("emit", emit, EMIT), check_choice("gate", gate, GATES)
+        self.entropy_threshold = float(check_range("entropy_threshold", entropy_threshold, 0.0))
+        self.answer_start = check_answer_start(answer_start)
         check_range("refresh_every", refresh_every, 0)
         check_range("chunk_size", chunk_size, 1)
         self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
@@ -105,22 +133,29 @@ class NeighborMixingExplorer(Explorer):
 
     # ------------------------------------------------------------------- step
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
-        if self.rho == 0.0:
+        if self.gate == "rate" and self.rho == 0.0:
             return self._sampler.step(logits, generator)  # identical to plain sampling, RNG included
         b, device = logits.shape[0], logits.device
-        if self.rho == 1.0:  # every row mixed: nothing to sample
+        warped = filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
+        if self.gate == "entropy":
+            logp = warped.log_softmax(-1)
+            mixed = torch.special.entr(logp.exp()).sum(-1) >= self.entropy_threshold
+            tokens = self._sampler.sample(logits, generator)
+        elif self.rho == 1.0 and self.emit == "anchor":  # every row mixed and emits its anchor: nothing to sample
             mixed, tokens = torch.ones(b, dtype=torch.bool, device=device), logits.argmax(-1)
-            rows, anchor = torch.arange(b, device=device), tokens
         else:
             mixed = torch.rand(b, generator=generator, device=device) < self.rho
             tokens = self._sampler.sample(logits, generator)
-            rows = mixed.nonzero().squeeze(-1)
-            anchor = logits[rows].argmax(-1)  # argmax z~ = argmax z (T > 0); the first maximum on ties
+        rows = mixed.nonzero().squeeze(-1)
+        anchor = logits[rows].argmax(-1)  # argmax z~ = argmax z (T > 0); the first maximum on ties
+        if self.emit == "anchor":
             tokens[rows] = anchor  # a mixed row emits its anchor
         ids = tokens[:, None].repeat(1, self.k)  # unmixed rows: ignored by the engine
+        ids[rows, 0] = anchor
         if self.k > 1 and rows.numel():  # only the mixed rows' anchors are looked up (cached per id)
             ids[rows, 1:] = self.index.query(anchor).to(ids.device)
-        weights = (logits.gather(-1, ids).float() / (self.temperature or 1.0)).softmax(-1)  # softmax(z~[C])
+        # the warped probabilities of the members, renormalised over the set (softmax(z~[C]) unwarped)
+        weights = warped.gather(-1, ids).softmax(-1)
         return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
 
     # ------------------------------------------------------------------ state

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-METRICS = ("cosine", "l2", "l1")
+METRICS = ("cosine", "dot", "l2", "l1")
 CANDIDATE_SLACK = 16  # stage-1 candidate slots beyond the n neighbors (CPU cosine search)
 HALF_ANCHORS = 4  # stage 1 in float16 up to this many anchors per block (above, float32 matmuls are faster)
 
@@ -117,7 +117,7 @@ class NeighborIndex:
     def _scores(self, query: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Similarity (higher = nearer) of query rows to vocabulary rows [start, stop)."""
         keys = self.keys[start:stop]
-        if self.metric == "cosine":
+        if self.metric in ("cosine", "dot"):  # cosine: keys and queries are unit rows
             return (query @ keys.T).float()
         if self.metric == "l2":  # -(|q|^2 - 2 q.k + |k|^2); |q|^2 is constant per row, so dropped
             return 2 * (query @ keys.T).float() - self.sq_norms[start:stop][None]

@@ -65,12 +65,24 @@ def batch_std_advantage(r: torch.Tensor, eps: float) -> torch.Tensor:
     return (r - r.mean(-1, keepdim=True)) / (r.std() + eps)
 
 
+@register_advantage("calibrated")
+def calibrated_advantage(r: torch.Tensor, eps: float, max_reward: float = 1.0) -> torch.Tensor:
+    """NGRPO's advantage calibration (Nan et al., arXiv 2509.18851): the group's mean and std are
+    taken over its G rewards plus one virtual sample with the maximum reward, ``(r - mean') /
+    (std' + eps)`` for the G real samples (std' unbiased over G + 1 values). An all-wrong group
+    is no longer silent: with 0/1 rewards and G = 8 each of its samples gets -1/3, pushing the
+    policy away from answers that all failed; an all-correct group still gets 0."""
+    augmented = torch.cat([r, r.new_full((r.shape[0], 1), max_reward)], dim=-1)
+    return (r - augmented.mean(-1, keepdim=True)) / (augmented.std(-1, keepdim=True) + eps)
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6
 ) -> torch.Tensor:
     """Advantages [N] for rewards [N] in groups of ``group_size`` with the named estimator.
 
-    A group whose rewards are all equal gets zero advantage under every built-in estimator.
+    A group whose rewards are all equal gets zero advantage under every built-in estimator
+    but ``calibrated``, which gives an all-wrong group negative advantages.
     """
     fn = resolve_advantage(estimator)
     if rewards.numel() % group_size:

@@ -34,6 +34,7 @@ def grpo_loss(
     dual_clip=None,
     kl_coef=0.0,
     kl_estimator="k3",
+    kl_clamp=None,
     loss_agg="token-mean",
     norm_length=None,
 ):
@@ -45,7 +46,7 @@ def grpo_loss(
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
     per_token, metrics = pg, {}
-    kl = reference_kl(logp, ref_logp, kl_coef, kl_estimator)
+    kl = reference_kl(logp, ref_logp, kl_coef, kl_estimator, kl_clamp)
     if kl is not None:
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = masked_mean(kl.detach(), mask)
@@ -72,9 +73,11 @@ class GRPO(PolicyObjective):
 
     Args:
         clip_low / clip_high: clip range ``[1 - clip_low, 1 + clip_high]`` (paper: 0.2 / 0.2).
-        dual_clip: cap of ``-A * r`` for negative advantages (e.g. 3.0; None = off).
+        dual_clip: cap of ``-A * r`` for negative advantages (verl's default 3.0; None = off).
         kl_coef: weight of the KL penalty; 0 = no reference model is loaded at all.
         kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_clamp: each token's KL estimate clamped to ``[-kl_clamp, kl_clamp]`` (verl's
+            ``low_var_kl`` = k3 clamped at 10, the default; None = no clamp).
         loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
             ``seq-mean-token-sum-norm``.
         norm_length: the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO: the
@@ -88,9 +91,10 @@ class GRPO(PolicyObjective):
         self,
         clip_low=0.2,
         clip_high=0.2,
-        dual_clip=None,
+        dual_clip=3.0,
         kl_coef=0.001,
         kl_estimator="k3",
+        kl_clamp=10.0,
         loss_agg="token-mean",
         norm_length=None,
     ):
@@ -100,11 +104,14 @@ class GRPO(PolicyObjective):
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"objective.dual_clip={dual_clip!r} must be > 1 (or null to disable)")
         check_objective_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        if kl_clamp is not None:
+            check_objective_key("kl_clamp", kl_clamp, 1e-6)
         check_objective_choice("loss_agg", loss_agg, AGGREGATIONS)
         if norm_length is not None:
             check_objective_key("norm_length", norm_length, 1)
         self.clip_low, self.clip_high, self.dual_clip = float(clip_low), float(clip_high), dual_clip
         self.kl_coef, self.kl_estimator, self.loss_agg = float(kl_coef), kl_estimator, loss_agg
+        self.kl_clamp = None if kl_clamp is None else float(kl_clamp)
         self.norm_length = None if norm_length is None else int(norm_length)
 
     def __call__(self, logp, old_logp, ref_logp, advantages, mask):

@@ -36,7 +36,17 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 
 
 def gspo_loss(
-    logp, old_logp, ref_logp, advantages, mask, *, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0, kl_estimator="k3"
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    clip_low=3e-4,
+    clip_high=4e-4,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    kl_clamp=None,
 ):
     """The GSPO loss and its metrics (see the module docstring). Ratio and clip metrics
     are per sequence."""
@@ -46,7 +56,7 @@ def gspo_loss(
     ratio_tok = torch.exp(log_ratio_tok)
     pg = torch.maximum(-adv[:, None] * ratio_tok, -adv[:, None] * ratio_tok.clamp(1.0 - clip_low, 1.0 + clip_high))
     per_token, metrics = pg, {}
-    kl = reference_kl(logp, ref_logp, kl_coef, kl_estimator)
+    kl = reference_kl(logp, ref_logp, kl_coef, kl_estimator, kl_clamp)
     if kl is not None:
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = masked_mean(kl.detach(), mask)
@@ -78,17 +88,21 @@ class GSPO(PolicyObjective):
             (paper: 3e-4 / 4e-4).
         kl_coef: weight of a KL penalty to the reference (paper: 0 = no reference model).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_clamp: each token's KL estimate clamped to ``[-kl_clamp, kl_clamp]`` (verl: 10; None = none).
     """
 
     loss_agg = "seq-mean-token-mean"
 
-    def __init__(self, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0, kl_estimator="k3"):
+    def __init__(self, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_clamp=10.0):
         check_objective_key("clip_low", clip_low)
         check_objective_key("clip_high", clip_high)
         check_objective_key("kl_coef", kl_coef)
         check_objective_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
         self.clip_low, self.clip_high = float(clip_low), float(clip_high)
         self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
+        if kl_clamp is not None:
+            check_objective_key("kl_clamp", kl_clamp, 1e-6)
+        self.kl_clamp = None if kl_clamp is None else float(kl_clamp)
 
     def __call__(self, logp, old_logp, ref_logp, advantages, mask):
         return gspo_loss(logp, old_logp, ref_logp, advantages, mask, **vars(self))

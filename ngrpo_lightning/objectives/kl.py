@@ -24,12 +24,17 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"objective.kl_estimator={estimator!r} is unknown: allowed {list(KL_ESTIMATORS)}")
 
 
-def reference_kl(logp, ref_logp, kl_coef: float, estimator: str = "k3") -> torch.Tensor | None:
-    """The per-token KL penalty term of an objective, or None when ``kl_coef == 0``.
+def reference_kl(
+    logp, ref_logp, kl_coef: float, estimator: str = "k3", clamp: float | None = None
+) -> torch.Tensor | None:
+    """The per-token KL penalty term of an objective, or None when ``kl_coef == 0``; with ``clamp``
+    each token's estimate is clamped to ``[-clamp, clamp]`` (verl's ``low_var_kl`` is k3 clamped
+    at 10: one token far from the reference cannot dominate the loss, and its gradient is 0).
 
     Fails clearly when a KL weight is set but no reference log-probs were computed."""
     if kl_coef <= 0:
         return None
     if ref_logp is None:
         raise ValueError("objective.kl_coef > 0 but no reference log-probs were given (is a reference model loaded?)")
-    return kl_penalty(logp, ref_logp, estimator)
+    kl = kl_penalty(logp, ref_logp, estimator)
+    return kl if clamp is None else kl.clamp(-clamp, clamp)

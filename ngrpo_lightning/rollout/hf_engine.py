@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..explorers import Explorer
+from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
 from .engine import SeededEngine
 from .reconstruction import mixture_embeddings
@@ -174,21 +175,29 @@ class HFEngine(SeededEngine):
         cache = DynamicCache()
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
+        marker = AnswerMarker.for_explorer(explorer, self.tokenizer)
         steps = 0
         for t in range(max_new):
             steps = t + 1
+            # the n samples of a prompt share its prefill: each prompt runs once, its cache rows repeated
+            first = slice(None, None, n) if t == 0 and n > 1 else slice(None)
             out = model(
-                inputs_embeds=inputs,
-                attention_mask=mask[:, : width + t],
-                position_ids=position,
+                inputs_embeds=inputs[first],
+                attention_mask=mask[first, : width + t],
+                position_ids=position[first],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].float()
+            if first.step:
+                logits = logits.repeat_interleave(n, 0)
+                cache.reorder_cache(torch.arange(rows, device=device) // n)
             if explorer_logits is not None:
                 explorer_logits.index_copy_(0, live, logits)
             step = explorer.step(logits if explorer_logits is None else explorer_logits, generator=gen)
+            if marker is not None:  # no mixing after a row's answer marker
+                marker.unmix(step, range(rows), ~finished)
             running = ~finished[live]  # all true unless finished rows are kept decoding padding
             token = torch.where(running, step.tokens[live], pad_id)
             scaled = logits if temperature == 1.0 else logits / temperature

@@ -31,6 +31,7 @@ import torch
 
 from ..explorers import Explorer, TemperatureExplorer
 from ..models import resolve_model_path
+from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
 from .engine import SeededEngine, full_named_tensors
 from .hf_engine import left_pad, special_token_ids
@@ -240,7 +241,11 @@ class VLLMEngine(SeededEngine):
             for s in seeds
         ]
         session = RolloutSession(
-            embedding=E, temperature=temperature, explorer=None if native else explorer, generator=gen
+            embedding=E,
+            temperature=temperature,
+            explorer=None if native else explorer,
+            generator=gen,
+            marker=None if native else AnswerMarker.for_explorer(explorer, self.tokenizer),
         )
         self.runner.ngrpo_session = session
         t0 = time.perf_counter()

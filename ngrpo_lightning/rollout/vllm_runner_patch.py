@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..explorers import Explorer, ExplorerStep
+from .answer_marker import AnswerMarker
 from .reconstruction import mixture_embeddings
 from .records import InputRecords
 from .vllm_support import VLLMRunnerError, VLLMVersionError, vllm_label
@@ -91,6 +92,7 @@ class RolloutSession:
     steps: list[StepLogprobs] = field(default_factory=list)
     records: list[StepRecords] = field(default_factory=list)
     mixtures: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    marker: AnswerMarker | None = None  # explorer.answer_start's token ids, if it has one
 
     # ------------------------------------------------------------- per step
     def sample(self, runner, logits: torch.Tensor, native_sample):
@@ -110,6 +112,8 @@ class RolloutSession:
         # the sampled token's response position: the request's tokens so far minus its prompt
         pos = batch.num_tokens_no_spec[:n].astype(np.int64) - batch.num_prompt_tokens[:n]
         pos[runner.discard_request_mask.np[:n]] = -1
+        if step is not None and self.marker is not None:  # no mixing after a request's answer marker
+            self.marker.unmix(step, req_ids, torch.from_numpy(pos >= 0))
         self.steps.append(StepLogprobs(req_ids, pos, logp.gather(-1, tokens[:, None]).squeeze(-1)))
         if step is not None and step.mixed is not None:
             self._record_mixtures(step, req_ids, pos)

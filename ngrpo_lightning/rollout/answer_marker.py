@@ -1,0 +1,52 @@
+"""No mixing once a sequence has emitted its answer marker (``explorer.answer_start``).
+
+The N-GRPO release explores only while the model thinks: after ``</think>`` a sequence's
+steps are plain. The marker is matched on token ids (so a marker of several tokens works),
+over each row's emitted tokens; the step that completes it is not mixed either, nor any later
+one. Engines keep one :class:`AnswerMarker` per rollout and pass every step through
+:meth:`AnswerMarker.unmix`, keyed by something that names a sequence across steps (HFEngine:
+its row; vLLM: the request id, since a request's row changes between steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..explorers import Explorer, ExplorerStep
+
+
+class AnswerMarker:
+    """Which sequences have emitted the token ids ``marker``."""
+
+    def __init__(self, marker: Sequence[int]):
+        if not marker:
+            raise ValueError("explorer.answer_start encodes to no tokens: give a non-empty marker such as '</think>'")
+        self.marker = tuple(int(i) for i in marker)
+        self.recent: dict[Hashable, tuple[int, ...]] = {}  # the last len(marker) tokens of each sequence
+        self.answered: set[Hashable] = set()
+
+    @classmethod
+    def for_explorer(cls, explorer: Explorer, tokenizer) -> AnswerMarker | None:
+        """The marker of ``explorer.answer_start`` in ``tokenizer``'s ids, or None when it has none."""
+        text = getattr(explorer, "answer_start", None)
+        if not text:
+            return None
+        return cls(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def unmix(self, step: ExplorerStep, keys: Sequence[Hashable], emitted: torch.Tensor | None = None) -> None:
+        """Record this step's tokens (``emitted``: rows whose token counts, default all) and clear
+        ``step.mixed`` for every row whose sequence has completed the marker, now or before."""
+        tokens = step.tokens.tolist()
+        counts = [True] * len(tokens) if emitted is None else emitted.tolist()
+        done = []
+        for key, token, count in zip(keys, tokens, counts):
+            if count and key not in self.answered:
+                recent = (self.recent.get(key, ()) + (token,))[-len(self.marker) :]
+                self.recent[key] = recent
+                if recent == self.marker:
+                    self.answered.add(key)
+            done.append(key in self.answered)
+        if step.mixed is not None and any(done):
+            step.mixed = step.mixed & ~torch.tensor(done, device=step.mixed.device)

@@ -1,0 +1,85 @@
+"""Prompts shared by a group (``response_logprobs(..., share_prompts=True)``): each distinct
+prompt runs once, its keys and values are repeated for its samples, and the responses attend
+to them. Values and gradients must equal the repeated-prompt forward's (every parameter, mixed
+steps with noise included), whatever the rows' order; nothing is shared when no prompt repeats.
+
+Tolerances, relative to each tensor's largest entry. The log-probs come out equal; gradients
+differ in rounding because the attention kernels run on other shapes and sum the samples'
+contributions to a prompt in another order. In float64 that noise is as large as the difference
+between two attention implementations on the same forward (sdpa vs eager, measured: 5e-8), hence
+1e-7; in float32 2e-5, as in test_forward_chunked.py.
+"""
+
+import copy
+
+import pytest
+import torch
+from test_forward_chunked import small_llama
+
+from ngrpo_lightning.forward import response_logprobs, shared_prompts
+from ngrpo_lightning.rollout import InputRecords, RolloutBatch
+
+GROUPS, G, P, L = 2, 3, 6, 9
+
+
+def grouped_batch(vocab: int, order=None, seed: int = 0) -> RolloutBatch:
+    """2 prompts x 3 samples (the second prompt left padded), responses of different lengths
+    (one empty), records with noise in rows of both groups; ``order`` permutes the rows."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (GROUPS, P), generator=g)
+    prompt_mask = torch.ones(GROUPS, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompt_ids = (prompts * prompt_mask).repeat_interleave(G, 0)
+    prompt_mask = prompt_mask.repeat_interleave(G, 0)
+    n = GROUPS * G
+    response_ids = torch.randint(0, vocab, (n, L), generator=g)
+    lengths = torch.tensor([L, 4, 1, L, 0, 6])
+    response_mask = (torch.arange(L)[None] < lengths[:, None]).long()
+    records = InputRecords(
+        row=torch.tensor([0, 1, 3, 5]),
+        pos=torch.tensor([0, 2, 5, 3]),
+        ids=torch.randint(0, vocab, (4, 3), generator=g),
+        weights=torch.rand(4, 3, generator=g).softmax(-1),
+        noise_seed=torch.tensor([7, -1, 8, -1]),
+        noise_scale=torch.tensor([0.3, 0.0, 0.2, 0.0]),
+    )
+    batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(n, L), records, group_size=G)
+    return batch if order is None else batch.select(torch.tensor(order))
+
+
+def run(model, batch, share: bool):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = response_logprobs(model, batch, 0.7, with_entropy=True, share_prompts=share)
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1), dtype=logp.dtype)
+    (logp * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), entropy, grads
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-7), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("order", [None, [4, 0, 5, 2, 1, 3]], ids=["grouped", "shuffled"])
+def test_shared_prompts_give_the_same_values_and_gradients(dtype, tol, order):
+    model = small_llama().to(dtype)
+    batch = grouped_batch(512, order)
+    assert shared_prompts(batch) is not None
+    ref_logp, ref_ent, ref_grads = run(model, batch, share=False)
+    logp, ent, grads = run(copy.deepcopy(model), batch, share=True)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=tol * ref_logp.abs().max().item())
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=tol * ref_ent.abs().max().item())
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=0, atol=tol * ref.abs().max().item(), msg=name)
+
+
+def test_groups_are_found_by_prompt_not_by_position():
+    batch = grouped_batch(512, [4, 0, 5, 2, 1, 3])
+    first, inverse = shared_prompts(batch)
+    assert len(first) == GROUPS
+    assert torch.equal(batch.prompt_ids[first][inverse], batch.prompt_ids)  # every row gets its own prompt
+    groups = torch.tensor([1, 0, 1, 0, 0, 1])  # the rows' original groups
+    assert torch.equal(inverse[:, None] == inverse[None], groups[:, None] == groups[None])
+
+
+def test_nothing_is_shared_when_every_prompt_differs():
+    batch = grouped_batch(512).select(torch.tensor([0, 3]))
+    assert shared_prompts(batch) is None
