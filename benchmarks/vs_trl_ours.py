@@ -1,0 +1,129 @@
+"""Our side of ``benchmarks/vs_trl.py``: the real ``ngrpo train`` entry point on the workload.
+
+``ours_config(workload)`` is the composed run configuration, ``prompt_batches(workload)`` the
+prompt batches its ``RolloutDataModule`` draws (TRL's side trains on the same sequence). The
+run adds one callback to the trainer, :class:`StepRecorder`: it reads the metrics the module
+logs every step and, for the fixed-length workload, empties the rollout engine's EOS ids
+before the first rollout (ngrpo has no config key for that).
+
+    .venv/bin/python benchmarks/vs_trl_ours.py --workload '{"steps": 2}' --out ours.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_trl import Workload, child_main, prompt_counts  # noqa: E402
+
+from ngrpo_lightning import cli  # noqa: E402
+from ngrpo_lightning.config import compose  # noqa: E402
+
+# record key -> the metric the module logs (rollout/*: the engine; time/*: RLModule.training_step)
+METRICS = {
+    "step_s": "time/step_s",
+    "gen_s": "rollout/time_s",
+    "reward_s": "time/reward_s",
+    "logprobs_s": "time/logprobs_s",  # reference log-probs (the old ones reuse the update's forward)
+    "update_s": "time/update_s",
+    "tokens": "rollout/tokens",
+}
+
+
+def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
+    """The ``ngrpo train`` command line of the workload."""
+    return [
+        f"model.name_or_path='{workload.model_path()}'",
+        f"model.dtype={workload.dtype}",
+        f"data.prompts_per_step={workload.prompts}",
+        "data.val_size=0",
+        f"rollout.group_size={workload.group}",
+        f"rollout.max_new_tokens={workload.tokens}",
+        f"rollout.engine={workload.engine}",
+        "explorer=temperature",
+        f"explorer.temperature={workload.temperature}",
+        "objective=grpo",
+        f"objective.kl_coef={workload.kl_coef}",
+        "objective.kl_estimator=k3",
+        f"optim.lr={workload.lr}",
+        "optim.warmup_steps=0",
+        "train.ppo_epochs=1",
+        "train.num_mini_batches=1",
+        f"trainer.max_steps={workload.steps}",
+        "trainer.enable_checkpointing=false",
+        "trainer.enable_progress_bar=false",
+        "checkpoint.every_n_steps=0",
+        "logger=none",
+        "validate_before_fit=false",
+        "pass_at_k.n=0",
+        f"output_dir='{output_dir}'",
+        f"seed={workload.seed}",
+    ]
+
+
+def ours_config(workload: Workload, output_dir: str = "outputs"):
+    """The composed run configuration (a ``DictConfig``)."""
+    return compose(ours_overrides(workload, output_dir))
+
+
+def prompt_batches(workload: Workload) -> list[dict]:
+    """The prompt batches of the workload's ``steps`` steps as the run's ``RolloutDataModule``
+    draws them: dicts of lists (``prompt_text``, ``prompt_ids``, ``answer``, ``id``)."""
+    from ngrpo_lightning.build import build_datamodule, build_problems
+    from ngrpo_lightning.models import load_tokenizer
+
+    cfg = ours_config(workload)
+    datamodule = build_datamodule(cfg, load_tokenizer(cfg.model.name_or_path), build_problems(cfg.data, cfg.seed))
+    datamodule.setup("fit")
+    return list(itertools.islice(datamodule.train_dataloader(), workload.steps))
+
+
+class StepRecorder(L.Callback):
+    """Per-step records from the metrics the module logs; with ``fixed_length`` every response
+    is ``rollout.max_new_tokens`` long (the engine gets no EOS ids, as in the other benchmarks)."""
+
+    def __init__(self, fixed_length: bool):
+        self.fixed_length = fixed_length
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.fixed_length:
+            datamodule = trainer.datamodule
+            datamodule._module_with_engine()  # the engine the first rollout would build, built now
+            datamodule.engine.eos_ids = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        step = {key: float(metrics[name]) for key, name in METRICS.items()}
+        step["tokens"] = round(step["tokens"])
+        step.update(prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size))
+        self.steps.append(step)
+
+
+def recorder_for(workload: Workload) -> StepRecorder:
+    """The run's recorder: fixed-length responses unless the workload is ``natural``."""
+    return StepRecorder(fixed_length=not workload.natural)
+
+
+def run(workload: Workload) -> list[dict]:
+    """``ngrpo train`` on the workload, with a :class:`StepRecorder` among the trainer's callbacks."""
+    recorder = recorder_for(workload)
+    build_trainer = cli.build_trainer
+
+    def with_recorder(cfg, logger=None, callbacks=()):
+        return build_trainer(cfg, logger, [*callbacks, recorder])
+
+    with tempfile.TemporaryDirectory(prefix="vs-trl-ours-") as tmp:
+        with mock.patch.object(cli, "build_trainer", with_recorder):
+            cli.train(ours_config(workload, tmp))
+    return recorder.steps
+
+
+if __name__ == "__main__":
+    child_main(run)

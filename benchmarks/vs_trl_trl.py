@@ -1,0 +1,214 @@
+"""TRL's side of ``benchmarks/vs_trl.py``: ``trl.GRPOTrainer`` (TRL 1.16) on the workload.
+
+``trl_config(workload)`` is the ``GRPOConfig``, ``trl_dataset(workload)`` the prompt texts of
+our side's ``RolloutDataModule`` in its order (read unshuffled), and ``build_trainer`` the
+trainer: the workload's model directory (loaded by TRL itself), ngrpo's tokenizer for that
+directory, and ngrpo's ``MathReward`` as the reward function.
+
+Timed phases, per optimizer step (a ``GRPOTrainer`` subclass and a ``TrainerCallback``):
+
+* ``gen_s``: ``_generate`` (prompt tokenization, ``model.generate`` or vLLM, decoding);
+* ``reward_s``: ``_calculate_rewards``;
+* ``logprobs_s``: ``_get_per_token_logps_and_entropies`` without gradients (reference; old
+  log-probs too when TRL computes them);
+* ``update_s``: from the end of ``_prepare_inputs`` (generation and scoring) to the end of the
+  optimizer step: the loss forward, backward, gradient clipping, ``optimizer.step``;
+* ``step_s``: between consecutive ``on_step_end`` callbacks (the first from ``on_train_begin``).
+
+    .venv/bin/python benchmarks/vs_trl_trl.py --workload '{"steps": 2}' --out trl.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_trl import PHASES, Workload, child_main, prompt_counts  # noqa: E402
+from vs_trl_ours import ours_config, prompt_batches  # noqa: E402
+
+
+def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
+    """The workload as a ``GRPOConfig``: one optimizer step per generation of prompts x group completions."""
+    batch = workload.prompts * workload.group
+    return GRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        seed=workload.seed,
+        # the model: its dtype's weights, no autocast, no activation checkpointing (TRL's defaults differ)
+        model_init_kwargs={"dtype": workload.dtype},
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        # a step: prompts x group completions, generated once, one optimizer update
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=workload.group,
+        num_iterations=1,
+        max_steps=workload.steps,
+        shuffle_dataset=False,  # step k trains on our side's k-th prompt batch
+        remove_unused_columns=False,  # the reward reads the `answer` column
+        # generation
+        max_completion_length=workload.tokens,
+        generation_kwargs=None if workload.natural else {"min_new_tokens": workload.tokens},
+        temperature=workload.temperature,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=workload.engine == "vllm",
+        vllm_mode="colocate",
+        vllm_max_model_length=4096 + workload.tokens,  # ours: data.max_prompt_tokens + rollout.max_new_tokens
+        vllm_enable_sleep_mode=False,
+        vllm_importance_sampling_correction=False,  # ours has none by default: no extra old log-prob pass
+        # the objective: GRPO, token-mean loss, KL to a frozen reference (TRL's KL is the k3 estimator)
+        beta=workload.kl_coef,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        loss_type="dapo",  # token-mean over the step's batch
+        scale_rewards="group",
+        # the optimizer: AdamW at a constant learning rate, gradients clipped at norm 1
+        learning_rate=workload.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        # no evaluation, checkpoints or reporting
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        logging_steps=1,
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def trl_dataset(workload: Workload):
+    """Our side's prompt texts (chat template applied) and gold answers, in its order."""
+    from datasets import Dataset
+
+    rows = [
+        {"prompt": text, "answer": answer}
+        for batch in prompt_batches(workload)
+        for text, answer in zip(batch["prompt_text"], batch["answer"])
+    ]
+    return Dataset.from_list(rows)
+
+
+def math_reward(reward):
+    """ngrpo's ``MathReward`` as a TRL reward function (1.0 for a correct answer, else 0.0)."""
+
+    def correct(completions, answer, **kwargs) -> list[float]:
+        return reward(list(completions), list(answer)).scores.tolist()
+
+    return correct
+
+
+class PhaseClock(TrainerCallback):
+    """Per-optimizer-step records: the phases :class:`TimedGRPOTrainer` times, the step's wall
+    time, and its token counts (the same keys as our side's records)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.current = self._blank()
+        self.last_end = self.prepared_at = None
+
+    @staticmethod
+    def _blank() -> dict:
+        return {key: 0.0 for key in PHASES} | {"tokens": 0}
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[key] += time.perf_counter() - t0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_end = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.current["step_s"] = now - self.last_end
+        self.current["update_s"] = now - (self.prepared_at or self.last_end)
+        self.steps.append(self.current)
+        self.current, self.last_end = self._blank(), now
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose generation, reward and no-grad log-prob passes are timed by ``clock``."""
+
+    def __init__(self, *args, clock: PhaseClock, **kwargs):
+        self.clock = clock
+        super().__init__(*args, callbacks=[clock], **kwargs)
+
+    def _generate(self, prompts):
+        with self.clock.timed("gen_s"):
+            out = super()._generate(prompts)
+        prompt_ids, completion_ids = out[0], out[1]
+        self.clock.current["tokens"] += sum(len(ids) for ids in completion_ids)
+        self.clock.current.update(prompt_counts([len(ids) for ids in prompt_ids], self.num_generations))
+        return out
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self.clock.timed("reward_s"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # the loss forward: part of the update
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        with self.clock.timed("logprobs_s"):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training:
+            self.clock.prepared_at = time.perf_counter()
+        return inputs
+
+
+def build_trainer(workload: Workload, output_dir: str, reward) -> TimedGRPOTrainer:
+    """The TRL trainer of the workload, scoring with ``reward`` (a ``MathReward``)."""
+    from ngrpo_lightning.models import load_tokenizer
+
+    path = workload.model_path()
+    return TimedGRPOTrainer(
+        model=path,
+        reward_funcs=[math_reward(reward)],
+        args=trl_config(workload, output_dir),
+        train_dataset=trl_dataset(workload),
+        processing_class=load_tokenizer(path),  # ours: the same chat template and pad token
+        clock=PhaseClock(),
+    )
+
+
+def math_reward_of(workload: Workload):
+    """Our side's reward, built from its config (verifier, answer extraction, workers)."""
+    from ngrpo_lightning.build import build_reward
+
+    return build_reward(ours_config(workload).reward)
+
+
+def run(workload: Workload) -> list[dict]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ours: rollout.vllm.kv_cache_gib=1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with tempfile.TemporaryDirectory(prefix="vs-trl-trl-") as tmp, math_reward_of(workload) as reward:
+        trainer = build_trainer(workload, tmp, reward)
+        trainer.train()
+    return trainer.clock.steps
+
+
+if __name__ == "__main__":
+    child_main(run)

@@ -1,0 +1,111 @@
+"""benchmarks/vs_trl.py: both sides are configured with the same workload.
+
+Built from the functions the benchmark configures each side with (our composed config, TRL's
+``GRPOConfig`` and trainer), on the tiny model (the real SmolLM2 tokenizer and chat template);
+nothing is trained or generated. Skipped without TRL (``pip install -e ".[bench]"``).
+"""
+
+import dataclasses
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import vs_trl  # noqa: E402
+import vs_trl_ours  # noqa: E402
+import vs_trl_trl  # noqa: E402
+
+WORKLOAD = dataclasses.replace(vs_trl.Workload(), model="tiny", steps=2)
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory):
+    """(our composed config, TRL's trainer) of the workload."""
+    out = tmp_path_factory.mktemp("vs-trl")
+    cfg = vs_trl_ours.ours_config(WORKLOAD, str(out / "ours"))
+    with vs_trl_trl.math_reward_of(WORKLOAD) as reward:
+        yield cfg, vs_trl_trl.build_trainer(WORKLOAD, str(out / "trl"), reward)
+
+
+def test_the_defaults_are_the_benchmark_workload():
+    w = vs_trl.workload_from(vs_trl.parse_args([]))
+    assert w == vs_trl.Workload()
+    assert (w.model, w.dtype, w.prompts, w.group, w.tokens) == ("smollm2-135m-instruct", "float32", 4, 8, 40)
+    assert (w.temperature, w.kl_coef, w.threads, w.natural, w.engine) == (1.0, 0.001, 2, False, "hf")
+
+
+def test_same_prompts_in_the_same_order(sides):
+    """Step k: TRL's batch, as its sampler draws and its tokenizer encodes it, is our k-th prompt
+    batch (chat template applied), each prompt repeated group-size times in a row."""
+    _, trainer = sides
+    ours = vs_trl_ours.prompt_batches(WORKLOAD)
+    theirs = list(itertools.islice(trainer.get_train_dataloader(), WORKLOAD.steps))
+    assert len(ours) == len(theirs) == WORKLOAD.steps
+    for our_batch, rows in zip(ours, theirs):
+        assert len(our_batch["prompt_ids"]) == WORKLOAD.prompts
+        repeat = lambda values: [v for v in values for _ in range(WORKLOAD.group)]
+        prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
+        assert [list(ids) for ids in prompt_ids] == repeat(our_batch["prompt_ids"])
+        assert [row["answer"] for row in rows] == repeat(our_batch["answer"])
+        assert all(text.rstrip().endswith("<|im_start|>assistant") for text in our_batch["prompt_text"])
+
+
+def test_same_model_and_dtype(sides):
+    cfg, trainer = sides
+    assert trainer.model.config._name_or_path == cfg.model.name_or_path == WORKLOAD.model_path()
+    assert cfg.model.dtype == WORKLOAD.dtype and trainer.model.dtype == getattr(torch, WORKLOAD.dtype)
+    assert not trainer.args.bf16 and not trainer.args.fp16  # no autocast: the weights' dtype, as ours
+    assert not trainer.args.gradient_checkpointing and not cfg.model.gradient_checkpointing
+
+
+def test_same_group_and_one_update_per_rollout_batch(sides):
+    cfg, trainer = sides
+    args = trainer.args
+    assert trainer.num_generations == cfg.rollout.group_size == WORKLOAD.group
+    batch = cfg.data.prompts_per_step * cfg.rollout.group_size
+    assert cfg.data.prompts_per_step == WORKLOAD.prompts
+    assert args.generation_batch_size == args.per_device_train_batch_size == batch
+    assert args.gradient_accumulation_steps == args.steps_per_generation == args.num_iterations == 1
+    assert cfg.train.ppo_epochs == cfg.train.num_mini_batches == 1
+    assert args.max_steps == cfg.trainer.max_steps == WORKLOAD.steps
+
+
+def test_same_generation(sides):
+    cfg, trainer = sides
+    gen = trainer.generation_config
+    assert gen.max_new_tokens == gen.min_new_tokens == cfg.rollout.max_new_tokens == WORKLOAD.tokens
+    assert vs_trl_ours.recorder_for(WORKLOAD).fixed_length  # ours: the engine gets no EOS ids
+    assert gen.do_sample and gen.temperature == cfg.explorer.temperature == WORKLOAD.temperature
+    assert cfg.explorer.name == "temperature" and (cfg.explorer.top_k, cfg.explorer.top_p) == (gen.top_k, gen.top_p)
+    assert (gen.top_k, gen.top_p) == (0, 1.0)
+    assert not trainer.use_vllm and cfg.rollout.engine == "hf"
+
+
+def test_natural_lengths_keep_eos_on_both_sides():
+    natural = dataclasses.replace(WORKLOAD, natural=True)
+    assert vs_trl_trl.trl_config(natural).generation_kwargs is None
+    assert not vs_trl_ours.recorder_for(natural).fixed_length
+
+
+def test_same_objective_and_optimizer(sides):
+    cfg, trainer = sides
+    args, objective, optim = trainer.args, cfg.objective, cfg.optim
+    assert trainer.beta == objective.kl_coef == WORKLOAD.kl_coef and trainer.ref_model is not None
+    assert objective.name == "grpo" and objective.kl_estimator == "k3"  # TRL's KL is k3
+    assert (args.epsilon, args.epsilon_high) == (objective.clip_low, objective.clip_high)
+    assert args.loss_type == "dapo" and objective.loss_agg == "token-mean"
+    assert args.scale_rewards == "group" and cfg.advantage == "grpo"
+    assert args.learning_rate == optim.lr == WORKLOAD.lr
+    assert args.lr_scheduler_type == "constant" and args.warmup_steps == optim.warmup_steps == 0
+    assert (args.adam_beta1, args.adam_beta2) == tuple(optim.betas) and args.weight_decay == optim.weight_decay
+    assert args.max_grad_norm == optim.grad_clip
+
+
+def test_same_reward(sides):
+    _, trainer = sides
+    (reward,) = trainer.reward_funcs
+    assert reward(completions=["So \\boxed{12}.", "The answer is 7."], answer=["12", "12"]) == [1.0, 0.0]
