@@ -110,7 +110,12 @@ def build_objective(cfg: DictConfig) -> PolicyObjective:
 
 
 def build_reward(cfg: DictConfig) -> MathReward:
-    return MathReward(extract=cfg.extract, timeout_s=cfg.timeout_s, num_workers=cfg.num_workers)
+    return MathReward(
+        extract=cfg.extract,
+        timeout_s=cfg.timeout_s,
+        num_workers=cfg.num_workers,
+        answer_after=cfg.get("answer_after"),
+    )
 
 
 # ------------------------------------------------------------------------ data

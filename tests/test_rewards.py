@@ -319,3 +319,23 @@ def test_reward_config_errors(kwargs, match):
 def test_check_fn_must_be_picklable():
     with pytest.raises(TypeError, match="picklable"):
         rewards.MathReward(check_fn=lambda p, g: True)
+
+
+def test_answer_after_reads_the_answer_after_the_reasoning():
+    """reward.answer_after='</think>': the \\boxed{} of the thinking does not count; without the
+    marker (the model never stopped thinking) there is no answer."""
+    with rewards.MathReward(answer_after="</think>", num_workers=1) as r:
+        res = r(
+            [
+                r"maybe \boxed{3}</think>So the answer is \boxed{4}.",
+                r"I think \boxed{4} but</think> it is \boxed{5}",
+                r"still thinking \boxed{4}",
+                r"a</think>b</think> \boxed{4}",  # the last marker counts
+            ],
+            ["4", "4", "4", "4"],
+        )
+    assert res.status == ["correct", "wrong", "no_answer", "correct"]
+    with rewards.MathReward(num_workers=1) as whole:
+        assert whole([r"I think \boxed{4} but</think> it is \boxed{5}"], ["4"]).status == ["wrong"]
+    with pytest.raises(ValueError, match=r"reward\.answer_after"):
+        rewards.MathReward(answer_after="")

@@ -52,6 +52,10 @@ class MathReward:
 
     Args:
         extract: ``boxed`` or ``last_number`` (see :mod:`.extract`).
+        answer_after: a marker (e.g. ``"</think>"``, for reasoning models): the answer is
+            extracted from the text after its last occurrence, and a completion without it (it
+            never stopped thinking) has no answer. ``None``: the whole completion (as the N-GRPO
+            release scores it).
         timeout_s: time limit per answer. Enforced softly inside the worker (SIGALRM), and
             hard at ``timeout_s + kill_grace_s`` by killing the worker pool.
         num_workers: verifier processes; default ``min(os.cpu_count(), 8)``.
@@ -79,6 +83,7 @@ class MathReward:
         kill_grace_s: float = 2.0,
         check_fn=None,
         start_timeout_s: float = 120.0,
+        answer_after: str | None = None,
     ):
         if extract not in EXTRACT_METHODS:
             raise ValueError(f"reward.extract={extract!r} is unknown: allowed {list(EXTRACT_METHODS)}")
@@ -100,7 +105,9 @@ class MathReward:
                     f"check_fn must be picklable (a module-level function): verifier workers "
                     f"are spawned processes; got {check_fn!r}"
                 ) from e
-        self.extract = extract
+        if answer_after is not None and (not isinstance(answer_after, str) or not answer_after):
+            raise ValueError(f"reward.answer_after={answer_after!r} must be a non-empty text (e.g. '</think>') or null")
+        self.extract, self.answer_after = extract, answer_after
         self.timeout_s = float(timeout_s)
         self.num_workers = int(num_workers)
         self.parallel_threshold = int(parallel_threshold)
@@ -112,7 +119,7 @@ class MathReward:
         if len(completions) != len(golds):
             raise ValueError(f"got {len(completions)} completions but {len(golds)} gold answers")
         t0 = time.monotonic()
-        answers = [extract_answer(c or "", self.extract) for c in completions]
+        answers = [extract_answer(self.answer_part(c or ""), self.extract) for c in completions]
         status = ["no_answer"] * len(answers)
         pids = [0] * len(answers)
         items = [(i, a, str(g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
@@ -129,6 +136,13 @@ class MathReward:
                 status[i], pids[i] = s, pid
         scores = torch.tensor([1.0 if s == "correct" else 0.0 for s in status], dtype=torch.float32)
         return RewardResult(scores, status, answers, pids, time.monotonic() - t0)
+
+    def answer_part(self, completion: str) -> str:
+        """The part of ``completion`` the answer is read from (see ``answer_after``)."""
+        if self.answer_after is None:
+            return completion
+        before, marker, after = completion.rpartition(self.answer_after)
+        return after if marker else ""
 
     def start(self) -> list[int]:
         """Start the workers now (e.g. during setup) instead of on the first call; their PIDs."""
