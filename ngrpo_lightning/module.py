@@ -404,8 +404,11 @@ class RLModule(L.LightningModule):
         sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
         self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
         self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
-        self.val_accuracy.reset()
-        self.val_reward.reset()
+        # fresh states as normal tensors: reset() under inference mode (trainer.validate) would make
+        # them inference tensors, which validation during fit (under no_grad) cannot update in place
+        with torch.inference_mode(False):
+            self.val_accuracy.reset()
+            self.val_reward.reset()
 
 
 def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:

@@ -88,3 +88,32 @@ def test_pass_at_k_from_the_config_is_logged(store, tmp_path):
         assert key in run.data.metrics, f"{key} missing: {sorted(run.data.metrics)}"
         assert 0.0 <= run.data.metrics[key] <= 1.0
     assert run.data.metrics["val/arithmetic/pass_at_2"] >= run.data.metrics["val/arithmetic/pass_at_1"]
+
+
+def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
+    """checkpoint.best=val/accuracy keeps best.ckpt beside last.ckpt, scored by that metric; the run
+    validates before fit and then during it (the validation metrics survive both)."""
+    import torch
+
+    summary = train(
+        compose(
+            TINY_RUN
+            + [
+                f"logger.tracking_uri={store}",
+                f"output_dir={tmp_path}/out",
+                "trainer.max_steps=3",
+                "trainer.val_check_interval=1",
+                "checkpoint.best=val/accuracy",
+                "checkpoint.every_n_steps=0",
+            ]
+        )
+    )
+    best = torch.load(tmp_path / "out/checkpoints/best.ckpt", weights_only=False)
+    (state,) = [v for k, v in best["callbacks"].items() if "val/accuracy" in k]
+    history = [m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/accuracy")]
+    assert state["monitor"] == "val/accuracy" and float(state["best_model_score"]) == max(history)
+    assert (tmp_path / "out/checkpoints/last.ckpt").exists()
+    with pytest.raises(Exception, match=r"checkpoint\.best_mode='top' is unknown"):
+        from ngrpo_lightning.checkpointing import build_checkpointing
+
+        build_checkpointing(compose(["checkpoint.best=val/accuracy", "checkpoint.best_mode=top"]))
