@@ -214,8 +214,9 @@ def _run_in(folder: Path) -> tuple[Path, dict] | None:
     if not found:
         return None
     newest = folder / "last.ckpt" if (folder / "last.ckpt").exists() else found[-1]
+    file = newest / "meta.pt" if newest.is_dir() else newest  # a distributed checkpoint keeps its meta there
     try:
-        ckpt = torch.load(newest, map_location="cpu", weights_only=False, mmap=not newest.is_dir())
+        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not newest.is_dir())
         meta = dict(ckpt.get("ngrpo") or {}, global_step=ckpt.get("global_step"))
     except Exception:  # noqa: BLE001 - an unreadable file still belongs to some earlier run
         meta = {}
