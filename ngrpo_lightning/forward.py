@@ -210,12 +210,16 @@ def response_logprobs(
     embedding = model.get_input_embeddings().weight
     mask = batch.attention_mask
     records = batch.records if use_records else None
-    embeds = build_inputs_embeds(embedding, batch.input_ids, records, batch.response_offset, detach_mixture)
     length = batch.response_ids.shape[1]
-    inputs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+
+    def whole_sequence_inputs() -> dict:  # prompt and response in one pass
+        embeds = build_inputs_embeds(embedding, batch.input_ids, records, batch.response_offset, detach_mixture)
+        positions = position_ids_from_mask(mask)
+        return dict(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False)
+
     split = split_lm_head(model) if chunk_size is not None else None
     if split is None:
-        out = model(**inputs, logits_to_keep=length + 1)
+        out = model(**whole_sequence_inputs(), logits_to_keep=length + 1)
         logits = out.logits[:, :-1].float() / temperature  # position t predicts response token t
         logp = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
         logp = logp * batch.response_mask
@@ -230,7 +234,7 @@ def response_logprobs(
     if shared is not None:
         hidden = _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, *shared)
     else:
-        out = decoder(**inputs)
+        out = decoder(**whole_sequence_inputs())
         hidden = _last_hidden(out)[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]
     keep = batch.response_mask.bool()
     where = keep.nonzero(as_tuple=True)  # only real response tokens reach the head

@@ -136,10 +136,10 @@ class NeighborMixingExplorer(Explorer):
         if self.gate == "rate" and self.rho == 0.0:
             return self._sampler.step(logits, generator)  # identical to plain sampling, RNG included
         b, device = logits.shape[0], logits.device
-        warped = filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
+        warped = None  # the warped logits z~ (temperature, filters): of every row only for the entropy gate
         if self.gate == "entropy":
-            logp = warped.log_softmax(-1)
-            mixed = torch.special.entr(logp.exp()).sum(-1) >= self.entropy_threshold
+            warped = self.warp(logits)
+            mixed = torch.special.entr(warped.softmax(-1)).sum(-1) >= self.entropy_threshold
             tokens = self._sampler.sample(logits, generator)
         elif self.rho == 1.0 and self.emit == "anchor":  # every row mixed and emits its anchor: nothing to sample
             mixed, tokens = torch.ones(b, dtype=torch.bool, device=device), logits.argmax(-1)
@@ -154,9 +154,17 @@ class NeighborMixingExplorer(Explorer):
         ids[rows, 0] = anchor
         if self.k > 1 and rows.numel():  # only the mixed rows' anchors are looked up (cached per id)
             ids[rows, 1:] = self.index.query(anchor).to(ids.device)
-        # the warped probabilities of the members, renormalised over the set (softmax(z~[C]) unwarped)
-        weights = warped.gather(-1, ids).softmax(-1)
+        # the warped probabilities of the members, renormalised over the set (softmax(z~[C]) unwarped);
+        # unmixed rows' weights are ignored by the engine: uniform
+        weights = torch.full(ids.shape, 1.0 / self.k, device=device)
+        if rows.numel():
+            mixed_warped = warped[rows] if warped is not None else self.warp(logits[rows])
+            weights[rows] = mixed_warped.gather(-1, ids[rows]).softmax(-1)
         return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """``filter(logits / T)``: the distribution the sampling draws from, in logits."""
+        return filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
