@@ -20,7 +20,8 @@ def test_unknown_group_option_lists_options(capsys):
     assert "bogus" in err and "temperature" in err
 
 
-def test_missing_model_path_is_named(capsys, tmp_path):
+def test_missing_model_path_is_named(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir, outputs/, may hold a run of `make train`
     missing = tmp_path / "no_model_here"
     err = run_error(capsys, "train", "model=hf", f"model.name_or_path={missing}", "logger=none")
     assert str(missing) in err

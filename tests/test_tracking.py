@@ -37,7 +37,8 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(build, "load_policy", refuse)
 
 
-def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, capsys):
+def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the default output_dir, outputs/, may hold a run of `make train`
     no_model_loading(monkeypatch)
     t0 = time.perf_counter()
     assert main(["train", "model=tiny", "logger.tracking_uri=http://127.0.0.1:9"]) == 2
@@ -48,6 +49,7 @@ def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, c
 
 
 def test_a_store_that_cannot_be_created_names_the_key_and_the_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default output_dir, outputs/, may hold a run of `make train`
     no_model_loading(monkeypatch)
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
