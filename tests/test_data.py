@@ -208,9 +208,43 @@ def test_verl_parquet_layout_is_read_by_data_verl(tmp_path):
         (f"What is 2+2? {instruction}", "4"),
         (f"Solve x+1=3. {instruction}", "2"),
     ]
-    assert data.instruction is None  # the release's prompts carry their instruction
+    assert data.instruction == ""  # the release's prompts carry their instruction
     with pytest.raises(KeyError, match=r"'reward_model\.answer' \(data\.answer_field\) is missing"):
         load_problems(path, "prompt", "reward_model.answer")
+
+
+# The shape of DeepSeek-R1-Distill's chat template: BOS, system text, user turns, and a generation
+# prompt that opens the thinking (the real one is longer; it needs the hub to fetch).
+R1_DISTILL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<\uff5cUser\uff5c>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<\uff5cAssistant\uff5c>' + m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<\uff5cAssistant\uff5c><think>\\n' }}{% endif %}"
+)
+
+
+def test_verl_prompts_under_an_r1_distill_template_end_where_thinking_starts(tmp_path, tokenizer):
+    """data=verl with the release's prompts: the instruction is not added a second time, and the
+    prompt ends with the template's opening ``<think>`` so the policy starts inside its thinking."""
+    import copy
+
+    from ngrpo_lightning.build import build_datamodule
+    from ngrpo_lightning.config import compose
+
+    instruction = "Let's think step by step and output the final answer within \\boxed{}."
+    write_verl_parquet(
+        tmp_path / "t.parquet", [(f"What is 2+2? {instruction}", "4"), (f"What is 1+5? {instruction}", "6")]
+    )
+    cfg = compose(["data=verl", f"data.train={tmp_path / 't.parquet'}", f"data.val={tmp_path / 't.parquet'}"])
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = R1_DISTILL_TEMPLATE
+    dm = build_datamodule(cfg, tok)
+    dm.setup("fit")
+    for item in dm.train_set.items:
+        text = item["prompt_text"]
+        assert text.endswith("<\uff5cAssistant\uff5c><think>\n"), text
+        assert text.count("boxed") == 1 and text.count("Please reason") == 0, text  # one instruction
+        assert tok.decode(item["prompt_ids"]).endswith("<think>\n")
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):

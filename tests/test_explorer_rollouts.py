@@ -15,6 +15,7 @@ from ngrpo_lightning.explorers import (
     GaussianNoiseExplorer,
     GumbelSoftExplorer,
     NeighborMixingExplorer,
+    OrthogonalNoiseExplorer,
     TopKGumbelMixExplorer,
     TopKMixExplorer,
 )
@@ -35,6 +36,7 @@ EXPLORERS = {  # mixing often, so that many steps are non-discrete
     "topk": lambda: TopKMixExplorer(k=3, rho=0.5, top_p=0.9),
     "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5, mix_temperature=0.7),
     "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=2, rho=0.5),
+    "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5, mix_temperature=0.7),
 }
 
 

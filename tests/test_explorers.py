@@ -16,6 +16,7 @@ from ngrpo_lightning.explorers import (
     GumbelSoftExplorer,
     NeighborIndex,
     NeighborMixingExplorer,
+    OrthogonalNoiseExplorer,
     TemperatureExplorer,
     TopKGumbelMixExplorer,
     TopKMixExplorer,
@@ -300,6 +301,24 @@ def test_registry_and_shipped_configs():
     assert (ex.k, ex.rho, ex.metric, ex.refresh_every) == (3, 0.1, "cosine", 0)  # the paper's defaults
 
 
+def test_every_shipped_explorer_config_builds_its_registered_explorer():
+    from ngrpo_lightning.config import config_dir
+
+    files = sorted((config_dir() / "explorer").glob("*.yaml"))
+    built = set()
+    for path in files:
+        cfg = OmegaConf.load(path)  # a duplicate key or an unknown argument fails here or below
+        if "name" not in cfg:
+            continue  # custom.yaml names a class path
+        ex = build_explorer(cfg)
+        assert type(ex) is EXPLORERS[cfg.name], path.name
+        for key, value in cfg.items():  # every key of the file reaches the explorer
+            if key != "name":
+                assert getattr(ex, key) == value, f"{path.name}: {key}"
+        built.add(cfg.name)
+    assert built == set(EXPLORERS)  # every registered explorer ships a config
+
+
 # ------------------------------------------------------- the release's baselines
 @pytest.mark.parametrize("gumbel", [False, True])
 def test_topk_mixtures_re_derived(emb, gumbel):
@@ -321,6 +340,41 @@ def test_topk_mixtures_re_derived(emb, gumbel):
     assert torch.allclose(step.weights, scores.gather(-1, ids).softmax(-1), atol=1e-6)  # no noise in the weights
     if gumbel:
         assert not torch.equal(ids, scores.topk(3, dim=-1).indices)
+
+
+def test_orthogonal_noise_re_derived(emb):
+    """The anchor is the top-1 of z~/tau; the noise std is the norm of (w_j * |E[t_j] projected
+    off E[t_1]|) over the other top-k tokens, w = softmax(z~/tau^2) over them (the release's
+    SGLang path); the noise is seeded per row and recorded with the anchor alone."""
+    ex = OrthogonalNoiseExplorer(k=3, rho=0.5, mix_temperature=0.7, temperature=0.9, top_p=0.95)
+    ex.prepare(emb)
+    logits = torch.randn(64, V, generator=gen(2))
+    step = ex.step(logits, gen(5))
+    g = gen(5)  # the stream: gate, plain sampling, then the noise seeds
+    mixed = torch.rand(64, generator=g) < 0.5
+    tokens = TemperatureExplorer(0.9, top_p=0.95).step(logits, g).tokens
+    assert torch.equal(step.mixed, mixed) and torch.equal(step.tokens, tokens)
+    for b in range(64):
+        z = logits[b] / 0.9
+        order = z.argsort(descending=True)
+        a, others = emb[order[0]], emb[order[1:3]]
+        project_off = torch.eye(D) - torch.outer(a, a) / a.dot(a)  # onto the complement of a
+        residuals = (others @ project_off).norm(dim=-1)
+        w = (z[order[1:3]] / 0.7**2).softmax(-1)  # in the nucleus: both are among the likeliest
+        assert step.ids[b].tolist() == [order[0].item()] and step.weights[b].item() == 1.0
+        assert torch.allclose(step.noise_scale[b], (w * residuals).norm(), rtol=1e-4)
+    assert step.noise_seed.unique().numel() == 64
+    # The recorded input is the anchor plus noise of that std, in every direction
+    rec = InputRecords.from_step(step, torch.ones(64, dtype=torch.bool), pos=0)
+    noise = mixture_embeddings(emb, rec) - emb[step.ids[:, 0]]
+    assert torch.allclose(noise.std(-1) / step.noise_scale, torch.ones(64), atol=0.6)
+
+
+def test_orthogonal_noise_with_k_1_feeds_the_top_token_alone(emb):
+    ex = OrthogonalNoiseExplorer(k=1, rho=1.0)
+    ex.prepare(emb)
+    step = ex.step(torch.randn(8, V, generator=gen()), gen(1))
+    assert torch.all(step.noise_scale == 0)
 
 
 def test_gaussian_embed_noise_scale_is_a_fraction_of_the_mixtures_rms(emb):

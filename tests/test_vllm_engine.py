@@ -92,17 +92,23 @@ def _explorers():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
     from top_two_blend import TopTwoBlend  # the user-written explorer of docs/explorers.md
 
-    from ngrpo_lightning.explorers import GaussianNoiseExplorer, GumbelSoftExplorer, NeighborMixingExplorer
+    from ngrpo_lightning.explorers import (
+        GaussianNoiseExplorer,
+        GumbelSoftExplorer,
+        NeighborMixingExplorer,
+        OrthogonalNoiseExplorer,
+    )
 
     return {
         "neighbor": NeighborMixingExplorer(k=3, rho=0.5, temperature=1.0),
         "gaussian": GaussianNoiseExplorer(sigma=0.5, rho=0.5),
         "gumbel": GumbelSoftExplorer(),
+        "orthogonal_noise": OrthogonalNoiseExplorer(k=3, rho=0.5),  # the release's baseline
         "user-written": TopTwoBlend(rho=0.5),
     }
 
 
-@pytest.mark.parametrize("name", ["neighbor", "gaussian", "gumbel", "user-written"])
+@pytest.mark.parametrize("name", ["neighbor", "gaussian", "gumbel", "orthogonal_noise", "user-written"])
 def test_records_reconstruct_vllm_logprobs(engine, smollm2, prompts, name):
     """Training's forward rebuilds the mixed inputs from the records and gets vLLM's log-probs;
     ignoring the records it does not (so the mixtures really were vLLM's inputs)."""

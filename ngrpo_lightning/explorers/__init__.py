@@ -2,8 +2,9 @@
 
 Registered names (``explorer.name=``): ``temperature`` (plain sampling), ``neighbor``
 (N-GRPO neighbor mixing), ``gaussian`` (STHT embedding noise), ``gumbel`` (Gumbel soft
-thinking), and the N-GRPO release's baselines ``topk``, ``topk_gumbel`` and
-``gaussian_embed_noise``. Any other :class:`Explorer` subclass works through ``explorer._target_=``.
+thinking), and the N-GRPO release's baselines ``topk``, ``topk_gumbel``,
+``gaussian_embed_noise`` and ``orthogonal_noise``. Any other :class:`Explorer` subclass works
+through ``explorer._target_=``.
 """
 
 from .base import EXPLORERS, Explorer, ExplorerStep, check_choice, check_range, register_explorer
@@ -11,7 +12,7 @@ from .gaussian import GaussianNoiseExplorer
 from .gumbel import GumbelSoftExplorer
 from .neighbor import NeighborMixingExplorer
 from .neighbor_index import METRICS, NeighborIndex
-from .release import GaussianEmbedNoiseExplorer, TopKGumbelMixExplorer, TopKMixExplorer
+from .release import GaussianEmbedNoiseExplorer, OrthogonalNoiseExplorer, TopKGumbelMixExplorer, TopKMixExplorer
 from .sampling import filter_logits, sample_tokens
 from .temperature import TemperatureExplorer
 
@@ -25,6 +26,7 @@ __all__ = [
     "GumbelSoftExplorer",
     "NeighborIndex",
     "NeighborMixingExplorer",
+    "OrthogonalNoiseExplorer",
     "TemperatureExplorer",
     "TopKGumbelMixExplorer",
     "TopKMixExplorer",

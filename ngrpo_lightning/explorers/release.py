@@ -1,6 +1,6 @@
 """The N-GRPO release's baselines (``ZJUSCL/N-GRPO``, its ``mix_strategy`` values), as explorers.
 
-All three emit the token the sampler drew (as the release does) and, on a gated step
+All four emit the token the sampler drew (as the release does) and, on a gated step
 (Bernoulli(``rho``) per row and step, the release's ``mix_rate``), feed a mixture of the
 ``k`` likeliest tokens instead of its embedding. With ``z~`` the warped logits of the
 sampling (temperature, top-k, top-p) and ``tau`` the mixture temperature (``mix_temperature``):
@@ -10,6 +10,13 @@ sampling (temperature, top-k, top-p) and ``tau`` the mixture temperature (``mix_
   rollout generator); the weights are the same softmax, without the noise.
 * ``gaussian_embed_noise``: the ``topk`` mixture plus Gaussian noise of standard deviation
   ``noise_rms_scale x RMS(mixture)`` per element (RMS over the hidden dimension).
+* ``orthogonal_noise``: no mixture: the top-1 token's embedding ``a = E[t_1]`` plus Gaussian
+  noise. Each other top-k token ``t_j`` contributes ``s_j z_j`` with ``z_j ~ N(0, I_d)`` and
+  ``s_j = w_j ||r_j||``: ``r_j`` is ``E[t_j]``'s component orthogonal to ``a`` and
+  ``w = softmax(z~[t_2..t_k] / tau^2)`` (the release's SGLang path divides by tau twice).
+  The release draws ``z_j`` over all ``d`` dimensions, so the orthogonal directions set only the
+  size of the noise, not its direction; the sum of independent Gaussians is one Gaussian of std
+  ``sqrt(sum_j s_j^2)``, which is what is drawn and recorded here (equal in distribution).
 
 Unlike the release, the noise is drawn from a recorded seed, so training rebuilds the exact
 input the rollout saw (the release records no noise); and the mixture uses the input
@@ -56,6 +63,12 @@ class TopKMixExplorer(TemperatureExplorer):
         self.mix_temperature = float(check_range("mix_temperature", mix_temperature, 0.0, low_open=True))
 
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
+        mixed, tokens, scores, ids = self.top_tokens(logits, generator)
+        return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=scores.gather(-1, ids).softmax(-1))
+
+    def top_tokens(self, logits: torch.Tensor, generator: torch.Generator | None):
+        """The gate, the sampled tokens, the scores ``z~ / tau`` and the ``k`` chosen ids (best
+        first), drawn from ``generator`` in this order."""
         mixed = torch.rand(logits.shape[0], generator=generator, device=logits.device) < self.rho
         tokens = self.sample(logits, generator)
         scores = filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
@@ -64,8 +77,7 @@ class TopKMixExplorer(TemperatureExplorer):
         if self.gumbel:
             u = torch.rand(scores.shape, generator=generator, device=scores.device).clamp_(1e-6, 1 - 1e-6)
             select = scores - torch.log(-torch.log(u))
-        ids = select.topk(self.k, dim=-1).indices
-        return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=scores.gather(-1, ids).softmax(-1))
+        return mixed, tokens, scores, select.topk(self.k, dim=-1).indices
 
 
 @register_explorer("topk_gumbel")
@@ -104,3 +116,31 @@ class GaussianEmbedNoiseExplorer(TopKMixExplorer):
         step.noise_scale = (self.noise_rms_scale * mixture.pow(2).mean(-1).sqrt()).to(logits.device)
         step.noise_seed = torch.randint(0, SEED_HIGH, (len(step.tokens),), generator=generator, device=logits.device)
         return step
+
+
+@register_explorer("orthogonal_noise")
+class OrthogonalNoiseExplorer(TopKMixExplorer):
+    """The release's ``orthogonal_noise`` strategy: on a gated step the next input is the top-1
+    token's embedding plus isotropic Gaussian noise scaled by the other top-k tokens' residuals
+    orthogonal to it (see the module docstring); ``k = 1`` feeds the top-1 embedding alone."""
+
+    uses_embeddings = True
+
+    def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
+        mixed, tokens, scores, ids = self.top_tokens(logits, generator)
+        emb = self.embeddings
+        e = emb[ids.to(emb.device)].float()  # [B, k, d]
+        anchor, others = e[:, 0], e[:, 1:]
+        coef = (others * anchor[:, None]).sum(-1) / anchor.pow(2).sum(-1, keepdim=True).clamp(min=1e-6)
+        residual = (others - coef[..., None] * anchor[:, None]).norm(dim=-1).clamp(min=1e-6)  # [B, k-1]
+        w = (scores.gather(-1, ids[:, 1:]).to(emb.device) / self.mix_temperature).softmax(-1)
+        scale = (w * residual).pow(2).sum(-1).sqrt()  # 0 when k == 1
+        seeds = torch.randint(0, SEED_HIGH, (len(tokens),), generator=generator, device=logits.device)
+        return ExplorerStep(
+            tokens=tokens,
+            mixed=mixed,
+            ids=ids[:, :1],
+            weights=torch.ones(len(tokens), 1, device=logits.device),
+            noise_seed=seeds,
+            noise_scale=scale.to(logits.device),
+        )
