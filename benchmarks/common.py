@@ -13,10 +13,11 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` chat-templated prompts of the built-in task (realistic prompt lengths)."""
-    from ngrpo_lightning.data import ArithmeticTask, render_prompt
+    """``n`` chat-templated prompts of the built-in task (``data=reasoning_gym``'s default tasks)."""
+    from ngrpo_lightning.config import compose
+    from ngrpo_lightning.data import reasoning_gym_problems, render_prompt
 
-    problems = ArithmeticTask(num_problems=n, seed=seed, split="train").problems()
+    problems = reasoning_gym_problems(compose([]).data.tasks, n, seed=seed)
     return [tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"] for p in problems]
 
 

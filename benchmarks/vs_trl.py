@@ -4,7 +4,7 @@ The workload (both sides; the defaults):
 
 * the packaged SmolLM2-135M-Instruct, both sides loading the same local directory, float32
   weights (``--dtype bfloat16``: bfloat16 weights on both sides, no autocast);
-* the built-in arithmetic prompts, rendered with the model's chat template by ngrpo's
+* the built-in task's prompts, rendered with the model's chat template by ngrpo's
   ``RolloutDataModule`` and drawn in its order; TRL reads that same sequence of prompt texts,
   unshuffled, so step k trains on the same prompts on both sides;
 * 4 prompts x 8 completions of exactly 40 tokens per step: EOS suppressed on both sides

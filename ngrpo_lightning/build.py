@@ -19,7 +19,7 @@ from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
 from .checkpointing import build_checkpointing, check_resume, checkpoint_meta, resolve_resume
 from .checks import check_number
 from .config import ConfigError
-from .data import ArithmeticTask, load_problems
+from .data import load_problems, reasoning_gym_problems
 from .evaluate import EvalSet
 from .explorers import EXPLORERS, Explorer, TemperatureExplorer
 from .models import load_policy, parse_dtype
@@ -115,6 +115,7 @@ def build_reward(cfg: DictConfig) -> MathReward:
         timeout_s=cfg.timeout_s,
         num_workers=cfg.num_workers,
         answer_after=cfg.get("answer_after"),
+        graded=cfg.get("graded", False),
     )
 
 
@@ -129,22 +130,17 @@ def build_problems(cfg: DictConfig, seed: int):
 
 
 def _problems(cfg: DictConfig, seed: int):
-    if cfg.source == "arithmetic":
-        knobs = {k: cfg[k] for k in ("min_operand", "max_operand", "min_ops", "max_ops")}
-        knobs["operators"] = tuple(cfg.operators)
-        train = ArithmeticTask(num_problems=cfg.train_size, seed=seed, split="train", **knobs).problems()
-        val = (
-            ArithmeticTask(num_problems=cfg.val_size, seed=seed, split="validation", **knobs).problems()
-            if cfg.val_size
-            else []
-        )
-        return train, val
     if cfg.source == "files":
         fields = {"problem_field": cfg.problem_field, "answer_field": cfg.answer_field, "id_field": cfg.id_field}
         train = load_problems(cfg.train, split=cfg.split, limit=cfg.limit, **fields)
         val = load_problems(cfg.val, split=cfg.val_split, limit=cfg.val_limit, **fields) if cfg.val else []
         return train, val
-    raise ConfigError(f"data.source={cfg.source!r} is unknown: allowed ['arithmetic', 'files']")
+    if cfg.source == "reasoning_gym":
+        kw = {"tasks": cfg.tasks, "seed": seed, "verifier": cfg.verifier}
+        train = reasoning_gym_problems(size=cfg.train_size, split="train", **kw)
+        val = reasoning_gym_problems(size=cfg.val_size, split="validation", **kw) if cfg.val_size else []
+        return train, val
+    raise ConfigError(f"data.source={cfg.source!r} is unknown: allowed ['files', 'reasoning_gym']")
 
 
 def build_datamodule(cfg: DictConfig, tokenizer, problems=None):

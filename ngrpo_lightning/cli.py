@@ -36,9 +36,11 @@ from .build import (
     resolve_resume,
 )
 from .checkpointing import claim_output_dir
+from .compare.command import compose_compare, run_compare
 from .config import GROUPS, ConfigError, compose, group_options
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
+from .sweep import run_sweep
 from .tracking import log_config, summarize_run
 
 
@@ -120,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         ("train", "train a policy"),
         ("eval", "pass@k evaluation of a policy"),
         ("config", "print the composed config"),
+        ("compare", "trained arms side by side (Pass@k with intervals, curves) from MLflow"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("-h", "--help", action="store_true")
+        if name == "train":
+            p.add_argument("-m", "--multirun", action="store_true", help="a sweep: every combination of a,b values")
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
@@ -138,9 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             print(run_eval(compose_eval(args.overrides))["text"])
             return 0
+        if args.command == "compare":
+            print(run_compare(compose_compare(args.overrides))["text"])
+            return 0
         if args.command == "diagnose":
             print(run_diagnose(args.mode, args.overrides)["text"])
             return 0
+        if getattr(args, "multirun", False):
+            sweep = run_sweep(args.overrides, train)
+            print(sweep["text"])
+            return 0 if all(j["status"] == "finished" for j in sweep["jobs"]) else 1
         cfg = compose(args.overrides, allow_missing=args.command == "config")
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))

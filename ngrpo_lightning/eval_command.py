@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, compose
-from .data import ArithmeticTask, load_problems
+from .data import load_problems, reasoning_gym_problems
 from .data.benchmarks import load_benchmark
 from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, plot_pass_at_k, results_table
 from .explorers import TemperatureExplorer
@@ -32,8 +32,8 @@ def compose_eval(overrides: list[str]) -> DictConfig:
 
 
 def build_eval_sets(cfg) -> list[EvalSet]:
-    """The evaluation set of ``cfg.data``: a benchmark, the built-in task's validation split,
-    or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
+    """The evaluation set of ``cfg.data``: a benchmark, the validation split of reasoning-gym
+    tasks (the built-in default), or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
     d, limit = cfg.data, cfg.get("limit")
     common = {
         "instruction": d.get("instruction"),
@@ -42,12 +42,9 @@ def build_eval_sets(cfg) -> list[EvalSet]:
         "max_prompt_tokens": d.get("max_prompt_tokens", 4096),
     }
     try:
-        if d.source == "arithmetic":
-            knobs = {k: d[k] for k in ("min_operand", "max_operand", "min_ops", "max_ops")}
-            problems = ArithmeticTask(
-                num_problems=d.val_size, seed=cfg.seed, split="validation", operators=tuple(d.operators), **knobs
-            ).problems()
-            name = "arithmetic"
+        if d.source == "reasoning_gym":
+            problems = reasoning_gym_problems(d.tasks, d.val_size, cfg.seed, "validation", d.verifier)
+            name = "reasoning_gym"
         elif d.source == "benchmark":
             problems, name = load_benchmark(d), d.name
         elif d.source == "files":
@@ -61,7 +58,8 @@ def build_eval_sets(cfg) -> list[EvalSet]:
             )
             name = d.get("name") or Path(str(source)).stem
         else:
-            raise ConfigError(f"data.source={d.source!r} is unknown: allowed ['arithmetic', 'benchmark', 'files']")
+            allowed = ["benchmark", "files", "reasoning_gym"]
+            raise ConfigError(f"data.source={d.source!r} is unknown: allowed {allowed}")
     except (ValueError, KeyError) as err:
         raise ConfigError(str(err).strip('"')) from err
     if limit is not None:

@@ -17,6 +17,7 @@ MLflow metric names cannot contain ``@``: there ``pass@4`` is logged as ``pass_a
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +29,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from .data import PromptDataset
 from .metrics.pass_at_k import PassAtK, powers_of_two
-from .rewards import MathReward
+from .rewards import MathReward, score_responses
 
 
 @dataclass
@@ -153,8 +154,10 @@ def evaluate_sets(
                 continue
             batch = engine.generate([it["prompt_ids"] for it in items], explorer, n=n, max_new_tokens=max_new_tokens)
             golds = [it["answer"] for it in items for _ in range(n)]
-            scored = reward(batch.response_text, golds)
-            correct = (scored.scores > 0.5).view(len(items), n)
+            scored = score_responses(
+                reward, batch.response_text, golds, [it.get("verifier") for it in items for _ in range(n)]
+            )
+            correct = scored.correct.view(len(items), n)
             answers = list(scored.answers) if scored.answers else [None] * len(golds)
             grouped = [answers[i * n : (i + 1) * n] for i in range(len(items))]
             metric.update(correct, grouped)
@@ -233,7 +236,8 @@ def plot_pass_at_k(results: dict, path: str | os.PathLike, title: str | None = N
 
 
 def log_artifacts(logger, results: dict, artifact_dir: str, local_dir: str | os.PathLike | None = None) -> list[str]:
-    """Log the table (markdown) and the plot (PNG) to the logger's MLflow run under
+    """Log the table (markdown), the plot (PNG) and the per-problem results (JSON: ``n``, ``c``,
+    answers, statuses; what ``ngrpo compare`` bootstraps over) to the logger's MLflow run under
     ``artifact_dir``; no-op (empty list) for other loggers."""
     if not isinstance(logger, MLFlowLogger):
         return []
@@ -242,9 +246,10 @@ def log_artifacts(logger, results: dict, artifact_dir: str, local_dir: str | os.
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(local_dir) if local_dir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        table, plot = folder / "pass_at_k.md", folder / "pass_at_k.png"
+        table, plot, data = folder / "pass_at_k.md", folder / "pass_at_k.png", folder / "results.json"
         table.write_text(results_table(results))
         plot_pass_at_k(results, plot)
-        for f in (table, plot):
+        data.write_text(json.dumps(results, default=str))
+        for f in (table, plot, data):
             logger.experiment.log_artifact(logger.run_id, str(f), artifact_path=artifact_dir)
-    return [f"{artifact_dir}/{table.name}", f"{artifact_dir}/{plot.name}"]
+    return [f"{artifact_dir}/{f.name}" for f in (table, plot, data)]

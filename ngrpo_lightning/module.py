@@ -40,7 +40,7 @@ from .metrics.exploration import exploration_metrics
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, zero_variance_groups
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan
-from .rewards import MathReward
+from .rewards import MathReward, score_responses
 from .rollout.batch import RolloutBatch
 from .settings import OptimConfig, TrainConfig
 from .updates import StepHook, StepRollouts
@@ -192,7 +192,7 @@ class RLModule(L.LightningModule):
 
     def score(self, batch: RolloutBatch):
         """Rewards of a rollout batch (a :class:`~ngrpo_lightning.rewards.RewardResult`)."""
-        return self.reward(batch.response_text, batch.answers)
+        return score_responses(self.reward, batch.response_text, batch.answers, batch.verifiers)
 
     @property
     def step_hooks(self) -> list[StepHook]:
@@ -329,7 +329,7 @@ class RLModule(L.LightningModule):
         log.update(
             {
                 "train/reward": rewards.mean(),
-                "train/accuracy": (rewards > 0.5).float().mean(),  # rewards are 0/1: binary accuracy
+                "train/accuracy": (rewards >= 1.0).float().mean(),  # fully correct (a task may grade below 1)
                 "train/advantage_mean": advantages.mean(),
                 "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
                 "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
@@ -396,7 +396,7 @@ class RLModule(L.LightningModule):
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int):
         scored = self.score(batch)
-        self.val_accuracy.update((scored.scores > 0.5).float())
+        self.val_accuracy.update(scored.correct.float())
         self.val_reward.update(scored.scores)
         return {"rewards": scored.scores, "status": scored.status}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import re
 import secrets
 import sqlite3
 import urllib.request
@@ -21,8 +22,9 @@ from .system_metrics import start_system_metrics
 
 
 def mlflow_key(name: str) -> str:
-    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``)."""
-    return name.replace("@", "_at_")
+    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``; other characters it refuses,
+    such as ``=`` and ``,`` of a sweep arm's name, become ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_/. -]", "_", name.replace("@", "_at_"))
 
 
 SQLITE = "sqlite:///"
@@ -150,6 +152,7 @@ def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = 
             artifact_location=artifacts,
             log_model=False,
             run_id=run_id,
+            tags=dict(cfg.logger.get("tags") or {}) or None,
         )
         client = logger.experiment
     if run_id is not None:

@@ -40,6 +40,27 @@ def chat_prompt_ids(tokenizer, questions):
 
 
 @pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A SQLite MLflow store in a temporary working folder (runs write outputs/ and multirun/ there)."""
+    monkeypatch.chdir(tmp_path)
+    return f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+
+
+# `ngrpo train` arguments of a seconds-long run of the tiny model (sweeps and comparisons)
+TINY_JOB = [
+    "model=tiny",
+    "data.train_size=8",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=4",
+    "reward.num_workers=1",
+    "logger.system_metrics=false",
+    "logger.log_samples_every=0",
+    "trainer.enable_progress_bar=false",
+]
+
+
+@pytest.fixture
 def seeded():
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
@@ -67,7 +88,7 @@ def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):
     ``tis_cap``, ...) may be given as keywords; the rest go to ``RLModule``."""
     import copy
 
-    from ngrpo_lightning.data import ArithmeticTask
+    from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.explorers import TemperatureExplorer
     from ngrpo_lightning.module import OptimConfig, RLModule
     from ngrpo_lightning.objectives import GRPO
@@ -86,7 +107,7 @@ def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):
         train=train,
         **kwargs,
     )
-    problems = ArithmeticTask(num_problems=num_problems, seed=0, split="train").problems()
+    problems = reasoning_gym_problems(["chain_sum"], num_problems, seed=0)
     datamodule = RolloutDataModule(tokenizer, problems, [], prompts_per_step=2, group_size=2, max_new_tokens=6, seed=0)
     return module, datamodule
 

@@ -1,21 +1,19 @@
-"""Data: the procedural arithmetic task, problem loaders (jsonl / parquet / datasets) and
-prompt rendering + tokenization."""
+"""Data: problem loaders (jsonl / parquet / datasets) and prompt rendering + tokenization
+(reasoning-gym tasks: test_reasoning_gym.py)."""
 
-import ast
 import copy
 import json
 import logging
-import operator
 
 import pytest
 
 from ngrpo_lightning.data import (
     DEFAULT_INSTRUCTION,
-    ArithmeticTask,
     Problem,
     PromptDataset,
     collate_prompts,
     load_problems,
+    reasoning_gym_problems,
     render_prompt,
 )
 
@@ -31,100 +29,6 @@ def chat_tokenizer():
     if (path / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(path)
     return load_tokenizer("tiny")  # builds the cached model once
-
-
-# ----------------------------------------------------------------- arithmetic
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def _independent_eval(question: str) -> int:
-    """Evaluate "What is <expr>?" with Python's own parser and precedence (numbers only)."""
-    assert question.startswith("What is ") and question.endswith("?"), question
-    tree = ast.parse(question[len("What is ") : -1], mode="eval")
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        raise AssertionError(f"unexpected syntax in {question!r}: {ast.dump(node)}")
-
-    return ev(tree)
-
-
-def test_arithmetic_is_deterministic_per_seed_and_split():
-    a = ArithmeticTask(50, seed=3, max_ops=3).problems()
-    b = ArithmeticTask(num_problems=50, seed=3, max_ops=3).problems()
-    assert a == b and len(a) == 50
-    assert a != ArithmeticTask(50, seed=4, max_ops=3).problems()
-    val = ArithmeticTask(50, seed=3, max_ops=3, split="validation").problems()
-    assert [p.question for p in val] != [p.question for p in a]
-    assert all(p.id.startswith("arith-validation-3-") for p in val)
-    assert len({p.id for p in a}) == 50
-
-
-@pytest.mark.parametrize("knobs", [{"max_ops": 1}, {"max_ops": 3}, {"max_operand": 5, "max_ops": 2}])
-def test_arithmetic_splits_are_disjoint(knobs):
-    train = {p.question for p in ArithmeticTask(2000, seed=0, **knobs)}
-    val = [p.question for p in ArithmeticTask(32, seed=0, split="validation", **knobs)]
-    test = [p.question for p in ArithmeticTask(32, seed=0, split="test", **knobs)]
-    assert len(set(val)) == len(val) == 32 and len(set(test)) == 32  # evaluation sets are distinct
-    assert not train & set(val) and not train & set(test) and not set(val) & set(test)
-
-
-@pytest.mark.parametrize(
-    "knobs",
-    [
-        {},
-        {"min_ops": 2, "max_ops": 4, "max_operand": 99},
-        {"min_operand": -9, "max_operand": 9, "operators": ("-", "*")},
-        {"operators": ["*"], "max_ops": 3},
-    ],
-)
-def test_arithmetic_answers_match_independent_evaluation(knobs):
-    problems = ArithmeticTask(300, seed=1, **knobs).problems()
-    for p in problems:
-        assert p.answer == str(_independent_eval(p.question)), p
-        assert p.question == f"What is {p.meta['expression']}?"
-    ops = knobs.get("operators", ("+", "-", "*"))
-    used = {tok for p in problems for tok in p.meta["expression"].split() if tok in "+-*"}
-    assert used == set(ops)
-
-
-def test_arithmetic_respects_knobs():
-    problems = ArithmeticTask(200, seed=0, min_operand=3, max_operand=7, min_ops=2, max_ops=3).problems()
-    for p in problems:
-        nums = [int(t.strip("()")) for t in p.meta["expression"].split() if t not in "+-*"]
-        assert all(3 <= n <= 7 for n in nums) and 2 <= p.meta["num_ops"] == len(nums) - 1 <= 3
-
-
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"min_operand": 10, "max_operand": 5}, r"data\.min_operand=10 .*data\.max_operand=5"),
-        ({"min_ops": 3, "max_ops": 2}, r"data\.min_ops=3 .*data\.max_ops=2"),
-        ({"max_ops": 0, "min_ops": 0}, r"data\.min_ops=0 is out of range: allowed \[1, inf\]"),
-        ({"operators": ("+", "/")}, r"data\.operators.*'/'.*allowed: \['\+', '-', '\*'\]"),
-        ({"operators": ()}, r"data\.operators"),
-        ({"max_operand": 2.5}, r"data\.max_operand=2.5 must be an integer"),
-        ({"split": "dev"}, r"split='dev'.*allowed \['train', 'validation', 'test'\]"),
-        ({"num_problems": -1}, r"num_problems"),
-    ],
-)
-def test_arithmetic_knob_errors_name_the_key(kwargs, match):
-    kwargs = {"num_problems": 4, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        ArithmeticTask(**kwargs)
-
-
-def test_arithmetic_too_few_distinct_validation_problems():
-    # operands 0..1 with one "+": 4 questions in all, about 0.4 of them in validation.
-    with pytest.raises(ValueError, match=r"distinct validation problems.*data\.val_size"):
-        ArithmeticTask(10, max_operand=1, max_ops=1, operators=("+",), split="validation").problems()
 
 
 def test_problem_is_dict_like():
@@ -331,11 +235,12 @@ def test_render_prompt_without_chat_template(chat_tokenizer):
 
 
 def test_prompt_dataset_items_and_tokens(chat_tokenizer):
-    problems = ArithmeticTask(6, seed=0).problems()
+    problems = reasoning_gym_problems(["chain_sum"], 6, seed=0)
     ds = PromptDataset(problems, chat_tokenizer, max_prompt_tokens=4096)
     assert len(ds) == 6 and ds.num_dropped == 0
     item = ds[0]
-    assert set(item) == {"id", "prompt_ids", "prompt_text", "answer"}
+    assert set(item) == {"id", "prompt_ids", "prompt_text", "answer", "verifier"}
+    assert item["verifier"] == problems[0].meta["verifier"]
     assert (item["id"], item["answer"]) == (problems[0].id, problems[0].answer)
     assert item["prompt_text"] == render_prompt(chat_tokenizer, problems[0].question)
     assert item["prompt_ids"] == chat_tokenizer(item["prompt_text"], add_special_tokens=False)["input_ids"]
@@ -363,7 +268,7 @@ def test_collate_prompts_keeps_lists_unpadded(chat_tokenizer):
         [Problem("a", "What is 1 + 1?", "2"), Problem("b", "What is 12 * 12 - 7?", "137")], chat_tokenizer
     )
     batch = collate_prompts([ds[0], ds[1]])
-    assert batch["id"] == ["a", "b"] and batch["answer"] == ["2", "137"]
+    assert batch["id"] == ["a", "b"] and batch["answer"] == ["2", "137"] and batch["verifier"] == [None, None]
     assert [len(ids) for ids in batch["prompt_ids"]] == [len(ds[0]["prompt_ids"]), len(ds[1]["prompt_ids"])]
     assert len(batch["prompt_ids"][0]) != len(batch["prompt_ids"][1])  # ragged: the engine pads
-    assert collate_prompts([]) == {"id": [], "prompt_ids": [], "prompt_text": [], "answer": []}
+    assert collate_prompts([]) == {"id": [], "prompt_ids": [], "prompt_text": [], "answer": [], "verifier": []}

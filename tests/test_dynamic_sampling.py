@@ -59,7 +59,7 @@ def test_bad_max_extra_rollouts_names_the_key(tiny):
 
 
 def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
-    from ngrpo_lightning.data import ArithmeticTask
+    from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.rollout import RolloutDataModule
 
     class Recorder:
@@ -67,7 +67,7 @@ def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
             self.prompts = prompts
             return RolloutBatch.__new__(RolloutBatch)
 
-    problems = ArithmeticTask(num_problems=5, seed=0).problems()
+    problems = reasoning_gym_problems(["chain_sum"], 5, seed=0)
     drawn = []
     for _ in range(2):
         dm = RolloutDataModule(tokenizer, problems, prompts_per_step=2, group_size=1, seed=3)

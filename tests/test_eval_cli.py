@@ -119,7 +119,7 @@ def test_packaged_model_eval_logs_to_mlflow(tmp_path, capsys):
         main(
             [
                 "eval",
-                "data=arithmetic",
+                "data=reasoning_gym",
                 "data.val_size=3",
                 "n=8",
                 "max_new_tokens=16",
@@ -134,9 +134,11 @@ def test_packaged_model_eval_logs_to_mlflow(tmp_path, capsys):
     text = capsys.readouterr().out
     print(text)
     results = json.loads((out / "results.json").read_text())
-    assert [p["n"] for p in results["sets"]["arithmetic"]["problems"]] == [8] * 3
+    assert [p["n"] for p in results["sets"]["reasoning_gym"]["problems"]] == [8] * 3
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("eval").experiment_id])
-    assert run.data.metrics["eval/arithmetic/pass_at_8"] == pytest.approx(results["metrics"]["eval/arithmetic/pass@8"])
+    assert run.data.metrics["eval/reasoning_gym/pass_at_8"] == pytest.approx(
+        results["metrics"]["eval/reasoning_gym/pass@8"]
+    )
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"results.json", "pass_at_k.md", "pass_at_k.png"}
     assert run.data.params["model.name_or_path"] == "smollm2-135m-instruct" and run.data.params["n"] == "8"

@@ -158,10 +158,10 @@ def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     from lightning.pytorch.loggers import MLFlowLogger
 
     from ngrpo_lightning.callbacks import PassAtK as PassAtKCallback
-    from ngrpo_lightning.data import ArithmeticTask
+    from ngrpo_lightning.data import reasoning_gym_problems
 
     module, datamodule = tiny_rl(tiny, ScriptedReward((1, 0)))  # every problem: 1 of its 2 samples correct
-    problems = ArithmeticTask(num_problems=2, seed=0, split="validation").problems()
+    problems = reasoning_gym_problems(["chain_sum"], 2, seed=0, split="validation")
     evaluator = PassAtKCallback({"arith": problems}, n=2, every_n_steps=1, max_new_tokens=3, temperature=1.0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/arith/pass@2", mode="max", every_n_train_steps=1)
     logger = MLFlowLogger(
@@ -195,12 +195,14 @@ def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     history = client.get_metric_history(logger.run_id, "val/arith/pass_at_2")
     assert [h.step for h in history] == [1, 2]
     files = {a.path for a in client.list_artifacts(logger.run_id, "pass_at_k/step_000002")}
-    assert files == {"pass_at_k/step_000002/pass_at_k.md", "pass_at_k/step_000002/pass_at_k.png"}
+    assert files == {f"pass_at_k/step_000002/{f}" for f in ("pass_at_k.md", "pass_at_k.png", "results.json")}
     table = (
         evaluator.last_results
         and open(client.download_artifacts(logger.run_id, "pass_at_k/step_000002/pass_at_k.md")).read()
     )
     assert "| Dataset | Mean@2 | Pass@1 | Pass@2 |" in table and "| arith | 50.0 | 50.0 | 100.0 |" in table
+    per_problem = json.load(open(client.download_artifacts(logger.run_id, "pass_at_k/step_000002/results.json")))
+    assert [(p["n"], p["c"]) for p in per_problem["sets"]["arith"]["problems"]] == [(2, 1), (2, 1)]
 
 
 def test_callback_rejects_k_larger_than_n():

@@ -236,7 +236,7 @@ def test_no_pool_leak_at_interpreter_exit(tmp_path):
         if __name__ == "__main__":
             pool = VerifierPool(num_workers=2)
             out = pool.run([(0, "1", "1")], check_fn=None, timeout_s=2.0, kill_after_s=4.0, num_chunks=1)
-            assert out[0][0] == "correct", out
+            assert out[0][0] == "correct" and out[0][2] == 1.0, out
             print(*pool.worker_pids())  # exits without close()
     """)
     )

@@ -217,7 +217,9 @@ def test_eval_with_vllm_equals_eval_with_hf_engine(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    hf, vllm = (json.loads((tmp_path / e / "results.json").read_text())["sets"]["arithmetic"] for e in ("hf", "vllm"))
+    hf, vllm = (
+        json.loads((tmp_path / e / "results.json").read_text())["sets"]["reasoning_gym"] for e in ("hf", "vllm")
+    )
     assert [p["answers"] for p in vllm["problems"]] == [p["answers"] for p in hf["problems"]]
     assert vllm["metrics"] == hf["metrics"]
 

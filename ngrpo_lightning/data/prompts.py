@@ -44,7 +44,8 @@ class PromptDataset(Dataset):
     """Rendered and tokenized prompts, once, up front; prompts over ``max_prompt_tokens``
     are dropped (``num_dropped``) with a warning.
 
-    Items: ``{"id", "prompt_ids": list[int], "prompt_text", "answer"}``.
+    Items: ``{"id", "prompt_ids": list[int], "prompt_text", "answer", "verifier"}``; ``verifier``
+    is the problem's task verifier spec (``meta["verifier"]``, reasoning-gym) or None.
     """
 
     def __init__(
@@ -67,7 +68,13 @@ class PromptDataset(Dataset):
         for p, text, ids in zip(problems, texts, encoded):
             if len(ids) <= max_prompt_tokens:
                 self.items.append(
-                    {"id": str(p["id"]), "prompt_ids": list(ids), "prompt_text": text, "answer": str(p["answer"])}
+                    {
+                        "id": str(p["id"]),
+                        "prompt_ids": list(ids),
+                        "prompt_text": text,
+                        "answer": str(p["answer"]),
+                        "verifier": (p.get("meta") or {}).get("verifier"),
+                    }
                 )
         self.num_total = len(problems)
         self.num_dropped = self.num_total - len(self.items)
@@ -89,5 +96,5 @@ class PromptDataset(Dataset):
 
 def collate_prompts(items: list[dict[str, Any]]) -> dict[str, list]:
     """A batch as a dict of lists; no padding (the rollout engine pads)."""
-    keys = ("id", "prompt_ids", "prompt_text", "answer")
-    return {k: [item[k] for item in items] for k in keys}
+    keys = ("id", "prompt_ids", "prompt_text", "answer", "verifier")
+    return {k: [item.get(k) for item in items] for k in keys}

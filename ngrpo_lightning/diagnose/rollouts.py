@@ -21,15 +21,14 @@ Per explorer, over all groups of G responses to one prompt:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
 from omegaconf import OmegaConf
-from rapidfuzz.distance import Levenshtein
 
 from ..config import ConfigError, compose, group_options
-from ..metrics import distinct_ngrams, pass_at_k
+from ..metrics import distinct_ngrams, edit_distance, pairwise_edit_distance, pass_at_k  # noqa: F401 (re-export)
+from ..rewards import score_responses
 
 
 def explorer_choices() -> list[str]:
@@ -64,25 +63,16 @@ def resolve_explorers(names: Sequence[str], args: Mapping[str, Mapping] | None =
     return out
 
 
-def edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
-    """Levenshtein distance (insert, delete, substitute: cost 1 each) between two token sequences."""
-    return Levenshtein.distance(list(a), list(b))
-
-
 def group_metrics(seqs: list[list[int]], correct: list[bool], answers: list) -> dict[str, float]:
     """The metrics of one group of G responses (token ids), their correctness and answers."""
     g = len(seqs)
-    pairs = list(itertools.combinations(range(g), 2))
-    dists = [edit_distance(seqs[i], seqs[j]) for i, j in pairs]
-    norm = [d / max(len(seqs[i]), len(seqs[j]), 1) for d, (i, j) in zip(dists, pairs)]
     out = {
         f"mean@{g}": sum(correct) / g,
         f"pass@{g}": pass_at_k(g, int(sum(correct)), g),
         "distinct_answers": float(len({a for a in answers if a is not None})),
     }
     out.update({f"distinct_{n}gram": distinct_ngrams(seqs, n) for n in range(1, 5)})
-    out["edit_distance"] = sum(dists) / len(dists) if dists else 0.0
-    out["edit_distance_norm"] = sum(norm) / len(norm) if norm else 0.0
+    out["edit_distance"], out["edit_distance_norm"] = pairwise_edit_distance(seqs)
     out["length"] = sum(len(s) for s in seqs) / g
     return out
 
@@ -98,7 +88,10 @@ def explorer_rollouts(
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         batch = engine.generate([it["prompt_ids"] for it in chunk], explorer, n=G, max_new_tokens=max_new_tokens)
-        scored = reward(batch.response_text, [it["answer"] for it in chunk for _ in range(G)])
+        golds = [it["answer"] for it in chunk for _ in range(G)]
+        scored = score_responses(
+            reward, batch.response_text, golds, [it.get("verifier") for it in chunk for _ in range(G)]
+        )
         answers = list(scored.answers) if scored.answers else [None] * len(batch)
         lengths = batch.response_lengths.tolist()
         seqs = [row[:n].tolist() for row, n in zip(batch.response_ids, lengths)]
@@ -106,7 +99,7 @@ def explorer_rollouts(
         truncated += int(batch.truncated.sum()) if batch.truncated is not None else 0
         for i, it in enumerate(chunk):
             rows = slice(i * G, (i + 1) * G)
-            correct = [bool(s > 0.5) for s in scored.scores[rows].tolist()]
+            correct = scored.correct[rows].tolist()
             per_group.append(group_metrics(seqs[rows], correct, answers[rows]))
             groups.append(
                 {

@@ -3,7 +3,10 @@ mixtures were, and how diverse each prompt's group of G samples is."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+from rapidfuzz.distance import Levenshtein
 
 from ..rewards import extract_answer
 from ..rollout.batch import RolloutBatch
@@ -15,6 +18,22 @@ def distinct_ngrams(sequences: list[list[int]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def edit_distance(a, b) -> int:
+    """Levenshtein distance (insert, delete, substitute: cost 1 each) between two token sequences."""
+    return Levenshtein.distance(list(a), list(b))
+
+
+def pairwise_edit_distance(sequences: list[list[int]]) -> tuple[float, float]:
+    """Mean edit distance over the pairs of a group, in tokens and divided by the longer of each
+    pair (0 = identical responses, 1 = nothing in common); (0, 0) for fewer than two."""
+    pairs = list(itertools.combinations(sequences, 2))
+    if not pairs:
+        return 0.0, 0.0
+    dists = [edit_distance(a, b) for a, b in pairs]
+    norm = [d / max(len(a), len(b), 1) for d, (a, b) in zip(dists, pairs)]
+    return sum(dists) / len(dists), sum(norm) / len(norm)
+
+
 def mixture_entropy(weights: torch.Tensor) -> torch.Tensor:
     """Entropy of each mixture's weights ([M, K] -> [M]); 0 for a one-hot mixture."""
     w = weights.float().clamp(min=0)
@@ -23,7 +42,8 @@ def mixture_entropy(weights: torch.Tensor) -> torch.Tensor:
 
 def exploration_metrics(batch: RolloutBatch, answers: list | None = None) -> dict[str, float]:
     """``explore/*`` metrics: mixed-step fraction, mixture-weight entropy, distinct n-grams
-    (n = 1..4) within groups and the fraction of distinct final answers within groups.
+    (n = 1..4) and pairwise edit distance / length within groups, and the fraction of distinct
+    final answers within groups.
 
     ``answers``: the rows' extracted final answers, as the reward saw them
     (``RewardResult.answers``); without them, the last ``\\boxed{}`` of each response."""
@@ -36,6 +56,7 @@ def exploration_metrics(batch: RolloutBatch, answers: list | None = None) -> dic
     groups = [seqs[i : i + g] for i in range(0, len(seqs), g)]
     for n in range(1, 5):
         out[f"explore/distinct_{n}gram"] = sum(distinct_ngrams(grp, n) for grp in groups) / max(len(groups), 1)
+    out["explore/edit_distance_norm"] = sum(pairwise_edit_distance(grp)[1] for grp in groups) / max(len(groups), 1)
     if answers is None and batch.response_text:
         answers = [extract_answer(t) for t in batch.response_text]
     if answers:

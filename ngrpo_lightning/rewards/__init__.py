@@ -8,11 +8,19 @@ on start-up, and must not pay for importing torch.
 from .extract import EXTRACT_METHODS, extract_answer
 from .verify import verify_answer
 
-__all__ = ["EXTRACT_METHODS", "STATUSES", "MathReward", "RewardResult", "extract_answer", "verify_answer"]
+__all__ = [
+    "EXTRACT_METHODS",
+    "STATUSES",
+    "MathReward",
+    "RewardResult",
+    "extract_answer",
+    "score_responses",
+    "verify_answer",
+]
 
 
 def __getattr__(name: str):
-    if name in ("MathReward", "RewardResult", "STATUSES"):
+    if name in ("MathReward", "RewardResult", "STATUSES", "score_responses"):
         from . import reward
 
         return getattr(reward, name)

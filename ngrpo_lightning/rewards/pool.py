@@ -122,9 +122,9 @@ class VerifierPool:
     # ------------------------------------------------------------------ checking
     def run(
         self, items: list[tuple[int, str, str]], *, check_fn, timeout_s: float, kill_after_s: float, num_chunks: int
-    ) -> dict[int, tuple[str, int]]:
-        """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid)}``."""
-        results: dict[int, tuple[str, int]] = {}
+    ) -> dict[int, tuple[str, int, float]]:
+        """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid, score)}``."""
+        results: dict[int, tuple[str, int, float]] = {}
         pending = {item[0]: item for item in items}
         stalled = 0  # consecutive rounds that resolved nothing (workers cannot even start)
         while pending and stalled < _MAX_STALLED_ROUNDS:
@@ -140,7 +140,7 @@ class VerifierPool:
                 "gave up on %d answers: %d verifier pool restarts in a row made no progress", len(pending), stalled
             )
         for index in pending:
-            results[index] = ("error", 0)
+            results[index] = ("error", 0, 0.0)
         return results
 
     def _run_round(self, pending, results, check_fn, timeout_s, kill_after_s, num_chunks) -> None:
@@ -166,8 +166,8 @@ class VerifierPool:
                 except BrokenProcessPool:
                     broken = True
                     continue
-                for index, status in out:
-                    results[index] = (status, pid)
+                for index, status, score in out:
+                    results[index] = (status, pid, score)
                     pending.pop(index, None)
             return broken
 
@@ -183,7 +183,7 @@ class VerifierPool:
             status = "timeout" if overrun else "error"
             for index, pid in stuck.items():
                 if index in pending:
-                    results[index] = (status, pid)
+                    results[index] = (status, pid, 0.0)
                     pending.pop(index)
             if overrun:
                 log.warning(

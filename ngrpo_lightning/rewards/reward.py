@@ -1,4 +1,5 @@
-"""Binary math reward: 1.0 if the completion's final answer equals the gold answer.
+"""Math reward: 1.0 if the completion's final answer equals the gold answer (math-verify), or,
+for a problem that carries a task verifier (reasoning-gym), the task's own graded score.
 
 Answers are extracted in the calling process (cheap, linear-time scans) and only the
 short extracted strings are shipped to the verifier pool, so a 16k-token completion costs
@@ -9,6 +10,7 @@ cannot be killed), and one hung check would stall training forever.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import time
@@ -18,6 +20,7 @@ import torch
 
 from .extract import EXTRACT_METHODS, extract_answer
 from .pool import VerifierPool
+from .task_score import score_task_answer
 
 STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 
@@ -26,7 +29,7 @@ STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 class RewardResult:
     """Per-completion scores and why each got its score."""
 
-    scores: torch.Tensor  # [N] float32, 1.0 correct / 0.0 otherwise
+    scores: torch.Tensor  # [N] float32: 1.0 correct / 0.0 otherwise (a task verifier may grade between)
     status: list[str]  # one of STATUSES per completion
     answers: list[str | None] = field(default_factory=list)  # extracted answers (None: no answer)
     worker_pids: list[int] = field(default_factory=list)  # debug: process that checked each item (0: none)
@@ -34,6 +37,11 @@ class RewardResult:
 
     def __len__(self) -> int:
         return len(self.status)
+
+    @property
+    def correct(self) -> torch.Tensor:
+        """[N] bool: fully correct answers (status ``correct``; a graded score below 1 is not)."""
+        return torch.tensor([s == "correct" for s in self.status], dtype=torch.bool)
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(STATUSES, 0)
@@ -48,7 +56,10 @@ class RewardResult:
 
 
 class MathReward:
-    """``reward(completions, golds) -> RewardResult``, safe against pathological answers.
+    """``reward(completions, golds, verifiers=None) -> RewardResult``, safe against pathological
+    answers. ``verifiers[i]``, when given and not None, is a task verifier spec (a reasoning-gym
+    entry as JSON, :mod:`.task_score`): row ``i`` is then scored by that task's ``score_answer``
+    instead of math-verify against ``golds[i]``.
 
     Args:
         extract: ``boxed`` or ``last_number`` (see :mod:`.extract`).
@@ -69,6 +80,9 @@ class MathReward:
         check_fn: ``(answer, gold) -> bool`` run in the workers, default
             :func:`~.verify.verify_answer`; must be picklable (a module-level function).
         start_timeout_s: how long the workers may take to start.
+        graded: keep a task verifier's partial scores (in [0, 1]; e.g. reasoning-gym's
+            ``chain_sum`` gives ``len(gold) / len(answer)`` to an answer containing the gold);
+            ``False`` (the config default) scores 1 only for ``correct`` answers, 0 otherwise.
 
     The pool starts on the first call (or :meth:`start`), is reused across calls and is
     shut down by :meth:`close`, ``with`` exit, garbage collection or interpreter exit.
@@ -84,6 +98,7 @@ class MathReward:
         check_fn=None,
         start_timeout_s: float = 120.0,
         answer_after: str | None = None,
+        graded: bool = False,
     ):
         if extract not in EXTRACT_METHODS:
             raise ValueError(f"reward.extract={extract!r} is unknown: allowed {list(EXTRACT_METHODS)}")
@@ -113,29 +128,41 @@ class MathReward:
         self.parallel_threshold = int(parallel_threshold)
         self.kill_grace_s = float(kill_grace_s)
         self.check_fn = check_fn
+        self.graded = bool(graded)
         self.pool = VerifierPool(self.num_workers, start_timeout_s=start_timeout_s)
 
-    def __call__(self, completions: list[str], golds: list[str]) -> RewardResult:
+    def __call__(
+        self, completions: list[str], golds: list[str], verifiers: list[str | None] | None = None
+    ) -> RewardResult:
         if len(completions) != len(golds):
             raise ValueError(f"got {len(completions)} completions but {len(golds)} gold answers")
+        if verifiers is not None and len(verifiers) != len(golds):
+            raise ValueError(f"got {len(verifiers)} verifier specs for {len(golds)} gold answers")
         t0 = time.monotonic()
         answers = [extract_answer(self.answer_part(c or ""), self.extract) for c in completions]
         status = ["no_answer"] * len(answers)
         pids = [0] * len(answers)
-        items = [(i, a, str(g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
-        if items:
+        scores = [0.0] * len(answers)
+        by_task = verifiers or [None] * len(answers)
+        math_items = [
+            (i, a, str(g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None and not by_task[i]
+        ]
+        task_items = [(i, a, by_task[i]) for i, a in enumerate(answers) if a is not None and by_task[i]]
+        for items, check_fn in ((math_items, self.check_fn), (task_items, score_task_answer)):
+            if not items:
+                continue
             chunks = len(items) if len(items) < self.parallel_threshold else 4 * self.num_workers
             checked = self.pool.run(
                 items,
-                check_fn=self.check_fn,
+                check_fn=check_fn,
                 timeout_s=self.timeout_s,
                 kill_after_s=self.timeout_s + self.kill_grace_s,
                 num_chunks=chunks,
             )
-            for i, (s, pid) in checked.items():
+            for i, (s, pid, score) in checked.items():
                 status[i], pids[i] = s, pid
-        scores = torch.tensor([1.0 if s == "correct" else 0.0 for s in status], dtype=torch.float32)
-        return RewardResult(scores, status, answers, pids, time.monotonic() - t0)
+                scores[i] = score if self.graded else float(s == "correct")
+        return RewardResult(torch.tensor(scores, dtype=torch.float32), status, answers, pids, time.monotonic() - t0)
 
     def answer_part(self, completion: str) -> str:
         """The part of ``completion`` the answer is read from (see ``answer_after``)."""
@@ -162,3 +189,22 @@ class MathReward:
             f"MathReward(extract={self.extract!r}, timeout_s={self.timeout_s:g}, "
             f"num_workers={self.num_workers}, parallel_threshold={self.parallel_threshold})"
         )
+
+
+def score_responses(reward, completions: list[str], golds: list[str], verifiers=None) -> RewardResult:
+    """``reward(completions, golds)``, plus the rows' task verifier specs when any row has one and
+    the reward takes a third argument: a reward written with two arguments keeps working (and
+    judges task problems by their gold answers)."""
+    if verifiers is not None and any(v is not None for v in verifiers) and _takes_verifiers(reward):
+        return reward(completions, golds, list(verifiers))
+    return reward(completions, golds)
+
+
+def _takes_verifiers(reward) -> bool:
+    try:
+        inspect.signature(reward).bind([], [], [])
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): assume the documented three arguments
+        return True
+    return True

@@ -71,26 +71,30 @@ def ping() -> int:
 
 def run_chunk(
     call_id: int, items: list[tuple[int, str, str]], check_fn, timeout_s: float
-) -> tuple[int, list[tuple[int, str]]]:
-    """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status), ...])``."""
+) -> tuple[int, list[tuple[int, str, float]]]:
+    """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status, score), ...])``."""
     out = []
     for index, answer, gold in items:
         _mark(call_id, index)
-        out.append((index, check_one(answer, gold, check_fn, timeout_s)))
+        out.append((index, *check_one(answer, gold, check_fn, timeout_s)))
     _mark(0, -1, idle=True)
     return os.getpid(), out
 
 
-def check_one(answer: str, gold: str, check_fn, timeout_s: float) -> str:
-    """``correct`` / ``wrong`` / ``timeout`` (soft limit) / ``error`` for one answer."""
+def check_one(answer: str, gold: str, check_fn, timeout_s: float) -> tuple[str, float]:
+    """(status, score) of one answer: ``correct`` / ``wrong`` / ``timeout`` (soft limit) /
+    ``error``. A checker returns a bool or a graded score in [0, 1] (``correct`` at 1)."""
     try:
         with soft_time_limit(timeout_s):
-            ok = (check_fn or verify_answer)(answer, gold)
-        return "correct" if ok else "wrong"
+            score = float((check_fn or verify_answer)(answer, gold))
     except TimeoutError:
-        return "timeout"
+        return "timeout", 0.0
     except Exception:  # a verifier bug must not take the training step down
-        return "error"
+        return "error", 0.0
+    if not score < 1.0:  # NaN scores nothing below; full marks are exactly 1
+        return ("correct", 1.0) if score >= 1.0 else ("wrong", 0.0)
+    # A near miss stays below 1 in the float32 rewards too (0.99999999 would round to 1.0).
+    return "wrong", min(max(score, 0.0), 0.9999)
 
 
 def _mark(call_id: int, index: int, idle: bool = False) -> None:

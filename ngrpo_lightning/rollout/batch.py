@@ -26,6 +26,7 @@ class RolloutBatch:
     records: InputRecords = field(default_factory=InputRecords)
     group_size: int = 1
     answers: list[str] = field(default_factory=list)  # gold answer per row
+    verifiers: list[str | None] = field(default_factory=list)  # task verifier spec per row (None: math-verify)
     problem_ids: list[str] = field(default_factory=list)  # problem id per row
     response_text: list[str] = field(default_factory=list)  # decoded response per row
     truncated: torch.Tensor | None = None  # [N] bool: hit max_new_tokens without EOS
@@ -87,6 +88,7 @@ class RolloutBatch:
             records=records,
             group_size=batches[0].group_size,
             answers=joined("answers"),
+            verifiers=joined("verifiers") if all(b.verifiers for b in batches) else [],
             problem_ids=joined("problem_ids"),
             response_text=joined("response_text"),
             truncated=None if any(b.truncated is None for b in batches) else torch.cat([b.truncated for b in batches]),
@@ -124,6 +126,7 @@ class RolloutBatch:
             rollout_logprobs=self.rollout_logprobs[rows],
             records=self.records.select_rows(rows),
             answers=pick(self.answers),
+            verifiers=pick(self.verifiers),
             problem_ids=pick(self.problem_ids),
             response_text=pick(self.response_text),
             truncated=None if self.truncated is None else self.truncated[rows],

@@ -259,6 +259,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.sync_engine()
         out = self.engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
         out.answers = [a for a in prompts["answer"] for _ in range(n)]
+        out.verifiers = [v for v in prompts.get("verifier", [None] * len(prompts["answer"])) for _ in range(n)]
         out.problem_ids = [i for i in prompts["id"] for _ in range(n)]
         return out
 

@@ -1,0 +1,61 @@
+"""`ngrpo train --multirun`: every combination is its own tagged MLflow run in its own folder,
+a failed arm is reported and the sweep goes on, a re-run skips what finished; the basic and
+joblib launchers."""
+
+import json
+
+import pytest
+from conftest import TINY_JOB
+from mlflow import MlflowClient
+
+from ngrpo_lightning.cli import main
+
+TINY = [*TINY_JOB, "trainer.max_steps=1", "data.val_size=2"]
+
+
+def sweep_runs(store, sweep):
+    client = MlflowClient(store)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments, filter_string=f"tags.`ngrpo.sweep` = '{sweep}'")
+
+
+def jobs(tmp_path, sweep):
+    records = [json.loads(p.read_text()) for p in (tmp_path / "multirun" / sweep).glob("*/sweep_job.json")]
+    return {tuple(j["overrides"]): j for j in records}
+
+
+def test_basic_sweep_tags_runs_reports_failures_and_skips_finished_jobs(store, tmp_path, capsys):
+    cmd = ["train", "-m", *TINY, f"logger.tracking_uri={store}", "sweep=s1", "seed=0,1", "optim.lr=0.01,-1.0"]
+    assert main(cmd) == 1  # two of the four runs fail: the sweep reports it
+    text = capsys.readouterr().out
+    assert "Sweep s1 (4 runs)" in text and text.count("| finished |") == 2 and text.count("| failed: ") == 2
+    assert "optim.lr=-1.0" in text and "sweep=s1 to resume them" in text
+    done = jobs(tmp_path, "s1")
+    assert len(done) == 4 and len({j["arm"] for j in done.values()}) == 2
+    ok = {k: j for k, j in done.items() if j["status"] == "finished"}
+    assert {j["seed"] for j in ok.values()} == {0, 1} and {j["arm"] for j in ok.values()} == {"optim.lr=0.01"}
+    assert all("optim.lr=-1.0 is out of range" in j["error"] for j in done.values() if j["status"] == "failed")
+    runs = sweep_runs(store, "s1")
+    assert sorted(r.info.run_id for r in runs) == sorted(j["run_id"] for j in ok.values())
+    for r in runs:
+        tags = r.data.tags
+        assert tags["ngrpo.arm"] == "optim.lr=0.01" and tags["ngrpo.explorer"] == "temperature"
+        assert tags["ngrpo.objective"] == "grpo" and tags["ngrpo.seed"] in {"0", "1"}
+        assert r.data.params["seed"] == tags["ngrpo.seed"] and r.info.status == "FINISHED"
+    folders = {r.data.params["output_dir"] for r in runs}
+    assert len(folders) == 2 and all("multirun/s1/" in f for f in folders)
+
+    assert main(cmd) == 1  # again: the finished runs are skipped, the failed ones tried again
+    assert len(sweep_runs(store, "s1")) == 2
+    again = jobs(tmp_path, "s1")
+    assert all(again[k]["run_id"] == j["run_id"] and "resumed" in again[k] for k, j in ok.items())
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(store, tmp_path, capsys):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    cmd = ["train", "-m", *TINY, f"logger.tracking_uri={store}", "sweep=j1", "seed=3,4"]
+    assert main([*cmd, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]) == 0
+    assert "Sweep j1 (2 runs)" in capsys.readouterr().out
+    runs = sweep_runs(store, "j1")
+    assert sorted(r.data.tags["ngrpo.seed"] for r in runs) == ["3", "4"]
+    assert all(r.info.status == "FINISHED" and r.data.tags["ngrpo.arm"] == "temperature x grpo" for r in runs)
