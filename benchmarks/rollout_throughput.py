@@ -10,7 +10,8 @@ Two workloads, same prompts, seeds and number of samples for both decoders:
   rollouts. ``generate`` keeps decoding every row until the longest ends; HFEngine drops rows
   as they end. Throughput counts useful tokens only (each row's response up to and including
   its EOS). ``hf_engine_kept_rows`` is HFEngine with ``drop_finished_rows=False`` (every row
-  decodes until the longest ends, as ``generate`` does): the engine before rows could leave.
+  decodes until the longest ends, as ``generate`` does): the engine before rows could leave;
+  ``--drop-min-frac 0.25 0.5`` adds HFEngine letting ended rows leave only in such shares.
   Samples differ between decoders (different random streams), so their useful token counts
   differ a little; each decoder repeats its own identical rollout (the same seed every repeat).
 
@@ -97,8 +98,10 @@ def run_variable(model, tok, batch: int, args) -> dict:
     prompts = variable_prompt_ids(tok, batch)
     sampler = TemperatureExplorer(temperature=1.0)
 
-    def engine_run(drop: bool):
-        engine = HFEngine(model, tok, max_new_tokens=args.max_new_tokens, seed=args.seed, drop_finished_rows=drop)
+    def engine_run(drop: bool, frac: float = 0.0):
+        engine = HFEngine(
+            model, tok, max_new_tokens=args.max_new_tokens, seed=args.seed, drop_finished_rows=drop, drop_min_frac=frac
+        )
         return engine.generate(prompts, sampler)
 
     tok.padding_side = "left"
@@ -112,6 +115,8 @@ def run_variable(model, tok, batch: int, args) -> dict:
             )
 
     contenders = {"engine": lambda: engine_run(True), "kept": lambda: engine_run(False), "generate": generate}
+    fracs = [f for f in args.drop_min_frac if f > 0]
+    contenders.update({f"deferred_{f}": (lambda f=f: engine_run(True, f)) for f in fracs})
     times, outs = best_of_each(contenders, args.repeats)
     t_engine, t_kept, t_gen = times["engine"], times["kept"], times["generate"]
     out, gen = outs["engine"], outs["generate"]
@@ -130,6 +135,7 @@ def run_variable(model, tok, batch: int, args) -> dict:
         "engine_len_min_max": f"{int(lengths.min())}-{int(lengths.max())}",
         "hf_engine_tok_s": engine_rate,
         "hf_engine_kept_rows_tok_s": engine_tokens / t_kept,
+        **{f"hf_engine_drop_min_frac_{f}_tok_s": engine_tokens / times[f"deferred_{f}"] for f in fracs},
         "generate_tok_s": gen_rate,
         "speedup": engine_rate / gen_rate,
     }
@@ -144,6 +150,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256, help="variable workload: response limit")
     ap.add_argument("--seed", type=int, default=0, help="variable workload: sampling seed")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument(
+        "--drop-min-frac", type=float, nargs="*", default=[], help="variable workload: HFEngine with these too"
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per case (after one warm-up); the best counts")
     ap.add_argument("--out", default=str(RESULTS / "rollout_throughput.json"))
     args = ap.parse_args()
@@ -167,6 +176,7 @@ def main() -> None:
         "engine_len_min_max",
         "hf_engine_tok_s",
         "hf_engine_kept_rows_tok_s",
+        *[f"hf_engine_drop_min_frac_{f}_tok_s" for f in args.drop_min_frac if f > 0],
         "generate_tok_s",
         "speedup",
     ]

@@ -166,9 +166,9 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
 
 
 def engine_kwargs(cfg: DictConfig) -> dict:
-    """The engine's settings: ``rollout.vllm.*`` for ``rollout.engine=vllm`` (nulls dropped)."""
+    """The engine's settings: ``rollout.hf.*`` or ``rollout.vllm.*`` (nulls dropped)."""
     if cfg.rollout.engine != "vllm":
-        return {}
+        return dict(OmegaConf.to_container(cfg.rollout.get("hf") or {}, resolve=True))
     settings = {
         k: v for k, v in OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True).items() if v is not None
     }
@@ -182,6 +182,14 @@ def check_engine(cfg: DictConfig) -> None:
         check_engine_name(cfg.rollout.engine, "rollout.engine")
     except ValueError as err:
         raise named_error(err, "rollout.engine") from err
+    hf = cfg.rollout.get("hf") or {}
+    unknown = set(hf) - {"drop_min_frac"}
+    if unknown:
+        raise ConfigError(f"rollout.hf.{sorted(unknown)[0]} is unknown: allowed ['drop_min_frac']")
+    try:
+        check_number("rollout.hf.drop_min_frac", hf.get("drop_min_frac", 0.0), 0.0, 1.0)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 # ---------------------------------------------------------------------- module

@@ -51,6 +51,11 @@ def test_bad_dtype_is_named(capsys):
     assert "model.dtype" in err
 
 
+def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
+    err = run_error(capsys, "train", "model=tiny", "rollout.hf.drop_min_frac=2", "logger=none")
+    assert "rollout.hf.drop_min_frac=2 is out of range: allowed [0.0, 1.0]" in err
+
+
 def test_help_lists_groups(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out

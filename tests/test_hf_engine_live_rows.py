@@ -43,8 +43,10 @@ def count_batch_rows(model):
     return sizes, handle
 
 
-def rollout(model, tok, explorer_factory, ends, drop, seed=0, n=2, max_new_tokens=12):
-    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, seed=seed, drop_finished_rows=drop)
+def rollout(model, tok, explorer_factory, ends, drop, seed=0, n=2, max_new_tokens=12, drop_min_frac=0.0):
+    engine = HFEngine(
+        model, tok, max_new_tokens=max_new_tokens, seed=seed, drop_finished_rows=drop, drop_min_frac=drop_min_frac
+    )
     explorer = EndAtStep(explorer_factory(), ends, engine.eos_ids[0])
     sizes, handle = count_batch_rows(model)
     try:
@@ -83,6 +85,18 @@ def test_ended_rows_leave_the_batch_and_keep_their_outputs(tiny):
     with torch.no_grad():
         logp, _ = response_logprobs(model, dropped, 1.0)
     assert (logp - dropped.rollout_logprobs)[m].abs().max() < 1e-4
+
+
+def test_ended_rows_can_leave_together_once_they_are_a_share_of_the_batch(tiny):
+    model, tok = tiny
+    sampler = lambda: TemperatureExplorer(temperature=1.0)  # noqa: E731
+    deferred, widths, sizes = rollout(model, tok, sampler, ENDS, drop=True, drop_min_frac=0.5)
+    assert_same_rollouts(deferred, rollout(model, tok, sampler, ENDS, drop=True)[0])
+    # rows 0, 2, 5 end at steps 0, 2, 3: half of 6, they leave after step 3; rows 1 and 4 (steps
+    # 5 and 8) are half of the remaining 3 only together, after step 8
+    assert sizes == [3, 6, 6, 6, 3, 3, 3, 3, 3, 1, 1, 1] and widths == [6] * 12
+    with pytest.raises(ValueError, match=r"rollout\.hf\.drop_min_frac=1\.5 is out of range"):
+        HFEngine(model, tok, drop_min_frac=1.5)
 
 
 def test_mixed_steps_keep_their_rows_and_positions(tiny):

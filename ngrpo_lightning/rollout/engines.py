@@ -27,12 +27,13 @@ def check_engine(name: str, key: str = "rollout.engine") -> None:
 def build_engine(
     name: str, policy, tokenizer, *, max_new_tokens: int, seed: int, key: str = "rollout.engine", **settings
 ) -> RolloutEngine:
-    """The engine ``name`` for ``policy``: ``hf`` decodes with the policy module itself; ``vllm``
-    loads the policy's directory into vLLM (``settings`` are ``rollout.vllm.*``) and must be given
-    the policy's weights with ``sync_weights`` whenever they differ from that directory's."""
+    """The engine ``name`` for ``policy``: ``hf`` decodes with the policy module itself
+    (``settings`` are ``rollout.hf.*``); ``vllm`` loads the policy's directory into vLLM
+    (``settings`` are ``rollout.vllm.*``) and must be given the policy's weights with
+    ``sync_weights`` whenever they differ from that directory's."""
     check_engine(name, key)
     if name == "hf":
-        return HFEngine(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+        return HFEngine(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)
     from .vllm_engine import VLLMEngine  # the optional dependency: imported only when asked for
 
     return VLLMEngine.from_policy(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..checks import check_number
 from ..explorers import Explorer
 from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
@@ -83,6 +84,9 @@ class HFEngine(SeededEngine):
         max_new_tokens: default response length limit.
         seed: seed of the sampling generator (reproducible rollouts).
         drop_finished_rows: rows that end leave the decoding batch (default).
+        drop_min_frac: ended rows leave together, once they make up at least this fraction of
+            the decoding batch (0: each step's ended rows at once). Until then they decode
+            padding: a small batch saves more by compacting less often.
     """
 
     def __init__(
@@ -92,8 +96,11 @@ class HFEngine(SeededEngine):
         max_new_tokens: int = 256,
         seed: int = 0,
         drop_finished_rows: bool = True,
+        drop_min_frac: float = 0.0,
     ):
+        check_number("rollout.hf.drop_min_frac", drop_min_frac, 0.0, 1.0)
         self.model, self.tokenizer = model, tokenizer
+        self.drop_min_frac = float(drop_min_frac)
         self.max_new_tokens = max_new_tokens
         self.seed = seed
         self.drop_finished_rows = drop_finished_rows
@@ -215,8 +222,10 @@ class HFEngine(SeededEngine):
                 lengths[live[ended]] = t + 1
                 if bool(finished.all()):
                     break
-                if self.drop_finished_rows:
-                    keep = (~ended).nonzero().squeeze(-1)
+            if self.drop_finished_rows and ended.any():
+                stale = finished[live]
+                if int(stale.sum()) >= max(1, self.drop_min_frac * len(live)):
+                    keep = (~stale).nonzero().squeeze(-1)
                     if explorer_logits is None:
                         explorer_logits = logits.clone()  # the batch still had every row
                     live, inputs, mask, position = live[keep], inputs[keep], mask[keep], position[keep]
