@@ -32,6 +32,13 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the key."""
 
 
+def named_error(err: Exception, key: str) -> ConfigError:
+    """``err`` as a :class:`ConfigError` that names ``key`` once: messages of the checks
+    (:mod:`ngrpo_lightning.checks`) already start with the full key."""
+    msg = str(err).strip('"')
+    return ConfigError(msg if msg.startswith(key) else f"{key}: {msg}")
+
+
 def config_dir() -> Path:
     """The ``conf/`` folder (in a checkout ``ngrpo_lightning/conf`` links to the top-level ``conf/``;
     wheels ship a copy)."""

@@ -24,6 +24,12 @@ from .temperature import TemperatureExplorer
 SEED_HIGH = 2**62  # noise seeds are drawn from [0, SEED_HIGH); -1 marks "no noise" in records
 
 
+def noise_seeds(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """One recorded noise seed per row, drawn from the rollout generator (rows rebuild their
+    noise from it: :func:`~ngrpo_lightning.rollout.records.noise_vectors`)."""
+    return torch.randint(0, SEED_HIGH, (n,), generator=generator, device=device)
+
+
 @register_explorer("gaussian")
 class GaussianNoiseExplorer(Explorer):
     """Isotropic Gaussian noise on the sampled token's embedding.
@@ -66,7 +72,7 @@ class GaussianNoiseExplorer(Explorer):
             if self.rho == 1.0
             else torch.rand(b, generator=generator, device=device) < self.rho
         )
-        seeds = torch.randint(0, SEED_HIGH, (b,), generator=generator, device=device)
+        seeds = noise_seeds(b, generator, device)
         emb = self.embeddings[tokens.to(self.embeddings.device)].float()
         scale = (self.sigma * emb.norm(dim=-1) / math.sqrt(emb.shape[-1])).to(device)
         return ExplorerStep(

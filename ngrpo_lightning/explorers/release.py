@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .base import ExplorerStep, check_answer_start, check_range, register_explorer
-from .gaussian import SEED_HIGH
+from .gaussian import noise_seeds
 from .sampling import filter_logits
 from .temperature import TemperatureExplorer
 
@@ -114,7 +114,7 @@ class GaussianEmbedNoiseExplorer(TopKMixExplorer):
         emb = self.embeddings
         mixture = (step.weights.to(emb.device)[..., None] * emb[step.ids.to(emb.device)].float()).sum(1)
         step.noise_scale = (self.noise_rms_scale * mixture.pow(2).mean(-1).sqrt()).to(logits.device)
-        step.noise_seed = torch.randint(0, SEED_HIGH, (len(step.tokens),), generator=generator, device=logits.device)
+        step.noise_seed = noise_seeds(len(step.tokens), generator, logits.device)
         return step
 
 
@@ -135,7 +135,7 @@ class OrthogonalNoiseExplorer(TopKMixExplorer):
         residual = (others - coef[..., None] * anchor[:, None]).norm(dim=-1).clamp(min=1e-6)  # [B, k-1]
         w = (scores.gather(-1, ids[:, 1:]).to(emb.device) / self.mix_temperature).softmax(-1)
         scale = (w * residual).pow(2).sum(-1).sqrt()  # 0 when k == 1
-        seeds = torch.randint(0, SEED_HIGH, (len(tokens),), generator=generator, device=logits.device)
+        seeds = noise_seeds(len(tokens), generator, logits.device)
         return ExplorerStep(
             tokens=tokens,
             mixed=mixed,
