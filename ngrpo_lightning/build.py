@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from . import attention
 from .build_data import build_datamodule, build_problems, check_engine, engine_kwargs
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
 from .checkpointing import build_checkpointing, check_resume, checkpoint_meta, resolve_resume
@@ -23,6 +24,7 @@ from .checks import check_number
 from .config import ConfigError, named_error
 from .evaluate import EvalSet
 from .explorers import EXPLORERS, Explorer, TemperatureExplorer
+from .host_memory import wants_freed_memory_kept
 from .models import load_policy, parse_dtype
 from .module import RLModule
 from .objectives import OBJECTIVES, PolicyObjective, resolve_advantage
@@ -146,6 +148,11 @@ def check_config(cfg: DictConfig) -> None:
         parse_dtype(cfg.model.dtype)
     except ValueError as err:
         raise named_error(err, "model.dtype") from err
+    try:
+        attention.check_attn_implementation(cfg.model.get("attn_implementation", attention.NAME))
+        wants_freed_memory_kept(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     check_memory_settings(cfg)
 
 
@@ -209,7 +216,10 @@ def build_module(cfg: DictConfig) -> RLModule:
     explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
     optim, train, _ = settings(cfg)
     policy, tokenizer = load_policy(
-        cfg.model.name_or_path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+        cfg.model.name_or_path,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=cfg.model.get("attn_implementation", attention.NAME),
     )
     reference = RLModule.reference_from(policy) if objective.needs_reference else None
     if cfg.model.get("gradient_checkpointing", False):  # after the copy: the frozen reference never runs backward

@@ -40,6 +40,7 @@ from .compare.command import compose_compare, run_compare
 from .config import GROUPS, ConfigError, compose, group_options
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
+from .host_memory import apply_host_settings
 from .sweep import run_sweep
 from .tracking import log_config, summarize_run
 
@@ -70,6 +71,7 @@ def train(cfg: DictConfig) -> dict:
         warnings.filterwarnings("ignore", message=pattern)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
+    apply_host_settings(cfg)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
     ckpt_path = resolve_resume(cfg)
     meta = checkpoint_meta(ckpt_path) if ckpt_path else {}

@@ -15,11 +15,13 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from . import attention
 from .config import ConfigError, compose
 from .data import load_problems, reasoning_gym_problems
 from .data.benchmarks import load_benchmark
 from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, plot_pass_at_k, results_table
 from .explorers import TemperatureExplorer
+from .host_memory import apply_host_settings
 from .models import load_policy, parse_dtype
 from .rollout import build_engine
 from .rollout.engine import full_named_tensors
@@ -133,7 +135,12 @@ def load_eval_policy(cfg):
                 f"checkpoint {ckpt_path} does not name its base model: pass "
                 f"model.name_or_path=<base model> checkpoint={ckpt_path}"
             )
-    policy, tokenizer = load_policy(name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    policy, tokenizer = load_policy(
+        name,
+        dtype=dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=cfg.model.get("attn_implementation", attention.NAME),
+    )
     if state is not None:
         weights = {k[len("policy.") :]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
         if not weights:
@@ -189,6 +196,8 @@ def run_eval(cfg) -> dict:
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)
         explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        attention.check_attn_implementation(cfg.model.get("attn_implementation", attention.NAME))
+        apply_host_settings(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading

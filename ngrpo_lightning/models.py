@@ -42,6 +42,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from . import attention
+
 try:  # POSIX only; elsewhere concurrent first builds are simply not guarded
     import fcntl
 except ImportError:  # pragma: no cover
@@ -271,12 +273,21 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
 
 
 def load_policy(
-    name_or_path: str, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code: bool = False
+    name_or_path: str,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = attention.NAME,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode."""
+    """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode, with
+    ``attn_implementation`` (default ``sdpa_gqa``, see :mod:`ngrpo_lightning.attention`;
+    ``None``: transformers' choice)."""
     torch_dtype, path = parse_dtype(dtype), resolve_model_path(name_or_path)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **{_DTYPE_KW: torch_dtype})
+    kwargs = {_DTYPE_KW: torch_dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     model.to(device).train()
     model.generation_config.pad_token_id = tok.pad_token_id  # batched generate pads with it
     return model, tok

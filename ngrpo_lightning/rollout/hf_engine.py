@@ -14,13 +14,14 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..checks import check_number
 from ..explorers import Explorer
 from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
 from .engine import SeededEngine
+from .kv_cache import reserved_cache
 from .reconstruction import mixture_embeddings
 from .records import InputRecords
 
@@ -179,7 +180,7 @@ class HFEngine(SeededEngine):
         slot = live.clone()
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = reserved_cache(width + max_new)  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
         marker = AnswerMarker.for_explorer(explorer, self.tokenizer)

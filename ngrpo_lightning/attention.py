@@ -1,0 +1,53 @@
+"""``sdpa_gqa``: transformers' SDPA attention, with grouped KV heads read in place on CPU.
+
+Models with grouped-query attention (SmolLM2, Qwen2, Llama 3: fewer key/value heads than
+query heads) reach ``torch.nn.functional.scaled_dot_product_attention`` through transformers'
+``sdpa`` attention. When a padding mask is given, which is every batched rollout and
+log-prob pass here, transformers first copies each key/value head once per query head of its
+group (``repeat_kv``), because CUDA's fast kernels need that. PyTorch's CPU kernel takes the
+grouped heads as they are (``enable_gqa=True``) and gives the same values and gradients
+without the copies: on the packaged model that is 60 copies of the KV cache per decoding step
+and per forward. So on CPU this function passes ``enable_gqa``; on every other device, and
+for models without grouped heads, it is transformers' ``sdpa`` unchanged.
+
+It is registered with transformers (``AttentionInterface``, with ``sdpa``'s mask builder) as
+``sdpa_gqa`` and is the default of ``model.attn_implementation``; any name transformers
+knows (``sdpa``, ``eager``, ``flash_attention_2``) can be set there instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "sdpa_gqa"
+
+
+def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention signature: query [B, H, Lq, d], key/value [B, H_kv, Lk, d];
+    returns ([B, Lq, H, d], None)."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = (
+        query.device.type != "cpu" or not grouped or attention_mask is None or kwargs.get("position_bias") is not None
+    )
+    if plain or kwargs.get("cache") is not None or kwargs.get("output_attentions", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, sdpa_gqa_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def check_attn_implementation(name) -> None:
+    """``model.attn_implementation`` names an attention transformers knows (or a hub kernel,
+    ``owner/repo``); otherwise a ``ValueError`` with the allowed names."""
+    known = ["eager", *AttentionInterface._global_mapping]
+    if isinstance(name, str) and (name in known or "/" in name):
+        return
+    raise ValueError(f"model.attn_implementation={name!r} is not an attention transformers knows: allowed {known}")

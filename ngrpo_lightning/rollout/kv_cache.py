@@ -1,0 +1,91 @@
+"""A KV cache whose layers write each decoding step in place.
+
+transformers' ``DynamicCache`` grows every layer's keys and values by concatenation: each
+decoding step copies the whole cache, once per layer for keys and once for values, so a
+rollout of L tokens copies O(L^2) cache entries. On the packaged model (30 layers, 32 rows)
+that was 13% of a 40-token rollout's time, and the share grows with the response length.
+:func:`reserved_cache` gives a ``Cache`` of :class:`ReservedLayer`: each layer reserves room
+for the whole rollout (prompt + ``max_new_tokens``) at its first update and writes later
+positions into it; the model reads views of the filled part, so values are those of
+``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class ReservedLayer(DynamicLayer):
+    """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+        self.key_buffer = self.value_buffer = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if self.key_buffer is None or self.length + new > self.key_buffer.shape[-2]:
+            self._resize(
+                torch.arange(key_states.shape[0], device=key_states.device),
+                max(self.capacity, 2 * (self.length + new)),
+                key_states,
+                value_states,
+            )
+        end = self.length + new
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        return self._views()
+
+    def _resize(self, rows: torch.Tensor, capacity: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New buffers of ``capacity`` positions holding the filled part of ``rows``."""
+        old_keys, old_values = self.key_buffer, self.value_buffer
+        self.key_buffer = keys.new_empty(len(rows), keys.shape[1], capacity, keys.shape[-1])
+        self.value_buffer = values.new_empty(len(rows), values.shape[1], capacity, values.shape[-1])
+        if old_keys is not None and self.length:
+            self.key_buffer[:, :, : self.length] = old_keys[rows, :, : self.length]
+            self.value_buffer[:, :, : self.length] = old_values[rows, :, : self.length]
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+        return self.keys, self.values
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if self.key_buffer is not None:
+            rows = rows.to(self.key_buffer.device)
+            self._resize(rows, self.key_buffer.shape[-2], self.key_buffer, self.value_buffer)
+            self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.key_buffer is not None:
+            self._select_rows(torch.arange(self.key_buffer.shape[0]).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.key_buffer is not None:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+        elif tokens_to_remove > 0:
+            raise NotImplementedError("ReservedLayer.crop takes the number of tokens to remove, as a negative int")
+
+    def reset(self) -> None:
+        self.key_buffer = self.value_buffer = None
+        self.length = 0
+        super().reset()
+
+
+def reserved_cache(capacity: int) -> Cache:
+    """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each."""
+    return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity))

@@ -1,0 +1,152 @@
+"""The step's CPU speed-ups change no value: grouped KV heads read in place (``sdpa_gqa``), a
+KV cache written in place during rollouts (``ReservedLayer``), and freed memory kept in the
+process (``host.keep_freed_memory``)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import chat_prompt_ids
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ngrpo_lightning.attention import check_attn_implementation
+from ngrpo_lightning.config import ConfigError, compose
+from ngrpo_lightning.explorers import NeighborMixingExplorer, TemperatureExplorer
+from ngrpo_lightning.models import resolve_model_path
+from ngrpo_lightning.rollout import HFEngine, hf_engine
+from ngrpo_lightning.rollout.kv_cache import ReservedLayer
+
+QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "Name the smallest prime number that is larger than twenty, then double it."]
+
+
+# ------------------------------------------------------------------ sdpa_gqa
+def load(attn: str) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), attn_implementation=attn)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the case at hand
+    return model.train()
+
+
+def left_padded(tokenizer):
+    ids = chat_prompt_ids(tokenizer, QUESTIONS)
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(s)) + s for s in ids])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in ids])
+    return input_ids, mask
+
+
+def test_sdpa_gqa_matches_sdpa_values_and_gradients(tokenizer):
+    input_ids, mask = left_padded(tokenizer)
+    assert (mask == 0).any()  # a padding mask: the case where transformers repeats the KV heads on CPU
+    grads, logits = [], []
+    for attn in ("sdpa_gqa", "sdpa"):
+        model = load(attn)
+        assert model.config._attn_implementation == attn
+        out = model(input_ids=input_ids, attention_mask=mask).logits
+        (out[mask.bool()].log_softmax(-1)[:, :50].sum()).backward()
+        logits.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        a, b = grads[0][name], grads[1][name]
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (name, (a - b).abs().max(), b.abs().max())
+
+
+def test_policy_loads_with_sdpa_gqa_by_default(tiny):
+    model, _ = tiny
+    assert model.config._attn_implementation == "sdpa_gqa"
+
+
+def test_unknown_attention_is_refused_with_the_allowed_names():
+    check_attn_implementation("eager")
+    check_attn_implementation("kernels-community/flash-attn")  # a hub kernel: transformers resolves it
+    with pytest.raises(ValueError, match=r"model.attn_implementation='sdpx'.*eager.*sdpa_gqa"):
+        check_attn_implementation("sdpx")
+    from ngrpo_lightning.build import check_config
+
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        check_config(compose(["model=tiny", "model.attn_implementation=flash"]))
+
+
+# ------------------------------------------------------------------ ReservedLayer
+def rollouts(model, tokenizer, explorer, cache_factory, monkeypatch, n=3, max_new_tokens=12):
+    monkeypatch.setattr(hf_engine, "reserved_cache", cache_factory)
+    engine = HFEngine(model, tokenizer, max_new_tokens=max_new_tokens, seed=5)
+    return engine.generate(chat_prompt_ids(tokenizer, QUESTIONS), explorer, n=n)
+
+
+@pytest.mark.parametrize("capacity", [None, 4])  # None: the rollout's length; 4: outgrown, the buffers grow
+def test_reserved_cache_rollouts_equal_dynamic_cache(tiny, monkeypatch, capacity):
+    from ngrpo_lightning.rollout.kv_cache import reserved_cache
+
+    model, tok = tiny
+    for explorer in (TemperatureExplorer(1.0), NeighborMixingExplorer(k=4, rho=0.5)):
+        ours = rollouts(model, tok, explorer, lambda cap: reserved_cache(capacity or cap), monkeypatch)
+        theirs = rollouts(model, tok, explorer, lambda cap: DynamicCache(), monkeypatch)
+        lengths = ours.response_mask.sum(1)
+        assert torch.equal(ours.response_ids, theirs.response_ids)
+        assert torch.equal(ours.rollout_logprobs, theirs.rollout_logprobs)
+        assert torch.equal(lengths, theirs.response_mask.sum(1))
+
+
+def test_reserved_layer_follows_dynamic_layer_through_row_and_length_edits():
+    torch.manual_seed(0)
+    ours, reference = ReservedLayer(capacity=6), DynamicLayer()
+    edits = [
+        ("update", 5),  # the prefill
+        ("update", 1),
+        ("batch_select_indices", torch.tensor([0, 2, 3])),
+        ("update", 1),  # outgrows the 6 reserved positions
+        ("reorder_cache", torch.tensor([2, 2, 0])),
+        ("batch_repeat_interleave", 2),
+        ("crop", -2),
+        ("update", 3),
+    ]
+    rows = 4
+    for name, arg in edits:
+        if name == "update":
+            keys, values = torch.randn(rows, 2, arg, 8), torch.randn(rows, 2, arg, 8)
+            got, want = ours.update(keys, values), reference.update(keys, values)
+        else:
+            getattr(ours, name)(arg)
+            getattr(reference, name)(arg)
+            got, want = (ours.keys, ours.values), (reference.keys, reference.values)
+        rows = want[0].shape[0]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+        assert ours.get_seq_length() == reference.get_seq_length(), name
+    assert ours.key_buffer.shape[-2] > 6  # it did grow
+
+
+# ------------------------------------------------------------------ host.keep_freed_memory
+RSS_AFTER_FREE = """
+import json, sys, psutil, torch
+if sys.argv[1] == "keep":
+    from ngrpo_lightning.host_memory import keep_freed_memory
+    assert keep_freed_memory()
+before = psutil.Process().memory_info().rss
+x = torch.ones(64 * 2**20)  # 256 MiB, touched
+del x
+print(json.dumps((psutil.Process().memory_info().rss - before) / 2**20))
+"""
+
+
+def rss_kept_after_free(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", RSS_AFTER_FREE, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
+def test_keep_freed_memory_keeps_a_freed_block_for_reuse():
+    assert rss_kept_after_free("default") < 64  # glibc gives a freed 256 MiB block back at once
+    assert rss_kept_after_free("keep") > 200  # kept: the next step's tensors reuse its pages
+
+
+def test_keep_freed_memory_setting_is_checked():
+    from ngrpo_lightning.build import check_config
+
+    assert compose(["model=tiny"]).host.keep_freed_memory is True
+    with pytest.raises(ConfigError, match="host.keep_freed_memory='yes' must be true or false"):
+        check_config(compose(["model=tiny", "host.keep_freed_memory=yes"]))
