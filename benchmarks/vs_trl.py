@@ -13,7 +13,7 @@ The workload (both sides; the defaults):
   ``--natural`` leaves EOS on (natural lengths, at most 40 tokens);
 * temperature 1 without top-k/top-p; GRPO (PPO clip 0.2 both ways, group-normalised
   advantages, token-mean loss) with a KL term of coefficient 0.001 (k3 estimator) to a frozen
-  reference; one AdamW update per rollout batch (TRL ``num_iterations=1``, one generation per
+  reference; one fused AdamW update per rollout batch (TRL ``num_iterations=1``, one generation per
   optimizer step; ours ``train.ppo_epochs=1``, ``train.num_mini_batches=1``) at a constant
   learning rate of 2e-5, gradients clipped at norm 1;
 * Hugging Face generation on both sides (TRL ``use_vllm=False``, ours ``rollout.engine=hf``);
@@ -340,14 +340,17 @@ def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
     return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
 
 
-def step_flops(step: dict, shape: ModelShape) -> float:
+def step_flops(step: dict, shape: ModelShape, shared: bool = True) -> float:
     """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
     backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
-    and every response token; logits only at response tokens."""
-    body = step["prompt_tokens"] + step["tokens"]
-    forward = 2 * (shape.body_params * body + shape.head_params * step["tokens"])
-    rollout, reference, training = forward, forward, 3 * forward
-    return rollout + reference + training
+    and every response token; logits only at response tokens. ``shared=False``: the reference
+    and training passes run every row's prompt (the floor of a step that does not share)."""
+
+    def forward(prompt_tokens: int) -> float:
+        return 2 * (shape.body_params * (prompt_tokens + step["tokens"]) + shape.head_params * step["tokens"])
+
+    passes = forward(step["prompt_tokens"] if shared else step["row_prompt_tokens"])
+    return forward(step["prompt_tokens"]) + passes + 3 * passes  # rollout, reference, training
 
 
 # ------------------------------------------------------------------ the report
@@ -357,6 +360,7 @@ def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> di
     med = lambda values: statistics.median(list(values))
     step_s = [s["step_s"] for s in steps]
     floor_s = [step_flops(s, shape) / rate for s in steps]
+    unshared_s = [step_flops(s, shape, shared=False) / rate for s in steps]
     row = {
         "side": side,
         "runs": len(runs),
@@ -369,6 +373,8 @@ def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> di
         "ms/token": 1000 * med(s["step_s"] / max(s["tokens"], 1) for s in steps),
         "floor_s": med(floor_s),
         "x_floor": med(t / f for t, f in zip(step_s, floor_s)),
+        "floor_unshared_s": med(unshared_s),
+        "x_floor_unshared": med(t / f for t, f in zip(step_s, unshared_s)),
         "rss_gib": max(run["peak_rss_bytes"] for run in runs) / GIB,
         "tree_rss_gib": max(run["tree_peak_rss_bytes"] for run in runs) / GIB,
     }
@@ -382,7 +388,7 @@ def columns(natural: bool) -> list[str]:
     timing = ["s/step", "min_s", "max_s", "vs_ours", *PHASES, "other_s"]
     per_token = ["ms/token", "tokens"]
     lead = per_token + timing if natural else timing + per_token
-    return ["side", *lead, "floor_s", "x_floor", "rss_gib", "tree_rss_gib"]
+    return ["side", *lead, "floor_s", "x_floor", "floor_unshared_s", "x_floor_unshared", "rss_gib", "tree_rss_gib"]
 
 
 def report(rows: list[dict], errors: dict, natural: bool) -> None:

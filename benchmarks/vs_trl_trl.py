@@ -82,7 +82,7 @@ def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
         adam_beta1=0.9,
         adam_beta2=0.999,
         max_grad_norm=1.0,
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # both sides: fused AdamW (TRL's default with torch >= 2.8)
         # no evaluation, checkpoints or reporting
         eval_strategy="no",
         save_strategy="no",

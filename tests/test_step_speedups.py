@@ -19,7 +19,11 @@ from ngrpo_lightning.models import resolve_model_path
 from ngrpo_lightning.rollout import HFEngine, hf_engine
 from ngrpo_lightning.rollout.kv_cache import ReservedLayer
 
-QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "Name the smallest prime number that is larger than twenty, then double it."]
+QUESTIONS = [
+    "What is 7 + 5?",
+    "What is 3 * 4?",
+    "Name the smallest prime number that is larger than twenty, then double it.",
+]
 
 
 # ------------------------------------------------------------------ sdpa_gqa
@@ -150,3 +154,29 @@ def test_keep_freed_memory_setting_is_checked():
     assert compose(["model=tiny"]).host.keep_freed_memory is True
     with pytest.raises(ConfigError, match="host.keep_freed_memory='yes' must be true or false"):
         check_config(compose(["model=tiny", "host.keep_freed_memory=yes"]))
+
+
+# ------------------------------------------------------------------ fused AdamW
+def test_optimizer_is_fused_adamw_with_the_unfused_update(tiny):
+    from conftest import ScriptedReward, tiny_rl
+
+    module, _ = tiny_rl(tiny, ScriptedReward([1, 0]))
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    params = list(module.policy.parameters())
+    before = [p.detach().clone() for p in params]
+    torch.manual_seed(0)
+    grads = [torch.randn_like(p) for p in params]
+    results = []
+    for fused in (True, None):
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

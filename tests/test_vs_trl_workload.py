@@ -103,6 +103,7 @@ def test_same_objective_and_optimizer(sides):
     assert args.lr_scheduler_type == "constant" and args.warmup_steps == optim.warmup_steps == 0
     assert (args.adam_beta1, args.adam_beta2) == tuple(optim.betas) and args.weight_decay == optim.weight_decay
     assert args.max_grad_norm == optim.grad_clip
+    assert args.optim == "adamw_torch_fused"  # ours: fused AdamW on plain (unsharded) parameters
 
 
 def test_same_reward(sides):
