@@ -63,6 +63,8 @@ RESUMABLE_KEYS = (
     "reward.timeout_s",
     "experiment_name",
     "overwrite",
+    "host",  # how this process uses its machine, not what it computes
+    "model.attn_implementation",  # the attention kernel: same values (checkpoints from before it existed resume)
 )
 
 

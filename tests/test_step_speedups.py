@@ -180,3 +180,16 @@ def test_optimizer_is_fused_adamw_with_the_unfused_update(tiny):
         results.append([p.detach().clone() for p in params])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_from_before_these_settings_still_resume():
+    from omegaconf import OmegaConf
+
+    from ngrpo_lightning.checkpointing import config_mismatch
+
+    current = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
+    older = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
+    del older["host"], older["model"]["attn_implementation"]  # a checkpoint's config from before they existed
+    assert config_mismatch(older, current) is None
+    older["model"]["dtype"] = "bfloat16"
+    assert "model.dtype differs" in config_mismatch(older, current)
