@@ -77,6 +77,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, print_table, write_json  # noqa: E402
+from compute_floor import ModelShape, matmul_rate, model_shape, step_flops  # noqa: E402
 
 SIDES = {"ours": "vs_trl_ours.py", "trl": "vs_trl_trl.py"}
 PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
@@ -305,54 +306,6 @@ def indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-# -------------------------------------------------------------------- the floor
-@dataclass(frozen=True)
-class ModelShape:
-    body_params: int  # parameters a token passes through below the LM head (the embedding lookup excluded)
-    head_params: int  # vocab x hidden: the LM head, applied where logits are needed
-    hidden: int
-    intermediate: int
-
-
-def model_shape(workload: Workload) -> ModelShape:
-    """Parameter counts of the workload's model, from its config (no weights loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(workload.model_path())
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    head = config.vocab_size * config.hidden_size
-    untied = not getattr(config, "tie_word_embeddings", False)
-    return ModelShape(total - head * (2 if untied else 1), head, config.hidden_size, config.intermediate_size)
-
-
-def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
-    """Dense matmul FLOP/s of this process's threads: best of ``repeats`` [3000, hidden] x [hidden, intermediate]."""
-    a = torch.randn(3000, shape.hidden, dtype=getattr(torch, dtype))
-    b = torch.randn(shape.hidden, shape.intermediate, dtype=getattr(torch, dtype))
-    torch.matmul(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
-
-
-def step_flops(step: dict, shape: ModelShape, shared: bool = True) -> float:
-    """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
-    backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
-    and every response token; logits only at response tokens. ``shared=False``: the reference
-    and training passes run every row's prompt (the floor of a step that does not share)."""
-
-    def forward(prompt_tokens: int) -> float:
-        return 2 * (shape.body_params * (prompt_tokens + step["tokens"]) + shape.head_params * step["tokens"])
-
-    passes = forward(step["prompt_tokens"] if shared else step["row_prompt_tokens"])
-    return forward(step["prompt_tokens"]) + passes + 3 * passes  # rollout, reference, training
-
-
 # ------------------------------------------------------------------ the report
 def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> dict:
     """One table row: medians over the steps of all runs (first step of each run dropped)."""
@@ -417,7 +370,7 @@ def main(argv=None) -> None:
     workload = workload_from(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-ups too
     torch.set_num_threads(workload.threads)
-    shape = model_shape(workload)  # builds a packaged model once, before any timed run
+    shape = model_shape(workload.model_path())  # builds a packaged model once, before any timed run
     with background_load(args.load):
         rate = matmul_rate(shape, workload.dtype)
         results, errors = bench(workload, args.runs)

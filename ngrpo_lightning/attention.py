@@ -51,3 +51,11 @@ def check_attn_implementation(name) -> None:
     if isinstance(name, str) and (name in known or "/" in name):
         return
     raise ValueError(f"model.attn_implementation={name!r} is not an attention transformers knows: allowed {known}")
+
+
+def configured(model_cfg) -> str:
+    """The checked ``model.attn_implementation`` of a config's ``model`` group (default ``sdpa_gqa``:
+    configs from before the key existed)."""
+    name = model_cfg.get("attn_implementation", NAME)
+    check_attn_implementation(name)
+    return name

@@ -149,7 +149,7 @@ def check_config(cfg: DictConfig) -> None:
     except ValueError as err:
         raise named_error(err, "model.dtype") from err
     try:
-        attention.check_attn_implementation(cfg.model.get("attn_implementation", attention.NAME))
+        attention.configured(cfg.model)
         wants_freed_memory_kept(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err
@@ -219,7 +219,7 @@ def build_module(cfg: DictConfig) -> RLModule:
         cfg.model.name_or_path,
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=cfg.model.get("attn_implementation", attention.NAME),
+        attn_implementation=attention.configured(cfg.model),
     )
     reference = RLModule.reference_from(policy) if objective.needs_reference else None
     if cfg.model.get("gradient_checkpointing", False):  # after the copy: the frozen reference never runs backward

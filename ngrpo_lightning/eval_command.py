@@ -139,7 +139,7 @@ def load_eval_policy(cfg):
         name,
         dtype=dtype,
         trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=cfg.model.get("attn_implementation", attention.NAME),
+        attn_implementation=attention.configured(cfg.model),
     )
     if state is not None:
         weights = {k[len("policy.") :]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
@@ -196,7 +196,7 @@ def run_eval(cfg) -> dict:
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)
         explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-        attention.check_attn_implementation(cfg.model.get("attn_implementation", attention.NAME))
+        attention.configured(cfg.model)
         apply_host_settings(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -172,15 +172,7 @@ class RLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self):
-        o = self.optim
-        params = list(self.policy.parameters())
-        # one fused kernel per tensor rather than ~10 ops and their temporaries (plain tensors only: not FSDP2's)
-        fused = self.parallel is None and all(
-            p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
-        )
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused or None)
-        warmup = max(int(o.warmup_steps), 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        opt, sched = self.optim.build(list(self.policy.parameters()), sharded=self.parallel is not None)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ train

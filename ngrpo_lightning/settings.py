@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .checks import check_choice, check_number
 
 __all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
@@ -54,6 +56,18 @@ class OptimConfig:
         check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"optim.share_prompts={self.share_prompts!r} must be true or false")
+
+    def build(self, params: list[torch.nn.Parameter], sharded: bool = False):
+        """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused
+        (one kernel per tensor rather than ~10 ops and their temporaries) on plain CPU/CUDA
+        tensors; FSDP2's sharded parameters (``sharded``) take its default form."""
+        fused = not sharded and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        opt = torch.optim.AdamW(
+            params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay, fused=fused or None
+        )
+        warmup = max(int(self.warmup_steps), 0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        return opt, sched
 
 
 DROP_GROUPS = ("equal", "all_correct")

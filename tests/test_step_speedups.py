@@ -108,6 +108,9 @@ def test_reserved_layer_follows_dynamic_layer_through_row_and_length_edits():
         ("batch_repeat_interleave", 2),
         ("crop", -2),
         ("update", 3),
+        ("crop", 5),  # transformers' deprecated form: the length to keep
+        ("crop", 9),  # longer than the cache: nothing to drop
+        ("update", 1),
     ]
     rows = 4
     for name, arg in edits:

@@ -74,11 +74,12 @@ class ReservedLayer(DynamicLayer):
             self._select_rows(torch.arange(self.key_buffer.shape[0]).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.key_buffer is not None:
-            self.length = max(0, self.length + tokens_to_remove)
+        """``DynamicLayer.crop``: a negative count drops that many last positions; a positive one
+        (transformers' deprecated form) is the length to keep."""
+        if self.key_buffer is not None and tokens_to_remove:
+            keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
+            self.length = max(0, min(self.length, keep))
             self._views()
-        elif tokens_to_remove > 0:
-            raise NotImplementedError("ReservedLayer.crop takes the number of tokens to remove, as a negative int")
 
     def reset(self) -> None:
         self.key_buffer = self.value_buffer = None
