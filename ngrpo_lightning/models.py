@@ -281,10 +281,12 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode, with
     ``attn_implementation`` (default ``sdpa_gqa``, see :mod:`ngrpo_lightning.attention`;
-    ``None``: transformers' choice)."""
+    ``None``: transformers' choice, also taken for ``sdpa_gqa`` under ``trust_remote_code``)."""
     torch_dtype, path = parse_dtype(dtype), resolve_model_path(name_or_path)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
     kwargs = {_DTYPE_KW: torch_dtype}
+    if attn_implementation == attention.NAME and trust_remote_code:
+        attn_implementation = None  # remote modelling code may dispatch on the name itself: transformers' choice
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)

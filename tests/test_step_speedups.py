@@ -64,6 +64,13 @@ def test_policy_loads_with_sdpa_gqa_by_default(tiny):
     assert model.config._attn_implementation == "sdpa_gqa"
 
 
+def test_remote_code_models_keep_transformers_attention():
+    from ngrpo_lightning.models import load_policy
+
+    model, _ = load_policy("tiny", trust_remote_code=True)  # remote code may dispatch on the name
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_unknown_attention_is_refused_with_the_allowed_names():
     check_attn_implementation("eager")
     check_attn_implementation("kernels-community/flash-attn")  # a hub kernel: transformers resolves it
