@@ -65,6 +65,7 @@ RESUMABLE_KEYS = (
     "overwrite",
     "host",  # how this process uses its machine, not what it computes
     "model.attn_implementation",  # the attention kernel: same values (checkpoints from before it existed resume)
+    "optim.logprob_keep_softmax_mib",  # memory for speed: same values and gradients
 )
 
 

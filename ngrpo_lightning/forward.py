@@ -10,7 +10,9 @@ model is split into its decoder stack and its LM head: the decoder produces the 
 states [N, L, d] of the response positions, and the head is applied to ``chunk_size`` tokens
 at a time inside one autograd function that recomputes each chunk's logits in backward
 (:class:`ChunkedTokenLogprobs`). No [N, L, V] tensor exists in forward or backward; the peak
-is a few [chunk_size, V] tensors, whatever the response length.
+is a few [chunk_size, V] tensors, whatever the response length. Where a micro-batch's whole
+softmax fits a small budget (``keep_softmax_mib``, 512 MiB by default: short responses, small
+vocabularies), forward keeps it and backward skips the recomputation.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from .rollout.reconstruction import build_inputs_embeds
 # is about two of these, while on CPU the head's throughput is flat from 256 tokens per chunk up
 # (measured in docs/performance.md), and a GPU is saturated well before 512 rows of d x V.
 DEFAULT_LOGPROB_CHUNK = 512
+
+# MiB of LM-head softmax a training forward may keep for its backward instead of recomputing the
+# logits there (ChunkedTokenLogprobs, keep=True). 1,280 tokens x 49,152 float32 are 240 MiB; a
+# single 8,192-token response at V = 151,936 is 4.6 GiB and recomputes, as it must.
+DEFAULT_KEEP_SOFTMAX_MIB = 512
 
 # Config attributes of architectures whose logits are not just ``lm_head(hidden)`` (soft-capping,
 # scaling after the head, a vocabulary cut): those models take the full-logits path.
@@ -88,34 +95,47 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     model's forward. The weight gradient of a low-precision head is accumulated in float32 over
     the chunks and rounded once. The optional entropy is computed in the same pass and is not
     differentiable.
+
+    ``keep``: forward writes every chunk's softmax into one [M, V] float32 tensor and backward
+    turns it into the gradient chunk by chunk instead of recomputing the logits: one LM-head matmul
+    and its exponentials fewer, for M x V x 4 bytes held from forward to backward
+    (:func:`chunked_token_logprobs` decides by a memory budget).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool, keep: bool):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=_softmax_dtype(weight), device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        kept = logp.new_empty(m, weight.shape[0]) if keep else logp.new_empty(0)
         for start in range(0, m, chunk):  # one [chunk, V] buffer at a time, worked on in place
             part = slice(start, start + chunk)
             z = _chunk_logits(hidden[part], weight, bias, temperature)
             target_logit = z.gather(-1, targets[part, None]).squeeze(-1)
             top = z.amax(-1, keepdim=True)
-            total = z.sub_(top).exp_().sum(-1)  # z now holds exp(z - max)
+            if keep:  # z - max stays for the entropy; exp(z - max) goes to the kept softmax
+                e = torch.exp(z.sub_(top), out=kept[part])
+                total = e.sum(-1)
+                if with_entropy:  # H = log S - sum(e * (z - max)) / S, without a [chunk, V] product
+                    entropy[part] = total.log() - torch.bmm(e[:, None], z[:, :, None]).view(-1) / total
+                e.div_(total[:, None])
+            else:
+                total = z.sub_(top).exp_().sum(-1)  # z now holds exp(z - max)
+                if with_entropy:
+                    probs = z.div_(total[:, None])
+                    entropy[part] = torch.special.entr(probs, out=probs).sum(-1)  # -p log p, 0 at p = 0
             lse[part] = top.squeeze(-1) + total.log()
             logp[part] = target_logit - lse[part]
-            if with_entropy:
-                probs = z.div_(total[:, None])
-                entropy[part] = torch.special.entr(probs, out=probs).sum(-1)  # -p log p, 0 at p = 0
             del z
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, kept)
+        ctx.temperature, ctx.chunk, ctx.keep = temperature, chunk, keep
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, kept = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         temperature, chunk = ctx.temperature, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -125,8 +145,12 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             g = grad_logp[part].to(acc) / temperature
-            dz = _chunk_logits(hidden[part], weight, bias, temperature).sub_(lse[part, None]).exp_()  # softmax
-            dz.mul_(-g[:, None]).scatter_add_(1, targets[part, None], g[:, None])
+            if ctx.keep:  # the forward's softmax, left as it is (a retained graph may run backward again)
+                dz = kept[part].mul(-g[:, None])
+            else:
+                dz = _chunk_logits(hidden[part], weight, bias, temperature).sub_(lse[part, None]).exp_()
+                dz.mul_(-g[:, None])
+            dz.scatter_add_(1, targets[part, None], g[:, None])
             if need_bias:
                 grad_bias += dz.sum(0)
             dz = dz.to(weight.dtype)
@@ -141,7 +165,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             del dz
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -162,12 +186,17 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_LOGPROB_CHUNK,
     with_entropy: bool = False,
+    keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [M] of ``targets`` [M] under ``softmax(head(hidden) / T)`` for hidden states [M, d],
     and optionally the (detached) entropies [M], never holding more than ``chunk_size`` tokens'
-    logits."""
+    logits at once. When a backward will follow and the M x V float32 softmax fits in
+    ``keep_softmax_mib`` MiB, it is kept for that backward rather than recomputed there
+    (0: always recompute, the memory floor)."""
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    keep = needs_grad and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_softmax_mib * 2**20
     logp, entropy = ChunkedTokenLogprobs.apply(
-        hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size), bool(with_entropy)
+        hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size), bool(with_entropy), keep
     )
     return logp, entropy if with_entropy else None
 
@@ -181,17 +210,19 @@ def response_logprobs(
     detach_mixture: bool = False,
     use_records: bool = True,
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+    keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
     share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the
     per-token entropy [N, L] (detached, for metrics; 0 on padding on the chunked path).
 
     ``chunk_size`` tokens of LM-head logits are materialised at a time (see the module
-    docstring). ``None`` takes the full-logits path, ``model(...).logits`` for all N x L
-    positions at once: kept for comparison and benchmarks, and taken anyway by models whose
-    logits are not a plain linear head of the decoder's output (see :func:`split_lm_head`:
-    e.g. Gemma 2's ``final_logit_softcapping`` or Cohere's ``logit_scale``). Both paths give
-    the same values and gradients up to float rounding.
+    docstring); a softmax of at most ``keep_softmax_mib`` MiB is kept for backward rather than
+    recomputed (see :func:`chunked_token_logprobs`). ``None`` takes the full-logits path,
+    ``model(...).logits`` for all N x L positions at once: kept for comparison and benchmarks,
+    and taken anyway by models whose logits are not a plain linear head of the decoder's output
+    (see :func:`split_lm_head`: e.g. Gemma 2's ``final_logit_softcapping`` or Cohere's
+    ``logit_scale``). Both paths give the same values and gradients up to float rounding.
 
     ``share_prompts``: rows with the same prompt (the G samples of a group) run the prompt's
     tokens once (see :func:`_hidden_with_shared_prompts`); same values and gradients. Chunked
@@ -239,7 +270,7 @@ def response_logprobs(
     keep = batch.response_mask.bool()
     where = keep.nonzero(as_tuple=True)  # only real response tokens reach the head
     token_logp, token_entropy_ = chunked_token_logprobs(
-        hidden[where], head, batch.response_ids[where], temperature, chunk_size, with_entropy
+        hidden[where], head, batch.response_ids[where], temperature, chunk_size, with_entropy, keep_softmax_mib
     )
     logp = token_logp.new_zeros(keep.shape).index_put(where, token_logp)
     entropy = None if token_entropy_ is None else token_entropy_.new_zeros(keep.shape).index_put(where, token_entropy_)

@@ -156,6 +156,7 @@ class RLModule(L.LightningModule):
         forward = self._forwards.get(id(model))
         trimmed = batch.trim()
         kwargs["chunk_size"] = self.optim.logprob_chunk_size
+        kwargs["keep_softmax_mib"] = self.optim.logprob_keep_softmax_mib
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import DEFAULT_LOGPROB_CHUNK, response_logprobs
+from .forward import DEFAULT_KEEP_SOFTMAX_MIB, DEFAULT_LOGPROB_CHUNK, response_logprobs
 from .rollout.batch import RolloutBatch
 from .rollout.engine import full_named_tensors  # noqa: F401  (re-exported: FSDP2 users gather with it)
 
@@ -51,6 +51,7 @@ class LogprobsForward(torch.nn.Module):
         with_entropy: bool = False,
         detach_mixture: bool = False,
         chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+        keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
     ):
         return response_logprobs(
             self.model,
@@ -59,6 +60,7 @@ class LogprobsForward(torch.nn.Module):
             with_entropy=with_entropy,
             detach_mixture=detach_mixture,
             chunk_size=chunk_size,
+            keep_softmax_mib=keep_softmax_mib,
         )
 
 

@@ -24,7 +24,9 @@ class OptimConfig:
     one forward/backward (see :class:`~ngrpo_lightning.planning.UpdatePlan`); gradients are
     the same whatever they are. ``logprob_chunk_size`` bounds the LM head's logits: log-probs
     are computed that many tokens at a time and recomputed in backward, so no [N, L, V]
-    tensor exists (see :mod:`ngrpo_lightning.forward`). ``share_prompts``: the G samples of a
+    tensor exists (see :mod:`ngrpo_lightning.forward`); ``logprob_keep_softmax_mib`` lets a
+    micro-batch whose float32 softmax [tokens, V] fits in that many MiB keep it for backward
+    instead (one LM-head pass fewer; 0 = always recompute). ``share_prompts``: the G samples of a
     group run their common prompt once in every log-prob pass (training, old and reference),
     its keys and values shared; same values and gradients, fewer FLOPs.
     """
@@ -37,6 +39,7 @@ class OptimConfig:
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
     max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
     logprob_chunk_size: int | None = 512  # tokens whose LM-head logits exist at once (null = all: [N, L, V])
+    logprob_keep_softmax_mib: float = 512  # LM-head softmax kept for backward when it fits (0 = recompute)
     share_prompts: bool = True  # rows with the same prompt run its tokens once (exact; see forward.py)
 
     def __post_init__(self):
@@ -54,6 +57,7 @@ class OptimConfig:
             "optim.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, integer=True, optional=True
         )
         check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
+        check_number("optim.logprob_keep_softmax_mib", self.logprob_keep_softmax_mib, 0.0)
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"optim.share_prompts={self.share_prompts!r} must be true or false")
 

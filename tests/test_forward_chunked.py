@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ngrpo_lightning.forward import ChunkedTokenLogprobs, response_logprobs, split_lm_head
@@ -68,10 +69,13 @@ def small_llama(vocab: int = 512, hidden: int = 32, tied: bool = True, bias: boo
     return model.train()
 
 
-def run(model, batch, chunk_size, temperature=1.0, with_entropy=True):
-    """(log-probs, entropy, {name: grad}) of a weighted sum of the log-probs."""
+def run(model, batch, chunk_size, temperature=1.0, with_entropy=True, keep_softmax_mib=0):
+    """(log-probs, entropy, {name: grad}) of a weighted sum of the log-probs. ``keep_softmax_mib``:
+    0 recomputes the logits in backward, a large budget keeps the forward's softmax."""
     model.zero_grad(set_to_none=True)
-    logp, entropy = response_logprobs(model, batch, temperature, with_entropy=with_entropy, chunk_size=chunk_size)
+    logp, entropy = response_logprobs(
+        model, batch, temperature, with_entropy=with_entropy, chunk_size=chunk_size, keep_softmax_mib=keep_softmax_mib
+    )
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1), dtype=logp.dtype)
     (logp * weights).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -114,14 +118,18 @@ def tiny_copy(tiny):
     return copy.deepcopy(tiny[0]).train()
 
 
+KEEP = pytest.mark.parametrize("keep", [0, 512], ids=["recompute", "keep-softmax"])
+
+
+@KEEP
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 512])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_tiny_model_values_entropy_and_gradients_equal_the_full_path(tiny_copy, chunk_size, temperature):
+def test_tiny_model_values_entropy_and_gradients_equal_the_full_path(tiny_copy, chunk_size, temperature, keep):
     model = tiny_copy
     assert model.config.tie_word_embeddings and split_lm_head(model) is not None
     batch = make_batch(model.config.vocab_size)
     ref_logp, ref_entropy, ref_grads = run(model, batch, None, temperature)
-    logp, entropy, grads = run(model, batch, chunk_size, temperature)
+    logp, entropy, grads = run(model, batch, chunk_size, temperature, keep_softmax_mib=keep)
     mask = batch.response_mask.bool()
     assert (logp - ref_logp).abs().max() <= 1e-5
     assert (logp[~mask] == 0).all()
@@ -133,7 +141,8 @@ def test_tiny_model_values_entropy_and_gradients_equal_the_full_path(tiny_copy, 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("chunk_size", [1, 3, 64])
-def test_float64_chunked_path_is_exact(tied, bias, chunk_size):
+@KEEP
+def test_float64_chunked_path_is_exact(tied, bias, chunk_size, keep):
     model = small_llama(tied=tied, bias=bias).double()
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     batch = make_batch(model.config.vocab_size)
@@ -141,7 +150,7 @@ def test_float64_chunked_path_is_exact(tied, bias, chunk_size):
     ref = full_float64_reference(model, batch, 0.8)
     (ref * torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)).sum().backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    logp, _, grads = run(model, batch, chunk_size, 0.8, with_entropy=False)
+    logp, _, grads = run(model, batch, chunk_size, 0.8, with_entropy=False, keep_softmax_mib=keep)
     assert logp.dtype == torch.float64
     assert (logp - ref.detach()).abs().max() <= 1e-10
     if bias:
@@ -149,32 +158,35 @@ def test_float64_chunked_path_is_exact(tied, bias, chunk_size):
     assert_grads_close(grads, ref_grads, 1e-10)
 
 
-def test_untied_head_with_bias_in_float32():
+@KEEP
+def test_untied_head_with_bias_in_float32(keep):
     model = small_llama(tied=False, bias=True)
     batch = make_batch(model.config.vocab_size)
     ref_logp, ref_entropy, ref_grads = run(model, batch, None, 1.3)
-    logp, entropy, grads = run(model, batch, 5, 1.3)
+    logp, entropy, grads = run(model, batch, 5, 1.3, keep_softmax_mib=keep)
     mask = batch.response_mask.bool()
     assert (logp - ref_logp).abs().max() <= 1e-5
     assert (entropy - ref_entropy)[mask].abs().max() <= 1e-5 * ref_entropy[mask].abs().max()
     assert_grads_close(grads, ref_grads, 2e-5)
 
 
-def test_autograd_function_passes_gradcheck():
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep-softmax"])
+def test_autograd_function_passes_gradcheck(keep):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(13, 5, dtype=torch.float64, generator=g, requires_grad=True)
     bias = torch.randn(13, dtype=torch.float64, generator=g, requires_grad=True)
     targets = torch.randint(0, 13, (7,), generator=g)
-    fn = lambda h, w, b: ChunkedTokenLogprobs.apply(h, w, b, targets, 0.7, 3, False)[0]  # noqa: E731
+    fn = lambda h, w, b: ChunkedTokenLogprobs.apply(h, w, b, targets, 0.7, 3, False, keep)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
-def test_bfloat16_model_matches_the_full_path(tiny_copy):
+@KEEP
+def test_bfloat16_model_matches_the_full_path(tiny_copy, keep):
     model = copy.deepcopy(tiny_copy).to(torch.bfloat16)
     batch = make_batch(model.config.vocab_size)
     ref_logp, _, ref_grads = run(model, batch, None)
-    logp, _, grads = run(model, batch, 4)
+    logp, _, grads = run(model, batch, 4, keep_softmax_mib=keep)
     assert logp.dtype == torch.float32
     assert (logp - ref_logp).abs().max() <= 1e-5  # the same bf16 logits, both softmaxes in float32
     assert_grads_close(grads, ref_grads, 2e-2)  # bf16 gradients, rounded at different places
@@ -213,35 +225,38 @@ def test_models_with_a_logit_transform_take_the_full_path():
     assert split_lm_head(model) is not None
 
 
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any op outputs while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
 def test_no_tensor_of_n_x_l_x_vocab_is_saved_or_created():
     """Every tensor saved for backward and every op output, forward and backward, stays far below
     N x L x V with the chunked path; the full path (checked too, so the probe is known to bite)
     creates several."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestOutput(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-            return out
-
     vocab, n, length, chunk = 4096, 2, 64, 8
     model = small_llama(vocab=vocab, hidden=16, tied=True)
     batch = make_batch(vocab, n=n, length=length)
     batch.response_mask.fill_(1)
     budget = n * length * vocab
 
-    def largest(chunk_size):
+    def largest(chunk_size, keep_softmax_mib=0):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             with LargestOutput() as probe:
-                logp, entropy = response_logprobs(model, batch, 0.9, with_entropy=True, chunk_size=chunk_size)
+                logp, entropy = response_logprobs(
+                    model, batch, 0.9, with_entropy=True, chunk_size=chunk_size, keep_softmax_mib=keep_softmax_mib
+                )
                 logp.sum().backward()
         model.zero_grad(set_to_none=True)
         return max(saved), probe.largest
@@ -250,3 +265,25 @@ def test_no_tensor_of_n_x_l_x_vocab_is_saved_or_created():
     assert saved < budget / 4 and created < budget / 4, (saved, created, budget)  # E [V, d], [chunk, V] logits
     saved_full, created_full = largest(None)
     assert saved_full >= budget and created_full >= budget
+    # a softmax budget bounds what is kept: 1 MiB is below this batch's 2 MiB, 2 MiB holds it exactly
+    assert budget * 4 == 2 * 2**20
+    assert max(largest(chunk, keep_softmax_mib=1)) < budget / 4
+    saved_kept, created_kept = largest(chunk, keep_softmax_mib=2)
+    assert saved_kept == budget and created_kept == budget
+
+
+def test_kept_softmax_only_when_a_backward_follows():
+    """No-grad passes (reference, old log-probs) never allocate the [M, V] softmax; a retained
+    graph runs backward twice with the same gradients (the kept softmax is left as it is)."""
+    model = small_llama(vocab=512, hidden=16, tied=True)
+    batch = make_batch(512)
+    batch.response_mask.fill_(1)
+    with torch.no_grad(), LargestOutput() as probe:
+        response_logprobs(model, batch, chunk_size=4, keep_softmax_mib=512)
+    assert probe.largest < batch.response_mask.numel() * 512
+    logp, _ = response_logprobs(model, batch, chunk_size=4, keep_softmax_mib=512)
+    logp.sum().backward(retain_graph=True)
+    first = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    logp.sum().backward()
+    assert torch.equal(model.lm_head.weight.grad, first) and first.abs().max() > 0
