@@ -37,7 +37,8 @@ from .checkpointing import config_mismatch, rng_states, set_rng_states
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
-from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, zero_variance_groups
+from .metrics.training import combine_metrics, rollout_step_metrics
+from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan
 from .rewards import MathReward, score_responses
@@ -319,26 +320,8 @@ class RLModule(L.LightningModule):
     ) -> None:
         """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
         ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
-        lengths = batch.response_lengths.float()
-        fresh = (~step.replayed)[:, None] * step.batch.response_mask
-        mismatch = (step.batch.rollout_logprobs - step.old_logp).abs()
         log = {f"train/{k}": v for k, v in metrics.items()}
-        advantages = step.advantages
-        log.update(
-            {
-                "train/reward": rewards.mean(),
-                "train/accuracy": (rewards >= 1.0).float().mean(),  # fully correct (a task may grade below 1)
-                "train/advantage_mean": advantages.mean(),
-                "train/advantage_std": advantages.std() if len(advantages) > 1 else advantages.new_tensor(0.0),
-                "train/zero_variance_groups": zero_variance_groups(rewards, batch.group_size).float().mean(),
-                "train/response_length_mean": lengths.mean(),
-                "train/response_length_max": lengths.max(),
-                "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
-                # the rollout/train mismatch: the engine's log-probs of the sampled tokens vs the trainer's
-                "train/rollout_logprob_diff_mean": masked_mean(mismatch, fresh),
-                "train/rollout_logprob_diff_max": mismatch[fresh.bool()].max() if fresh.any() else 0.0,
-            }
-        )
+        log.update(rollout_step_metrics(batch, rewards, step))
         log.update(step.stats)  # replay/*, dynamic/*
         log.update(scored.metrics())  # reward/* status fractions
         log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
@@ -407,18 +390,3 @@ class RLModule(L.LightningModule):
         with torch.inference_mode(False):
             self.val_accuracy.reset()
             self.val_reward.reset()
-
-
-def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:
-    """Weighted sums of metric dicts, except ``*_min`` (minimum) and ``*_max`` (maximum)."""
-    out: dict[str, torch.Tensor] = {}
-    for part, w in zip(parts, weights):
-        for k, v in part.items():
-            v = torch.as_tensor(v).detach().float()
-            if k.endswith("_min"):
-                out[k] = torch.minimum(out[k], v) if k in out else v
-            elif k.endswith("_max"):
-                out[k] = torch.maximum(out[k], v) if k in out else v
-            else:
-                out[k] = out.get(k, 0.0) + v * w
-    return out

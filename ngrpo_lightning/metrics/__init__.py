@@ -1,10 +1,13 @@
-"""Metrics: exploration diagnostics of rollouts, and Pass@k / Mean@k / Maj@k."""
+"""Metrics: exploration diagnostics of rollouts, a training step's rollout statistics, and
+Pass@k / Mean@k / Maj@k."""
 
 from .exploration import distinct_ngrams, edit_distance, exploration_metrics, mixture_entropy, pairwise_edit_distance
 from .pass_at_k import PassAtK, maj_at_k, mean_at_k, pass_at_k, powers_of_two
+from .training import combine_metrics, rollout_step_metrics
 
 __all__ = [
     "PassAtK",
+    "combine_metrics",
     "distinct_ngrams",
     "edit_distance",
     "exploration_metrics",
@@ -14,4 +17,5 @@ __all__ = [
     "pairwise_edit_distance",
     "pass_at_k",
     "powers_of_two",
+    "rollout_step_metrics",
 ]
