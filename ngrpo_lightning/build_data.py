@@ -59,6 +59,9 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
     )
 
 
+HF_ENGINE_KEYS = ("drop_min_frac", "packed_weights")  # rollout.hf.*
+
+
 def engine_kwargs(cfg: DictConfig) -> dict:
     """The engine's settings: ``rollout.hf.*`` or ``rollout.vllm.*`` (nulls dropped)."""
     if cfg.rollout.engine != "vllm":
@@ -77,10 +80,12 @@ def check_engine(cfg: DictConfig) -> None:
     except ValueError as err:
         raise named_error(err, "rollout.engine") from err
     hf = cfg.rollout.get("hf") or {}
-    unknown = set(hf) - {"drop_min_frac"}
+    unknown = set(hf) - set(HF_ENGINE_KEYS)
     if unknown:
-        raise ConfigError(f"rollout.hf.{sorted(unknown)[0]} is unknown: allowed ['drop_min_frac']")
+        raise ConfigError(f"rollout.hf.{sorted(unknown)[0]} is unknown: allowed {list(HF_ENGINE_KEYS)}")
     try:
         check_number("rollout.hf.drop_min_frac", hf.get("drop_min_frac", 0.0), 0.0, 1.0)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    if not isinstance(hf.get("packed_weights", True), bool):
+        raise ConfigError(f"rollout.hf.packed_weights={hf.packed_weights!r} must be true or false")

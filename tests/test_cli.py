@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ngrpo_lightning.cli import main
 
 
@@ -54,6 +56,17 @@ def test_bad_dtype_is_named(capsys):
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     err = run_error(capsys, "train", "model=tiny", "rollout.hf.drop_min_frac=2", "logger=none")
     assert "rollout.hf.drop_min_frac=2 is out of range: allowed [0.0, 1.0]" in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.hf.packed_weights=maybe", "rollout.hf.packed_weights='maybe' must be true or false"),
+        ("+rollout.hf.pack=true", "rollout.hf.pack is unknown: allowed ['drop_min_frac', 'packed_weights']"),
+    ],
+)
+def test_bad_hf_engine_keys_are_named(capsys, override, message):
+    assert message in run_error(capsys, "train", "model=tiny", override, "logger=none")
 
 
 def test_help_lists_groups(capsys):
