@@ -6,7 +6,7 @@ decoding step calls every layer once per token. oneDNN can lay a weight out once
 blocked format its kernels read directly; the products on that copy are then 1.4-2.4x faster
 at 32 rows on the packaged model's shapes (the LM head most), and faster at hundreds of rows
 too. The weights change after every optimizer step, so they are packed once per rollout
-(about 0.1 s for the packaged model) and the copies are dropped when it ends.
+(0.17 s for the packaged model's 211 layers on 2 threads) and the copies are dropped when it ends.
 
 :func:`packed_linears` does that for every plain ``torch.nn.Linear`` of a model for the
 length of a ``with`` block: the layer's forward reads the packed copy, nothing else changes
