@@ -77,7 +77,7 @@ class PhaseMeter:
         self.peaks: dict[str, list[int]] = {name: [] for name in PHASES}
         self.process_peak = peak_rss()
 
-    def _fold(self) -> int:
+    def fold(self) -> int:
         mark = peak_rss()
         self.process_peak = max(self.process_peak, mark)
         for frame in self.stack:
@@ -86,7 +86,7 @@ class PhaseMeter:
 
     @contextmanager
     def phase(self, name: str):
-        self._fold()
+        self.fold()
         if self.trim is not None:  # hand freed heap memory back: the mark then starts at live memory
             self.trim(0)
         reset_peak()
@@ -94,7 +94,7 @@ class PhaseMeter:
         try:
             yield
         finally:
-            self._fold()
+            self.fold()
             _, peak = self.stack.pop()
             self.peaks[name].append(peak)
             reset_peak()
@@ -119,8 +119,7 @@ def tensor_bytes(tensors) -> int:
 class Milestones(L.Callback):
     """Resident memory at fixed points and the bytes the run's tensors hold."""
 
-    def __init__(self, meter: PhaseMeter):
-        self.meter = meter
+    def __init__(self):
         self.points: dict[str, int] = {}
         self.after_step: list[int] = []
         self.tensors: dict[str, int] = {}
@@ -148,7 +147,7 @@ def child(workload: Workload, extra: list[str], out: Path, trim: bool = False) -
     torch.set_num_threads(workload.threads)
     after_imports = rss()
     meter = PhaseMeter(trim)
-    milestones = Milestones(meter)
+    milestones = Milestones()
     recorder = recorder_for(workload)
     build_trainer = cli.build_trainer
 
@@ -165,7 +164,7 @@ def child(workload: Workload, extra: list[str], out: Path, trim: bool = False) -
             meter.wrap(torch.optim.AdamW, "step", "optimizer"),
         ):
             cli.train(cfg)
-    meter._fold()
+    meter.fold()
     result = {
         "after_imports": after_imports,
         "points": milestones.points,
