@@ -1,9 +1,10 @@
-"""Helpers shared by the benchmark scripts: prompts, timing, table printing, JSON output."""
+"""Helpers shared by the benchmark scripts: prompts, timing, resident memory, table printing, JSON output."""
 
 from __future__ import annotations
 
 import json
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -44,6 +45,34 @@ def best_of_each(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, o
             outs[name] = fn()
             times[name] = min(times[name], time.perf_counter() - t0)
     return times, outs
+
+
+# Resident memory of this process (Linux: /proc/self/status; the peak is reset through clear_refs)
+def rss_bytes() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def reset_peak() -> bool:
+    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes(was_reset: bool = True) -> int:
+    """The peak since the last :func:`reset_peak` (``was_reset``), else since the process started."""
+    if was_reset:
+        return _status_kb("VmHWM") * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

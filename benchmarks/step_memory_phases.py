@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,8 +33,9 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import peak_rss_bytes, reset_peak, rss_bytes  # noqa: E402
 from vs_trl import Workload  # noqa: E402
-from vs_trl_ours import ours_overrides, recorder_for  # noqa: E402
+from vs_trl_ours import run as run_ours  # noqa: E402
 
 GIB = 2**30
 CONFIGS = {  # name -> overrides on top of the workload's
@@ -50,23 +50,6 @@ TRIMMED = {"trimmed"}
 PHASES = ["rollout", "reference", "update", "optimizer"]
 
 
-# ------------------------------------------------------------------ reading RSS
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def rss() -> int:
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss() -> int:
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-
-
 class PhaseMeter:
     """Per-phase peak RSS; a phase inside another (the optimizer step in the update) counts
     towards both, and the process's peak is the largest mark ever read."""
@@ -75,14 +58,14 @@ class PhaseMeter:
         self.trim = ctypes.CDLL("libc.so.6").malloc_trim if trim else None
         self.stack: list[list] = []  # [name, running peak]
         self.peaks: dict[str, list[int]] = {name: [] for name in PHASES}
-        self.process_peak = peak_rss()
+        self.process_peak = peak_rss_bytes()
 
-    def fold(self) -> int:
-        mark = peak_rss()
+    def fold(self) -> None:
+        """Count the peak since the last reset towards the process and every open phase."""
+        mark = peak_rss_bytes()
         self.process_peak = max(self.process_peak, mark)
         for frame in self.stack:
             frame[1] = max(frame[1], mark)
-        return mark
 
     @contextmanager
     def phase(self, name: str):
@@ -90,7 +73,7 @@ class PhaseMeter:
         if self.trim is not None:  # hand freed heap memory back: the mark then starts at live memory
             self.trim(0)
         reset_peak()
-        self.stack.append([name, rss()])
+        self.stack.append([name, rss_bytes()])
         try:
             yield
         finally:
@@ -125,10 +108,12 @@ class Milestones(L.Callback):
         self.tensors: dict[str, int] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.points["models loaded"] = rss()
+        self.points["models loaded"] = rss_bytes()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.after_step.append(rss())
+        self.after_step.append(rss_bytes())
+
+    def on_train_end(self, trainer, pl_module) -> None:
         optimizer = trainer.optimizers[0]
         self.tensors = {
             "policy weights": tensor_bytes(pl_module.policy.parameters()),
@@ -139,31 +124,20 @@ class Milestones(L.Callback):
 
 
 def child(workload: Workload, extra: list[str], out: Path, trim: bool = False) -> None:
-    from ngrpo_lightning import cli
-    from ngrpo_lightning.config import compose
     from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.rollout.hf_engine import HFEngine
 
     torch.set_num_threads(workload.threads)
-    after_imports = rss()
+    after_imports = rss_bytes()
     meter = PhaseMeter(trim)
     milestones = Milestones()
-    recorder = recorder_for(workload)
-    build_trainer = cli.build_trainer
-
-    def with_callbacks(cfg, logger=None, callbacks=()):
-        return build_trainer(cfg, logger, [*callbacks, recorder, milestones])
-
-    with tempfile.TemporaryDirectory(prefix="step-memory-") as tmp:
-        cfg = compose(ours_overrides(workload, tmp) + extra)
-        with (
-            mock.patch.object(cli, "build_trainer", with_callbacks),
-            meter.wrap(HFEngine, "generate", "rollout"),
-            meter.wrap(RLModule, "prepare", "reference"),
-            meter.wrap(RLModule, "optimize", "update"),
-            meter.wrap(torch.optim.AdamW, "step", "optimizer"),
-        ):
-            cli.train(cfg)
+    with (
+        meter.wrap(HFEngine, "generate", "rollout"),
+        meter.wrap(RLModule, "prepare", "reference"),
+        meter.wrap(RLModule, "optimize", "update"),
+        meter.wrap(torch.optim.AdamW, "step", "optimizer"),
+    ):
+        steps = run_ours(workload, extra, [milestones])
     meter.fold()
     result = {
         "after_imports": after_imports,
@@ -172,7 +146,7 @@ def child(workload: Workload, extra: list[str], out: Path, trim: bool = False) -
         "tensors": milestones.tensors,
         "phase_peaks": meter.peaks,
         "peak": meter.process_peak,
-        "steps": recorder.steps,
+        "steps": steps,
     }
     out.write_text(json.dumps(result))
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -38,39 +37,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, print_table, write_json  # noqa: E402
+from common import RESULTS, peak_rss_bytes, print_table, reset_peak, rss_bytes, write_json  # noqa: E402
 
 GIB = 1024**3
 VOCAB = 151_936
 
 
 # ------------------------------------------------------------------ child: one configuration
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
-
-
-def reset_peak() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes(was_reset: bool) -> int:
-    if was_reset:
-        return _status_kb("VmHWM") * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # since the process started
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def build(args, device: torch.device, dtype: torch.dtype):
     """A random Qwen2-shaped model, its AdamW state and gradients allocated, and a rollout batch."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

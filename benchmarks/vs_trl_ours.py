@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -67,9 +68,9 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
     ]
 
 
-def ours_config(workload: Workload, output_dir: str = "outputs"):
-    """The composed run configuration (a ``DictConfig``)."""
-    return compose(ours_overrides(workload, output_dir))
+def ours_config(workload: Workload, output_dir: str = "outputs", extra: Sequence[str] = ()):
+    """The composed run configuration (a ``DictConfig``), with ``extra`` overrides last."""
+    return compose([*ours_overrides(workload, output_dir), *extra])
 
 
 def prompt_batches(workload: Workload) -> list[dict]:
@@ -111,17 +112,18 @@ def recorder_for(workload: Workload) -> StepRecorder:
     return StepRecorder(fixed_length=not workload.natural)
 
 
-def run(workload: Workload) -> list[dict]:
-    """``ngrpo train`` on the workload, with a :class:`StepRecorder` among the trainer's callbacks."""
+def run(workload: Workload, extra: Sequence[str] = (), more_callbacks: Sequence[L.Callback] = ()) -> list[dict]:
+    """``ngrpo train`` on the workload (``extra`` overrides last), with a :class:`StepRecorder`
+    and ``more_callbacks`` among the trainer's callbacks."""
     recorder = recorder_for(workload)
     build_trainer = cli.build_trainer
 
     def with_recorder(cfg, logger=None, callbacks=()):
-        return build_trainer(cfg, logger, [*callbacks, recorder])
+        return build_trainer(cfg, logger, [*callbacks, recorder, *more_callbacks])
 
     with tempfile.TemporaryDirectory(prefix="vs-trl-ours-") as tmp:
         with mock.patch.object(cli, "build_trainer", with_recorder):
-            cli.train(ours_config(workload, tmp))
+            cli.train(ours_config(workload, tmp, extra))
     return recorder.steps
 
 

@@ -22,7 +22,7 @@ def touch(mib: int) -> torch.Tensor:
 def test_phase_peaks_are_separate_and_nested_phases_count_in_both():
     meter = smp.PhaseMeter(trim=True)
     with meter.phase("update"):
-        start = smp.rss()
+        start = smp.rss_bytes()
         big = touch(300)
         del big
         with meter.phase("optimizer"):
