@@ -96,8 +96,8 @@ def bench_rollouts(args) -> list[dict]:
             tok(render_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), add_special_tokens=False)["input_ids"]
             for i in range(batch)
         ]
-        engine = HFEngine(model, tok, max_new_tokens=args.new_tokens, seed=0)
-        engine.eos_ids = []  # decode exactly batch x new_tokens for every explorer
+        # ignore_eos: decode exactly batch x new_tokens for every explorer
+        engine = HFEngine(model, tok, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
         persistent = {name: EXPLORERS[name]() for name in args.explorers if name != "neighbor-cold"}
         for name in args.explorers:  # warm-up: kernels, allocator
             engine.generate(prompts, EXPLORERS[name](), max_new_tokens=4)

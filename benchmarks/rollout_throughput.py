@@ -66,8 +66,7 @@ def useful_tokens(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
 
 def run_fixed(model, tok, batch: int, args) -> dict:
     prompts = arithmetic_prompt_ids(tok, batch)
-    engine = HFEngine(model, tok, max_new_tokens=args.new_tokens)
-    engine.eos_ids = []  # decode exactly new_tokens per row, like generate below
+    engine = HFEngine(model, tok, max_new_tokens=args.new_tokens, ignore_eos=True)  # new_tokens per row, as generate
     greedy = TemperatureExplorer(temperature=0.0)
     tok.padding_side = "left"
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt")

@@ -55,9 +55,9 @@ def main() -> None:
 
     model, tok = load_policy(args.model)
     model.eval()
-    vllm = VLLMEngine.from_policy(model, tok, max_new_tokens=args.new_tokens, seed=0)
-    hf = HFEngine(model, tok, max_new_tokens=args.new_tokens)
-    vllm.eos_ids = hf.eos_ids = []  # exactly new_tokens per row
+    # ignore_eos: exactly new_tokens per row
+    vllm = VLLMEngine.from_policy(model, tok, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+    hf = HFEngine(model, tok, max_new_tokens=args.new_tokens, ignore_eos=True)
     plain, mixing = TemperatureExplorer(temperature=1.0), NeighborMixingExplorer(k=3, rho=args.rho)
     rows = []
     for batch in args.batch_sizes:

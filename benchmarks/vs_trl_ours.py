@@ -2,9 +2,8 @@
 
 ``ours_config(workload)`` is the composed run configuration, ``prompt_batches(workload)`` the
 prompt batches its ``RolloutDataModule`` draws (TRL's side trains on the same sequence). The
-run adds one callback to the trainer, :class:`StepRecorder`: it reads the metrics the module
-logs every step and, for the fixed-length workload, empties the rollout engine's EOS ids
-before the first rollout (ngrpo has no config key for that).
+run adds one callback to the trainer, :class:`StepRecorder`, which reads the metrics the module
+logs every step; the fixed-length workload sets ``rollout.ignore_eos=true``.
 
     .venv/bin/python benchmarks/vs_trl_ours.py --workload '{"steps": 2}' --out ours.json
 """
@@ -16,7 +15,6 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from unittest import mock
 
 import lightning as L
 
@@ -47,6 +45,7 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
         f"rollout.group_size={workload.group}",
         f"rollout.max_new_tokens={workload.tokens}",
         f"rollout.engine={workload.engine}",
+        f"rollout.ignore_eos={str(not workload.natural).lower()}",  # fixed length unless natural
         "explorer=temperature",
         f"explorer.temperature={workload.temperature}",
         "objective=grpo",
@@ -76,7 +75,7 @@ def ours_config(workload: Workload, output_dir: str = "outputs", extra: Sequence
 def prompt_batches(workload: Workload) -> list[dict]:
     """The prompt batches of the workload's ``steps`` steps as the run's ``RolloutDataModule``
     draws them: dicts of lists (``prompt_text``, ``prompt_ids``, ``answer``, ``id``)."""
-    from ngrpo_lightning.build import build_datamodule, build_problems
+    from ngrpo_lightning.build_data import build_datamodule, build_problems
     from ngrpo_lightning.models import load_tokenizer
 
     cfg = ours_config(workload)
@@ -86,18 +85,10 @@ def prompt_batches(workload: Workload) -> list[dict]:
 
 
 class StepRecorder(L.Callback):
-    """Per-step records from the metrics the module logs; with ``fixed_length`` every response
-    is ``rollout.max_new_tokens`` long (the engine gets no EOS ids, as in the other benchmarks)."""
+    """Per-step records from the metrics the module logs."""
 
-    def __init__(self, fixed_length: bool):
-        self.fixed_length = fixed_length
+    def __init__(self):
         self.steps: list[dict] = []
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if self.fixed_length:
-            datamodule = trainer.datamodule
-            datamodule._module_with_engine()  # the engine the first rollout would build, built now
-            datamodule.engine.eos_ids = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
@@ -107,23 +98,12 @@ class StepRecorder(L.Callback):
         self.steps.append(step)
 
 
-def recorder_for(workload: Workload) -> StepRecorder:
-    """The run's recorder: fixed-length responses unless the workload is ``natural``."""
-    return StepRecorder(fixed_length=not workload.natural)
-
-
 def run(workload: Workload, extra: Sequence[str] = (), more_callbacks: Sequence[L.Callback] = ()) -> list[dict]:
     """``ngrpo train`` on the workload (``extra`` overrides last), with a :class:`StepRecorder`
     and ``more_callbacks`` among the trainer's callbacks."""
-    recorder = recorder_for(workload)
-    build_trainer = cli.build_trainer
-
-    def with_recorder(cfg, logger=None, callbacks=()):
-        return build_trainer(cfg, logger, [*callbacks, recorder, *more_callbacks])
-
+    recorder = StepRecorder()
     with tempfile.TemporaryDirectory(prefix="vs-trl-ours-") as tmp:
-        with mock.patch.object(cli, "build_trainer", with_recorder):
-            cli.train(ours_config(workload, tmp, extra))
+        cli.train(ours_config(workload, tmp, extra), callbacks=[recorder, *more_callbacks])
     return recorder.steps
 
 

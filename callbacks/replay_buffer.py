@@ -1,8 +1,8 @@
 """ReplayBuffer: replay of past successes into groups whose fresh rollouts are all wrong.
 
-Attach it to the Trainer (``ngrpo train`` does when ``replay.capacity`` > 0);
-:class:`~ngrpo_lightning.module.RLModule` finds it (it is a
-:class:`~ngrpo_lightning.updates.StepHook`) and calls it every training step:
+Give it to the module, ``RLModule(..., step_hooks=[buffer])`` (``ngrpo train`` does when
+``replay.capacity`` > 0): :class:`~ngrpo_lightning.module.RLModule` calls it every training step
+(it is a :class:`~ngrpo_lightning.updates.StepHook`) and attaches it to the Trainer as a callback:
 
 1. ``mix_in``: for each group whose G fresh rollouts are all wrong, substitute a stored
    success of the same prompt (from at most ``max_staleness`` steps ago) for the group's
@@ -29,6 +29,7 @@ import torch
 
 from ..objectives import sequence_importance_weight
 from ..rollout.batch import RolloutBatch
+from ..rollout.padding import pad_rows
 from ..rollout.records import RECORD_FIELDS, InputRecords
 from ..settings import ReplayConfig
 from ..updates import StepHook, StepRollouts
@@ -147,20 +148,11 @@ class ReplayBuffer(L.Callback, StepHook):
     def _as_rollouts(self, entries: list[dict], like: StepRollouts) -> StepRollouts:
         """Stored trajectories as replayed rows (padded like a rollout batch)."""
         device = like.batch.response_ids.device
-        pad = like.pad_id
-        width_p = max(len(e["prompt_ids"]) for e in entries)
-        width_l = max(len(e["response_ids"]) for e in entries)
-        n = len(entries)
-        prompt_ids = torch.full((n, width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
-        response_ids = torch.full((n, width_l), pad, dtype=torch.long)
-        response_mask = torch.zeros((n, width_l), dtype=torch.long)
-        rollout_logp, old_logp = torch.zeros(n, width_l), torch.zeros(n, width_l)
-        for i, e in enumerate(entries):
-            p, r = len(e["prompt_ids"]), len(e["response_ids"])
-            prompt_ids[i, width_p - p :], prompt_mask[i, width_p - p :] = e["prompt_ids"], 1
-            response_ids[i, :r], response_mask[i, :r] = e["response_ids"], 1
-            rollout_logp[i, :r], old_logp[i, :r] = e["rollout_logprobs"], e["old_logp"]
+        pad, n = like.pad_id, len(entries)
+        prompt_ids, prompt_mask = pad_rows([e["prompt_ids"] for e in entries], pad, left=True)
+        response_ids, response_mask = pad_rows([e["response_ids"] for e in entries], pad)
+        rollout_logp, _ = pad_rows([e["rollout_logprobs"] for e in entries])
+        old_logp, _ = pad_rows([e["old_logp"] for e in entries])
         records = InputRecords.concat(
             [InputRecords(row=torch.full_like(e["records"]["pos"], i), **e["records"]) for i, e in enumerate(entries)]
         )

@@ -2,7 +2,8 @@
 
 Each ``build_*`` function turns one config group into one object and fails with an
 error naming the offending key. The CLI, the tests and user scripts share them. The data
-and rollout-engine side lives in :mod:`.build_data` (re-exported here).
+and rollout-engine side lives in :mod:`.build_data`, checkpoints in :mod:`.checkpointing`,
+the logger in :mod:`.tracking`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from . import attention
-from .build_data import build_datamodule, build_problems, check_engine, engine_kwargs
+from .build_data import engine_settings
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
-from .checkpointing import build_checkpointing, check_resume, checkpoint_meta, resolve_resume
+from .checkpointing import build_checkpointing
 from .checks import check_number
 from .config import ConfigError, named_error
 from .evaluate import EvalSet
@@ -29,28 +30,22 @@ from .models import load_policy, parse_dtype
 from .module import RLModule
 from .objectives import OBJECTIVES, PolicyObjective, resolve_advantage
 from .parallel import ParallelConfig
+from .planning import check_dynamic_sampling_processes
 from .rewards import MathReward
+from .rollout import check_engine
 from .settings import OptimConfig, ReplayConfig, TrainConfig
-from .tracking import build_logger
+from .updates import StepHook
 
 __all__ = [
-    "ConfigError",
-    "build_callbacks",
-    "build_datamodule",
     "build_explorer",
-    "build_logger",
     "build_module",
     "build_objective",
     "build_pass_at_k",
-    "build_problems",
+    "build_reward",
+    "build_step_hooks",
     "build_trainer",
     "check_config",
-    "check_engine",
-    "check_resume",
     "check_trainer",
-    "checkpoint_meta",
-    "engine_kwargs",
-    "resolve_resume",
 ]
 
 
@@ -141,9 +136,12 @@ def check_config(cfg: DictConfig) -> None:
         raise named_error(err, "advantage") from err
     settings(cfg)
     check_run_settings(cfg)
-    build_callbacks(cfg)
+    build_step_hooks(cfg)
     check_trainer(cfg)
-    check_engine(cfg)
+    try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own
+        check_engine(cfg.rollout.engine, engine_settings(cfg)).check_explorer(build_explorer(cfg.explorer))
+    except ValueError as err:
+        raise named_error(err, "rollout") from err
     try:
         parse_dtype(cfg.model.dtype)
     except ValueError as err:
@@ -173,6 +171,8 @@ def check_run_settings(cfg: DictConfig) -> None:
         for key, value, low in checks:
             check_number(key, value, low, integer=True)
         check_number("rollout.val_temperature", r.val_temperature, 0.0)
+        if not isinstance(r.get("ignore_eos", False), bool):
+            raise ValueError(f"rollout.ignore_eos={r.ignore_eos!r} must be true or false")
         if not isinstance(cfg.get("overwrite", False), bool):
             raise ValueError(f"overwrite={cfg.overwrite!r}: allowed true or false")
         max_steps = cfg.trainer.get("max_steps", -1)
@@ -240,13 +240,15 @@ def build_module(cfg: DictConfig) -> RLModule:
             detach_mixture=cfg.detach_mixture,
             parallel=parallel_config(cfg),
             seed=cfg.seed,
+            step_hooks=build_step_hooks(cfg),
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
 
-def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """Training callbacks the config asks for: a ``ReplayBuffer`` when ``replay.capacity`` > 0."""
+def build_step_hooks(cfg: DictConfig) -> list[StepHook]:
+    """What takes part in every training step, as the config asks: a ``ReplayBuffer`` when
+    ``replay.capacity`` > 0 (the module attaches it to the Trainer as a callback too)."""
     _, _, replay = settings(cfg)
     if not replay.capacity:
         return []
@@ -317,12 +319,14 @@ def check_trainer(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
     parallel = parallel_config(cfg)
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
-    several = parallel is not None or (isinstance(devices, int) and devices > 1) or nodes > 1
-    if several and (cfg.get("train") or {}).get("dynamic_sampling", False):
-        raise ConfigError(
-            "train.dynamic_sampling=true is not supported with several processes yet "
-            "(use one process, e.g. trainer=cpu or trainer=gpu, or train.dynamic_sampling=false)"
-        )
+    processes = (devices if isinstance(devices, int) else 1) * nodes
+    if parallel is not None:
+        processes = max(processes, 2)  # FSDP2 shards over several processes
+    if (cfg.get("train") or {}).get("dynamic_sampling", False):
+        try:
+            check_dynamic_sampling_processes(processes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
         raise ConfigError(
             "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
@@ -349,7 +353,7 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
     if strategy is not None:
         kwargs["strategy"] = strategy
     kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
-    cbs = list(callbacks) + build_callbacks(cfg)
+    cbs = list(callbacks)
     if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
         cbs += build_checkpointing(cfg)
     if logger is not None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_number
-from .config import ConfigError, named_error
+from .config import ConfigError
 from .data import load_problems, reasoning_gym_problems
-from .rollout import RolloutDataModule
-from .rollout import check_engine as check_engine_name
+from .rollout import RolloutDataModule, engine_class
 
-__all__ = ["build_datamodule", "build_problems", "check_engine", "engine_kwargs"]
+__all__ = ["build_datamodule", "build_problems", "engine_settings"]
 
 
 def build_problems(cfg: DictConfig, seed: int):
@@ -52,40 +50,17 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
         val_samples=r.val_samples,
         val_batch_size=r.val_batch_size,
         engine=r.engine,
-        engine_kwargs=engine_kwargs(cfg),
+        engine_kwargs=engine_settings(cfg),
+        ignore_eos=r.get("ignore_eos", False),
         instruction=cfg.data.instruction,
         system_prompt=cfg.data.system_prompt,
         seed=cfg.seed,
     )
 
 
-HF_ENGINE_KEYS = ("drop_min_frac", "packed_weights")  # rollout.hf.*
-
-
-def engine_kwargs(cfg: DictConfig) -> dict:
-    """The engine's settings: ``rollout.hf.*`` or ``rollout.vllm.*`` (nulls dropped)."""
-    if cfg.rollout.engine != "vllm":
-        return dict(OmegaConf.to_container(cfg.rollout.get("hf") or {}, resolve=True))
-    settings = {
-        k: v for k, v in OmegaConf.to_container(cfg.rollout.get("vllm") or {}, resolve=True).items() if v is not None
-    }
-    settings.setdefault("max_model_len", cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
-    return settings
-
-
-def check_engine(cfg: DictConfig) -> None:
-    """An unknown ``rollout.engine``, or ``vllm`` without a supported vLLM, fails before any model loads."""
-    try:
-        check_engine_name(cfg.rollout.engine, "rollout.engine")
-    except ValueError as err:
-        raise named_error(err, "rollout.engine") from err
-    hf = cfg.rollout.get("hf") or {}
-    unknown = set(hf) - set(HF_ENGINE_KEYS)
-    if unknown:
-        raise ConfigError(f"rollout.hf.{sorted(unknown)[0]} is unknown: allowed {list(HF_ENGINE_KEYS)}")
-    try:
-        check_number("rollout.hf.drop_min_frac", hf.get("drop_min_frac", 0.0), 0.0, 1.0)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    if not isinstance(hf.get("packed_weights", True), bool):
-        raise ConfigError(f"rollout.hf.packed_weights={hf.packed_weights!r} must be true or false")
+def engine_settings(cfg: DictConfig) -> dict:
+    """The engine's own settings, ``rollout.<settings_key>.*`` of the engine ``rollout.engine``
+    names (``rollout.hf.*``, ``rollout.vllm.*``; empty for an engine without settings)."""
+    key = engine_class(cfg.rollout.engine).settings_key
+    node = cfg.rollout.get(key) if key else None
+    return dict(OmegaConf.to_container(node, resolve=True)) if node else {}

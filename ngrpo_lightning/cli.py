@@ -19,30 +19,21 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from .build import (
-    build_datamodule,
-    build_logger,
-    build_module,
-    build_pass_at_k,
-    build_problems,
-    build_trainer,
-    check_config,
-    check_resume,
-    checkpoint_meta,
-    resolve_resume,
-)
-from .checkpointing import claim_output_dir
+from .build import build_module, build_pass_at_k, build_trainer, check_config
+from .build_data import build_datamodule, build_problems
+from .checkpointing import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from .compare.command import compose_compare, run_compare
 from .config import GROUPS, ConfigError, compose, group_options
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
 from .host_memory import apply_host_settings
 from .sweep import run_sweep
-from .tracking import log_config, summarize_run
+from .tracking import build_logger, log_config, summarize_run
 
 
 def print_groups() -> None:
@@ -64,8 +55,16 @@ KNOWN_WARNINGS = (
 )
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run one training job; returns a summary dict."""
+def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
+    """Run one training job (``ngrpo train``) on a composed config; returns a summary dict.
+
+    ``callbacks``: more Lightning callbacks for the run's Trainer, beside those the config asks
+    for: what a script adds to a run from Python (a recorder of step metrics, an early stop)::
+
+        from ngrpo_lightning.cli import train
+        from ngrpo_lightning.config import compose
+        train(compose(["model=tiny", "trainer.max_steps=2"]), callbacks=[MyCallback()])
+    """
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
@@ -81,7 +80,7 @@ def train(cfg: DictConfig) -> dict:
     claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
     logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
     try:
-        summary = _fit(cfg, logger, problems, ckpt_path)
+        summary = _fit(cfg, logger, problems, ckpt_path, callbacks)
     except BaseException as err:
         if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
             logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
@@ -91,11 +90,11 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
-def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None) -> dict:
+def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = ()) -> dict:
     """Validate, fit and validate again; the summary of the run."""
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module.tokenizer, problems)
-    trainer = build_trainer(cfg, logger, callbacks=build_pass_at_k(cfg, problems[1]))
+    trainer = build_trainer(cfg, logger, callbacks=[*build_pass_at_k(cfg, problems[1]), *callbacks])
     module.run_meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "mlflow_run_id": getattr(logger, "run_id", None),

@@ -40,12 +40,14 @@ def named_error(err: Exception, key: str) -> ConfigError:
 
 
 def config_dir() -> Path:
-    """The ``conf/`` folder (in a checkout ``ngrpo_lightning/conf`` links to the top-level ``conf/``;
-    wheels ship a copy)."""
-    path = Path(__file__).parent / "conf"
-    if not (path / "config.yaml").is_file():
-        raise FileNotFoundError(f"ngrpo-lightning's config folder {path} is missing: reinstall the package")
-    return path
+    """The ``conf/`` folder: inside the installed package (a wheel ships ``conf/`` as
+    ``ngrpo_lightning/conf``), or the top-level ``conf/`` beside the package in a checkout
+    (an editable install)."""
+    here = Path(__file__).parent
+    for path in (here / "conf", here.parent / "conf"):
+        if (path / "config.yaml").is_file():
+            return path
+    raise FileNotFoundError(f"ngrpo-lightning's config folder is missing ({here / 'conf'}): reinstall the package")
 
 
 def group_options(group: str) -> list[str]:

@@ -72,11 +72,9 @@ def build_eval_sets(cfg) -> list[EvalSet]:
 
 
 def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
-    """The rollout engine of ``engine=hf|vllm`` for an evaluation of ``policy`` (seeded with
+    """The rollout engine of ``engine=<name>`` for an evaluation of ``policy`` (seeded with
     ``seed``). vLLM loads the model's directory and then receives the policy's weights (which a
     checkpoint may have changed)."""
-    max_model_len = cfg.data.get("max_prompt_tokens", 4096) + max_new_tokens
-    settings = {"max_model_len": max_model_len} if cfg.get("engine", "hf") == "vllm" else {}
     try:
         engine = build_engine(
             cfg.get("engine", "hf"),
@@ -85,7 +83,7 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
             max_new_tokens=max_new_tokens,
             seed=cfg.seed,
             key="engine",
-            **settings,
+            max_prompt_tokens=cfg.data.get("max_prompt_tokens", 4096),
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err

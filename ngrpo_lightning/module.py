@@ -12,9 +12,10 @@ current policy and does::
 
 The updates are planned by :class:`~ngrpo_lightning.planning.UpdatePlan` (``train.ppo_epochs x
 train.num_mini_batches`` of them, each in ``optim.micro_batch_size`` micro-batches), dynamic
-sampling by :class:`~ngrpo_lightning.planning.DynamicSampling`; attached callbacks that are
-:class:`~ngrpo_lightning.updates.StepHook` (``ngrpo_lightning.callbacks.ReplayBuffer``) take
-part in every step.
+sampling by :class:`~ngrpo_lightning.planning.DynamicSampling`; the module's ``step_hooks``
+(:class:`~ngrpo_lightning.updates.StepHook`, e.g. ``ngrpo_lightning.callbacks.ReplayBuffer``)
+take part in every step, and those that are callbacks join the Trainer through
+``configure_callbacks``.
 
 Optimization is manual because one batch of rollouts may serve several optimizer updates
 and because rollouts must see the weights of the last update. Lightning counts
@@ -28,9 +29,12 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from .checkpointing import config_mismatch, rng_states, set_rng_states
@@ -40,13 +44,14 @@ from .metrics.exploration import exploration_metrics
 from .metrics.training import combine_metrics, rollout_step_metrics
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
-from .planning import DynamicSampling, UpdatePlan
+from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
 from .rewards import MathReward, score_responses
 from .rollout.batch import RolloutBatch
+from .rollout.padding import pad_to
 from .settings import OptimConfig, TrainConfig
 from .updates import StepHook, StepRollouts
 
-__all__ = ["OptimConfig", "RLModule", "TrainConfig", "combine_metrics"]
+__all__ = ["RLModule"]
 
 
 class RLModule(L.LightningModule):
@@ -69,7 +74,10 @@ class RLModule(L.LightningModule):
         advantage: group advantage estimator (a name registered with ``register_advantage``).
         eval_explorer: how validation rollouts sample (plain sampling; never mixing).
         detach_mixture: stop gradients into the embedding matrix through mixed inputs.
+        parallel: FSDP2 settings (``trainer.parallel``), applied in ``configure_model``.
         seed: seed of the mini-batch shuffling.
+        step_hooks: what takes part in every step (``ReplayBuffer``), in order; hooks that are
+            Lightning callbacks are attached to the Trainer by ``configure_callbacks``.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class RLModule(L.LightningModule):
         detach_mixture: bool = False,
         parallel: ParallelConfig | dict | None = None,
         seed: int = 0,
+        step_hooks: Sequence[StepHook] = (),
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -111,23 +120,16 @@ class RLModule(L.LightningModule):
                 f"{type(objective).__name__} does not (GRPO does)"
             )
         self.tis_cap = train.tis_cap
-        self.plan = UpdatePlan(
-            train.ppo_epochs,
-            train.num_mini_batches,
-            self.optim.micro_batch_size,
-            self.optim.max_tokens_per_micro_batch,
-            seed=seed,
-        )
-        self.dynamic_sampling = (
-            DynamicSampling(train.max_extra_rollouts, train.drop_groups) if train.dynamic_sampling else None
-        )
+        self.plan = UpdatePlan.from_settings(train, self.optim, seed=seed)
+        self.dynamic_sampling = DynamicSampling.from_settings(train) if train.dynamic_sampling else None
+        self.step_hooks: list[StepHook] = list(step_hooks)
         self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
         self._fit_start = self._last_step_end = None
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
         self.parallel = ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel
         self.run_meta: dict = {}  # what identifies the run in checkpoints (set by the CLI: config, MLflow run id)
-        self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers (kept outside the module tree)
+        self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers by id(model) (outside the module tree)
         self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
 
     # --------------------------------------------------------------- sharding
@@ -148,24 +150,37 @@ class RLModule(L.LightningModule):
             [self.policy, self.reference], self.parallel, mesh["data_parallel"], checkpoint=self.policy
         )
 
+    def sharded_root(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The FSDP2 root wrapper of ``model`` (the policy or the reference) after
+        ``configure_model`` sharded it; ``None`` when it is not sharded. A rollout engine that
+        decodes with the policy unshards it (and the sharded layers) once per rollout."""
+        return self._forwards.get(id(model))
+
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
         """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
         cut to its own longest sequence and padded back to its width, so a micro-batch of short
         rows costs what its rows cost. The LM head works ``optim.logprob_chunk_size`` tokens at a time;
         with ``optim.share_prompts`` a group's common prompt runs once."""
         width = batch.response_ids.shape[1]
-        forward = self._forwards.get(id(model))
+        forward = self.sharded_root(model)
         trimmed = batch.trim()
         kwargs["chunk_size"] = self.optim.logprob_chunk_size
         kwargs["keep_softmax_mib"] = self.optim.logprob_keep_softmax_mib
+        kwargs["share_prompts"] = self._shares_prompts(model)
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:
-            # a recomputed (checkpointed) layer would append to the shared prompt cache twice
-            share = self.optim.share_prompts and not getattr(model, "is_gradient_checkpointing", False)
-            logp, entropy = response_logprobs(model, trimmed, temperature, share_prompts=share, **kwargs)
-        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-        return pad(logp), pad(entropy)
+            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
+        return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
+
+    def _shares_prompts(self, model: torch.nn.Module) -> bool:
+        """``optim.share_prompts``, unless ``model`` recomputes its layers in backward (activation
+        checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
+        root forward shares as the plain model does."""
+        checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
+            model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
+        )
+        return self.optim.share_prompts and not checkpointed
 
     @classmethod
     def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
@@ -178,12 +193,28 @@ class RLModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ train
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The step hooks that are also Lightning callbacks (``ReplayBuffer`` stores each step's
+        successes after it and keeps its state in checkpoints)."""
+        return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
+
     def on_fit_start(self) -> None:
-        if self.dynamic_sampling is not None and self.trainer.world_size > 1:
-            # ranks would roll out different numbers of extra batches, and rollouts under FSDP are collectives
+        if self.dynamic_sampling is not None:
+            check_dynamic_sampling_processes(self.trainer.world_size)
+        loose = [
+            type(cb).__name__
+            for cb in self.trainer.callbacks
+            if isinstance(cb, StepHook) and all(cb is not h for h in self.step_hooks)
+        ]
+        if loose:  # a hook among the callbacks only would silently never be called
             raise ValueError(
-                "train.dynamic_sampling=true is not supported with several processes yet: "
-                "use one process or train.dynamic_sampling=false"
+                f"{loose[0]} takes part in training steps: give it to the module, "
+                "RLModule(..., step_hooks=[...]), not only to the Trainer's callbacks"
+            )
+        if self.optim.share_prompts and not self._shares_prompts(self.policy):
+            rank_zero_info(
+                "optim.share_prompts is off under activation checkpointing (a recomputed layer would extend the "
+                "shared prompt cache twice): each row runs its prompt, same values, more FLOPs"
             )
 
     def on_train_start(self) -> None:
@@ -193,23 +224,21 @@ class RLModule(L.LightningModule):
         """Rewards of a rollout batch (a :class:`~ngrpo_lightning.rewards.RewardResult`)."""
         return score_responses(self.reward, batch.response_text, batch.answers, batch.verifiers)
 
-    @property
-    def step_hooks(self) -> list[StepHook]:
-        """The attached callbacks that take part in every step (``ReplayBuffer``), in callback order."""
-        trainer = self._trainer
-        return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, StepHook)]
-
     def training_step(self, batch: RolloutBatch, batch_idx: int):
         t0 = time.perf_counter()
         scored = self.score(batch)
         rewards = scored.scores.to(self.device)
         step = self.collect(batch, rewards)
         t1 = time.perf_counter()
-        self.prepare(step, reuse_forward=self.plan.single)
+        # one on-policy update takes its old log-probs from its own forward, unless a hook must
+        # weigh replayed rows by them first
+        step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
         for hook in self.step_hooks:
             step = hook.weigh(step)
         t2 = time.perf_counter()
-        metrics = self.optimize(self.plan.updates(step))
+        metrics, old_logp = self.optimize(self.plan.updates(step))
+        if step.old_logp is None:  # the update's forward gave them: the step carries them on (metrics, replay)
+            step = replace(step, old_logp=old_logp)
         # where a step's time goes (the rollout's own time is rollout/time_s)
         phases = {"time/reward_s": t1 - t0, "time/logprobs_s": t2 - t1, "time/update_s": time.perf_counter() - t2}
         self.log_step(batch, scored, rewards, step, metrics, phases)
@@ -246,15 +275,18 @@ class RLModule(L.LightningModule):
         return datamodule.more_rollouts()
 
     @torch.no_grad()
-    def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> None:
-        """Set the step's advantages, old (proximal) log-probs and reference log-probs.
+    def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> StepRollouts:
+        """The step with its advantages, old (proximal) log-probs and reference log-probs.
 
-        With ``reuse_forward`` (one on-policy update per step) the old log-probs are the
-        detached log-probs of the update's own forward: the same weights compute the same
-        numbers, so a separate no-grad pass of the policy would be pure cost."""
-        step.advantages = group_advantages(step.rewards, step.group_size, self.advantage)
-        step.old_logp = None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch)
-        step.ref_logp = self._logprobs_no_grad(self.reference, step.batch) if self.reference is not None else None
+        With ``reuse_forward`` (one on-policy update per step) the old log-probs stay ``None``:
+        :meth:`optimize` takes them from the update's own forward, detached, and returns them (the
+        same weights compute the same numbers, so a separate no-grad pass would be pure cost)."""
+        return replace(
+            step,
+            advantages=group_advantages(step.rewards, step.group_size, self.advantage),
+            old_logp=None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch),
+            ref_logp=self._logprobs_no_grad(self.reference, step.batch) if self.reference is not None else None,
+        )
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
@@ -265,32 +297,35 @@ class RLModule(L.LightningModule):
             out[rows.to(out.device)] = self._logprobs(model, part, temperature)[0]
         return out
 
-    def optimize(self, updates: list[StepRollouts]) -> dict[str, torch.Tensor]:
-        """One optimizer (and lr scheduler) step per update; returns the metrics of all
-        updates combined (means; ``*_min``/``*_max`` over updates)."""
+    def optimize(self, updates: list[StepRollouts]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """One optimizer (and lr scheduler) step per update. Returns the metrics of all updates
+        combined (means; ``*_min``/``*_max`` over updates) and, for a single update prepared
+        without old log-probs (``prepare(reuse_forward=True)``), the old log-probs [N, L] its
+        forward gave (``None`` otherwise)."""
         opt, sched = self.optimizers(), self.lr_schedulers()
         temperature = self.explorer.temperature or 1.0
         self.update_metrics = []
+        reused = None
         for update in updates:
             opt.zero_grad(set_to_none=True)
-            parts, weights, old_rows = [], [], []
+            parts, weights = [], []
+            if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
+                assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
+                reused = torch.zeros_like(update.batch.rollout_logprobs)
             for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
                 mb = update.select(rows) if len(rows) < len(update) else update
                 logp, entropy = self._logprobs(
                     self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
                 )
-                if mb.old_logp is None:  # single on-policy update: see prepare(reuse_forward=True)
-                    mb.old_logp = logp.detach()
-                    old_rows.append((rows, mb.old_logp))
-                advantages, tis = self._tis_advantages(mb)
-                loss, m = self.objective(logp, mb.old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
+                old_logp = mb.old_logp
+                if old_logp is None:
+                    old_logp = logp.detach()
+                    reused[rows.to(old_logp.device)] = old_logp
+                advantages, tis = self._tis_advantages(mb, old_logp)
+                loss, m = self.objective(logp, old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
                 self.manual_backward(loss * weight)
                 parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
                 weights.append(weight)
-            if old_rows:  # micro-batches may group rows by length: put each row's back in its place
-                update.old_logp = torch.zeros_like(update.batch.rollout_logprobs)
-                for rows, old in old_rows:
-                    update.old_logp[rows.to(old.device)] = old
             metrics = combine_metrics(parts, weights)
             metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
             opt.step()
@@ -299,15 +334,15 @@ class RLModule(L.LightningModule):
             self.update_metrics.append({k: float(v) for k, v in metrics.items()})
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)
-        return out
+        return out, reused
 
-    def _tis_advantages(self, mb: StepRollouts) -> tuple[torch.Tensor, dict]:
+    def _tis_advantages(self, mb: StepRollouts, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Advantages, per token with the truncated importance weights of the fresh rows
         when ``tis_cap`` is set (replayed rows carry their own correction: weight 1)."""
         if self.tis_cap is None:
             return mb.advantages, {}
         fresh = (~mb.replayed)[:, None] & mb.batch.response_mask.bool()
-        ratio = torch.exp((mb.old_logp - mb.batch.rollout_logprobs).clamp(max=20.0))
+        ratio = torch.exp((old_logp - mb.batch.rollout_logprobs).clamp(max=20.0))
         weights = torch.where(fresh, ratio.clamp(max=self.tis_cap), torch.ones_like(ratio))
         stats = {
             "tis_weight_mean": masked_mean(weights, fresh),

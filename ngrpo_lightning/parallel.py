@@ -9,7 +9,6 @@ import torch
 
 from .forward import DEFAULT_KEEP_SOFTMAX_MIB, DEFAULT_LOGPROB_CHUNK, response_logprobs
 from .rollout.batch import RolloutBatch
-from .rollout.engine import full_named_tensors  # noqa: F401  (re-exported: FSDP2 users gather with it)
 
 
 @dataclass
@@ -52,6 +51,7 @@ class LogprobsForward(torch.nn.Module):
         detach_mixture: bool = False,
         chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
+        share_prompts: bool = False,
     ):
         return response_logprobs(
             self.model,
@@ -61,6 +61,7 @@ class LogprobsForward(torch.nn.Module):
             detach_mixture=detach_mixture,
             chunk_size=chunk_size,
             keep_softmax_mib=keep_softmax_mib,
+            share_prompts=share_prompts,
         )
 
 
@@ -69,7 +70,8 @@ def shard_fsdp2(
 ) -> dict[int, torch.nn.Module]:
     """``fully_shard`` every decoder layer, then a root :class:`LogprobsForward` wrapper, of
     each model (``None`` entries skipped) over ``mesh``; activation checkpointing on the
-    ``checkpoint`` model if configured. Returns the roots by ``id(model)``."""
+    ``checkpoint`` model if configured. Returns the roots by ``id(model)`` (``RLModule.sharded_root``
+    hands the policy's to the rollout engine, which unshards it for a rollout)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
@@ -98,7 +100,6 @@ def shard_fsdp2(
         root = LogprobsForward(model)
         fully_shard(root, **kw)
         root._get_fsdp_state()._lazy_init()  # the wrapper is the root even if a rollout calls the model first
-        object.__setattr__(model, "_ngrpo_fsdp_root", root)  # the engine unshards it for rollouts
         roots[id(model)] = root
     return roots
 

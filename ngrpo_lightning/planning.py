@@ -19,13 +19,22 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .checks import check_choice, check_number
 from .objectives import zero_variance_groups
 from .rollout.batch import RolloutBatch
-from .settings import DROP_GROUPS, OptimConfig, TrainConfig
+from .settings import OptimConfig, TrainConfig
 from .updates import StepRollouts
 
-__all__ = ["DynamicSampling", "UpdatePlan"]
+__all__ = ["DynamicSampling", "UpdatePlan", "check_dynamic_sampling_processes"]
+
+
+def check_dynamic_sampling_processes(processes: int) -> None:
+    """Dynamic sampling runs in one process only: ranks would roll out different numbers of extra
+    batches, and rollouts under FSDP2 are collectives. ``ValueError`` naming the keys otherwise."""
+    if processes > 1:
+        raise ValueError(
+            f"train.dynamic_sampling=true is not supported with several processes yet ({processes}): use one "
+            "process (e.g. trainer=cpu or trainer=gpu), or train.dynamic_sampling=false"
+        )
 
 
 class UpdatePlan:
@@ -50,13 +59,19 @@ class UpdatePlan:
         max_tokens_per_micro_batch: int | None = OptimConfig.max_tokens_per_micro_batch,
         seed: int = 0,
     ):
-        self.ppo_epochs = check_number("train.ppo_epochs", ppo_epochs, 1, integer=True)
-        self.num_mini_batches = check_number("train.num_mini_batches", num_mini_batches, 1, integer=True)
-        self.micro_batch_size = check_number("optim.micro_batch_size", micro_batch_size, 0, integer=True)
-        self.max_tokens = check_number(
-            "optim.max_tokens_per_micro_batch", max_tokens_per_micro_batch, 1, integer=True, optional=True
-        )
+        # the settings' own checks, naming train.* and optim.* keys: the rules live there once
+        TrainConfig(ppo_epochs=ppo_epochs, num_mini_batches=num_mini_batches)
+        OptimConfig(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        self.ppo_epochs, self.num_mini_batches = ppo_epochs, num_mini_batches
+        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_settings(cls, train: TrainConfig, optim: OptimConfig, seed: int = 0) -> UpdatePlan:
+        """The plan of ``train.*`` and ``optim.*``."""
+        return cls(
+            train.ppo_epochs, train.num_mini_batches, optim.micro_batch_size, optim.max_tokens_per_micro_batch, seed
+        )
 
     @property
     def single(self) -> bool:
@@ -122,8 +137,13 @@ class DynamicSampling:
     (whose zero-variance groups then have zero advantages)."""
 
     def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts, drop: str = TrainConfig.drop_groups):
-        self.max_extra_rollouts = check_number("train.max_extra_rollouts", max_extra_rollouts, 0, integer=True)
-        self.drop = check_choice("train.drop_groups", drop, DROP_GROUPS)
+        TrainConfig(max_extra_rollouts=max_extra_rollouts, drop_groups=drop)  # checks both, naming their keys
+        self.max_extra_rollouts, self.drop = max_extra_rollouts, drop
+
+    @classmethod
+    def from_settings(cls, train: TrainConfig) -> DynamicSampling:
+        """Dynamic sampling as ``train.*`` sets it (whether it is on is ``train.dynamic_sampling``)."""
+        return cls(train.max_extra_rollouts, train.drop_groups)
 
     def uninformative(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """[num_groups] bool: the groups to drop."""

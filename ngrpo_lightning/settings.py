@@ -107,10 +107,6 @@ class TrainConfig:
         check_choice("train.drop_groups", self.drop_groups, DROP_GROUPS)
         check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
 
-    @property
-    def updates_per_step(self) -> int:
-        return self.ppo_epochs * self.num_mini_batches
-
 
 @dataclass
 class ReplayConfig:

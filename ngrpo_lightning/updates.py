@@ -6,8 +6,9 @@ log-probs, all row-aligned. Rows may be *replayed* past trajectories; their stor
 behaviour log-probs travel with them.
 
 :class:`StepHook` is the interface a Lightning callback implements to take part in a step
-(``ngrpo_lightning.callbacks.ReplayBuffer`` does). The module calls every attached hook, in
-the trainer's callback order:
+(``ngrpo_lightning.callbacks.ReplayBuffer`` does), given to the module as
+``RLModule(step_hooks=[...])``. The module calls each hook, in that order, and goes on with
+the ``StepRollouts`` it returns:
 
 1. ``mix_in(step)``: add or substitute stored trajectories, before advantages are computed;
 2. ``weigh(step)``: change the prepared step (advantages, old and reference log-probs are
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .rollout.batch import RolloutBatch
+from .rollout.padding import pad_to
 
 __all__ = ["StepHook", "StepRollouts"]
 
@@ -92,14 +94,13 @@ class StepRollouts:
             return parts[0]
         batch = RolloutBatch.concat([p.batch for p in parts], pad_id=parts[0].pad_id)
         width = batch.response_ids.shape[1]
-        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
         out = {}
         for name in _PER_ROW + _PER_TOKEN:
             values = [getattr(p, name) for p in parts]
             if any(v is None for v in values):
                 out[name] = None
             else:
-                out[name] = torch.cat([pad(v) if name in _PER_TOKEN else v for v in values])
+                out[name] = torch.cat([pad_to(v, width) if name in _PER_TOKEN else v for v in values])
         return replace(parts[0], batch=batch, stats=dict(parts[0].stats), **out)
 
 

@@ -60,6 +60,21 @@ TINY_JOB = [
 ]
 
 
+# `ngrpo train` arguments of one step of the tiny model, without logger or validation (docs examples)
+ONE_TINY_STEP = [
+    "model=tiny",
+    "trainer.max_steps=1",
+    "data.train_size=4",
+    "data.val_size=0",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "logger=none",
+    "validate_before_fit=false",
+    "trainer.enable_progress_bar=false",
+]
+
+
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
@@ -90,10 +105,10 @@ def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):
 
     from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.explorers import TemperatureExplorer
-    from ngrpo_lightning.module import OptimConfig, RLModule
+    from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.objectives import GRPO
     from ngrpo_lightning.rollout import RolloutDataModule
-    from ngrpo_lightning.settings import TrainConfig
+    from ngrpo_lightning.settings import OptimConfig, TrainConfig
 
     train = TrainConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in TrainConfig.__dataclass_fields__})
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]

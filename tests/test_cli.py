@@ -62,7 +62,14 @@ def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     "override, message",
     [
         ("rollout.hf.packed_weights=maybe", "rollout.hf.packed_weights='maybe' must be true or false"),
-        ("+rollout.hf.pack=true", "rollout.hf.pack is unknown: allowed ['drop_min_frac', 'packed_weights']"),
+        (
+            "+rollout.hf.pack=true",
+            "rollout.hf.pack is unknown: allowed ['drop_finished_rows', 'drop_min_frac', 'packed_weights']",
+        ),
+        ("rollout.ignore_eos=2", "rollout.ignore_eos=2 must be true or false"),
+        ("rollout.engine=nope", "rollout.engine='nope' is unknown: allowed ['hf',"),
+        ("rollout.engine=no_such.Engine", "rollout.engine='no_such.Engine' cannot be imported"),
+        ("rollout.engine=ngrpo_lightning.rollout.RolloutBatch", "is not a subclass of"),
     ],
 )
 def test_bad_hf_engine_keys_are_named(capsys, override, message):

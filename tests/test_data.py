@@ -132,7 +132,7 @@ def test_verl_prompts_under_an_r1_distill_template_end_where_thinking_starts(tmp
     prompt ends with the template's opening ``<think>`` so the policy starts inside its thinking."""
     import copy
 
-    from ngrpo_lightning.build import build_datamodule
+    from ngrpo_lightning.build_data import build_datamodule
     from ngrpo_lightning.config import compose
 
     instruction = "Let's think step by step and output the final answer within \\boxed{}."

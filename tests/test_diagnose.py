@@ -17,8 +17,9 @@ from ngrpo_lightning.diagnose.drift import (
     select_tokens,
     token_id,
 )
-from ngrpo_lightning.diagnose.rollouts import edit_distance, group_metrics
-from ngrpo_lightning.rollout.hf_engine import special_token_ids
+from ngrpo_lightning.diagnose.rollouts import group_metrics
+from ngrpo_lightning.metrics import edit_distance
+from ngrpo_lightning.rollout.engine import special_token_ids
 
 # Five unit vectors in the plane: 0 at 0 deg, 1 at 36.9, 2 at 53.1, 3 at 180, 4 at 270.
 PLANE = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [-1.0, 0.0], [0.0, -1.0]])

@@ -60,9 +60,9 @@ def test_bad_max_extra_rollouts_names_the_key(tiny):
 
 def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
     from ngrpo_lightning.data import reasoning_gym_problems
-    from ngrpo_lightning.rollout import RolloutDataModule
+    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
 
-    class Recorder:
+    class Recorder(RolloutEngine):
         def generate(self, prompts, explorer, n, max_new_tokens):
             self.prompts = prompts
             return RolloutBatch.__new__(RolloutBatch)
@@ -71,7 +71,10 @@ def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
     drawn = []
     for _ in range(2):
         dm = RolloutDataModule(tokenizer, problems, prompts_per_step=2, group_size=1, seed=3)
-        dm.engine, dm.trainer = Recorder(), type("T", (), {"lightning_module": type("M", (), {"explorer": None})()})()
+        dm.engine, dm.trainer = (
+            Recorder(),
+            type("T", (), {"lightning_module": type("M", (), {"explorer": None, "policy_version": 0})()})(),
+        )
         ids = []
         for _ in range(5):  # 10 prompts: two passes over the 5
             dm.more_rollouts()

@@ -3,7 +3,7 @@ objective and training keys fail with errors that name them."""
 
 import pytest
 
-from ngrpo_lightning.build import build_callbacks, build_objective, settings
+from ngrpo_lightning.build import build_objective, build_step_hooks, settings
 from ngrpo_lightning.cli import main
 from ngrpo_lightning.config import ConfigError, compose, config_dir
 from ngrpo_lightning.objectives import GRPO, GSPO
@@ -76,12 +76,12 @@ def test_n_gspo_experiment():
 
 
 def test_replay_buffer_is_attached_only_when_asked_for():
-    assert build_callbacks(compose([])) == []
+    assert build_step_hooks(compose([])) == []
     cfg = compose(["train.ppo_epochs=2", "train.num_mini_batches=3"])
-    assert build_callbacks(cfg) == []  # several updates per step are the module's UpdatePlan, not a callback
+    assert build_step_hooks(cfg) == []  # several updates per step are the module's UpdatePlan, not a callback
     _, train, replay = settings(cfg)
     assert (train.ppo_epochs, train.num_mini_batches, replay.capacity) == (2, 3, 0)
-    (buffer,) = build_callbacks(compose(["replay.capacity=8", "replay.is_cap=3"]))
+    (buffer,) = build_step_hooks(compose(["replay.capacity=8", "replay.is_cap=3"]))
     assert (buffer.capacity, buffer.is_cap) == (8, 3.0)
 
 
@@ -94,7 +94,7 @@ def test_replay_buffer_is_attached_only_when_asked_for():
 )
 def test_bad_training_keys_are_named(override, key):
     with pytest.raises(ConfigError, match=key):
-        build_callbacks(compose([override]))
+        build_step_hooks(compose([override]))
 
 
 @pytest.mark.parametrize(

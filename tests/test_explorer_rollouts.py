@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_prompt_ids
+from conftest import ONE_TINY_STEP, chat_prompt_ids
 
 from ngrpo_lightning.explorers import (
     GaussianEmbedNoiseExplorer,
@@ -118,21 +118,7 @@ def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch,
     assert len(body) < 30
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
     monkeypatch.chdir(tmp_path)
-    argv = [
-        "train",
-        "explorer._target_=top_two_blend.TopTwoBlend",
-        "explorer.rho=0.5",
-        "model=tiny",
-        "trainer.max_steps=1",
-        "data.train_size=4",
-        "data.val_size=0",
-        "data.prompts_per_step=2",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=8",
-        "logger=none",
-        "validate_before_fit=false",
-        "trainer.enable_progress_bar=false",
-    ]
+    argv = ["train", "explorer._target_=top_two_blend.TopTwoBlend", "explorer.rho=0.5", *ONE_TINY_STEP]
     assert main(argv) == 0
     assert "Trained 1 steps" in capsys.readouterr().out
     assert main(argv[:2] + ["explorer.rho=2.0"] + argv[3:]) == 2  # the example's own check names the key

@@ -4,32 +4,36 @@ level, where a reader sees them (the exceptions are listed, each with its reason
 
 import ast
 import os
+import tomllib
 from pathlib import Path
 
 import ngrpo_lightning
+import ngrpo_lightning.callbacks
 
 ROOT = Path(ngrpo_lightning.__file__).parent
+CALLBACKS = Path(ngrpo_lightning.callbacks.__file__).parent  # the top-level callbacks/, mapped in by pyproject.toml
+REPO = ROOT.parent
 
 # Package-internal imports that stay inside functions, and why.
 LAZY_OK = {
-    ("ngrpo_lightning.rollout.engines", "ngrpo_lightning.rollout.vllm_engine"): "vLLM is an optional dependency",
     ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
 }
 
 
-def module_name(path: Path) -> str:
-    parts = ["ngrpo_lightning", *path.relative_to(ROOT).with_suffix("").parts]
+def module_name(path: Path, root: Path = ROOT, package: str = "ngrpo_lightning") -> str:
+    parts = [*package.split("."), *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the package, ``callbacks/`` (linked in from the top level) included."""
+    """Every module of the package, the top-level ``callbacks/`` (``ngrpo_lightning.callbacks``) included."""
     found = {}
-    for folder, dirs, files in os.walk(ROOT, followlinks=True):
-        dirs[:] = [d for d in dirs if d not in ("conf", "__pycache__")]
-        for f in files:
-            if f.endswith(".py"):
-                found[module_name(Path(folder) / f)] = Path(folder) / f
+    for root, package in ((ROOT, "ngrpo_lightning"), (CALLBACKS, "ngrpo_lightning.callbacks")):
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    found[module_name(Path(folder) / f, root, package)] = Path(folder) / f
     return found
 
 
@@ -119,6 +123,17 @@ def test_package_imports_are_at_module_level():
 
 def test_callbacks_are_part_of_the_package():
     assert "ngrpo_lightning.callbacks.replay_buffer" in modules()
+    assert CALLBACKS == REPO / "callbacks"
+
+
+def test_pyproject_installs_every_package_and_the_tree_has_no_links():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {name for name in modules() if (modules()[name].name == "__init__.py")}
+    assert packages | {"ngrpo_lightning.conf"} == set(setuptools["packages"])
+    assert setuptools["package-dir"] == {"ngrpo_lightning.callbacks": "callbacks", "ngrpo_lightning.conf": "conf"}
+    for top in ("ngrpo_lightning", "callbacks", "conf"):
+        links = [p for p in (REPO / top).rglob("*") if p.is_symlink()]
+        assert not links, f"symbolic links break checkouts on systems without them: {links}"
 
 
 def test_the_checker_sees_a_circle():

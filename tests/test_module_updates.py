@@ -46,13 +46,13 @@ def test_truncated_importance_sampling_weights_the_policy_gradient(tiny):
     module, _ = tiny_rl(tiny, ScriptedReward([1]), tis_cap=2.0)
     step.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     step.old_logp = step.batch.rollout_logprobs.clone()
-    advantages, stats = module._tis_advantages(step)
+    advantages, stats = module._tis_advantages(step, step.old_logp)
     mask = step.batch.response_mask.bool()
     assert torch.allclose(advantages[mask], (step.advantages[:, None] * mask)[mask])  # no mismatch: weight 1
     assert stats["tis_weight_mean"] == pytest.approx(1.0)
     step.batch.rollout_logprobs[0] -= 0.1  # row 0: p_train / p_rollout = e^0.1
     step.batch.rollout_logprobs[2] -= 5.0  # row 2: e^5, capped at 2
-    advantages, stats = module._tis_advantages(step)
+    advantages, stats = module._tis_advantages(step, step.old_logp)
     assert torch.allclose(advantages[0][mask[0]], torch.full((3,), math.exp(0.1)))
     assert torch.allclose(advantages[2][mask[2]], torch.full((3,), 2.0))
     assert stats["tis_clipped_frac"] == pytest.approx(0.25)
@@ -86,7 +86,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objectiv
     groups' prompts shared or not."""
     from conftest import ScriptedReward, tiny_rl
 
-    from ngrpo_lightning.module import OptimConfig
+    from ngrpo_lightning.settings import OptimConfig
 
     step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 5, 2, 3, 5, 4])
     step.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ngrpo_lightning.build import build_problems
+from ngrpo_lightning.build_data import build_problems
 from ngrpo_lightning.cli import main
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.data import reasoning_gym_problems

@@ -96,7 +96,9 @@ def test_second_ppo_epoch_sees_moved_ratios_and_clips(tiny):
 
 
 class Snapshots:
-    """Copies the buffer's state after every training step and at train start."""
+    """Copies the buffer's state after every training step and at train start. A step's end is
+    seen at the next step's start (or the end of training): the module attaches the buffer after
+    the Trainer's own callbacks, so at a step's end this one would run before the buffer's."""
 
     def __init__(self, buffer):
         self.buffer, self.after_step, self.at_start = buffer, [], None
@@ -105,8 +107,12 @@ class Snapshots:
         self.at_start = copy.deepcopy(self.buffer.state_dict())
         self.plan_at_start = copy.deepcopy(pl_module.plan.state_dict())
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.after_step.append(copy.deepcopy(self.buffer.state_dict()))
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.buffer.steps_seen > self.at_start["steps_seen"] + len(self.after_step):
+            self.after_step.append(copy.deepcopy(self.buffer.state_dict()))
+
+    def on_train_end(self, trainer, pl_module):
+        self.on_train_batch_start(trainer, pl_module, None, 0)
 
 
 def snapshot_callback(buffer):
@@ -134,11 +140,11 @@ def test_checkpoint_mid_run_restores_the_buffer_exactly(tiny, tmp_path):
 
     # step 0: every group has a success (stored); step 1: all wrong -> the stored ones are replayed
     reward = ScriptedReward([1, 0], [0, 0])
-    module, dm = tiny_rl(tiny, reward, num_mini_batches=2)
     buffer = ReplayBuffer(capacity=4, max_staleness=3)
+    module, dm = tiny_rl(tiny, reward, num_mini_batches=2, step_hooks=[buffer])
     spy = snapshot_callback(buffer)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    trainer = tiny_trainer(max_steps=4, callbacks=[buffer, spy, ckpt], enable_checkpointing=True)
+    trainer = tiny_trainer(max_steps=4, callbacks=[spy, ckpt], enable_checkpointing=True)
     trainer.fit(module, datamodule=dm)  # 2 rollout batches of 2 updates each
     assert trainer.callback_metrics["replay/substituted"] == 2
     assert len(spy.after_step) == 2 and len(buffer.entries) == 2
@@ -152,11 +158,30 @@ def test_checkpoint_mid_run_restores_the_buffer_exactly(tiny, tmp_path):
     assert not torch.equal(saved["update_plan"]["generator"], torch.Generator().manual_seed(0).get_state())
 
     # resuming through Lightning restores it too, before training goes on
-    module2, dm2 = tiny_rl(tiny, ScriptedReward([0, 0]), num_mini_batches=2)
     buffer2 = ReplayBuffer(capacity=4, max_staleness=3)
+    module2, dm2 = tiny_rl(tiny, ScriptedReward([0, 0]), num_mini_batches=2, step_hooks=[buffer2])
     spy2 = snapshot_callback(buffer2)
-    trainer2 = tiny_trainer(max_steps=4, callbacks=[buffer2, spy2])
+    trainer2 = tiny_trainer(max_steps=4, callbacks=[spy2])
     trainer2.fit(module2, datamodule=dm2, ckpt_path=tmp_path / "step=2.ckpt")
     assert_same_state(spy2.at_start, spy.after_step[0])
     assert torch.equal(spy2.plan_at_start["generator"], saved["update_plan"]["generator"])
     assert buffer2.steps_seen == 2 and trainer2.callback_metrics["replay/substituted"] == 2
+
+
+def test_replay_with_one_update_per_step_weighs_replayed_rows_by_a_real_forward(tiny):
+    """One update per step takes its old log-probs from its own forward, except when rows are
+    replayed: their importance weights need the old log-probs before the update."""
+    buffer = ReplayBuffer(capacity=4, max_staleness=3)
+    module, dm = tiny_rl(tiny, ScriptedReward([1, 0], [0, 0]), step_hooks=[buffer])
+    trainer = tiny_trainer(max_steps=2)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.callback_metrics["replay/substituted"] == 2
+    weight = float(trainer.callback_metrics["replay/is_weight_mean"])
+    assert 0.0 < weight <= buffer.is_cap and weight != 1.0  # the policy moved since the success was sampled
+
+
+def test_a_step_hook_given_only_to_the_trainer_is_refused(tiny):
+    module, dm = tiny_rl(tiny, ScriptedReward([1, 0]))
+    trainer = tiny_trainer(max_steps=1, callbacks=[ReplayBuffer(capacity=4)])
+    with pytest.raises(ValueError, match=r"ReplayBuffer takes part in training steps: give it to the module"):
+        trainer.fit(module, datamodule=dm)

@@ -132,8 +132,8 @@ def test_records_reconstruct_vllm_logprobs(engine, smollm2, prompts, name):
 
 
 def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, prompts):
-    from ngrpo_lightning.parallel import full_named_tensors
     from ngrpo_lightning.rollout import HFEngine
+    from ngrpo_lightning.rollout.engine import full_named_tensors
 
     policy, tok = smollm2
     before = engine.generate(prompts, greedy(), n=1)

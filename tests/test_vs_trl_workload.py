@@ -78,7 +78,7 @@ def test_same_generation(sides):
     cfg, trainer = sides
     gen = trainer.generation_config
     assert gen.max_new_tokens == gen.min_new_tokens == cfg.rollout.max_new_tokens == WORKLOAD.tokens
-    assert vs_trl_ours.recorder_for(WORKLOAD).fixed_length  # ours: the engine gets no EOS ids
+    assert cfg.rollout.ignore_eos  # ours: no EOS ends a response, each is max_new_tokens long
     assert gen.do_sample and gen.temperature == cfg.explorer.temperature == WORKLOAD.temperature
     assert cfg.explorer.name == "temperature" and (cfg.explorer.top_k, cfg.explorer.top_p) == (gen.top_k, gen.top_p)
     assert (gen.top_k, gen.top_p) == (0, 1.0)
@@ -88,7 +88,7 @@ def test_same_generation(sides):
 def test_natural_lengths_keep_eos_on_both_sides():
     natural = dataclasses.replace(WORKLOAD, natural=True)
     assert vs_trl_trl.trl_config(natural).generation_kwargs is None
-    assert not vs_trl_ours.recorder_for(natural).fixed_length
+    assert not vs_trl_ours.ours_config(natural).rollout.ignore_eos
 
 
 def test_same_objective_and_optimizer(sides):

@@ -18,7 +18,7 @@ from ..config import ConfigError, compose
 from ..data import PromptDataset
 from ..eval_command import build_eval_sets, eval_rollouts, load_eval_policy
 from ..rollout import HFEngine
-from ..rollout.hf_engine import special_token_ids
+from ..rollout.engine import special_token_ids
 from ..tracking import log_report_run
 from .drift import run_drift, select_tokens
 from .report import drift_table, plot_drift, plot_rollouts, rollouts_table, to_jsonable

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ..config import ConfigError, compose, group_options
-from ..metrics import distinct_ngrams, edit_distance, pairwise_edit_distance, pass_at_k  # noqa: F401 (re-export)
+from ..metrics import distinct_ngrams, pairwise_edit_distance, pass_at_k
 from ..rewards import score_responses
 
 

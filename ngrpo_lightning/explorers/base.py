@@ -36,6 +36,7 @@ import torch
 
 from ..checks import check_choice as _check_choice
 from ..checks import check_number
+from ..registry import Registry
 
 __all__ = [
     "Explorer",
@@ -47,20 +48,8 @@ __all__ = [
     "check_choice",
 ]
 
-EXPLORERS: dict[str, type[Explorer]] = {}
-
-
-def register_explorer(name: str):
-    """Class decorator: make an explorer selectable as ``explorer.name=<name>`` in configs."""
-
-    def wrap(cls):
-        if name in EXPLORERS and EXPLORERS[name] is not cls:
-            raise ValueError(f"explorer name {name!r} is already registered by {EXPLORERS[name].__qualname__}")
-        EXPLORERS[name] = cls
-        cls.registered_name = name
-        return cls
-
-    return wrap
+EXPLORERS = Registry("explorer", key="explorer.name")
+register_explorer = EXPLORERS.register  # class decorator: selectable as ``explorer.name=<name>`` in configs
 
 
 @dataclass
@@ -93,8 +82,6 @@ class Explorer(ABC):
         The policy's sampling temperature. Engines compute the rollout log-probs of the
         emitted tokens as ``log_softmax(logits / temperature)`` and training uses the same
         temperature, so every explorer must define it (1.0 if it does not sample).
-    uses_embeddings:
-        True if :meth:`step` needs the embedding matrix passed to :meth:`prepare`.
     answer_start:
         A marker text (e.g. ``"</think>"``): once a sequence has emitted its tokens, the engine
         clears ``mixed`` for that sequence's steps (the one completing the marker included), so
@@ -102,7 +89,6 @@ class Explorer(ABC):
     """
 
     temperature: float = 1.0
-    uses_embeddings: bool = False
     answer_start: str | None = None  # engines stop mixing a sequence once it has emitted this text
     registered_name: str = ""
     _special_ids: tuple[int, ...] = ()
@@ -133,9 +119,19 @@ class Explorer(ABC):
         return f"{type(self).__name__}({fields})"
 
 
-def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *, low_open: bool = False):
-    """Validate a numeric hyper-parameter at construction time; the error names ``explorer.<key>``."""
-    return check_number(f"explorer.{key}", value, low, high, low_open=low_open)
+def check_range(
+    key: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    integer: bool = False,
+):
+    """Validate a numeric hyper-parameter at construction time; the error names ``explorer.<key>``.
+    ``integer``: a count (``k``, ``top_k``) must be an int, so ``explorer.k=2.5`` is refused rather
+    than truncated."""
+    return check_number(f"explorer.{key}", value, low, high, low_open=low_open, integer=integer)
 
 
 def check_choice(key: str, value, allowed) -> None:

@@ -40,8 +40,6 @@ class GaussianNoiseExplorer(Explorer):
         temperature, top_k, top_p, min_p: the token sampling (see :class:`TemperatureExplorer`).
     """
 
-    uses_embeddings = True
-
     def __init__(
         self,
         sigma: float = 0.5,

@@ -29,7 +29,7 @@ class GumbelSoftExplorer(Explorer):
     """
 
     def __init__(self, top_k: int = 5, tau: float = 0.5, temperature: float = 1.0):
-        check_range("top_k", top_k, 1)
+        check_range("top_k", top_k, 1, integer=True)
         check_range("tau", tau, 0.0, low_open=True)
         check_range("temperature", temperature, 0.0, low_open=True)
         self.top_k, self.tau, self.temperature = int(top_k), float(tau), float(temperature)

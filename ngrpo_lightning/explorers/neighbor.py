@@ -1,6 +1,6 @@
 """N-GRPO neighbor mixing: mix the anchor's embedding with its nearest neighbors'.
 
-Per row and per step (DESIGN.md, "The algorithm, precisely"):
+Per row and per step (the paper's rule; docs/explorers.md):
 
 1. gate ``m ~ Bernoulli(rho)``;
 2. ``m = 0``: a plain sampling step (exactly :class:`TemperatureExplorer`'s);
@@ -61,8 +61,6 @@ class NeighborMixingExplorer(Explorer):
         chunk_size: vocabulary columns per similarity block of the search.
     """
 
-    uses_embeddings = True
-
     def __init__(
         self,
         k: int = 3,
@@ -82,14 +80,14 @@ class NeighborMixingExplorer(Explorer):
         precompute: bool = False,
         chunk_size: int = 16384,
     ):
-        check_range("k", k, 1)
+        check_range("k", k, 1, integer=True)
         check_range("rho", rho, 0.0, 1.0)
         check_choice("metric", metric, METRICS)
         self.emit, self.gate = check_choice("emit", emit, EMIT), check_choice("gate", gate, GATES)
         self.entropy_threshold = float(check_range("entropy_threshold", entropy_threshold, 0.0))
         self.answer_start = check_answer_start(answer_start)
-        check_range("refresh_every", refresh_every, 0)
-        check_range("chunk_size", chunk_size, 1)
+        check_range("refresh_every", refresh_every, 0, integer=True)
+        check_range("chunk_size", chunk_size, 1, integer=True)
         self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
         self.k, self.rho, self.metric = int(k), float(rho), metric
         self.temperature, self.top_k, self.top_p, self.min_p = (

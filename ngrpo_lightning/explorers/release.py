@@ -58,7 +58,7 @@ class TopKMixExplorer(TemperatureExplorer):
     ):
         super().__init__(temperature, top_k, top_p, min_p)
         self.answer_start = check_answer_start(answer_start)
-        self.k = int(check_range("k", k, 1))
+        self.k = int(check_range("k", k, 1, integer=True))
         self.rho = float(check_range("rho", rho, 0.0, 1.0))
         self.mix_temperature = float(check_range("mix_temperature", mix_temperature, 0.0, low_open=True))
 
@@ -92,8 +92,6 @@ class GaussianEmbedNoiseExplorer(TopKMixExplorer):
     """The release's ``gaussian_embed_noise`` strategy: the ``topk`` mixture plus Gaussian noise
     of std ``noise_rms_scale x RMS(mixture)`` (release default 0.33)."""
 
-    uses_embeddings = True
-
     def __init__(
         self,
         k: int = 3,
@@ -123,8 +121,6 @@ class OrthogonalNoiseExplorer(TopKMixExplorer):
     """The release's ``orthogonal_noise`` strategy: on a gated step the next input is the top-1
     token's embedding plus isotropic Gaussian noise scaled by the other top-k tokens' residuals
     orthogonal to it (see the module docstring); ``k = 1`` feeds the top-1 embedding alone."""
-
-    uses_embeddings = True
 
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
         mixed, tokens, scores, ids = self.top_tokens(logits, generator)

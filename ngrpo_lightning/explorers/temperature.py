@@ -21,7 +21,7 @@ class TemperatureExplorer(Explorer):
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
         check_range("temperature", temperature, 0.0)
-        check_range("top_k", top_k, 0)
+        check_range("top_k", top_k, 0, integer=True)
         check_range("top_p", top_p, 0.0, 1.0, low_open=True)
         check_range("min_p", min_p, 0.0, 1.0)
         self.temperature = float(temperature)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..checks import check_choice
+from ..registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -26,24 +26,18 @@ __all__ = [
 ]
 
 Estimator = Callable[[torch.Tensor, float], torch.Tensor]
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", key="advantage")
 
 
 def register_advantage(name: str, min_group_size: int = 2):
     """Function decorator: make an estimator selectable as ``advantage=<name>``. ``min_group_size``:
     the smallest ``rollout.group_size`` it learns from (2 for group-relative estimators)."""
-
-    def wrap(fn: Estimator) -> Estimator:
-        fn.min_group_size = min_group_size
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
+    return ADVANTAGE_ESTIMATORS.register(name, min_group_size=min_group_size)
 
 
 def resolve_advantage(name: str) -> Estimator:
     """The estimator registered as ``name``; ``ValueError`` naming the ``advantage`` key and the allowed names."""
-    return ADVANTAGE_ESTIMATORS[check_choice("advantage", name, ADVANTAGE_ESTIMATORS)]
+    return ADVANTAGE_ESTIMATORS.resolve(name)
 
 
 @register_advantage("grpo")

@@ -29,25 +29,12 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..checks import check_choice, check_number
+from ..registry import Registry
 
 __all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
 
-OBJECTIVES: dict[str, type[PolicyObjective]] = {}
-
-
-def register_objective(name: str):
-    """Class decorator: make an objective selectable as ``objective.name=<name>``."""
-
-    def wrap(cls):
-        old = OBJECTIVES.get(name)
-        same = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
-        if old is not None and old is not cls and not same:  # a re-imported module may register again
-            raise ValueError(f"objective name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        OBJECTIVES[name] = cls
-        cls.registered_name = name
-        return cls
-
-    return wrap
+OBJECTIVES = Registry("objective", key="objective.name")
+register_objective = OBJECTIVES.register  # class decorator: selectable as ``objective.name=<name>``
 
 
 class PolicyObjective(ABC):

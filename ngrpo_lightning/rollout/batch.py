@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from .padding import pad_to
 from .records import InputRecords
 
 
@@ -70,8 +71,8 @@ class RolloutBatch:
             raise ValueError(f"cannot concatenate batches of group sizes {sorted({b.group_size for b in batches})}")
         width_p = max(b.prompt_ids.shape[1] for b in batches)
         width_l = max(b.response_ids.shape[1] for b in batches)
-        left = lambda t, v: torch.nn.functional.pad(t, (width_p - t.shape[1], 0), value=v)  # noqa: E731
-        right = lambda t, v: torch.nn.functional.pad(t, (0, width_l - t.shape[1]), value=v)  # noqa: E731
+        left = lambda t, v: pad_to(t, width_p, v, left=True)  # noqa: E731
+        right = lambda t, v: pad_to(t, width_l, v)  # noqa: E731
         offsets = [0]
         for b in batches[:-1]:
             offsets.append(offsets[-1] + len(b))

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..data import PromptDataset, collate_prompts
 from .batch import RolloutBatch
 from .engine import RolloutEngine, full_named_tensors
-from .engines import ENGINES, build_engine
+from .engines import build_engine, engine_class
 
 
 class PromptSampler(Sampler[int]):
@@ -101,6 +101,11 @@ class PromptLoader(DataLoader):
 class RolloutDataModule(L.LightningDataModule):
     """Prompts in, rollouts of the current policy out.
 
+    What it reads from the trainer's LightningModule (``RLModule`` provides each): ``policy``
+    and ``tokenizer`` (the engine is built for them), ``explorer`` and ``eval_explorer`` (training
+    and validation rollouts), ``policy_version`` (optimizer steps taken: an engine with its own
+    weights syncs when it changes) and ``sharded_root(policy)`` (the FSDP2 root, or None).
+
     Args:
         tokenizer: renders and tokenizes prompts.
         train_problems / val_problems: lists of :class:`~ngrpo_lightning.data.Problem`.
@@ -110,7 +115,9 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompt_tokens: longer prompts are dropped (and counted).
         val_samples: samples per validation prompt.
         val_batch_size: validation prompts per batch.
-        engine: ``hf`` (default) or ``vllm``.
+        engine: ``hf`` (default), ``vllm``, another registered engine or an engine's class path.
+        engine_kwargs: the engine's own settings (``rollout.hf.*``, ``rollout.vllm.*``).
+        ignore_eos: every response is ``max_new_tokens`` long (fixed-length rollouts, for benchmarks).
         instruction / system_prompt: prompt rendering (see :mod:`ngrpo_lightning.data.prompts`).
         seed: shuffling and sampling seed.
     """
@@ -128,14 +135,14 @@ class RolloutDataModule(L.LightningDataModule):
         val_batch_size: int = 32,
         engine: str = "hf",
         engine_kwargs: dict | None = None,
+        ignore_eos: bool = False,
         instruction: str | None = None,
         system_prompt: str | None = None,
         seed: int = 0,
         shuffle: bool = True,
     ):
         super().__init__()
-        if engine not in ENGINES:
-            raise ValueError(f"rollout.engine={engine!r} is unknown: allowed {list(ENGINES)}")
+        engine_class(engine)  # an unknown engine fails here, naming rollout.engine and the allowed names
         if group_size < 1 or prompts_per_step < 1:
             raise ValueError(
                 f"rollout.group_size ({group_size}) and data.prompts_per_step ({prompts_per_step}) must be >= 1"
@@ -145,7 +152,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.val_samples, self.val_batch_size = val_samples, val_batch_size
-        self.engine_name, self.engine_kwargs = engine, engine_kwargs or {}
+        self.engine_name, self.engine_kwargs, self.ignore_eos = engine, engine_kwargs or {}, ignore_eos
         self.prompt_kwargs = {
             k: v for k, v in {"instruction": instruction, "system_prompt": system_prompt}.items() if v is not None
         }
@@ -212,27 +219,33 @@ class RolloutDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, RolloutBatch):
             return batch
-        module = self._module_with_engine()
+        module = self.trainer.lightning_module
         if self.trainer.training:
             self.batches_in_epoch += 1  # the data position saved in checkpoints
             return self.rollout(batch, module.explorer, self.group_size)
         return self.rollout(batch, module.eval_explorer, self.val_samples)
 
-    def _module_with_engine(self) -> L.LightningModule:
-        module = self.trainer.lightning_module
+    def ensure_engine(self) -> RolloutEngine:
+        """The rollout engine, built at the first rollout for the trainer's module (its
+        ``policy``, ``tokenizer`` and, under FSDP2, ``sharded_root(policy)``), with the sampling
+        state of a resumed checkpoint."""
         if self.engine is None:
+            module = self.trainer.lightning_module
             self.engine = build_engine(
                 self.engine_name,
                 module.policy,
                 module.tokenizer,
                 max_new_tokens=self.max_new_tokens,
                 seed=self.seed + self._rank()[0],
+                ignore_eos=self.ignore_eos,
+                max_prompt_tokens=self.max_prompt_tokens,
+                sharded_root=module.sharded_root(module.policy),
                 **self.engine_kwargs,
             )
-            if self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
+            if self._engine_state is not None:
                 self.engine.load_state_dict(self._engine_state)
             self._engine_state = None
-        return module
+        return self.engine
 
     def more_rollouts(self) -> RolloutBatch:
         """Roll out one more batch of ``prompts_per_step`` training prompts with the training
@@ -242,7 +255,7 @@ class RolloutDataModule(L.LightningDataModule):
         pass, independent of the dataloader's order. Its position (``extra_prompts_drawn``)
         is saved in checkpoints, so a resumed run draws the same prompts.
         """
-        module = self._module_with_engine()
+        module = self.trainer.lightning_module
         self.setup("fit")
         size, count = len(self.train_set), self.prompts_per_step
         rows: list[int] = []
@@ -256,6 +269,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def rollout(self, prompts: dict, explorer, n: int) -> RolloutBatch:
         """Roll out a collated prompt batch ``n`` times each and attach gold answers and ids."""
+        self.ensure_engine()
         self.sync_engine()
         out = self.engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
         out.answers = [a for a in prompts["answer"] for _ in range(n)]
@@ -269,8 +283,8 @@ class RolloutDataModule(L.LightningDataModule):
         the latest optimizer step. Under FSDP2 the full tensors are gathered (a collective:
         every rank rolls out, so every rank syncs)."""
         module = self.trainer.lightning_module
-        version = getattr(module, "policy_version", 0)
-        if getattr(self.engine, "needs_sync", False) and self.engine.weights_version != version:
+        version = module.policy_version
+        if self.engine.needs_sync and self.engine.weights_version != version:
             self.engine.sync_weights(full_named_tensors(module.policy), version=version)
 
     def teardown(self, stage: str | None = None) -> None:
@@ -288,11 +302,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Seed, data position (epoch and batches rolled out in it), the extra-prompt stream's
         position and the engine's sampling RNG. Under several processes each rank's engine
         has its own RNG: the states of all ranks are saved (gathered), each rank restores its own."""
-        engine = (
-            self.engine.state_dict()
-            if self.engine is not None and hasattr(self.engine, "state_dict")
-            else self._engine_state
-        )
+        engine = self.engine.state_dict() if self.engine is not None else self._engine_state
         rank, world = self._rank()
         engines = [engine]
         if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -322,6 +332,6 @@ class RolloutDataModule(L.LightningDataModule):
             )
         engines = state.get("engine") or [None]
         self._engine_state = engines[rank] if rank < len(engines) else None
-        if self.engine is not None and self._engine_state is not None and hasattr(self.engine, "load_state_dict"):
+        if self.engine is not None and self._engine_state is not None:
             self.engine.load_state_dict(self._engine_state)
             self._engine_state = None

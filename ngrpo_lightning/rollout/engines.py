@@ -1,39 +1,64 @@
-"""Building a rollout engine by name: the one place that maps ``rollout.engine`` (training) and
-``engine`` (``ngrpo eval``, ``ngrpo diagnose``) to an engine for a live policy."""
+"""Building a rollout engine from its config name: the one place that maps ``rollout.engine``
+(training) and ``engine`` (``ngrpo eval``, ``ngrpo diagnose``) to an engine for a live policy.
+
+A name is a registered engine (``hf``, ``vllm``, or one registered with
+:func:`~ngrpo_lightning.rollout.engine.register_engine`) or the class path of a
+:class:`~ngrpo_lightning.rollout.engine.RolloutEngine` subclass written anywhere
+(``rollout.engine=my_pkg.engines.MyEngine``).
+"""
 
 from __future__ import annotations
 
-from ..checks import check_choice
-from .engine import RolloutEngine
+import importlib
+
+from .engine import ENGINES, RolloutEngine
 from .hf_engine import HFEngine
-from .vllm_support import VLLMVersionError, check_vllm
+from .vllm_engine import VLLMEngine
 
-__all__ = ["ENGINES", "build_engine", "check_engine"]
+__all__ = ["BUILT_IN", "build_engine", "check_engine", "engine_class"]
 
-ENGINES = ("hf", "vllm")
+BUILT_IN = (HFEngine, VLLMEngine)  # registered as "hf" and "vllm" when their modules load
 
 
-def check_engine(name: str, key: str = "rollout.engine") -> None:
-    """Fail (``ValueError`` naming ``key``) on an unknown engine, or on ``vllm`` without a supported
-    vLLM installed: before any model loads."""
-    check_choice(key, name, ENGINES)
-    if name == "vllm":
-        try:
-            check_vllm()
-        except VLLMVersionError as err:
-            raise ValueError(str(err).replace("rollout.engine=", f"{key}=")) from err
+def engine_class(name: str, key: str = "rollout.engine") -> type[RolloutEngine]:
+    """The engine class ``name`` stands for; ``ValueError`` naming ``key`` otherwise."""
+    if name in ENGINES or not isinstance(name, str) or "." not in name:
+        return ENGINES.resolve(name, key)
+    module, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"{key}={name!r} cannot be imported ({err}): allowed {sorted(ENGINES)} or the class path of an engine"
+        ) from err
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ValueError(f"{key}={name!r} is not a subclass of ngrpo_lightning.rollout.RolloutEngine")
+    return cls
+
+
+def check_engine(name: str, settings: dict | None = None, key: str = "rollout.engine") -> type[RolloutEngine]:
+    """The engine class of ``name``, after checking, before any model loads, that it exists, that
+    this machine can run it (``vllm`` needs a supported vLLM) and that ``settings`` (the engine's
+    ``rollout.<settings_key>.*``) are its own and in range. Errors are ``ValueError`` naming the key."""
+    cls = engine_class(name, key)
+    try:
+        cls.check_available()
+    except ValueError as err:
+        raise ValueError(str(err).replace("rollout.engine=", f"{key}=")) from err
+    cls.check_settings(dict(settings or {}), f"rollout.{cls.settings_key or cls.registered_name or cls.__name__}")
+    return cls
 
 
 def build_engine(
-    name: str, policy, tokenizer, *, max_new_tokens: int, seed: int, key: str = "rollout.engine", **settings
+    name: str, policy, tokenizer, *, max_new_tokens: int, seed: int, key: str = "rollout.engine", **context_and_settings
 ) -> RolloutEngine:
-    """The engine ``name`` for ``policy``: ``hf`` decodes with the policy module itself
-    (``settings`` are ``rollout.hf.*``); ``vllm`` loads the policy's directory into vLLM
-    (``settings`` are ``rollout.vllm.*``) and must be given the policy's weights with
-    ``sync_weights`` whenever they differ from that directory's."""
-    check_engine(name, key)
-    if name == "hf":
-        return HFEngine(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)
-    from .vllm_engine import VLLMEngine  # the optional dependency: imported only when asked for
-
-    return VLLMEngine.from_policy(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)
+    """The engine ``name`` for ``policy`` (see :meth:`RolloutEngine.from_policy` for the common
+    arguments: ``ignore_eos``, ``max_prompt_tokens``, ``sharded_root``; the rest are the engine's
+    settings). ``hf`` decodes with the policy module itself; ``vllm`` loads the policy's directory
+    and must be given the policy's weights with ``sync_weights`` whenever they differ from it."""
+    common = ("ignore_eos", "max_prompt_tokens", "sharded_root")
+    context = {k: context_and_settings.pop(k) for k in common if k in context_and_settings}
+    cls = check_engine(name, context_and_settings, key)
+    return cls.from_policy(
+        policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **context, **context_and_settings
+    )

@@ -11,50 +11,23 @@ lengths rather than its longest length times its rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..checks import check_number
 from ..explorers import Explorer
-from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
-from .engine import SeededEngine
+from .engine import RolloutEngine, eos_token_ids, register_engine
 from .kv_cache import reserved_cache
 from .packed_weights import packed_linears
+from .padding import pad_rows
 from .reconstruction import mixture_embeddings
 from .records import InputRecords
 
 
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ids and attention mask tensors."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """All ids that end a response: the generation config's EOS ids and the tokenizer's."""
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
-def special_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
-    """Ids an explorer should never pick by itself: the tokenizer's special tokens and the
-    embedding rows no token maps to (vocabularies padded beyond the tokenizer)."""
-    return sorted(set(tokenizer.all_special_ids) | set(range(len(tokenizer), vocab_size)))
-
-
-class HFEngine(SeededEngine):
+@register_engine("hf")
+class HFEngine(RolloutEngine):
     """Rollouts with the policy module itself (no weight copy, no sync).
 
     The decoding loop. Rows are the ``n`` samples of each prompt, grouped by prompt, and keep
@@ -85,13 +58,18 @@ class HFEngine(SeededEngine):
         tokenizer: its tokenizer (pad token required).
         max_new_tokens: default response length limit.
         seed: seed of the sampling generator (reproducible rollouts).
+        ignore_eos: no id ends a response: every row is ``max_new_tokens`` long (``rollout.ignore_eos``).
         drop_finished_rows: rows that end leave the decoding batch (default).
         drop_min_frac: ended rows leave together, once they make up at least this fraction of
             the decoding batch (0: each step's ended rows at once). Until then they decode
             padding: a small batch saves more by compacting less often.
         packed_weights: on the CPU, each rollout runs the linear layers on a copy of their
             weights packed for oneDNN (see :mod:`.packed_weights`; no effect elsewhere).
+        sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.parallel`):
+            a rollout unshards it and the sharded layers once, not once per decoding step.
     """
+
+    settings_key = "hf"  # rollout.hf.*
 
     def __init__(
         self,
@@ -99,34 +77,60 @@ class HFEngine(SeededEngine):
         tokenizer: PreTrainedTokenizerBase,
         max_new_tokens: int = 256,
         seed: int = 0,
+        ignore_eos: bool = False,
         drop_finished_rows: bool = True,
         drop_min_frac: float = 0.0,
         packed_weights: bool = True,
+        sharded_root: torch.nn.Module | None = None,
     ):
-        check_number("rollout.hf.drop_min_frac", drop_min_frac, 0.0, 1.0)
-        self.model, self.tokenizer = model, tokenizer
-        self.drop_min_frac = float(drop_min_frac)
-        self.max_new_tokens = max_new_tokens
-        self.seed = seed
-        self.drop_finished_rows = drop_finished_rows
-        if not isinstance(packed_weights, bool):
-            raise ValueError(f"rollout.hf.packed_weights={packed_weights!r} must be true or false")
-        self.packed_weights = packed_weights
-        self.eos_ids = eos_token_ids(model, tokenizer)
+        settings = {
+            "drop_finished_rows": drop_finished_rows,
+            "drop_min_frac": drop_min_frac,
+            "packed_weights": packed_weights,
+        }
+        self.check_settings(settings, "rollout.hf")
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
+        self.model, self.tokenizer, self.sharded_root = model, tokenizer, sharded_root
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
+        self.packed_weights = packed_weights
+        generation = model.generation_config.eos_token_id if model.generation_config is not None else None
+        self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
+
+    @classmethod
+    def check_settings(cls, settings: dict, prefix: str) -> None:
+        super().check_settings(settings, prefix)
+        check_number(f"{prefix}.drop_min_frac", settings.get("drop_min_frac", 0.0), 0.0, 1.0)
+        for key in ("packed_weights", "drop_finished_rows"):
+            if not isinstance(settings.get(key, True), bool):
+                raise ValueError(f"{prefix}.{key}={settings[key]!r} must be true or false")
+
+    @classmethod
+    def from_policy(cls, policy, tokenizer, *, max_new_tokens, seed, ignore_eos=False, sharded_root=None, **settings):
+        """The engine decodes with ``policy`` itself (under FSDP2, unsharding ``sharded_root`` and
+        the policy's sharded layers once per rollout); ``max_prompt_tokens`` is not needed."""
+        settings.pop("max_prompt_tokens", None)
+        return cls(
+            policy,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            sharded_root=sharded_root,
+            **settings,
+        )
 
     # ------------------------------------------------------------ rollouts
     def _fsdp_modules(self) -> list:
-        """The model's FSDP2 modules (empty when it is not sharded)."""
+        """The model's FSDP2 modules, the root first (empty when it is not sharded)."""
         try:
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # pragma: no cover
             return []
-        owner = getattr(self.model, "_ngrpo_fsdp_root", None)
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if isinstance(owner, FSDPModule) and owner not in modules:
-            modules.insert(0, owner)
+        if isinstance(self.sharded_root, FSDPModule) and self.sharded_root not in modules:
+            modules.insert(0, self.sharded_root)
         return modules
 
     def generate(self, prompts, explorer: Explorer, n: int = 1, max_new_tokens: int | None = None) -> RolloutBatch:
@@ -171,12 +175,10 @@ class HFEngine(SeededEngine):
         model.eval()
         embedding = model.get_input_embeddings().weight
         device = embedding.device
-        explorer.set_special_ids(special_token_ids(self.tokenizer, embedding.shape[0]))
-        explorer.prepare(embedding.detach())
-        gen = self.generator(device)
-        temperature = explorer.temperature or 1.0  # log-probs of a greedy policy are taken at T=1
+        start = self.start(explorer, embedding)
+        gen, temperature, marker = start.generator, start.temperature, start.marker
 
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
+        prompt_ids, prompt_mask = pad_rows([p for p in prompts for _ in range(n)], pad_id, left=True)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         rows, width = prompt_ids.shape
         eos = torch.tensor(self.eos_ids, device=device, dtype=torch.long)
@@ -194,7 +196,6 @@ class HFEngine(SeededEngine):
         cache = reserved_cache(width + max_new)  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
-        marker = AnswerMarker.for_explorer(explorer, self.tokenizer)
         steps = 0
         for t in range(max_new):
             steps = t + 1
@@ -251,7 +252,6 @@ class HFEngine(SeededEngine):
         lengths.clamp_(max=steps)
         response_ids, logprobs = tokens[:, :steps], logprobs[:, :steps]
         response_mask = (torch.arange(steps, device=device)[None] < lengths[:, None]).long()
-        n_tokens = int(lengths.sum())
         elapsed = time.perf_counter() - t0
         texts = self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
         return RolloutBatch(
@@ -264,9 +264,5 @@ class HFEngine(SeededEngine):
             group_size=n,
             response_text=texts,
             truncated=~finished,
-            stats={
-                "rollout/time_s": elapsed,
-                "rollout/tokens": n_tokens,
-                "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9),
-            },
+            stats=self.rollout_stats(elapsed, int(lengths.sum())),
         )

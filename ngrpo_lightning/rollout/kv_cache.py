@@ -2,8 +2,8 @@
 
 transformers' ``DynamicCache`` grows every layer's keys and values by concatenation: each
 decoding step copies the whole cache, once per layer for keys and once for values, so a
-rollout of L tokens copies O(L^2) cache entries. On the packaged model (30 layers, 32 rows)
-that was 13% of a 40-token rollout's time, and the share grows with the response length.
+rollout of L tokens copies O(L^2) cache entries, a share of the rollout's time that grows with
+the response length (docs/performance.md).
 :func:`reserved_cache` gives a ``Cache`` of :class:`ReservedLayer`: each layer reserves room
 for the whole rollout (prompt + ``max_new_tokens``) at its first update and writes later
 positions into it; the model reads views of the filled part, so values are those of

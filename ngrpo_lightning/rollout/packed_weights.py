@@ -3,10 +3,9 @@
 Decoding runs each linear layer on a few dozen rows at a time. For such a small product the
 default CPU matmul spends much of its time re-laying out the weight on every call, and a
 decoding step calls every layer once per token. oneDNN can lay a weight out once, in the
-blocked format its kernels read directly; the products on that copy are then 1.4-2.4x faster
-at 32 rows on the packaged model's shapes (the LM head most), and faster at hundreds of rows
-too. The weights change after every optimizer step, so they are packed once per rollout
-(0.17 s for the packaged model's 211 layers on 2 threads) and the copies are dropped when it ends.
+blocked format its kernels read directly, and the products on that copy are faster (figures in
+docs/performance.md, "Where a CPU step's time went"). The weights change after every optimizer
+step, so they are packed once per rollout (counted in its time) and the copies are dropped when it ends.
 
 :func:`packed_linears` does that for every plain ``torch.nn.Linear`` of a model for the
 length of a ``with`` block: the layer's forward reads the packed copy, nothing else changes

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .padding import pad_to
+
 NO_NOISE = -1  # noise_seed of records without additive noise
 RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")  # a record's fields besides its row
 
@@ -39,12 +41,11 @@ class InputRecords:
         if not parts:
             return cls()
         k = max(p.ids.shape[1] for p in parts)
-        pad = lambda t, v: torch.nn.functional.pad(t, (0, k - t.shape[1]), value=v)  # noqa: E731
         return cls(
             row=torch.cat([p.row for p in parts]),
             pos=torch.cat([p.pos for p in parts]),
-            ids=torch.cat([pad(p.ids, 0) for p in parts]),
-            weights=torch.cat([pad(p.weights, 0.0) for p in parts]),
+            ids=torch.cat([pad_to(p.ids, k, 0) for p in parts]),
+            weights=torch.cat([pad_to(p.weights, k, 0.0) for p in parts]),
             noise_seed=torch.cat([p.noise_seed for p in parts]),
             noise_scale=torch.cat([p.noise_scale for p in parts]),
         )
@@ -85,9 +86,6 @@ class InputRecords:
 
     def to(self, device) -> InputRecords:
         return InputRecords(**{k: v.to(device) for k, v in vars(self).items()})
-
-    def counts_per_row(self, num_rows: int) -> torch.Tensor:
-        return torch.bincount(self.row, minlength=num_rows)
 
 
 def noise_vectors(seeds: torch.Tensor, dim: int) -> torch.Tensor:

@@ -31,12 +31,11 @@ import torch
 
 from ..explorers import Explorer, TemperatureExplorer
 from ..models import resolve_model_path
-from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
-from .engine import SeededEngine, full_named_tensors
-from .hf_engine import left_pad, special_token_ids
+from .engine import RolloutEngine, eos_token_ids, full_named_tensors, register_engine
+from .padding import pad_rows
 from .vllm_runner_patch import RolloutSession, install, runner_class
-from .vllm_support import check_vllm, select_model_runner_v1
+from .vllm_support import VLLMVersionError, check_vllm, select_model_runner_v1
 
 WEIGHTS_DISCARDED = -1  # weights_version after a level-2 sleep: never a policy version, so the next rollout syncs
 
@@ -46,7 +45,8 @@ def _start_in_process() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # never pin the trainer's threads
 
 
-class VLLMEngine(SeededEngine):
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM (its own copy of the weights: ``needs_sync``).
 
     Args:
@@ -54,6 +54,7 @@ class VLLMEngine(SeededEngine):
         tokenizer: the policy's tokenizer (pad token required).
         max_new_tokens: default response length limit.
         seed: seed of the engine's sampling (explorer generator and per-request seeds).
+        ignore_eos: no id ends a response: every row is ``max_new_tokens`` long (``rollout.ignore_eos``).
         dtype: vLLM's compute dtype (use the policy's: ``float32`` for exact agreement).
         max_model_len: longest prompt + response.
         gpu_memory_utilization: share of GPU memory vLLM may take (colocated with training).
@@ -69,12 +70,16 @@ class VLLMEngine(SeededEngine):
             :meth:`from_policy`); only used to restore weights discarded by a level-2 sleep.
     """
 
+    settings_key = "vllm"  # rollout.vllm.*
+    needs_sync = True  # vLLM decodes with its own copy of the weights
+
     def __init__(
         self,
         model: str,
         tokenizer,
         max_new_tokens: int = 256,
         seed: int = 0,
+        ignore_eos: bool = False,
         dtype: str = "float32",
         max_model_len: int = 2048,
         gpu_memory_utilization: float = 0.3,
@@ -85,8 +90,7 @@ class VLLMEngine(SeededEngine):
         policy: torch.nn.Module | None = None,
     ):
         check_vllm()
-        if int(sleep) not in (0, 1, 2):
-            raise ValueError(f"rollout.vllm.sleep={sleep!r} is out of range: allowed false, true (= 1), 1, 2")
+        self.check_settings({"sleep": sleep}, "rollout.vllm")
         _start_in_process()
         select_model_runner_v1()  # the runner the explorers are patched into: before vLLM builds its config
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
@@ -127,30 +131,59 @@ class VLLMEngine(SeededEngine):
             raise
         self.runner_class = runner_class(self.runner)
         gen_cfg = self.llm.llm_engine.model_config.try_get_generation_config() or {}
-        eos = gen_cfg.get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.eos_ids = sorted(set(eos) | ({tokenizer.eos_token_id} - {None}))
+        self.set_eos_ids(eos_token_ids(gen_cfg.get("eos_token_id"), tokenizer), ignore_eos)
         self.asleep: set[str] = set()  # parts released by LLM.sleep (GPU): "weights", "kv_cache"
-        self.needs_sync = True
         self.weights_version = None  # policy version of the weights vLLM holds (None: the files on disk)
 
     @classmethod
+    def check_available(cls) -> None:
+        try:
+            check_vllm()
+        except VLLMVersionError as err:
+            raise ValueError(str(err)) from err
+
+    @classmethod
+    def check_settings(cls, settings: dict, prefix: str) -> None:
+        super().check_settings(settings, prefix)
+        sleep = settings.get("sleep", True)
+        if not isinstance(sleep, int) or int(sleep) not in (0, 1, 2):  # bools are ints: false = 0, true = 1
+            raise ValueError(f"{prefix}.sleep={sleep!r} is out of range: allowed false, true (= 1), 1, 2")
+
+    @classmethod
     def from_policy(
-        cls, policy: torch.nn.Module, tokenizer, *, max_new_tokens: int, seed: int, **settings
+        cls,
+        policy: torch.nn.Module,
+        tokenizer,
+        *,
+        max_new_tokens: int,
+        seed: int,
+        ignore_eos: bool = False,
+        max_prompt_tokens: int | None = None,
+        sharded_root: torch.nn.Module | None = None,
+        **settings,
     ) -> VLLMEngine:
         """An engine for a live policy model and its tokenizer: vLLM loads the directory the
         policy was loaded from (``settings["model"]`` overrides it) in the policy's dtype unless
-        ``settings["dtype"]`` says otherwise; the policy's own weights, which may differ from that
-        directory's, arrive with :meth:`sync_weights`. ``settings`` are the other constructor
-        arguments (``rollout.vllm.*``)."""
+        ``settings["dtype"]`` says otherwise, with room for ``max_prompt_tokens + max_new_tokens``
+        unless ``settings["max_model_len"]`` says otherwise; the policy's own weights, which may
+        differ from that directory's, arrive with :meth:`sync_weights` (gathered from the
+        policy's shards under FSDP2: ``sharded_root`` is not needed). ``settings`` are the other
+        constructor arguments (``rollout.vllm.*``; nulls take the defaults)."""
+        settings = {k: v for k, v in settings.items() if v is not None}
         path = settings.pop("model", None) or resolve_model_path(policy.name_or_path)
         dtype = settings.pop("dtype", None) or str(next(policy.parameters()).dtype).removeprefix("torch.")
-        return cls(path, tokenizer, max_new_tokens=max_new_tokens, seed=seed, dtype=dtype, policy=policy, **settings)
-
-    @classmethod
-    def for_module(cls, module, max_new_tokens: int, seed: int, **settings) -> VLLMEngine:
-        """:meth:`from_policy` for a module with ``policy`` and ``tokenizer`` attributes (an ``RLModule``)."""
-        return cls.from_policy(module.policy, module.tokenizer, max_new_tokens=max_new_tokens, seed=seed, **settings)
+        if max_prompt_tokens is not None:
+            settings.setdefault("max_model_len", max_prompt_tokens + max_new_tokens)
+        return cls(
+            path,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            dtype=dtype,
+            policy=policy,
+            **settings,
+        )
 
     def _runner(self):
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
@@ -222,13 +255,9 @@ class VLLMEngine(SeededEngine):
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         native = type(explorer) is TemperatureExplorer  # plain sampling: vLLM's own sampler
         E = self.embedding()
-        gen = self.generator(E.device)  # the explorer draws on the logits' device
-        if not native:
-            explorer.set_special_ids(special_token_ids(self.tokenizer, E.shape[0]))
-            explorer.prepare(E)
-        temperature = explorer.temperature or 1.0
-        seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=gen).tolist()
-        # eos_ids = [] decodes exactly max_new tokens per row (as HFEngine does; benchmarks use it)
+        start = self.start(explorer, E, native=native)  # the explorer draws on the logits' device
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=start.generator).tolist()
+        # eos_ids = [] (ignore_eos) decodes exactly max_new tokens per row
         params = [
             SamplingParams(
                 max_tokens=max_new,
@@ -242,10 +271,10 @@ class VLLMEngine(SeededEngine):
         ]
         session = RolloutSession(
             embedding=E,
-            temperature=temperature,
+            temperature=start.temperature,
             explorer=None if native else explorer,
-            generator=gen,
-            marker=None if native else AnswerMarker.for_explorer(explorer, self.tokenizer),
+            generator=start.generator,
+            marker=start.marker,
         )
         self.runner.ngrpo_session = session
         t0 = time.perf_counter()
@@ -267,13 +296,9 @@ class VLLMEngine(SeededEngine):
         row_of = {internal[o.request_id]: i for i, o in enumerate(outputs) if o.request_id in internal}
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        width = max(1, int(lengths.max()) if len(lengths) else 1)
-        response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        for i, resp in enumerate(responses):
-            response_ids[i, : len(resp)] = torch.tensor(resp, dtype=torch.long)
-        response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-        prompt_ids, prompt_mask = left_pad(rows, pad_id)
-        n_tokens = int(response_mask.sum())
+        width = max([1, *map(len, responses)])
+        response_ids, response_mask = pad_rows(responses, pad_id, width=width)
+        prompt_ids, prompt_mask = pad_rows(rows, pad_id, left=True)
         truncated = torch.tensor([o.outputs[0].finish_reason == "length" for o in outputs])
         texts = self.tokenizer.batch_decode(
             response_ids.masked_fill(response_mask == 0, pad_id), skip_special_tokens=True
@@ -288,11 +313,7 @@ class VLLMEngine(SeededEngine):
             group_size=n,
             response_text=texts,
             truncated=truncated,
-            stats={
-                "rollout/time_s": elapsed,
-                "rollout/tokens": n_tokens,
-                "rollout/tokens_per_s": n_tokens / max(elapsed, 1e-9),
-            },
+            stats=self.rollout_stats(elapsed, int(lengths.sum())),
         )
 
     def close(self) -> None:

@@ -1,0 +1,59 @@
+"""Named components, one rule for all of them: explorers, objectives, advantage estimators and
+rollout engines are each a :class:`Registry` (a ``dict`` from config name to class or function).
+
+    ENGINES = Registry("engine", key="rollout.engine")
+
+    @ENGINES.register("my_engine")
+    class MyEngine(RolloutEngine): ...
+
+    ENGINES.resolve("my_engine")   # -> MyEngine; an unknown name names the key and the allowed names
+
+A name registered twice by two different objects is refused: the second registration would
+silently replace the first for every config that names it. Registering the same object again
+(or the same class from a re-imported module, as tests and notebooks do) is allowed.
+
+Pure Python (no torch, no Hydra): every layer of the package may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from .checks import check_choice
+
+__all__ = ["Registry"]
+
+T = TypeVar("T")
+
+
+class Registry(dict):
+    """``name -> component`` for one ``kind`` of component, selected by the config ``key``."""
+
+    def __init__(self, kind: str, key: str):
+        super().__init__()
+        self.kind, self.key = kind, key
+
+    def register(self, name: str, **attributes) -> Callable[[T], T]:
+        """Decorator: make a class or function selectable as ``<key>=<name>``. The component gets
+        ``registered_name = name`` and the given ``attributes``."""
+
+        def wrap(component: T) -> T:
+            old = self.get(name)
+            if old is not None and _identity(old) != _identity(component):
+                raise ValueError(f"{self.kind} name {name!r} is already registered by {_identity(old)}")
+            for attr, value in {"registered_name": name, **attributes}.items():
+                setattr(component, attr, value)
+            self[name] = component
+            return component
+
+        return wrap
+
+    def resolve(self, name: str, key: str | None = None):
+        """The component registered as ``name``; ``ValueError`` naming ``key`` (default: the
+        registry's) and the allowed names otherwise."""
+        return self[check_choice(key or self.key, name, self)]
+
+
+def _identity(component) -> str:
+    return f"{component.__module__}.{component.__qualname__}"
