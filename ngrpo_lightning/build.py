@@ -14,12 +14,12 @@ import lightning as L
 import torch
 from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from . import attention
 from .build_data import engine_settings
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
+from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
 from .checkpointing import build_checkpointing
 from .checks import check_number
 from .config import ConfigError, named_error
@@ -138,6 +138,8 @@ def check_config(cfg: DictConfig) -> None:
     check_run_settings(cfg)
     build_step_hooks(cfg)
     check_trainer(cfg)
+    check_async_save(cfg)
+    check_export(cfg)
     try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own
         check_engine(cfg.rollout.engine, engine_settings(cfg)).check_explorer(build_explorer(cfg.explorer))
     except ValueError as err:
@@ -334,13 +336,33 @@ def check_trainer(cfg: DictConfig) -> None:
         )
 
 
+def check_export(cfg: DictConfig) -> None:
+    """``export.final`` is true or false; under FSDP2 it exports the last checkpoint, so it needs one."""
+    node = cfg.get("export") or {}
+    if not isinstance(node.get("final", False), bool):
+        raise ConfigError(f"export.final={node.final!r} must be true or false")
+    if node.get("final") and parallel_config(cfg) is not None and not cfg.trainer.get("enable_checkpointing", True):
+        raise ConfigError(
+            "export.final=true under FSDP2 exports the last checkpoint, but trainer.enable_checkpointing=false: "
+            "turn checkpointing on, or export.final=false"
+        )
+
+
+def check_async_save(cfg: DictConfig) -> bool:
+    """``checkpoint.async_save``: write checkpoints in a background thread (true or false)."""
+    value = (cfg.get("checkpoint") or {}).get("async_save", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"checkpoint.async_save={value!r} must be true or false")
+    return value
+
+
 def build_strategy(cfg: DictConfig):
     """``ModelParallelStrategy`` (FSDP2; the module's ``configure_model`` shards) for a
     ``trainer.parallel`` block, else ``None`` (Lightning's default for ``trainer.strategy``)."""
     parallel = parallel_config(cfg)
     if parallel is None:
         return None
-    return ModelParallelStrategy(
+    return AtomicModelParallelStrategy(
         data_parallel_size=parallel.data_parallel_size, tensor_parallel_size=1, save_distributed_checkpoint=True
     )
 
@@ -350,8 +372,12 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     kwargs.pop("parallel", None)
     strategy = build_strategy(cfg)
+    io = checkpoint_io(async_save=check_async_save(cfg))  # streamed to disk, atomic (checkpoint_io.py)
     if strategy is not None:
+        strategy.checkpoint_io = io
         kwargs["strategy"] = strategy
+    else:
+        kwargs["plugins"] = [*(kwargs.get("plugins") or []), io]
     kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
     cbs = list(callbacks)
     if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):

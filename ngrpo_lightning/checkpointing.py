@@ -3,6 +3,7 @@ what a checkpoint holds beyond Lightning's own state: RNG states and the run's c
 
 from __future__ import annotations
 
+import hashlib
 import random
 import shutil
 import time
@@ -17,6 +18,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_choice
 from .config import ConfigError
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's weights (names, dtypes, shapes and bytes of its state dict, in name
+    order): what a checkpoint records of the frozen reference instead of its weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def check_base_model(saved: dict, current: dict) -> None:
+    """A run resumes only on the base model it started from: its reference (the base weights,
+    not stored in checkpoints) is loaded again and must hash to what the checkpoint recorded."""
+    if not saved or not current or saved.get("weights_sha256") == current.get("weights_sha256"):
+        return
+    describe = lambda m: f"{m.get('name_or_path')!r} (weights sha256 {str(m.get('weights_sha256'))[:16]}...)"  # noqa: E731
+    raise ConfigError(
+        f"cannot resume: the checkpoint's reference is the base model {describe(saved)}, but this run's base "
+        f"model is {describe(current)}; its weights changed since the run started. Resume with the original "
+        "base model (model.name_or_path)"
+    )
 
 
 def rng_states() -> dict:
@@ -54,6 +79,7 @@ RESUMABLE_KEYS = (
     "logger",
     "validate_before_fit",
     "checkpoint",
+    "export",  # what happens after training, not what it computes
     "trainer.max_steps",
     "trainer.max_epochs",
     "trainer.enable_progress_bar",

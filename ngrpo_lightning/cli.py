@@ -6,6 +6,8 @@
     ngrpo eval [key=value ...]      pass@k evaluation (conf/eval.yaml; see docs/evaluation.md)
     ngrpo diagnose drift|rollouts [key=value ...]
                                     semantic-drift pilot / explorers side by side (docs/diagnostics.md)
+    ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir>
+                                    a trained policy as a Hugging Face model (docs/checkpoints.md)
 
 Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
 objective, trainer, logger, experiment). Errors in the config print one clear line that
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +35,7 @@ from .compare.command import compose_compare, run_compare
 from .config import GROUPS, ConfigError, compose, group_options
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
+from .export import export_checkpoint, model_card, save_hf_model
 from .host_memory import apply_host_settings
 from .sweep import run_sweep
 from .tracking import build_logger, log_config, summarize_run
@@ -98,6 +103,7 @@ def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Se
     module.run_meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "mlflow_run_id": getattr(logger, "run_id", None),
+        "command": command_line(),
     }
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)
@@ -111,7 +117,31 @@ def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Se
         datamodule.close()
     if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
         return {"steps": trainer.global_step, "text": "", "run_id": None}
-    return summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
+    summary = summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
+    if cfg.export.final:
+        exported = export_final(cfg, module, trainer, logger, after)
+        summary["text"] += f"\n  exported:   {exported} (a Hugging Face model; docs/checkpoints.md)"
+    return summary
+
+
+def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
+    """``export.final``: the trained policy as a Hugging Face model in ``export.dir`` (default
+    ``<output_dir>/hf_model``), logged to the run's MLflow artifacts (``model/``)."""
+    out = Path(cfg.export.dir or Path(cfg.output_dir) / "hf_model")
+    if module.parallel is not None:  # sharded weights: the checkpoint written at the end of training holds them whole
+        return export_checkpoint(str(cfg.output_dir), out, log_to_mlflow=logger is not None)["out"]
+    metrics = {k: float(v) for k, v in (after[0] if after else {}).items() if k.startswith("val/")}
+    card = model_card(module.run_meta["config"], module.run_meta, trainer.global_step, metrics)
+    save_hf_model(module.policy, module.tokenizer, out, card)
+    if logger is not None:
+        logger.experiment.log_artifacts(logger.run_id, str(out), "model")
+    return out
+
+
+def command_line() -> str:
+    """The command that started this process, as a user would type it again."""
+    program = Path(sys.argv[0]).name
+    return shlex.join(["ngrpo" if program in ("ngrpo", "cli.py") else sys.argv[0], *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +160,24 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train":
             p.add_argument("-m", "--multirun", action="store_true", help="a sweep: every combination of a,b values")
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    p = sub.add_parser("export", help="a trained policy as a Hugging Face model directory")
+    p.add_argument(
+        "source", help="a checkpoint (.ckpt file or distributed folder), a run's output_dir or an MLflow run id"
+    )
+    p.add_argument("out_dir", help="the Hugging Face model directory to write")
+    p.add_argument(
+        "--which", choices=("last", "best"), default="last", help="which checkpoint of a run (default: last)"
+    )
+    p.add_argument("--tracking-uri", help="MLflow store of the run (default: the run's logger.tracking_uri)")
+    p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
     p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     if args.help or (args.command == "diagnose" and args.mode is None):
         mode = " {drift,rollouts}" if args.command == "diagnose" else ""
         print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
@@ -168,6 +211,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
     print(summary["text"])
+    return 0
+
+
+def _export(args) -> int:
+    try:
+        result = export_checkpoint(
+            args.source,
+            args.out_dir,
+            which=args.which,
+            tracking_uri=args.tracking_uri,
+            dtype=args.dtype,
+            log_to_mlflow=not args.no_mlflow,
+        )
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    print(result["text"])
     return 0
 
 

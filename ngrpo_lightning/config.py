@@ -95,6 +95,7 @@ def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> l
         out = [f"+{o}" if o.startswith(f"{group}.") and not o.startswith(f"{group}._target_=") else o for o in out]
         out = [o.lstrip("+") if o.lstrip("+").startswith(f"{group}._target_=") else o for o in out]
         out = [o for o in out if not o.startswith(f"{group}=")] + [f"{group}=custom"]
+    out = [quote_path_value(o) for o in out]
     if model_paths:
         models, expanded = group_options("model"), []
         for o in out:
@@ -104,6 +105,15 @@ def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> l
             )
         out = expanded
     return out
+
+
+def quote_path_value(override: str) -> str:
+    """``key=<an existing path with '=' or ','>`` (a sweep job's folder, say) quoted for Hydra, whose
+    override grammar reads those characters as syntax: ``key='<path>'``."""
+    key, sep, value = override.partition("=")
+    if not sep or value[:1] in ("'", '"') or not any(c in value for c in "=,") or not Path(value).exists():
+        return override
+    return f"{key}='{value.replace(chr(92), chr(92) * 2).replace(chr(39), chr(92) + chr(39))}'"
 
 
 def explain_compose_error(err: Exception, overrides: list[str], config_name: str = "config") -> str:
@@ -124,4 +134,13 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
         except (HydraException, OmegaConfBaseException):  # fall back to Hydra's own message
             pass
     lines = msg.splitlines()
+    special = [
+        o for o in overrides if any(c in o.partition("=")[2] for c in "=,") and o.partition("=")[2][:1] not in "'\""
+    ]
+    if "Error when parsing" in msg or "mismatched input" in msg or "extraneous input" in msg:
+        if special:  # a value with '=' or ',' that is not an existing path (quoted then): say how to quote it
+            key, _, value = special[0].partition("=")
+            return (
+                f"{lines[0]}: {key}={value} holds '=' or ',', which overrides read as syntax; quote it: {key}='{value}'"
+            )
     return lines[0] + ("\n" + "\n".join(lines[1:]) if "Available options" in msg else "")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from .models import load_policy, parse_dtype
 from .rollout import build_engine
 from .rollout.engine import full_named_tensors
 from .tracking import log_report_run
+from .trained_policy import find_checkpoint, is_run_checkpoint, load_trained_policy, read_checkpoint
 
 
 def compose_eval(overrides: list[str]) -> DictConfig:
@@ -106,83 +106,42 @@ def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
 
 
 def load_eval_policy(cfg):
-    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name), with
-    the policy weights of a Lightning checkpoint (``checkpoint=``, or a ``.ckpt`` as
-    ``model.name_or_path``) loaded into it. A checkpoint given alone must name its base model
-    in its hyper-parameters or config (``model.name_or_path``)."""
-    name, ckpt_path, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
-    if name.endswith(".ckpt"):
-        ckpt_path, name = name, None
+    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name) or a
+    trained run's policy: a checkpoint (``.ckpt`` file or distributed folder) or a run's
+    ``output_dir`` (its ``last.ckpt``; ``checkpoint=best`` for ``best.ckpt``), loaded into the base
+    model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``."""
+    name, ckpt_arg, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
     try:
         parse_dtype(dtype)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    state = None
-    if ckpt_path:
-        if not Path(ckpt_path).is_file():
-            raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if name is None:  # the checkpoint alone: its base model, in the dtype of its weights
-            name = _base_model_of(state)
-            floats = [
-                v.dtype for v in state.get("state_dict", {}).values() if torch.is_tensor(v) and v.is_floating_point()
-            ]
-            dtype = str(floats[0]).removeprefix("torch.") if floats else dtype
-        if not name:
-            raise ConfigError(
-                f"checkpoint {ckpt_path} does not name its base model: pass "
-                f"model.name_or_path=<base model> checkpoint={ckpt_path}"
-            )
-    policy, tokenizer = load_policy(
-        name,
-        dtype=dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=attention.configured(cfg.model),
-    )
-    if state is not None:
-        weights = {k[len("policy.") :]: v for k, v in state.get("state_dict", {}).items() if k.startswith("policy.")}
-        if not weights:
-            raise ConfigError(f"checkpoint {ckpt_path} has no policy.* weights in its state_dict")
-        missing, unexpected = policy.load_state_dict(weights, strict=False)
-        tied = set(getattr(policy, "_tied_weights_keys", None) or [])
-        missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
-        if missing or unexpected:
-            raise ConfigError(
-                f"checkpoint {ckpt_path} does not match model {name!r}: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+    which = "best" if ckpt_arg == "best" else "last"
+    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    base = None if source == name else name
+    if source is None:
+        policy, tokenizer = load_policy(
+            name,
+            dtype=dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            attn_implementation=attention.configured(cfg.model),
+        )
+    else:
+        path = find_checkpoint(str(source), which)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        ckpt = read_checkpoint(path)
+        remote = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
+        policy, tokenizer = load_trained_policy(
+            ckpt,
+            base=base,
+            dtype=None if base is None else dtype,
+            attn_implementation=attention.configured(cfg.model),
+            **remote,
+        )
     device = cfg.get("device", "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return policy.to(device).eval(), tokenizer
-
-
-def _base_model_of(checkpoint: dict) -> str | None:
-    """``model.name_or_path`` from a checkpoint's hyper-parameters or saved config."""
-    for key in ("hyper_parameters", "config", "cfg"):
-        node = checkpoint.get(key)
-        found = _find(node, ("model", "name_or_path")) or _find(node, ("name_or_path",))
-        if found:
-            return str(found)
-    return None
-
-
-def _find(node, path):
-    if node is None:
-        return None
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    if isinstance(node, Mapping):
-        cur = node
-        for p in path:
-            cur = cur.get(p) if isinstance(cur, Mapping) else None
-        if isinstance(cur, str):
-            return cur
-        for value in node.values():
-            found = _find(value, path)
-            if found:
-                return found
-    return None
 
 
 def run_eval(cfg) -> dict:

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from .checkpointing import config_mismatch, rng_states, set_rng_states
+from .checkpointing import check_base_model, config_mismatch, rng_states, set_rng_states, weights_digest
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
@@ -112,6 +112,9 @@ class RLModule(L.LightningModule):
         self.reference = reference if objective.needs_reference else None
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
+        # checkpoints hold no reference weights (they are the base model's): its id and hash instead
+        self.base_model: dict = {}
+        self.register_load_state_dict_post_hook(_reference_not_required)
         resolve_advantage(advantage)  # fail now on an unknown estimator name
         self.train_config = train = train or TrainConfig()
         if train.tis_cap is not None and not getattr(objective, "token_advantages", False):
@@ -133,6 +136,23 @@ class RLModule(L.LightningModule):
         self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
 
     # --------------------------------------------------------------- sharding
+    def setup(self, stage: str) -> None:
+        """Record the frozen reference's identity (before any sharding): checkpoints keep it in
+        place of its weights, and a resumed run checks that its reference hashes the same."""
+        if self.reference is not None and not self.base_model:
+            self.base_model = {
+                "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
+                "weights_sha256": weights_digest(self.reference),
+            }
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The module's state without the frozen reference (see :meth:`setup`)."""
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        for key in [k for k in state if k.startswith(f"{prefix}reference.")]:
+            del state[key]
+        return state
+
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer, then at
         the root (a wrapper around the model whose forward rebuilds the inputs), for the
@@ -396,7 +416,7 @@ class RLModule(L.LightningModule):
         checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
         checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
         checkpoint["rng"] = rng_states()
-        checkpoint["ngrpo"] = dict(self.run_meta)
+        checkpoint["ngrpo"] = {**self.run_meta, "base_model": dict(self.base_model)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("ngrpo") or {}
@@ -404,6 +424,8 @@ class RLModule(L.LightningModule):
             problem = config_mismatch(saved["config"], self.run_meta["config"])
             if problem:
                 raise ValueError(f"cannot resume from this checkpoint: {problem}")
+        if not any(k.startswith("reference.") for k in checkpoint.get("state_dict", {})):
+            check_base_model(saved.get("base_model") or {}, self.base_model)
         self.explorer.load_state_dict(checkpoint.get("explorer", {}))
         self.plan.load_state_dict(checkpoint.get("update_plan", {}))
         if "rng" in checkpoint:
@@ -425,3 +447,9 @@ class RLModule(L.LightningModule):
         with torch.inference_mode(False):
             self.val_accuracy.reset()
             self.val_reward.reset()
+
+
+def _reference_not_required(module: RLModule, incompatible) -> None:
+    """``load_state_dict`` post-hook: checkpoints hold no ``reference.*`` weights (the module keeps
+    the base model's, checked by hash), so their absence is not a missing key."""
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith("reference.")]

@@ -3,6 +3,7 @@ the tiny model compared from its MLflow store, and the refusals."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,6 +69,8 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "| arm | Pass@1 | Pass@2 | Pass@4 | Mean@4 | Maj@4 |" in text
     assert "| experiment=grpo | experiment=stht | pass@1 | 6 |" in text
     assert "Not comparable" not in text
+    best = [line for line in text.splitlines() if line.startswith("| experiment=") and line.endswith(".ckpt` |")]
+    assert len(best) == 2 and all(Path(line.rsplit("`", 2)[1]).exists() for line in best)  # each arm's checkpoint
     data = json.loads((out / "compare.json").read_text())
     for info in data["tables"]["arms"].values():
         mean, low, high = info["final"]["pass@1"]

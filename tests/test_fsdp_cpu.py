@@ -135,6 +135,12 @@ def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
     # fp32 summation-order noise; 1e-4 is 1% of one step (measured max: 1.8e-5, in 3 of 110k weights)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
+    # the distributed checkpoint exports, in one process, to the Hugging Face model of its policy
+    from safetensors.torch import load_file
+
+    assert main(["export", str(two), str(tmp_path / "hf"), "--no-mlflow"]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported and all(torch.equal(v, w2[f"policy.{k}"]) for k, v in exported.items())
 
 
 def policy_weights_initial() -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -102,7 +103,28 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     for arm, info in tables["arms"].items():
         cells = [f"{m[0]:.3g} ± {m[1]:.2g}" if m else "" for m in (info["means"][k] for k in keys)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Each arm's best run (final val/accuracy) and its checkpoint, for `ngrpo eval model=<checkpoint>`"]
+    lines += ["or `ngrpo export <checkpoint> <folder>` (docs/checkpoints.md):", ""]
+    lines += ["| arm | seed | final val/accuracy | checkpoint |", "|---|---|---:|---|"]
+    for arm, (run, value, path) in best_checkpoints(runs).items():
+        lines.append(f"| {arm} | {run.seed} | {value:.3f} | `{path}` |")
     return "\n".join(lines) + "\n"
+
+
+def best_checkpoints(runs: list[RunData]) -> dict[str, tuple[RunData, float, str]]:
+    """Per arm, the run with the best final ``val/accuracy`` and its checkpoint: ``best.ckpt`` if
+    the run kept one, else ``last.ckpt`` (``not on this machine`` when its output_dir is elsewhere)."""
+    final = lambda run: (run.curves.get("val/accuracy") or [(0, 0.0, math.nan)])[-1][2]  # noqa: E731
+    out = {}
+    for run in runs:
+        best = out.get(run.arm)
+        if best is None or (final(run) > best[1]) or math.isnan(best[1]):
+            out[run.arm] = (run, final(run), "")
+    for arm, (run, value, _) in out.items():
+        folder = Path(str(run.params.get("output_dir", ""))) / "checkpoints"
+        found = [folder / name for name in ("best.ckpt", "last.ckpt") if (folder / name).exists()]
+        out[arm] = (run, value, str(found[0]) if found else f"{folder / 'last.ckpt'} (not on this machine)")
+    return out
 
 
 def _ci(value, signed: bool = False) -> str:

@@ -1,0 +1,119 @@
+"""Writing checkpoints: streamed to disk, atomic, and (optionally) in a background thread.
+
+Lightning's default writer serialises the whole checkpoint into an in-memory buffer and then
+copies that buffer to the file, so a save briefly holds the checkpoint twice more in memory:
+for the packaged model's run that was the run's peak. :class:`StreamingCheckpointIO` has
+``torch.save`` write straight into a temporary file beside the target, which is renamed into
+place when complete: a process killed during a save leaves the previous checkpoint as it was
+(``os.replace`` is atomic on a local disk). Remote paths (``s3://``, ...) are written through
+fsspec's transaction, which commits the object only when it is complete.
+
+:class:`AtomicModelParallelStrategy` does the same for FSDP2's distributed checkpoints (a
+folder written by every rank): they are written to a temporary folder and swapped in.
+
+``checkpoint.async_save=true`` wraps the writer in Lightning's ``AsyncCheckpointIO``: the
+training loop goes on while a thread writes, at the price of a copy of every tensor of the
+checkpoint for the length of the write (docs/checkpoints.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+__all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io"]
+
+PARTIAL = ".partial"  # suffix of a checkpoint being written (a hidden file or folder beside the target)
+
+
+def partial_path(target: Path) -> Path:
+    """Where ``target`` is written before it is renamed into place."""
+    return target.with_name(f".{target.name}{PARTIAL}")
+
+
+class StreamingCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` streamed into a temporary file beside the target, renamed into place."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        fs, urlpath = fsspec.core.url_to_fs(str(path))
+        if not isinstance(fs, LocalFileSystem):
+            fs.makedirs(os.path.dirname(urlpath), exist_ok=True)
+            with fs.transaction, fs.open(urlpath, "wb") as f:  # committed only when complete
+                torch.save(checkpoint, f)
+            return
+        target = Path(urlpath)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = partial_path(target)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+class BackgroundCheckpointIO(AsyncCheckpointIO):
+    """Lightning's ``AsyncCheckpointIO`` (a copy of the checkpoint's tensors written by a thread)
+    that lets pending writes finish before a checkpoint is removed: ``ModelCheckpoint`` removes
+    the step checkpoint it no longer keeps right after asking for the next one."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        fs, urlpath = fsspec.core.url_to_fs(str(path))
+        fs.makedirs(os.path.dirname(urlpath), exist_ok=True)  # now: ModelCheckpoint links last.ckpt into it at once
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def wait(self) -> None:
+        """Return when every save asked for so far is on disk (the thread writes in order)."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+        if self._error:
+            raise self._error
+
+    def remove_checkpoint(self, path) -> None:
+        self.wait()
+        super().remove_checkpoint(path)
+
+
+def checkpoint_io(async_save: bool = False):
+    """The run's checkpoint writer: streamed and atomic, in a background thread with ``async_save``."""
+    io = StreamingCheckpointIO()
+    return BackgroundCheckpointIO(io) if async_save else io
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose distributed checkpoints (folders written by every rank) are
+    written to a temporary folder and swapped in when every rank has finished, so a process killed
+    during a save leaves the previous checkpoint as it was."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        target = Path(self.broadcast(str(filepath)))
+        tmp, old = partial_path(target), target.with_name(f".{target.name}.old")
+        if self.global_rank == 0:
+            for leftover in (tmp, old):  # from a save that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
+        self.barrier("ngrpo_checkpoint_start")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("ngrpo_checkpoint_written")
+        if self.global_rank == 0:
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            elif target.exists():
+                target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier("ngrpo_checkpoint_done")

@@ -1,0 +1,93 @@
+"""What a checkpoint holds and how it is written: streamed and atomic (a save killed midway
+leaves the previous checkpoint), no frozen reference weights (the base model's id and hash
+instead, checked on resume)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ngrpo_lightning.checkpoint_io import StreamingCheckpointIO, partial_path
+from ngrpo_lightning.checkpointing import weights_digest
+from ngrpo_lightning.cli import train
+from ngrpo_lightning.config import ConfigError, compose
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    target, started = tmp_path / "last.ckpt", tmp_path / "started"
+    StreamingCheckpointIO().save_checkpoint({"step": 1, "w": torch.ones(3)}, target)
+    script = textwrap.dedent(f"""
+        import time, torch
+        from ngrpo_lightning.checkpoint_io import StreamingCheckpointIO
+
+        class Slow:  # pickled in the middle of the save: the process is killed there
+            def __reduce__(self):
+                open({str(started)!r}, "w").close()
+                time.sleep(120)
+                return (int, (0,))
+
+        StreamingCheckpointIO().save_checkpoint({{"step": 2, "w": torch.zeros(10**6), "x": Slow()}}, {str(target)!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert started.exists(), "the child never reached the middle of its save"
+        assert partial_path(target).exists()  # the save writes beside the target
+    finally:
+        proc.kill()
+        proc.wait()
+    assert torch.load(target)["step"] == 1  # the previous checkpoint, intact
+    StreamingCheckpointIO().save_checkpoint({"step": 3}, target)  # the next save completes over the leftover
+    assert torch.load(target)["step"] == 3 and not partial_path(target).exists()
+
+
+RUN = [
+    "data.train_size=4",
+    "data.val_size=0",
+    "data.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=4",
+    "checkpoint.every_n_steps=1",
+    "logger=none",
+    "validate_before_fit=false",
+    "trainer.enable_progress_bar=false",
+]
+
+
+@pytest.fixture
+def base_dir(tiny, tmp_path):
+    """The tiny model saved in its own folder: a base model whose weights a test can change."""
+    model, tok = tiny
+    folder = tmp_path / "base"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_checkpoints_hold_the_base_models_hash_not_the_reference(base_dir, tmp_path, tiny):
+    out = tmp_path / "out"
+    run = lambda steps, *extra: train(  # noqa: E731
+        compose([f"model.name_or_path={base_dir}", f"output_dir={out}", f"trainer.max_steps={steps}", *RUN, *extra])
+    )
+    run(2)
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    keys = ckpt["state_dict"].keys()
+    assert any(k.startswith("policy.") for k in keys) and not any(k.startswith("reference.") for k in keys)
+    base = ckpt["ngrpo"]["base_model"]
+    assert base["name_or_path"] == str(base_dir) and base["weights_sha256"] == weights_digest(tiny[0])
+
+    assert run(3, "resume=last")["steps"] == 3  # the same base model: the run continues
+    changed = type(tiny[0]).from_pretrained(base_dir)
+    with torch.no_grad():
+        changed.get_input_embeddings().weight.add_(0.01)
+    changed.save_pretrained(base_dir)
+    with pytest.raises(ConfigError, match=r"reference is the base model .* but this run's base model is .*sha256"):
+        run(4, "resume=last")
