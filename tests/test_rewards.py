@@ -339,3 +339,27 @@ def test_answer_after_reads_the_answer_after_the_reasoning():
         assert whole([r"I think \boxed{4} but</think> it is \boxed{5}"], ["4"]).status == ["wrong"]
     with pytest.raises(ValueError, match=r"reward\.answer_after"):
         rewards.MathReward(answer_after="")
+
+
+def test_workers_do_not_import_the_parents_script(tmp_path):
+    """A spawned worker would import the parent's main script first (for ``ngrpo train``: the whole
+    trainer); it is started without it: small, and a script without a main guard works."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent("""
+        import psutil, torch, transformers  # what a trainer holds; no `if __name__ == "__main__":` guard
+        from ngrpo_lightning.rewards.pool import VerifierPool
+
+        pool = VerifierPool(num_workers=1)
+        out = pool.run([(0, "1", "1")], check_fn=None, timeout_s=2.0, kill_after_s=4.0, num_chunks=1)
+        assert out[0][0] == "correct", out
+        (pid,) = pool.worker_pids()
+        print(psutil.Process(pid).memory_info().rss, psutil.Process().memory_info().rss)
+        pool.close()
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worker, parent = map(int, out.stdout.split())
+    assert worker < 0.3 * 2**30 and worker < parent, (worker, parent)

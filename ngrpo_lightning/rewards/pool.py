@@ -16,14 +16,21 @@ Two limits per item:
 
 A worker crash (segfault, OOM kill) breaks the pool: the items in progress at that moment
 are marked ``error``, the rest are re-run.
+
+Workers are started while ``__main__`` is an empty module: a spawned process imports the
+parent's main script first, which for ``ngrpo train`` is the whole trainer (torch, Lightning,
+transformers: 0.6 GiB per worker), where a worker needs only :mod:`.worker`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import sys
 import time
+import types
 import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -34,6 +41,17 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often the parent looks for overrunning items
 _MAX_STALLED_ROUNDS = 2  # restarts without progress before the remaining items count as errors
+
+
+@contextlib.contextmanager
+def _main_script_hidden():
+    """``__main__`` is an empty module meanwhile: processes spawned now do not import the parent's script."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 class VerifierPool:
@@ -75,35 +93,34 @@ class VerifierPool:
             st.slots = self._ctx.Array("d", self.num_workers * worker.SLOT_WIDTH, lock=False)
             st.counter = self._ctx.Value("i", 0)
             st.owner_pid = os.getpid()
-            st.executor = ProcessPoolExecutor(
-                max_workers=self.num_workers,
-                mp_context=self._ctx,
-                initializer=worker.init_worker,
-                initargs=(st.slots, st.counter),
-            )
-            # Workers are spawned on demand: one submit per worker starts all of them.
-            pings = [st.executor.submit(worker.ping) for _ in range(self.num_workers)]
-            deadline = time.monotonic() + self.start_timeout_s
-            while st.counter.value < self.num_workers:
-                failed = next((f.exception() for f in pings if f.done() and f.exception()), None)
-                if failed is not None:
-                    self._kill()
-                    raise RuntimeError(
-                        f"verifier workers failed to start: {failed} (a common cause: with the "
-                        "spawn start method the main script needs an `if __name__ == '__main__':` "
-                        "guard)"
-                    ) from failed
-                if time.monotonic() > deadline:
-                    self._kill()
-                    raise RuntimeError(
-                        f"verifier workers did not start within {self.start_timeout_s:g} s "
-                        f"({self.num_workers} spawned processes importing math-verify; they re-import the main "
-                        "script, so a script without an `if __name__ == '__main__':` guard runs again "
-                        "in each of them)"
-                    )
-                time.sleep(0.01)
-            wait(pings)
+            with _main_script_hidden():
+                self._start_workers(st)
         return self.worker_pids()
+
+    def _start_workers(self, st: _PoolState) -> None:
+        """Spawn the workers and wait until each has imported the verifier."""
+        st.executor = ProcessPoolExecutor(
+            max_workers=self.num_workers,
+            mp_context=self._ctx,
+            initializer=worker.init_worker,
+            initargs=(st.slots, st.counter),
+        )
+        # Workers are spawned on demand: one submit per worker starts all of them.
+        pings = [st.executor.submit(worker.ping) for _ in range(self.num_workers)]
+        deadline = time.monotonic() + self.start_timeout_s
+        while st.counter.value < self.num_workers:
+            failed = next((f.exception() for f in pings if f.done() and f.exception()), None)
+            if failed is not None:
+                self._kill()
+                raise RuntimeError(f"verifier workers failed to start: {failed}") from failed
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(
+                    f"verifier workers did not start within {self.start_timeout_s:g} s "
+                    f"({self.num_workers} spawned processes importing math-verify)"
+                )
+            time.sleep(0.01)
+        wait(pings)
 
     def worker_pids(self) -> list[int]:
         slots = self._state.slots
