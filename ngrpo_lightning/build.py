@@ -13,7 +13,7 @@ import inspect
 import lightning as L
 import torch
 from hydra.utils import get_class
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from . import attention
@@ -23,6 +23,7 @@ from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
 from .checkpointing import build_checkpointing
 from .checks import check_number
 from .config import ConfigError, named_error
+from .console import StepProgressBar
 from .evaluate import EvalSet
 from .explorers import EXPLORERS, Explorer, TemperatureExplorer
 from .host_memory import wants_freed_memory_kept
@@ -379,7 +380,11 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
     else:
         kwargs["plugins"] = [*(kwargs.get("plugins") or []), io]
     kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
+    verbose = bool((cfg.get("logger") or {}).get("verbose", False))
+    kwargs.setdefault("enable_model_summary", verbose)  # a table of parameter counts: for those who ask
     cbs = list(callbacks)
+    if kwargs.get("enable_progress_bar", True) and not any(isinstance(cb, ProgressBar) for cb in cbs):
+        cbs.append(StepProgressBar())
     if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
         cbs += build_checkpointing(cfg)
     if logger is not None:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from .build import build_module, build_pass_at_k, build_trainer, check_config
@@ -33,6 +34,7 @@ from .build_data import build_datamodule, build_problems
 from .checkpointing import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from .compare.command import compose_compare, run_compare
 from .config import GROUPS, ConfigError, compose, group_options
+from .console import header, quiet_libraries
 from .diagnose.command import run_diagnose
 from .eval_command import compose_eval, run_eval
 from .export import export_checkpoint, model_card, save_hf_model
@@ -74,7 +76,10 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
+    if rank_zero_only.rank == 0:
+        print(header(cfg), flush=True)
     apply_host_settings(cfg)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
     ckpt_path = resolve_resume(cfg)
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-h", "--help", action="store_true")
         if name == "train":
             p.add_argument("-m", "--multirun", action="store_true", help="a sweep: every combination of a,b values")
+            p.add_argument(
+                "-v", "--verbose", action="store_true", help="the libraries' own output too (logger.verbose=true)"
+            )
         p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
     p = sub.add_parser("export", help="a trained policy as a Hugging Face model directory")
     p.add_argument(
@@ -175,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
     p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and any(a in ("-v", "--verbose") for a in argv):  # anywhere among the overrides
+        argv = [a for a in argv if a not in ("-v", "--verbose")] + ["logger.verbose=true"]
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(args)

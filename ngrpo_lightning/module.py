@@ -401,7 +401,12 @@ class RLModule(L.LightningModule):
                 reduce_fx=op,
             )
         self.log_dict(
-            {"reward": float(rewards.mean()), "acc": float(log["train/accuracy"])},
+            {
+                "reward": float(rewards.mean()),
+                "acc": float(log["train/accuracy"]),
+                "s/step": float(log["time/step_s"]),
+                "tok/s": float(batch.stats.get("rollout/tokens_per_s", math.nan)),
+            },
             prog_bar=True,
             logger=False,
             batch_size=len(batch),

@@ -213,6 +213,10 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def _value(x: float) -> str:
+    return "not run" if x is None or math.isnan(x) else f"{x:.3f}"
+
+
 def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
     """A summary dict with a ``text`` field: validation accuracy before/after, reward of the
     first vs last steps, where the run is stored and how to look at it."""
@@ -230,8 +234,8 @@ def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
     }
     lines = [
         f"Trained {summary['steps']} steps in {seconds / 60:.1f} min.",
-        f"  validation accuracy: {summary['val_accuracy_before']:.3f} before"
-        f" -> {summary['val_accuracy_after']:.3f} after",
+        f"  validation accuracy: {_value(summary['val_accuracy_before'])} before"
+        f" -> {_value(summary['val_accuracy_after'])} after",
     ]
     if rewards:
         lines.append(

@@ -1,0 +1,115 @@
+"""What a run prints: a header, one progress bar per phase, warnings that need the user, a summary.
+
+Libraries are quietened at their source, by their loggers' levels and their own switches
+(never by redirecting output): MLflow's store and system-metrics INFO lines, Lightning's
+"GPU available" lines and tips, transformers' weight-loading bars. ``logger.verbose=true``
+(``ngrpo train -v``) leaves them as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from omegaconf import DictConfig
+
+__all__ = ["StepProgressBar", "header", "quiet_libraries"]
+
+# logger -> the level below which its records are not shown
+QUIET = {
+    "mlflow": logging.WARNING,  # store creation, system-metrics monitor start and stop
+    "lightning.pytorch.utilities.rank_zero": logging.WARNING,  # GPU/TPU available, tips, "Trainer.fit stopped"
+    "lightning.fabric.utilities.rank_zero": logging.WARNING,
+    "lightning.pytorch.loggers.mlflow": logging.ERROR,  # "Experiment with name ... not found. Creating it."
+    "lightning.pytorch.accelerators.cuda": logging.WARNING,
+    "alembic": logging.WARNING,  # MLflow's database migrations
+}
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Silence the libraries' routine output, unless ``verbose``."""
+    if verbose:
+        return
+    for name, level in QUIET.items():
+        logging.getLogger(name).setLevel(level)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights: 100%": instant for models on disk
+
+
+def header(cfg: DictConfig) -> str:
+    """One block saying what this run is: model, task, explorer x objective, steps, device, store."""
+    model, data, r = cfg.model, cfg.data, cfg.rollout
+    explorer = cfg.explorer.get("name") or cfg.explorer.get("_target_")
+    objective = cfg.objective.get("name") or cfg.objective.get("_target_")
+    task = data.get("name") or data.source
+    if data.get("tasks"):
+        names = [t.get("name", "?") if hasattr(t, "get") else str(t) for t in data.tasks]
+        task += f" ({', '.join(names)})"
+    trainer = cfg.trainer
+    devices = trainer.get("devices", 1)
+    where = f"{trainer.get('accelerator', 'auto')} x {devices}" if devices != 1 else str(trainer.get("accelerator"))
+    if str(trainer.get("accelerator")) == "cpu":
+        where += f", {torch.get_num_threads()} threads"
+    tracking = (
+        f"MLflow {cfg.logger.tracking_uri} (experiment {cfg.experiment_name!r})"
+        if cfg.logger.get("name") == "mlflow"
+        else "off (logger=none)"
+    )
+    lines = [
+        f"ngrpo train: {explorer} x {objective}, {trainer.max_steps} steps",
+        f"  model:    {model.name_or_path} ({model.dtype})",
+        f"  task:     {task}; {data.prompts_per_step} prompts x {r.group_size} samples per step, "
+        f"at most {r.max_new_tokens} new tokens",
+        f"  device:   {where}",
+        f"  tracking: {tracking}",
+        f"  output:   {cfg.output_dir}",
+    ]
+    return "\n".join(lines)
+
+
+class StepProgressBar(TQDMProgressBar):
+    """One bar per phase: "step 7/15" with reward, accuracy, seconds per step and tokens/s, and
+    "validate 3/4" for validation; no epoch counter (a run is a number of steps)."""
+
+    def init_train_tqdm(self) -> Tqdm:
+        return self._bar("step {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}", 0, leave=True)
+
+    def init_validation_tqdm(self) -> Tqdm:
+        during_fit = self.trainer.state.fn != "validate"
+        return self._bar("validate {n_fmt}/{total_fmt} [{elapsed}<{remaining}]", int(during_fit), leave=not during_fit)
+
+    def _bar(self, bar_format: str, row: int, leave: bool) -> Tqdm:
+        position = 2 * self.process_position + row
+        return Tqdm(
+            position=position,
+            disable=self.is_disabled,
+            leave=leave,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=bar_format,
+        )
+
+    def on_train_epoch_start(self, trainer, *_) -> None:
+        plan = getattr(trainer.lightning_module, "plan", None)  # several optimizer steps per rollout batch
+        self._updates = plan.ppo_epochs * plan.num_mini_batches if plan is not None else 1
+        total = math.ceil(trainer.max_steps / self._updates) if trainer.max_steps > 0 else None
+        self.train_progress_bar.reset(total=total)
+        self.train_progress_bar.n = trainer.global_step // self._updates  # a resumed run starts where it was
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        bar.n = trainer.global_step // self._updates  # steps, across passes over the data
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        bar.refresh()
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        formats = {"reward": "{:.3f}", "acc": "{:.3f}", "s/step": "{:.1f}", "tok/s": "{:.0f}"}
+        return {k: formats.get(k, "{}").format(float(v)) if k in formats else v for k, v in metrics.items()}

@@ -1,0 +1,61 @@
+"""What ``ngrpo train`` prints: a header, a step bar, the summary; not the libraries' routine lines
+(they come back with ``-v``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NOISE = [
+    "GPU available",
+    "TPU available",
+    "litlogger",
+    "Creating initial MLflow database",
+    "Experiment with name",
+    "system metrics monitoring",
+    "Modules in train mode",
+    "FLOPs",
+    "Epoch 0",
+    "version_base",
+    "Loading weights",
+    "nan before",
+    "`Trainer.fit` stopped",
+]
+
+
+def run(tmp: Path, *extra: str) -> str:
+    ngrpo = Path(sys.executable).parent / "ngrpo"
+    cmd = [str(ngrpo), "train", "model=tiny", "trainer.max_steps=2", "data.val_size=4", "reward.num_workers=1", *extra]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def consoles(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("console")
+    return run(tmp), run(tmp, "-v", "output_dir=outputs2")
+
+
+def test_the_console_shows_the_run_not_the_libraries(consoles):
+    quiet, _ = consoles
+    assert "ngrpo train: temperature x grpo, 2 steps" in quiet
+    assert "  model:    tiny (float32)" in quiet and "  task:     reasoning_gym (chain_sum)" in quiet
+    assert "  tracking: MLflow sqlite:///mlruns/mlflow.db (experiment 'grpo')" in quiet
+    assert "step 2/2" in quiet and "reward=" in quiet and "tok/s=" in quiet
+    assert "Trained 2 steps in" in quiet and "validation accuracy:" in quiet and "MLflow run:" in quiet
+    shown = [line for line in NOISE if line in quiet]
+    assert not shown, f"library noise on the console: {shown}"
+
+
+def test_verbose_brings_the_libraries_back(consoles):
+    _, verbose = consoles
+    assert "GPU available" in verbose and "Trained 2 steps in" in verbose
+
+
+def test_validation_that_did_not_run_says_so(tmp_path):
+    out = run(tmp_path, "validate_before_fit=false", "logger=none")
+    assert "validation accuracy: not run before ->" in out
