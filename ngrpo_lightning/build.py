@@ -16,7 +16,7 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from . import attention
+from . import attention, file_weights, recompute
 from .build_data import engine_settings
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
 from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
@@ -155,6 +155,7 @@ def check_config(cfg: DictConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     check_memory_settings(cfg)
+    reference_weights(cfg)
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -204,13 +205,25 @@ def check_memory_settings(cfg: DictConfig) -> None:
             f"raise it to at least {longest}, or set it to null"
         )
     checkpointing = cfg.model.get("gradient_checkpointing", False)
-    if not isinstance(checkpointing, bool):
-        raise ConfigError(f"model.gradient_checkpointing={checkpointing!r} must be true or false")
+    for key in ("gradient_checkpointing", "recompute_elementwise"):
+        value = cfg.model.get(key, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"model.{key}={value!r} must be true or false")
     if checkpointing and parallel_config(cfg) is not None:
         raise ConfigError(
             "model.gradient_checkpointing=true is for one device; under FSDP2 (trainer.parallel) set "
             "trainer.parallel.activation_checkpointing=true instead"
         )
+
+
+def reference_weights(cfg: DictConfig) -> str:
+    """Where the frozen reference's weights live, ``memory`` or ``file`` (``model.reference_weights``)."""
+    choice = cfg.model.get("reference_weights", "auto")
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    try:
+        return file_weights.resolve(choice, accelerator, sharded=parallel_config(cfg) is not None)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def build_module(cfg: DictConfig) -> RLModule:
@@ -224,9 +237,15 @@ def build_module(cfg: DictConfig) -> RLModule:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=attention.configured(cfg.model),
     )
-    reference = RLModule.reference_from(policy) if objective.needs_reference else None
+    reference = None
+    if objective.needs_reference and reference_weights(cfg) == "file":  # in a file between steps
+        reference = file_weights.frozen_copy_to_file(policy, cfg.output_dir)
+    elif objective.needs_reference:
+        reference = RLModule.reference_from(policy)
     if cfg.model.get("gradient_checkpointing", False):  # after the copy: the frozen reference never runs backward
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.model.get("recompute_elementwise", True):  # checkpointed layers recompute everything anyway
+        recompute.install(policy)
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
     try:
         return RLModule(

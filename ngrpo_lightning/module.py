@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from . import file_weights
 from .checkpointing import check_base_model, config_mismatch, rng_states, set_rng_states, weights_digest
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
@@ -45,6 +46,7 @@ from .metrics.training import combine_metrics, rollout_step_metrics
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
+from .recompute import recomputing
 from .rewards import MathReward, score_responses
 from .rollout.batch import RolloutBatch
 from .rollout.padding import pad_to
@@ -140,10 +142,11 @@ class RLModule(L.LightningModule):
         """Record the frozen reference's identity (before any sharding): checkpoints keep it in
         place of its weights, and a resumed run checks that its reference hashes the same."""
         if self.reference is not None and not self.base_model:
-            self.base_model = {
-                "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
-                "weights_sha256": weights_digest(self.reference),
-            }
+            with file_weights.materialized(self.reference):  # a file-backed one is read back for the hash
+                self.base_model = {
+                    "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
+                    "weights_sha256": weights_digest(self.reference),
+                }
 
     def state_dict(self, *args, **kwargs) -> dict:
         """The module's state without the frozen reference (see :meth:`setup`)."""
@@ -301,11 +304,15 @@ class RLModule(L.LightningModule):
         With ``reuse_forward`` (one on-policy update per step) the old log-probs stay ``None``:
         :meth:`optimize` takes them from the update's own forward, detached, and returns them (the
         same weights compute the same numbers, so a separate no-grad pass would be pure cost)."""
+        ref_logp = None
+        if self.reference is not None:
+            with file_weights.materialized(self.reference):  # a file-backed reference is in memory only meanwhile
+                ref_logp = self._logprobs_no_grad(self.reference, step.batch)
         return replace(
             step,
             advantages=group_advantages(step.rewards, step.group_size, self.advantage),
             old_logp=None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch),
-            ref_logp=self._logprobs_no_grad(self.reference, step.batch) if self.reference is not None else None,
+            ref_logp=ref_logp,
         )
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -334,9 +341,10 @@ class RLModule(L.LightningModule):
                 reused = torch.zeros_like(update.batch.rollout_logprobs)
             for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
                 mb = update.select(rows) if len(rows) < len(update) else update
-                logp, entropy = self._logprobs(
-                    self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
-                )
+                with recomputing():  # the policy's cheap activations (recompute.install) are recomputed in backward
+                    logp, entropy = self._logprobs(
+                        self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
+                    )
                 old_logp = mb.old_logp
                 if old_logp is None:
                     old_logp = logp.detach()
@@ -349,6 +357,7 @@ class RLModule(L.LightningModule):
             metrics = combine_metrics(parts, weights)
             metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
             opt.step()
+            opt.zero_grad(set_to_none=True)  # freed now: rollouts and log-prob passes until the next update need none
             sched.step()
             self.policy_version += 1
             self.update_metrics.append({k: float(v) for k, v in metrics.items()})

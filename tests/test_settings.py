@@ -70,6 +70,12 @@ def test_checks_name_the_key_once(make, message):
             "optim.max_tokens_per_micro_batch=100 is smaller than the longest possible sequence, 552 tokens",
         ),
         (["model.gradient_checkpointing=yes"], "model.gradient_checkpointing='yes' must be true or false"),
+        (["model.recompute_elementwise=2"], "model.recompute_elementwise=2 must be true or false"),
+        (["model.reference_weights=disk"], "model.reference_weights='disk' is not one of auto, memory, file"),
+        (
+            ["model.reference_weights=file", "trainer=fsdp_cpu"],
+            "model.reference_weights=file reads the reference's weights from a file",
+        ),
         (["rollout.group_size=abc"], "rollout.group_size='abc' must be an integer"),
         (
             ["rollout.group_size=1"],

@@ -1,0 +1,92 @@
+"""Cheap activations recomputed in backward: same losses and gradients, fewer kept bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from ngrpo_lightning import recompute
+from ngrpo_lightning.models import load_policy
+
+
+def kept_bytes(model, ids) -> tuple[torch.Tensor, int]:
+    """Loss of a forward and the bytes autograd keeps for its backward (unique storages),
+    after the recomputing hooks had their say (an outer tally sees what they pass on)."""
+    kept = {}
+
+    def pack(t):
+        packed = recompute._pack(t)
+        if not isinstance(packed, recompute._Packed):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return packed
+
+    with recompute.recomputing(), torch.autograd.graph.saved_tensors_hooks(pack, recompute._unpack):
+        loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
+    loss.backward()
+    return loss.detach(), sum(kept.values())
+
+
+def grads_of(model, ids, context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with context:
+        loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_losses_and_gradients_are_bit_identical(dtype):
+    plain, _ = load_policy("tiny", dtype=dtype)
+    patched = copy.deepcopy(plain)
+    layers = plain.config.num_hidden_layers
+    assert recompute.install(patched) == 3 * layers + 1  # two norms and an MLP per layer, the final norm
+    ids = torch.randint(0, plain.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    loss0, grads0 = grads_of(plain, ids, contextlib.nullcontext())
+    loss1, grads1 = grads_of(patched, ids, recompute.recomputing())
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+    assert not recompute._recipes and not recompute._refs  # the lookup table does not outlive the forward
+
+
+def test_fewer_bytes_are_kept_for_backward():
+    plain, _ = load_policy("tiny")
+    patched = copy.deepcopy(plain)
+    recompute.install(patched)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss0, before = kept_bytes(plain, ids)
+    loss1, after = kept_bytes(patched, ids)
+    assert torch.equal(loss0, loss1)
+    c, tokens = plain.config, ids.numel()
+    # per layer: both norms' normalized input and output, act(gate) and act(gate) * up; the final
+    # norm's two (its output feeds the LM head)
+    expected = tokens * 4 * ((4 * c.hidden_size + 2 * c.intermediate_size) * c.num_hidden_layers + 2 * c.hidden_size)
+    assert before - after == expected
+
+
+def test_a_module_that_computes_something_else_keeps_its_forward():
+    class OffsetRMSNorm(torch.nn.Module):  # Gemma's kind: weight applied as (1 + weight)
+        def __init__(self, width):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(width)), 1e-6
+
+        def forward(self, x):
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (1 + self.weight) * x
+
+    model = torch.nn.Sequential(OffsetRMSNorm(8), torch.nn.Linear(8, 8))
+    assert recompute.install(model) == 0
+    assert "forward" not in vars(model[0])
+
+
+def test_outside_the_context_nothing_is_registered():
+    model, _ = load_policy("tiny")
+    recompute.install(model)
+    out = model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum()
+    assert not recompute._recipes
+    out.backward()  # and backward works as usual
+    assert model.model.norm.weight.grad is not None
