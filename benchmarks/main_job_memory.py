@@ -84,6 +84,7 @@ def measure(overrides: list[str], steps: int) -> dict:
         "tree_peak_bytes": tree_peak,
         "wall_s": wall,
         "step_s": statistics.median(steps_s[1:] or steps_s),
+        "steps_s": steps_s,
         "console": output,
     }
 

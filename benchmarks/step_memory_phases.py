@@ -44,9 +44,11 @@ CONFIGS = {  # name -> overrides on top of the workload's
     "no-keep-softmax": ["optim.logprob_keep_softmax_mib=0"],
     "no-packing": ["rollout.hf.packed_weights=false"],
     "micro-batch-8": ["optim.micro_batch_size=8"],
+    "micro-batch-16": ["optim.micro_batch_size=16"],
     "trimmed": ["host.keep_freed_memory=false"],  # and malloc_trim before each phase: live memory only
+    "trimmed-micro-batch-16": ["host.keep_freed_memory=false", "optim.micro_batch_size=16"],
 }
-TRIMMED = {"trimmed"}
+TRIMMED = {"trimmed", "trimmed-micro-batch-16"}
 PHASES = ["rollout", "reference", "update", "optimizer"]
 
 
@@ -96,7 +98,14 @@ class PhaseMeter:
 
 # ------------------------------------------------------------- the run (child)
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes held by the tensors' storages, each counted once (a file-backed reference's
+    placeholders between passes hold one element each)."""
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class Milestones(L.Callback):

@@ -26,7 +26,15 @@ The workload (both sides; the defaults):
   as supported). The driver then prints the error and reports our side only;
 * the same reward: ngrpo's ``MathReward`` (the math verifier and its worker processes), which
   TRL calls through a reward function;
-* 2 torch threads in each side's process.
+* 2 torch threads in each side's process;
+* checkpoints as each side's defaults save them (ours: ``last.ckpt`` at the end of training and
+  every 10 steps; TRL: every 500 steps, so none in a short run); ``--no-saves`` turns them off on
+  both sides (the configuration of the tables before 2026-11-25).
+
+Three sides: ``ours``; ``trl``, TRL without activation checkpointing (the configuration that is
+closest to ours: the same work per step); ``trl-ac``, TRL with its own default activation
+checkpointing (``gradient_checkpointing=True``: what a TRL user gets, slower and smaller).
+``--sides ours trl`` runs fewer.
 
 Our side (``vs_trl_ours.py``) runs the real ``ngrpo train`` entry point with a callback that
 records the per-step metrics the module logs. TRL's side (``vs_trl_trl.py``) runs a
@@ -37,8 +45,11 @@ side runs in its own subprocess, ``--runs`` times, in alternating order (ours, t
 Reported per side: the median and range (min-max) of seconds per step, the medians of its
 phases (generation, reward, log-prob passes without gradients, update = forward + backward +
 clip + optimizer step, other), generated tokens per step and milliseconds per generated token,
-the peak RSS of the side's process (and of its process tree: reward workers, vLLM), and
-step / floor. The floor is the matmul FLOPs a step needs, 2 x params x tokens per forward
+three memory figures, and step / floor. Memory: ``loop_rss_gib`` is the side's peak RSS up to
+the end of its last training step (the figure the tables gave before: model loading and the
+steps); ``cmd_rss_gib`` is the peak of the whole command, its exit included (a final checkpoint
+save, with each side's default saving); ``tree_rss_gib`` adds its child processes (reward
+workers, vLLM), sampled every second. The floor is the matmul FLOPs a step needs, 2 x params x tokens per forward
 (decoder body on every token, LM head on response tokens only; attention score/value products
 left out, under 3% here), for the rollout, the reference forward and the training forward +
 backward (3x a forward), each over every distinct prompt once (a group's rows share it: ngrpo
@@ -46,7 +57,8 @@ runs it once per group, ``optim.share_prompts``; TRL repeats it per row) and eve
 token, divided by the dense matmul rate measured in this run with the same threads and dtype
 ([3000, hidden] x [hidden, intermediate], best of several).
 
-    .venv/bin/python benchmarks/vs_trl.py                 # the full run: ~20 minutes, on a quiet machine
+    .venv/bin/python benchmarks/vs_trl.py                 # 3 sides x 2 runs: ~35 minutes, on a quiet machine
+    .venv/bin/python benchmarks/vs_trl.py --sides ours trl --no-saves   # the tables before 2026-11-25
     .venv/bin/python benchmarks/vs_trl.py --natural       # EOS on: compare seconds per generated token
     .venv/bin/python benchmarks/vs_trl.py --load 2        # with 2 CPU-bound background processes
     .venv/bin/python benchmarks/vs_trl.py --engine vllm   # vLLM rollouts, on the sides where they run
@@ -69,7 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,7 +91,12 @@ sys.path.insert(0, str(HERE))
 from common import RESULTS, print_table, write_json  # noqa: E402
 from compute_floor import ModelShape, matmul_rate, model_shape, step_flops  # noqa: E402
 
-SIDES = {"ours": "vs_trl_ours.py", "trl": "vs_trl_trl.py"}
+# side -> (its script, what it changes in the workload)
+SIDES = {
+    "ours": ("vs_trl_ours.py", {}),
+    "trl": ("vs_trl_trl.py", {}),
+    "trl-ac": ("vs_trl_trl.py", {"activation_checkpointing": True}),
+}
 PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
 GIB = 1024**3
 
@@ -101,6 +118,8 @@ class Workload:
     engine: str = "hf"  # hf | vllm
     threads: int = 2
     seed: int = 0
+    saves: bool = True  # checkpoints as each side's defaults save them (False: none on either side)
+    activation_checkpointing: bool = False  # TRL's side only (the trl-ac row)
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
@@ -126,9 +145,15 @@ def prompt_counts(row_prompt_lengths: list[int], group: int) -> dict:
     }
 
 
+def peak_rss_now() -> int:
+    """This process's peak RSS so far, in bytes (the kernel's high-water mark)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child_main(run) -> None:
     """Entry point of a side's subprocess: ``run(workload)`` returns the per-step records
-    (keys ``step_s``, the ``PHASES``, ``tokens`` and the ``prompt_counts``); they are written,
+    (keys ``step_s``, the ``PHASES``, ``tokens``, the ``prompt_counts`` and ``rss_bytes``, the
+    :func:`peak_rss_now` at the step's end); they are written,
     with the process's peak RSS, as JSON to ``--out``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", required=True, help="Workload as JSON")
@@ -137,8 +162,7 @@ def child_main(run) -> None:
     workload = Workload.from_json(args.workload)
     torch.set_num_threads(workload.threads)
     steps = run(workload)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"steps": steps, "peak_rss_bytes": peak, "threads_at_end": torch.get_num_threads()}
+    result = {"steps": steps, "peak_rss_bytes": peak_rss_now(), "threads_at_end": torch.get_num_threads()}
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -147,6 +171,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--runs", type=int, default=2, help="runs per side, in alternating order")
+    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    ap.add_argument("--no-saves", dest="saves", action="store_false", help="no checkpoints on either side")
     ap.add_argument("--natural", action="store_true", help="EOS on: natural response lengths")
     ap.add_argument("--load", type=int, default=0, help="CPU-bound background processes during the whole run")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
@@ -163,13 +189,13 @@ def parse_args(argv=None):
 
 
 def workload_from(args) -> Workload:
-    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine")
+    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine", "saves")
     return Workload(**{k: getattr(args, k) for k in keys})
 
 
-def run_order(runs: int) -> list[str]:
-    """ours, trl, trl, ours, ours, trl, ...: a slow spell of the machine falls on both sides."""
-    return [side for r in range(runs) for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours"))]
+def run_order(runs: int, sides: tuple[str, ...] | list[str] = tuple(SIDES)) -> list[str]:
+    """ours, trl, trl-ac, trl-ac, trl, ours, ...: a slow spell of the machine falls on every side."""
+    return [side for r in range(runs) for side in (list(sides) if r % 2 == 0 else list(sides)[::-1])]
 
 
 @contextlib.contextmanager
@@ -245,7 +271,8 @@ def child_env(workload: Workload) -> dict:
 def run_side(side: str, workload: Workload, workdir: Path, index: int) -> dict:
     """One run of a side in a fresh subprocess: its per-step records and peak RSS, or ``error``."""
     out, log = workdir / f"{index}-{side}.json", workdir / f"{index}-{side}.log"
-    cmd = [sys.executable, str(HERE / SIDES[side]), "--workload", workload.to_json(), "--out", str(out)]
+    script, changes = SIDES[side]
+    cmd = [sys.executable, str(HERE / script), "--workload", replace(workload, **changes).to_json(), "--out", str(out)]
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(workload))
@@ -272,7 +299,7 @@ def failure(log: str, returncode: int, tail: int = 40) -> dict:
 
 
 def progress(i: int, total: int, side: str, result: dict) -> str:
-    head = f"run {i + 1}/{total} {side:<4}"
+    head = f"run {i + 1}/{total} {side:<6}"
     if "error" in result:
         return f"{head} FAILED after {result['wall_s']:.0f} s: {result['error']['reason']}"
     steps = [s["step_s"] for s in result["steps"][1:]]
@@ -283,11 +310,11 @@ def progress(i: int, total: int, side: str, result: dict) -> str:
     )
 
 
-def bench(workload: Workload, runs: int) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def bench(workload: Workload, runs: int, sides: list[str]) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Every run of every side, in alternating order; a side that fails is not run again."""
-    results: dict[str, list[dict]] = {side: [] for side in SIDES}
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     errors: dict[str, dict] = {}
-    order = run_order(runs)
+    order = run_order(runs, sides)
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         for i, side in enumerate(order):
             if side in errors:
@@ -328,7 +355,8 @@ def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> di
         "x_floor": med(t / f for t, f in zip(step_s, floor_s)),
         "floor_unshared_s": med(unshared_s),
         "x_floor_unshared": med(t / f for t, f in zip(step_s, unshared_s)),
-        "rss_gib": max(run["peak_rss_bytes"] for run in runs) / GIB,
+        "loop_rss_gib": max(s.get("rss_bytes", 0) for run in runs for s in run["steps"]) / GIB,
+        "cmd_rss_gib": max(run["peak_rss_bytes"] for run in runs) / GIB,
         "tree_rss_gib": max(run["tree_peak_rss_bytes"] for run in runs) / GIB,
     }
     row["run_medians_s"] = [med(s["step_s"] for s in run["steps"][1:]) for run in runs]
@@ -341,7 +369,8 @@ def columns(natural: bool) -> list[str]:
     timing = ["s/step", "min_s", "max_s", "vs_ours", *PHASES, "other_s"]
     per_token = ["ms/token", "tokens"]
     lead = per_token + timing if natural else timing + per_token
-    return ["side", *lead, "floor_s", "x_floor", "floor_unshared_s", "x_floor_unshared", "rss_gib", "tree_rss_gib"]
+    memory = ["loop_rss_gib", "cmd_rss_gib", "tree_rss_gib"]
+    return ["side", *lead, "floor_s", "x_floor", "floor_unshared_s", "x_floor_unshared", *memory]
 
 
 def report(rows: list[dict], errors: dict, natural: bool) -> None:
@@ -373,7 +402,7 @@ def main(argv=None) -> None:
     shape = model_shape(workload.model_path())  # builds a packaged model once, before any timed run
     with background_load(args.load):
         rate = matmul_rate(shape, workload.dtype)
-        results, errors = bench(workload, args.runs)
+        results, errors = bench(workload, args.runs, args.sides)
         rate = max(rate, matmul_rate(shape, workload.dtype))
     rows = [summarize(side, runs, shape, rate) for side, runs in results.items() if runs]
     report(rows, errors, workload.natural)
@@ -384,7 +413,9 @@ def main(argv=None) -> None:
         workload=asdict(workload),
         model_path=Path(workload.model_path()).name,
         runs=args.runs,
-        order=run_order(args.runs),
+        order=run_order(args.runs, args.sides),
+        memory="loop_rss_gib: peak RSS up to the end of the last step; cmd_rss_gib: the whole command's "
+        "process, its exit and each side's default checkpoint saving included; tree_rss_gib: with child processes",
         load=args.load,
         matmul_gflops=rate / 1e9,
         model_shape=asdict(shape),

@@ -3,7 +3,9 @@
 ``ours_config(workload)`` is the composed run configuration, ``prompt_batches(workload)`` the
 prompt batches its ``RolloutDataModule`` draws (TRL's side trains on the same sequence). The
 run adds one callback to the trainer, :class:`StepRecorder`, which reads the metrics the module
-logs every step; the fixed-length workload sets ``rollout.ignore_eos=true``.
+logs every step; the fixed-length workload sets ``rollout.ignore_eos=true``. Checkpoints are
+saved as ``ngrpo train`` saves them by default (into a temporary folder), unless the workload
+says ``saves=false``.
 
     .venv/bin/python benchmarks/vs_trl_ours.py --workload '{"steps": 2}' --out ours.json
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_trl import Workload, child_main, prompt_counts  # noqa: E402
+from vs_trl import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 
 from ngrpo_lightning import cli  # noqa: E402
 from ngrpo_lightning.config import compose  # noqa: E402
@@ -56,9 +58,8 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
         "train.ppo_epochs=1",
         "train.num_mini_batches=1",
         f"trainer.max_steps={workload.steps}",
-        "trainer.enable_checkpointing=false",
+        *([] if workload.saves else ["trainer.enable_checkpointing=false", "checkpoint.every_n_steps=0"]),
         "trainer.enable_progress_bar=false",
-        "checkpoint.every_n_steps=0",
         "logger=none",
         "validate_before_fit=false",
         "pass_at_k.n=0",
@@ -95,6 +96,7 @@ class StepRecorder(L.Callback):
         step = {key: float(metrics[name]) for key, name in METRICS.items()}
         step["tokens"] = round(step["tokens"])
         step.update(prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size))
+        step["rss_bytes"] = peak_rss_now()  # before this step's checkpoint save: Lightning runs saving callbacks last
         self.steps.append(step)
 
 

@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_trl import PHASES, Workload, child_main, prompt_counts  # noqa: E402
+from vs_trl import PHASES, Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 from vs_trl_ours import ours_config, prompt_batches  # noqa: E402
 
 
@@ -43,11 +43,12 @@ def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
         output_dir=output_dir,
         use_cpu=True,
         seed=workload.seed,
-        # the model: its dtype's weights, no autocast, no activation checkpointing (TRL's defaults differ)
+        # the model: its dtype's weights, no autocast; activation checkpointing (TRL's default) only
+        # where the workload asks for it (the trl-ac side)
         model_init_kwargs={"dtype": workload.dtype},
         bf16=False,
         fp16=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=workload.activation_checkpointing,
         # a step: prompts x group completions, generated once, one optimizer update
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
@@ -83,9 +84,9 @@ def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
         adam_beta2=0.999,
         max_grad_norm=1.0,
         optim="adamw_torch_fused",  # both sides: fused AdamW (TRL's default with torch >= 2.8)
-        # no evaluation, checkpoints or reporting
+        # no evaluation or reporting; checkpoints as TRL's defaults save them (unless saves=False)
         eval_strategy="no",
-        save_strategy="no",
+        **({} if workload.saves else {"save_strategy": "no"}),
         report_to="none",
         logging_steps=1,
         log_completions=False,
@@ -143,6 +144,7 @@ class PhaseClock(TrainerCallback):
         now = time.perf_counter()
         self.current["step_s"] = now - self.last_end
         self.current["update_s"] = now - (self.prepared_at or self.last_end)
+        self.current["rss_bytes"] = peak_rss_now()  # before the step's checkpoint save (on_save comes later)
         self.steps.append(self.current)
         self.current, self.last_end = self._blank(), now
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl")
+trl = pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import vs_trl  # noqa: E402
 import vs_trl_ours  # noqa: E402
@@ -110,3 +110,21 @@ def test_same_reward(sides):
     _, trainer = sides
     (reward,) = trainer.reward_funcs
     assert reward(completions=["So \\boxed{12}.", "The answer is 7."], answer=["12", "12"]) == [1.0, 0.0]
+
+
+def test_each_side_saves_as_its_defaults_do_unless_told_not_to():
+    ours, trl = vs_trl_ours.ours_config(WORKLOAD), vs_trl_trl.trl_config(WORKLOAD)
+    assert ours.trainer.get("enable_checkpointing", True) and ours.checkpoint.every_n_steps > 0
+    assert str(trl.save_strategy).lower().endswith("steps") and trl.save_steps == 500  # TRL's own default
+    quiet = dataclasses.replace(WORKLOAD, saves=False)
+    assert vs_trl_ours.ours_config(quiet).trainer.enable_checkpointing is False
+    assert str(vs_trl_trl.trl_config(quiet).save_strategy).lower().endswith("no")
+
+
+def test_the_trl_ac_side_is_trl_with_its_default_activation_checkpointing(tmp_path):
+    script, changes = vs_trl.SIDES["trl-ac"]
+    assert script == vs_trl.SIDES["trl"][0]
+    config = vs_trl_trl.trl_config(dataclasses.replace(WORKLOAD, **changes))
+    default = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing
+    assert config.gradient_checkpointing is default is True
+    assert vs_trl.run_order(2, ["ours", "trl", "trl-ac"]) == ["ours", "trl", "trl-ac", "trl-ac", "trl", "ours"]
