@@ -221,7 +221,7 @@ def reference_weights(cfg: DictConfig) -> str:
     choice = cfg.model.get("reference_weights", "auto")
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     try:
-        return file_weights.resolve(choice, accelerator, sharded=parallel_config(cfg) is not None)
+        return file_weights.resolve(choice, accelerator, parallel_config(cfg) is not None, cfg.get("output_dir"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

@@ -13,8 +13,9 @@ weights', so the reference log-probs are unchanged. Under memory pressure the OS
 file from its cache and read it back from disk.
 
 ``model.reference_weights``: ``auto`` (the default: ``file`` for a CPU run without FSDP on
-Linux, ``memory`` otherwise), ``memory`` or ``file``. On a RAM-backed ``output_dir`` (tmpfs)
-the file itself is memory, and ``memory`` is the better choice.
+Linux whose ``output_dir`` is on a disk, ``memory`` otherwise), ``memory`` or ``file``. On a
+RAM-backed ``output_dir`` (tmpfs, ramfs) the file itself would be memory, so ``auto`` keeps
+the weights in memory there.
 """
 
 from __future__ import annotations
@@ -32,8 +33,29 @@ import torch
 CHOICES = ("auto", "memory", "file")
 
 
-def resolve(choice: str, accelerator: str, sharded: bool) -> str:
-    """``memory`` or ``file`` for ``model.reference_weights=choice``, checked."""
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(folder: str | os.PathLike) -> str | None:
+    """The type of the file system ``folder`` is (or would be created) on, from the mount
+    table (Linux); ``None`` where it cannot be told."""
+    path = Path(folder).resolve()
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    best, kind = "", None
+    for point, fs in mounts:
+        point = point.replace("\\040", " ")
+        inside = path == Path(point) or Path(point) in path.parents
+        if inside and len(point) >= len(best):
+            best, kind = point, fs
+    return kind
+
+
+def resolve(choice: str, accelerator: str, sharded: bool, folder: str | os.PathLike | None = None) -> str:
+    """``memory`` or ``file`` for ``model.reference_weights=choice``, checked; ``folder`` is
+    where the file would be written (``auto`` picks ``memory`` on a RAM-backed one)."""
     if choice not in CHOICES:
         raise ValueError(f"model.reference_weights={choice!r} is not one of {', '.join(CHOICES)}")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -44,7 +66,8 @@ def resolve(choice: str, accelerator: str, sharded: bool) -> str:
             f"{', sharded by trainer.parallel' if sharded else ''}); use memory or auto"
         )
     if choice == "auto":
-        return "file" if on_cpu and not sharded and sys.platform == "linux" else "memory"
+        in_ram = folder is not None and filesystem_type(folder) in RAM_FILESYSTEMS
+        return "file" if on_cpu and not sharded and sys.platform == "linux" and not in_ram else "memory"
     return choice
 
 
@@ -100,19 +123,26 @@ def frozen_copy_to_file(model: torch.nn.Module, folder: str | os.PathLike) -> to
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f".reference-weights-{uuid.uuid4().hex[:8]}"
+    path = Path(folder) / f".reference-weights-{uuid.uuid4().hex[:8]}"
     slots, offset = [], 0
-    with open(path, "wb") as f:
-        for key, original in originals.items():
-            placeholder = memo[key]
-            data = original.detach().contiguous().view(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
-            slots.append((offset, placeholder, owners[id(placeholder)]))
-            offset += data.numel()
-    fd = os.open(path, os.O_RDONLY)
-    path.unlink()  # the open descriptor keeps the data; no name is left behind
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            for key, original in originals.items():
+                placeholder = memo[key]
+                data = original.detach().contiguous().view(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+                slots.append((offset, placeholder, owners[id(placeholder)]))
+                offset += data.numel()
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise OSError(
+            f"could not write the frozen reference's weights ({offset / 2**30:.2f} GiB so far) to {path}: {err}; "
+            "free space there, set output_dir elsewhere, or keep them in memory with model.reference_weights=memory"
+        ) from err
+    finally:
+        if os.path.lexists(path):
+            path.unlink()  # the open descriptor keeps the data; no name is left behind
     weights = _FileWeights(fd, slots)
     weights.load()
     frozen.requires_grad_(False).eval()

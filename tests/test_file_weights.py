@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,23 @@ def test_where_the_reference_lives(choice, accelerator, sharded, expected):
 def test_file_is_refused_on_a_gpu():
     with pytest.raises(ValueError, match="model.reference_weights=file .*trainer.accelerator=gpu"):
         file_weights.resolve("file", "gpu", False)
+
+
+def test_auto_keeps_the_weights_in_memory_on_a_ram_backed_folder(tmp_path):
+    ram = next(
+        (Path(p) for p in ("/dev/shm", "/run/user", "/tmp") if file_weights.filesystem_type(p) in ("tmpfs", "ramfs")),
+        None,
+    )
+    if ram is None:
+        pytest.skip("no tmpfs mount on this machine")
+    assert file_weights.resolve("auto", "cpu", False, ram / "not-yet-created" / "outputs") == "memory"
+    if file_weights.filesystem_type(tmp_path) not in ("tmpfs", "ramfs"):
+        assert file_weights.resolve("auto", "cpu", False, tmp_path) == ("file" if sys.platform == "linux" else "memory")
+
+
+def test_a_folder_that_cannot_be_written_names_the_way_out(tmp_path):
+    policy, _ = load_policy("tiny")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="model.reference_weights=memory"):
+        file_weights.frozen_copy_to_file(policy, blocker / "outputs")
