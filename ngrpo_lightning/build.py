@@ -16,7 +16,7 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from . import attention, file_weights, recompute
+from . import attention, file_weights, lora, recompute
 from .build_data import engine_settings
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
 from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
@@ -156,6 +156,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
     check_memory_settings(cfg)
     reference_weights(cfg)
+    lora_settings(cfg)
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -216,6 +217,23 @@ def check_memory_settings(cfg: DictConfig) -> None:
         )
 
 
+def lora_settings(cfg: DictConfig) -> lora.LoraSettings:
+    """``model.lora``, checked, and refused where adapters do not run yet."""
+    try:
+        settings = lora.LoraSettings.from_config(cfg.model.get("lora"))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from err
+    if settings.enabled:
+        engine = cfg.rollout.get("engine", "hf")
+        if engine != "hf":
+            raise ConfigError(
+                f"model.lora.enabled=true runs with rollout.engine=hf only for now (rollout.engine={engine})"
+            )
+        if parallel_config(cfg) is not None:
+            raise ConfigError("model.lora.enabled=true runs on one process only for now (trainer.parallel is set)")
+    return settings
+
+
 def reference_weights(cfg: DictConfig) -> str:
     """Where the frozen reference's weights live, ``memory`` or ``file`` (``model.reference_weights``)."""
     choice = cfg.model.get("reference_weights", "auto")
@@ -237,8 +255,14 @@ def build_module(cfg: DictConfig) -> RLModule:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=attention.configured(cfg.model),
     )
+    lora_cfg = lora_settings(cfg)
     reference = None
-    if objective.needs_reference and reference_weights(cfg) == "file":  # in a file between steps
+    if lora_cfg.enabled:  # the reference is the policy with its adapters off: no second copy
+        try:
+            policy = lora.apply(policy, lora_cfg)
+        except ValueError as err:  # target modules the model does not have
+            raise ConfigError(str(err)) from err
+    elif objective.needs_reference and reference_weights(cfg) == "file":  # in a file between steps
         reference = file_weights.frozen_copy_to_file(policy, cfg.output_dir)
     elif objective.needs_reference:
         reference = RLModule.reference_from(policy)
@@ -263,6 +287,7 @@ def build_module(cfg: DictConfig) -> RLModule:
             parallel=parallel_config(cfg),
             seed=cfg.seed,
             step_hooks=build_step_hooks(cfg),
+            adapters=lora_cfg.enabled,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -20,11 +20,14 @@ from .checks import check_choice
 from .config import ConfigError
 
 
-def weights_digest(model: torch.nn.Module) -> str:
+def weights_digest(model: torch.nn.Module, keep=None) -> str:
     """SHA-256 of a model's weights (names, dtypes, shapes and bytes of its state dict, in name
-    order): what a checkpoint records of the frozen reference instead of its weights."""
+    order; only the names ``keep`` accepts, if given): what a checkpoint records of the frozen
+    reference instead of its weights."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        if keep is not None and not keep(name):
+            continue
         data = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
         digest.update(data.view(torch.uint8).numpy().data)

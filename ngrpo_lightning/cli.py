@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="MLflow store of the run (default: the run's logger.tracking_uri)")
     p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
@@ -234,6 +235,7 @@ def _export(args) -> int:
             tracking_uri=args.tracking_uri,
             dtype=args.dtype,
             log_to_mlflow=not args.no_mlflow,
+            merge=args.merge,
         )
     except (ConfigError, FileNotFoundError) as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)

@@ -8,6 +8,11 @@ template, ``generation_config.json``, and a model card (``README.md``) that says
 policy came from: base model, task, explorer, objective, steps, validation metrics, the MLflow
 run and the command that trained it. ``export.final=true`` exports at the end of ``ngrpo train``
 and logs the directory to the run's MLflow artifacts (``model/``).
+
+A LoRA run (``model.lora.enabled=true``) exports its adapters in peft's own format
+(``adapter_config.json`` and ``adapter_model.safetensors``, read by
+``PeftModel.from_pretrained(base, out_dir)``); ``--merge`` writes a plain Hugging Face model with
+the adapters merged into the base weights instead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 
+from .lora import has_adapters
 from .trained_policy import TrainedCheckpoint, find_checkpoint, load_trained_policy, read_checkpoint
 
 __all__ = ["export_checkpoint", "model_card", "save_hf_model"]
@@ -43,6 +49,7 @@ def export_checkpoint(
     tracking_uri: str | None = None,
     dtype: str | None = None,
     log_to_mlflow: bool = True,
+    merge: bool = False,
 ) -> dict:
     """Export the policy of ``source`` (see :func:`~ngrpo_lightning.trained_policy.find_checkpoint`)
     to ``out_dir``; with ``log_to_mlflow`` and a reachable store, also to the run's artifacts."""
@@ -50,12 +57,18 @@ def export_checkpoint(
     ckpt = read_checkpoint(path)
     uri = tracking_uri or _run_tracking_uri(ckpt)
     policy, tokenizer = load_trained_policy(ckpt, dtype=dtype)
+    adapters = has_adapters(policy)
+    if adapters and merge:  # base + (alpha / rank) B A in every adapted layer: a plain model
+        policy, adapters = policy.merge_and_unload(), False
     metrics = _mlflow_metrics(ckpt.meta.get("mlflow_run_id"), uri)
     out = save_hf_model(policy, tokenizer, Path(out_dir), model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics))
     logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out)
+    load = f"AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    if adapters:
+        load = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({ckpt.base_model!r}), {str(out)!r})"
     lines = [
-        f"Exported {path} (step {ckpt.global_step}) to {out}",
-        f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r})",
+        f"Exported {path} (step {ckpt.global_step}) to {out}" + (" (LoRA adapters, --merge: a full model)" * adapters),
+        f"  load it: {load}",
     ]
     if logged:
         lines.append(f"  logged to MLflow run {ckpt.meta['mlflow_run_id']} as artifacts model/")

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from . import file_weights
+from . import file_weights, lora
 from .checkpointing import check_base_model, config_mismatch, rng_states, set_rng_states, weights_digest
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
@@ -98,6 +98,7 @@ class RLModule(L.LightningModule):
         parallel: ParallelConfig | dict | None = None,
         seed: int = 0,
         step_hooks: Sequence[StepHook] = (),
+        adapters: bool = False,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -106,12 +107,16 @@ class RLModule(L.LightningModule):
         self.eval_explorer = eval_explorer or TemperatureExplorer(temperature=0.0)
         self.optim = optim or OptimConfig()
         self.advantage, self.detach_mixture = advantage, detach_mixture
-        if objective.needs_reference and reference is None:
+        # LoRA (`adapters`): the reference is the policy with its adapters switched off (lora.py)
+        self.adapters = bool(adapters) and lora.has_adapters(policy)
+        if adapters and not self.adapters:
+            raise ValueError("adapters=True needs a peft model as the policy (model.lora.enabled=true)")
+        if objective.needs_reference and reference is None and not self.adapters:
             raise ValueError(
                 f"objective.kl_coef={objective.kl_coef} > 0 needs a reference model, but none was given "
                 "(set objective.kl_coef=0 to train without one)"
             )
-        self.reference = reference if objective.needs_reference else None
+        self.reference = reference if objective.needs_reference and not self.adapters else None
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
         # checkpoints hold no reference weights (they are the base model's): its id and hash instead
@@ -147,13 +152,24 @@ class RLModule(L.LightningModule):
                     "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
                     "weights_sha256": weights_digest(self.reference),
                 }
+        elif self.adapters and not self.base_model:  # the base weights inside the peft policy
+            base = self.policy.get_base_model()
+            self.base_model = {
+                "name_or_path": str(getattr(base, "name_or_path", "") or ""),
+                "weights_sha256": weights_digest(self.policy, keep=lambda name: not lora.is_adapter_weight(name)),
+            }
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """The module's state without the frozen reference (see :meth:`setup`)."""
+        """The module's state without the frozen reference (see :meth:`setup`); with adapters,
+        without the frozen base weights either (recorded by hash in the same way)."""
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         for key in [k for k in state if k.startswith(f"{prefix}reference.")]:
             del state[key]
+        if self.adapters:
+            policy = f"{prefix}policy."
+            for key in [k for k in state if k.startswith(policy) and not lora.is_adapter_weight(k[len(policy) :])]:
+                del state[key]
         return state
 
     def configure_model(self) -> None:
@@ -212,7 +228,8 @@ class RLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optim
     def configure_optimizers(self):
-        opt, sched = self.optim.build(list(self.policy.parameters()), sharded=self.parallel is not None)
+        params = [p for p in self.policy.parameters() if p.requires_grad]  # with adapters: theirs only
+        opt, sched = self.optim.build(params, sharded=self.parallel is not None)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ train
@@ -308,6 +325,9 @@ class RLModule(L.LightningModule):
         if self.reference is not None:
             with file_weights.materialized(self.reference):  # a file-backed reference is in memory only meanwhile
                 ref_logp = self._logprobs_no_grad(self.reference, step.batch)
+        elif self.adapters and self.objective.needs_reference:
+            with self.policy.disable_adapter():  # the base model: the policy without its adapters
+                ref_logp = self._logprobs_no_grad(self.policy, step.batch)
         return replace(
             step,
             advantages=group_advantages(step.rewards, step.group_size, self.advantage),
@@ -438,7 +458,7 @@ class RLModule(L.LightningModule):
             problem = config_mismatch(saved["config"], self.run_meta["config"])
             if problem:
                 raise ValueError(f"cannot resume from this checkpoint: {problem}")
-        if not any(k.startswith("reference.") for k in checkpoint.get("state_dict", {})):
+        if self.adapters or not any(k.startswith("reference.") for k in checkpoint.get("state_dict", {})):
             check_base_model(saved.get("base_model") or {}, self.base_model)
         self.explorer.load_state_dict(checkpoint.get("explorer", {}))
         self.plan.load_state_dict(checkpoint.get("update_plan", {}))
@@ -466,4 +486,10 @@ class RLModule(L.LightningModule):
 def _reference_not_required(module: RLModule, incompatible) -> None:
     """``load_state_dict`` post-hook: checkpoints hold no ``reference.*`` weights (the module keeps
     the base model's, checked by hash), so their absence is not a missing key."""
-    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith("reference.")]
+    base = "policy."  # with adapters, the frozen base weights are not in checkpoints either
+    incompatible.missing_keys[:] = [
+        k
+        for k in incompatible.missing_keys
+        if not k.startswith("reference.")
+        and not (module.adapters and k.startswith(base) and not lora.is_adapter_weight(k[len(base) :]))
+    ]

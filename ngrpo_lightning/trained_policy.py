@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import attention
+from . import attention, lora
 from .config import ConfigError
 from .models import load_policy
 
@@ -128,10 +128,15 @@ def load_trained_policy(ckpt: TrainedCheckpoint, base: str | None = None, dtype:
     load_kwargs.setdefault("trust_remote_code", bool(model_cfg.get("trust_remote_code", False)))
     load_kwargs.setdefault("attn_implementation", attention.configured(model_cfg) if model_cfg else None)
     policy, tokenizer = load_policy(base, dtype=dtype, **load_kwargs)
+    adapters = lora.LoraSettings.from_config(model_cfg.get("lora"))
+    if adapters.enabled:  # a LoRA run's checkpoint holds the adapters only: put them on the base model
+        policy = lora.apply(policy, adapters)
     weights = _distributed_policy_weights(ckpt.path, policy) if ckpt.distributed else _policy_weights(ckpt)
     missing, unexpected = policy.load_state_dict(weights, strict=False)
     tied = set(getattr(policy, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if adapters.enabled:  # the base weights come from the base model, not the checkpoint
+        missing = [k for k in missing if lora.is_adapter_weight(k)]
     if missing or unexpected:
         raise ConfigError(
             f"checkpoint {ckpt.path} does not match model {base!r}: missing {missing[:5]}, unexpected {unexpected[:5]}"

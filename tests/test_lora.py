@@ -1,0 +1,111 @@
+"""LoRA adapters (model.lora): checked settings, the reference from the same weights, a run
+that trains and checkpoints the adapters only, and adapters that leave the framework."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_JOB
+
+from ngrpo_lightning import lora
+from ngrpo_lightning.cli import main
+from ngrpo_lightning.models import load_policy
+
+peft = pytest.importorskip("peft")
+
+LORA_JOB = [
+    *(o for o in TINY_JOB if not o.startswith("logger.")),
+    "logger=none",
+    "model.lora.enabled=true",
+    "validate_before_fit=false",
+    "data.val_size=0",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.lora.rank=0"], "model.lora.rank=0 is out of range"),
+        (["model.lora.alpha=0"], "model.lora.alpha=0 is out of range"),
+        (["model.lora.dropout=1.0"], "model.lora.dropout=1.0 is out of range: allowed [0, 1)"),
+        (["+model.lora.rnak=8"], "model.lora has unknown keys ['rnak']"),
+        (["rollout.engine=vllm"], "model.lora.enabled=true runs with rollout.engine=hf only for now"),
+        (["model.lora.target_modules=[q_proj,qkv]"], "['qkv'] are not linear layers of LlamaForCausalLM"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(overrides, message, capsys):
+    assert main(["train", "model=tiny", "logger=none", "model.lora.enabled=true", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "target_modules" in overrides[0]:  # the model's own linear layers are listed
+        assert "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']" in err
+
+
+def test_only_the_adapters_get_gradients():
+    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
+    ids = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(2))
+    policy(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+    grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
+    assert grads and all(lora.is_adapter_weight(name) for name in grads)
+    assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_B" in name)  # B = 0 at start: A's are 0
+
+
+def test_the_reference_is_the_base_model_with_the_adapters_off():
+    base, _ = load_policy("tiny")
+    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # trained adapters: the policy differs from its base
+    ids = torch.randint(0, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = base(input_ids=ids).logits
+        adapted = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            reference = policy(input_ids=ids).logits
+    assert not torch.allclose(adapted, expected, atol=1e-3)
+    torch.testing.assert_close(reference, expected, rtol=1e-6, atol=1e-6)
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_adapter_weight(name) for name in trainable)
+
+
+def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *LORA_JOB, "trainer.max_steps=2"]) == 0
+    ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    keys = [k.removeprefix("policy.") for k in ckpt["state_dict"] if k.startswith("policy.")]
+    layers = load_policy("tiny")[0].config.num_hidden_layers
+    assert len(keys) == layers * 7 * 2 and all(lora.is_adapter_weight(k) for k in keys)  # A and B of 7 linears
+    assert len(ckpt["optimizer_states"][0]["state"]) == len(keys)  # AdamW moments for the adapters only
+    assert ckpt["ngrpo"]["base_model"]["weights_sha256"]
+
+    assert main(["train", *LORA_JOB, "trainer.max_steps=3", "resume=last"]) == 0  # continues on the same base
+
+    # the tiny random model earns no reward, so its adapters stay at B = 0: give them values, as
+    # training would, to check that what leaves the framework is what the checkpoint holds
+    path = tmp_path / "outputs/checkpoints/last.ckpt"
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    gen = torch.Generator().manual_seed(0)
+    for key, value in ckpt["state_dict"].items():
+        if "lora_B" in key:
+            value.copy_(torch.randn(value.shape, generator=gen) * 0.5)
+    torch.save(ckpt, path)
+
+    assert main(["export", "outputs", "adapters", "--no-mlflow"]) == 0
+    assert main(["export", "outputs", "merged", "--no-mlflow", "--merge"]) == 0
+    assert (Path("adapters") / "adapter_config.json").exists() and not (Path("adapters") / "config.json").exists()
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
+    from transformers import AutoModelForCausalLM
+
+    from ngrpo_lightning.trained_policy import find_checkpoint, load_trained_policy, read_checkpoint
+
+    trained, _ = load_trained_policy(read_checkpoint(find_checkpoint("outputs")))
+    outside = peft.PeftModel.from_pretrained(load_policy("tiny")[0], "adapters")
+    merged = AutoModelForCausalLM.from_pretrained("merged")
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        torch.testing.assert_close(outside(input_ids=ids).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(load_policy("tiny")[0](input_ids=ids).logits, expected, atol=1e-4)
