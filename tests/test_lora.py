@@ -109,3 +109,19 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
         torch.testing.assert_close(outside(input_ids=ids).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(load_policy("tiny")[0](input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_resume_on_a_changed_base_model_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    base, tokenizer = load_policy("tiny")
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    job = [*LORA_JOB, f"model.name_or_path={tmp_path / 'base'}"]
+    assert main(["train", *job, "trainer.max_steps=1"]) == 0
+    with torch.no_grad():
+        base.model.embed_tokens.weight.add_(0.01)  # another base model under the same name
+    base.save_pretrained(tmp_path / "base")
+    assert main(["train", *job, "trainer.max_steps=2", "resume=last"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume: the checkpoint's reference is the base model" in err
+    assert err.count("weights sha256") == 2  # the checkpoint's base and this run's, both named
