@@ -125,3 +125,15 @@ def test_resume_on_a_changed_base_model_is_refused_naming_both(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "cannot resume: the checkpoint's reference is the base model" in err
     assert err.count("weights sha256") == 2  # the checkpoint's base and this run's, both named
+
+
+def test_the_ngrpo_lora_preset_trains_with_neighbor_mixing(tmp_path, monkeypatch):
+    from ngrpo_lightning.config import compose
+
+    cfg = compose(["experiment=ngrpo-lora"])
+    assert cfg.model.lora.enabled and cfg.explorer.name == "neighbor" and cfg.objective.name == "grpo"
+    monkeypatch.chdir(tmp_path)
+    job = [o for o in LORA_JOB if o != "model.lora.enabled=true"]
+    assert main(["train", "experiment=ngrpo-lora", *job, "trainer.max_steps=1"]) == 0
+    ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert all(lora.is_adapter_weight(k.removeprefix("policy.")) for k in ckpt["state_dict"] if k.startswith("policy."))
