@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import resource
@@ -103,3 +104,19 @@ def write_json(name: str, rows: list[dict], path: str | Path | None = None, **me
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {path}")
     return path
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its descendants (0 once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total

@@ -25,20 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS  # noqa: E402
-
-
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+from common import RESULTS, tree_rss  # noqa: E402
 
 
 def high_water_mark(pid: int) -> int:
@@ -62,9 +50,9 @@ def measure(overrides: list[str], steps: int) -> dict:
         t0 = time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        watched, tree_peak, hwm = psutil.Process(proc.pid), 0, 0
+        tree_peak, hwm = 0, 0
         while proc.poll() is None:
-            tree_peak = max(tree_peak, tree_rss(watched))
+            tree_peak = max(tree_peak, tree_rss(proc.pid))
             hwm = max(hwm, high_water_mark(proc.pid))  # monotonic: the last read is within 0.1 s of the end
             time.sleep(0.1)
         wall = time.perf_counter() - t0

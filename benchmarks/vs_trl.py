@@ -88,7 +88,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from common import RESULTS, print_table, write_json  # noqa: E402
+from common import RESULTS, print_table, tree_rss, write_json  # noqa: E402
 from compute_floor import ModelShape, matmul_rate, model_shape, step_flops  # noqa: E402
 
 # side -> (its script, what it changes in the workload)
@@ -209,22 +209,6 @@ def background_load(n: int):
             p.kill()
         for p in procs:
             p.wait()
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and its descendants (0 once it is gone)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
 
 
 def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0) -> int:

@@ -16,8 +16,9 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from . import attention, file_weights, lora, recompute
+from . import attention
 from .build_data import engine_settings
+from .build_model import check_model_settings, parallel_config, prepare_models
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
 from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
 from .checkpointing import build_checkpointing
@@ -30,7 +31,6 @@ from .host_memory import wants_freed_memory_kept
 from .models import load_policy, parse_dtype
 from .module import RLModule
 from .objectives import OBJECTIVES, PolicyObjective, resolve_advantage
-from .parallel import ParallelConfig
 from .planning import check_dynamic_sampling_processes
 from .rewards import MathReward
 from .rollout import check_engine
@@ -154,9 +154,7 @@ def check_config(cfg: DictConfig) -> None:
         wants_freed_memory_kept(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    check_memory_settings(cfg)
-    reference_weights(cfg)
-    lora_settings(cfg)
+    check_model_settings(cfg)
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -192,58 +190,6 @@ def check_run_settings(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
-def check_memory_settings(cfg: DictConfig) -> None:
-    """A token budget must hold the longest possible sequence; activation checkpointing is
-    ``model.gradient_checkpointing`` on one device and ``trainer.parallel.activation_checkpointing``
-    under FSDP2."""
-    optim, _, _ = settings(cfg)
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if optim.max_tokens_per_micro_batch is not None and optim.max_tokens_per_micro_batch < longest:
-        raise ConfigError(
-            f"optim.max_tokens_per_micro_batch={optim.max_tokens_per_micro_batch} is smaller than the "
-            f"longest possible sequence, {longest} tokens (data.max_prompt_tokens="
-            f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}): "
-            f"raise it to at least {longest}, or set it to null"
-        )
-    checkpointing = cfg.model.get("gradient_checkpointing", False)
-    for key in ("gradient_checkpointing", "recompute_elementwise"):
-        value = cfg.model.get(key, False)
-        if not isinstance(value, bool):
-            raise ConfigError(f"model.{key}={value!r} must be true or false")
-    if checkpointing and parallel_config(cfg) is not None:
-        raise ConfigError(
-            "model.gradient_checkpointing=true is for one device; under FSDP2 (trainer.parallel) set "
-            "trainer.parallel.activation_checkpointing=true instead"
-        )
-
-
-def lora_settings(cfg: DictConfig) -> lora.LoraSettings:
-    """``model.lora``, checked, and refused where adapters do not run yet."""
-    try:
-        settings = lora.LoraSettings.from_config(cfg.model.get("lora"))
-    except (ValueError, TypeError) as err:
-        raise ConfigError(str(err)) from err
-    if settings.enabled:
-        engine = cfg.rollout.get("engine", "hf")
-        if engine != "hf":
-            raise ConfigError(
-                f"model.lora.enabled=true runs with rollout.engine=hf only for now (rollout.engine={engine})"
-            )
-        if parallel_config(cfg) is not None:
-            raise ConfigError("model.lora.enabled=true runs on one process only for now (trainer.parallel is set)")
-    return settings
-
-
-def reference_weights(cfg: DictConfig) -> str:
-    """Where the frozen reference's weights live, ``memory`` or ``file`` (``model.reference_weights``)."""
-    choice = cfg.model.get("reference_weights", "auto")
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    try:
-        return file_weights.resolve(choice, accelerator, parallel_config(cfg) is not None, cfg.get("output_dir"))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
 def build_module(cfg: DictConfig) -> RLModule:
     """The policy (and reference) models, explorer, objective and reward, as an RLModule."""
     check_config(cfg)  # bad values fail here, before minutes of model loading
@@ -255,21 +201,7 @@ def build_module(cfg: DictConfig) -> RLModule:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=attention.configured(cfg.model),
     )
-    lora_cfg = lora_settings(cfg)
-    reference = None
-    if lora_cfg.enabled:  # the reference is the policy with its adapters off: no second copy
-        try:
-            policy = lora.apply(policy, lora_cfg)
-        except ValueError as err:  # target modules the model does not have
-            raise ConfigError(str(err)) from err
-    elif objective.needs_reference and reference_weights(cfg) == "file":  # in a file between steps
-        reference = file_weights.frozen_copy_to_file(policy, cfg.output_dir)
-    elif objective.needs_reference:
-        reference = RLModule.reference_from(policy)
-    if cfg.model.get("gradient_checkpointing", False):  # after the copy: the frozen reference never runs backward
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif cfg.model.get("recompute_elementwise", True):  # checkpointed layers recompute everything anyway
-        recompute.install(policy)
+    policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference)
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
     try:
         return RLModule(
@@ -287,7 +219,7 @@ def build_module(cfg: DictConfig) -> RLModule:
             parallel=parallel_config(cfg),
             seed=cfg.seed,
             step_hooks=build_step_hooks(cfg),
-            adapters=lora_cfg.enabled,
+            adapters=adapters,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err
@@ -335,23 +267,6 @@ def build_pass_at_k(cfg: DictConfig, val_problems) -> list[L.Callback]:
 
 
 # ------------------------------------------------------------------- trainer
-def parallel_config(cfg: DictConfig):
-    """``trainer.parallel`` as a :class:`~ngrpo_lightning.parallel.ParallelConfig` (``None`` when absent)."""
-    node = (cfg.get("trainer") or {}).get("parallel")
-    if not node:
-        return None
-    params = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    try:
-        return ParallelConfig(**params)
-    except TypeError as err:
-        raise ConfigError(
-            f"trainer.parallel: {err} (keys: name, data_parallel_size, activation_checkpointing, "
-            "cpu_offload, mixed_precision)"
-        ) from err
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
 def check_trainer(cfg: DictConfig) -> None:
     """Fail early (before model loading) on a trainer the machine cannot run."""
     trainer = cfg.trainer
