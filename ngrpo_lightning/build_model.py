@@ -76,11 +76,6 @@ def lora_settings(cfg: DictConfig) -> lora.LoraSettings:
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
     if settings.enabled:
-        engine = cfg.rollout.get("engine", "hf")
-        if engine != "hf":
-            raise ConfigError(
-                f"model.lora.enabled=true runs with rollout.engine=hf only for now (rollout.engine={engine})"
-            )
         if parallel_config(cfg) is not None:
             raise ConfigError("model.lora.enabled=true runs on one process only for now (trainer.parallel is set)")
     return settings

@@ -117,3 +117,28 @@ def has_adapters(model: torch.nn.Module) -> bool:
 def is_adapter_weight(name: str) -> bool:
     """Whether a parameter name of a peft model is an adapter's (``lora_A``, ``lora_B``, ...)."""
     return ".lora_" in name or name.startswith("lora_")
+
+
+def merged_named_tensors(model: torch.nn.Module):
+    """``(name, tensor)`` of the base model's state with every adapted linear layer's weight
+    merged (``W + (alpha / rank) B A``, peft's ``get_delta_weight``), under the base model's own
+    names (``model.layers.0.self_attn.q_proj.weight``): what an engine that loads a plain
+    Hugging Face model (vLLM) needs to decode as the adapted policy. The model is not changed
+    (no merge into ``W``); each merged weight is a new tensor."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        if is_adapter_weight(name):
+            continue
+        owner, sep, rest = name.partition(".base_layer.")
+        if sep:
+            layer = adapted.get(owner)
+            if rest == "weight" and layer is not None and not layer.disable_adapters and not layer.merged:
+                tensor = tensor.detach().clone()
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor += layer.get_delta_weight(adapter).to(tensor.dtype)
+            name = f"{owner}.{rest}"
+        yield name, tensor

@@ -31,7 +31,6 @@ LORA_JOB = [
         (["model.lora.alpha=0"], "model.lora.alpha=0 is out of range"),
         (["model.lora.dropout=1.0"], "model.lora.dropout=1.0 is out of range: allowed [0, 1)"),
         (["+model.lora.rnak=8"], "model.lora has unknown keys ['rnak']"),
-        (["rollout.engine=vllm"], "model.lora.enabled=true runs with rollout.engine=hf only for now"),
         (["model.lora.target_modules=[q_proj,qkv]"], "['qkv'] are not linear layers of LlamaForCausalLM"),
     ],
 )

@@ -95,3 +95,45 @@ def test_nothing_is_packed_when_off_or_unsupported(tiny):
         assert count == 0
     with pytest.raises(ValueError, match=r"rollout\.hf\.packed_weights='yes' must be true or false"):
         HFEngine(model, tok, packed_weights="yes")
+
+
+def test_a_lora_layer_is_packed_merged_and_gives_the_adapted_output():
+    peft = pytest.importorskip("peft")
+    from ngrpo_lightning import lora
+    from ngrpo_lightning.models import load_policy
+
+    model, _ = load_policy("tiny")  # its own copy: peft adapts the model in place
+    policy = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, dropout=0.1))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # trained adapters: merged != base
+    adapted = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    inner = {id(sub) for m in adapted for sub in m.modules() if type(sub) is torch.nn.Linear}
+    others = [m for m in linears(policy) if id(m) not in inner]  # the LM head
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append(m)) for m in linears(policy)]
+    ids = torch.randint(0, model.config.vocab_size, (3, 7))
+    policy.eval()
+    try:
+        with torch.no_grad():
+            unmerged = policy(input_ids=ids).logits
+            calls.clear()
+            with packed_linears(policy, rows=3) as count:
+                assert count == len(adapted) + len(others)
+                assert all("forward" in m.__dict__ for m in adapted)
+                merged = policy(input_ids=ids).logits
+            assert not any(id(m) in inner for m in calls)  # no base or adapter product ran: one merged product
+            with policy.disable_adapter(), packed_linears(policy, rows=3):  # adapters off: W alone
+                base = policy(input_ids=ids).logits
+            with policy.disable_adapter():
+                expected_base = policy(input_ids=ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not any("forward" in m.__dict__ for m in policy.modules())
+    assert not torch.allclose(unmerged, expected_base, atol=1e-3)
+    torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(base, expected_base, atol=1e-4, rtol=1e-4)
+    trained = {name for name, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)  # nothing was merged into the base

