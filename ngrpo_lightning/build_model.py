@@ -70,14 +70,11 @@ def check_memory_settings(cfg: DictConfig) -> None:
 
 
 def lora_settings(cfg: DictConfig) -> lora.LoraSettings:
-    """``model.lora``, checked, and refused where adapters do not run yet."""
+    """``model.lora``, checked."""
     try:
         settings = lora.LoraSettings.from_config(cfg.model.get("lora"))
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
-    if settings.enabled:
-        if parallel_config(cfg) is not None:
-            raise ConfigError("model.lora.enabled=true runs on one process only for now (trainer.parallel is set)")
     return settings
 
 

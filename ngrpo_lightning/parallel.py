@@ -121,7 +121,10 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like)."""
+    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like;
+    inside a peft model, its base model's)."""
+    if hasattr(model, "get_base_model"):  # LoRA adapters (model.lora): the layers hold them
+        model = model.get_base_model()
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
         node = model
         for part in path.split("."):

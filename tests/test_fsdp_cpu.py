@@ -143,6 +143,44 @@ def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
     assert exported and all(torch.equal(v, w2[f"policy.{k}"]) for k, v in exported.items())
 
 
+def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monkeypatch):
+    """model.lora under FSDP2: the same losses and adapter weights as one process; checkpoints
+    hold the adapters only, and the sharded one exports to peft's format."""
+    pytest.importorskip("peft")
+    from conftest import ScriptedReward
+
+    from ngrpo_lightning.cli import train
+
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2"]
+    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    one = tmp_path / "one"
+    train(
+        compose(
+            RUN
+            + lora
+            + [
+                f"output_dir={one}",
+                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
+                "trainer=cpu",
+                "data.prompts_per_step=4",
+            ]
+        )
+    )
+    two = launch(tmp_path, "two", *lora, "trainer=fsdp_cpu", "data.prompts_per_step=2")
+    m1, m2 = metrics(one), metrics(two)
+    assert m1["train/loss"][0] != 0.0 and m1["train/kl_ref"][1] > 0  # step 2's policy left its base (the reference)
+    for key in KEYS:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
+    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
+    assert w1 and all(".lora_" in k for k in w1)  # adapters only, no base weights
+    assert w1.keys() == w2.keys()
+    assert any("lora_B" in k and w1[k].abs().sum() > 0 for k in w1)  # B starts at 0: training moved it
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
+    assert main(["export", str(two), str(tmp_path / "peft"), "--no-mlflow"]) == 0
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
 def policy_weights_initial() -> dict[str, torch.Tensor]:
     from ngrpo_lightning.models import load_policy
 

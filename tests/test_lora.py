@@ -51,6 +51,32 @@ def test_only_the_adapters_get_gradients():
     assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_B" in name)  # B = 0 at start: A's are 0
 
 
+def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
+    from peft.tuners.lora.layer import Linear
+
+    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3)
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def forward_backward():
+        policy.zero_grad(set_to_none=True)
+        logits = policy(input_ids=ids).logits
+        logits.float().log_softmax(-1).mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    layers = [m for m in policy.modules() if type(m) is Linear]
+    assert layers and all(m.forward.__func__ is lora._lean_forward for m in layers)
+    lean, lean_grads = forward_backward()
+    for m in layers:
+        del m.forward  # peft's own forward
+    peft_out, peft_grads = forward_backward()
+    assert torch.equal(lean, peft_out)
+    assert lean_grads.keys() == peft_grads.keys() and all(torch.equal(lean_grads[k], peft_grads[k]) for k in lean_grads)
+
+
 def test_the_reference_is_the_base_model_with_the_adapters_off():
     base, _ = load_policy("tiny")
     policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))

@@ -62,6 +62,15 @@ def _packable(module: torch.nn.Module) -> bool:
     return type(w) in (torch.nn.Parameter, torch.Tensor) and w.device.type == "cpu" and packing_available(w.dtype)
 
 
+def _own_forward(module: torch.nn.Module) -> bool:
+    """Whether a LoRA layer computes what peft's class does: no instance forward, or the lean
+    one of :mod:`ngrpo_lightning.lora` (same values)."""
+    from ..lora import _lean_forward
+
+    forward = module.__dict__.get("forward")
+    return forward is None or getattr(forward, "__func__", None) is _lean_forward
+
+
 def _merged_lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
     """``W + scale * B A`` of a peft LoRA linear layer with one plain active adapter, else ``None``."""
     base = getattr(module, "base_layer", None)
@@ -70,7 +79,7 @@ def _merged_lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
     active = [name for name in module.active_adapters if name in module.lora_A]
     if module.merged or len(active) != 1 or active[0] in getattr(module, "lora_variant", {}):
         return None
-    if getattr(module, "lora_bias", {}).get(active[0]) or "forward" in module.__dict__:
+    if getattr(module, "lora_bias", {}).get(active[0]) or not _own_forward(module):
         return None
     w = base.weight
     if w.device.type != "cpu" or not packing_available(w.dtype):
@@ -86,6 +95,7 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
     layout. Use it where the weights do not change (no optimizer step, no autograd: the packed
     product has no backward)."""
     layers, inside = [], set()  # inside: the linears of a merged LoRA layer (never called while packed)
+    own = {}  # a layer's instance forward (lora's lean one), put back after
     try:
         for m in model.modules() if enabled else ():
             if id(m) in inside:
@@ -99,9 +109,13 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
             else:
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+            if "forward" in m.__dict__:
+                own[m] = m.__dict__["forward"]
             m.forward = functools.partial(_packed_forward, packed, None if bias is None else bias.detach())
             layers.append(m)
         yield len(layers)
     finally:
         for m in layers:
             m.__dict__.pop("forward", None)
+            if m in own:
+                m.forward = own[m]
