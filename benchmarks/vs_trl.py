@@ -120,6 +120,7 @@ class Workload:
     seed: int = 0
     saves: bool = True  # checkpoints as each side's defaults save them (False: none on either side)
     activation_checkpointing: bool = False  # TRL's side only (the trl-ac row)
+    lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank (alpha 2 x rank) on every linear layer
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
@@ -177,6 +178,7 @@ def parse_args(argv=None):
     ap.add_argument("--load", type=int, default=0, help="CPU-bound background processes during the whole run")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--lora-rank", type=int, default=0, help="both sides train LoRA adapters of this rank (all-linear)")
     ap.add_argument("--model", default=Workload.model)
     ap.add_argument("--prompts", type=int, default=Workload.prompts, help="smoke tests only")
     ap.add_argument("--group", type=int, default=Workload.group, help="smoke tests only")
@@ -189,7 +191,7 @@ def parse_args(argv=None):
 
 
 def workload_from(args) -> Workload:
-    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine", "saves")
+    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine", "saves", "lora_rank")
     return Workload(**{k: getattr(args, k) for k in keys})
 
 

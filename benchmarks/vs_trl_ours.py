@@ -65,6 +65,16 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
         "pass_at_k.n=0",
         f"output_dir='{output_dir}'",
         f"seed={workload.seed}",
+        *(
+            [
+                "model.lora.enabled=true",
+                f"model.lora.rank={workload.lora_rank}",
+                f"model.lora.alpha={2 * workload.lora_rank}",
+                "model.lora.target_modules=all-linear",
+            ]
+            if workload.lora_rank
+            else []
+        ),
     ]
 
 

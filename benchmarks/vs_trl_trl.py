@@ -186,8 +186,17 @@ def build_trainer(workload: Workload, output_dir: str, reward) -> TimedGRPOTrain
     from ngrpo_lightning.models import load_tokenizer
 
     path = workload.model_path()
+    peft_config = None
+    if workload.lora_rank:  # the same adapters as ours: rank, alpha 2 x rank, every linear layer, no dropout
+        from peft import LoraConfig
+
+        r = workload.lora_rank
+        peft_config = LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     return TimedGRPOTrainer(
         model=path,
+        peft_config=peft_config,
         reward_funcs=[math_reward(reward)],
         args=trl_config(workload, output_dir),
         train_dataset=trl_dataset(workload),

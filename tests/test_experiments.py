@@ -67,6 +67,21 @@ def test_release_presets_compose_with_the_release_settings(name, size, lr, kl, m
     assert "data.train has no value yet" in capsys.readouterr().err
 
 
+def test_the_7b_lora_preset_is_the_release_preset_on_one_gpu_with_adapters():
+    from ngrpo_lightning.build_model import lora_settings, parallel_config
+
+    release = compose(["experiment=n-grpo-7b", "data.train=train.parquet"])
+    cfg = compose(["experiment=n-grpo-7b-lora", "data.train=train.parquet"])
+    assert lora_settings(cfg) == lora_settings(compose(["model.lora.enabled=true"]))  # rank 16, alpha 32, all-linear
+    assert parallel_config(cfg) is None and cfg.trainer.accelerator == "gpu" and cfg.trainer.devices == 1
+    assert cfg.model.gradient_checkpointing and cfg.rollout.engine == "vllm" and cfg.optim.lr == 1e-5
+    # the release's global batch (8 GPUs x 8 prompts) on the one GPU; the rest as the release
+    assert cfg.data.prompts_per_step == 8 * release.data.prompts_per_step
+    for key in ("explorer", "objective", "train", "pass_at_k"):
+        assert cfg[key] == release[key], key
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (release.rollout.group_size, 8192)
+
+
 @pytest.mark.skipif(
     not (config_dir() / "explorer" / "neighbor.yaml").is_file(), reason="the neighbor explorer config is not there yet"
 )

@@ -77,6 +77,32 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
     assert lean_grads.keys() == peft_grads.keys() and all(torch.equal(lean_grads[k], peft_grads[k]) for k in lean_grads)
 
 
+def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
+    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3)
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    embeds = policy.get_input_embeddings()(ids)  # frozen: the checkpointed layers' input needs no gradient
+
+    def grads():
+        policy.zero_grad(set_to_none=True)
+        policy(inputs_embeds=embeds).logits.float().log_softmax(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    policy.train()
+    plain = grads()
+    policy.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}
+    )  # as model.gradient_checkpointing
+    checkpointed = grads()
+    assert plain and plain.keys() == checkpointed.keys()
+    assert any(g.abs().sum() > 0 for g in checkpointed.values())
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+
+
 def test_the_reference_is_the_base_model_with_the_adapters_off():
     base, _ = load_policy("tiny")
     policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
