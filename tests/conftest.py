@@ -183,3 +183,17 @@ def fake_step(problem_ids, rewards, group_size=2, lengths=None):
     step = StepRollouts.fresh(batch, torch.tensor(rewards, dtype=torch.float))
     step.advantages, step.old_logp = torch.zeros(n), logp.clone()
     return step
+
+
+def trained_lora(std: float = 0.3, **settings):
+    """A fresh tiny model with rank-4 LoRA adapters whose B is drawn, as after training (the
+    policy is no longer its base model); ``settings`` go to ``LoraSettings``."""
+    from ngrpo_lightning import lora
+    from ngrpo_lightning.models import load_policy
+
+    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4, **settings))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)
+    return policy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_JOB
+from conftest import TINY_JOB, trained_lora
 
 from ngrpo_lightning import lora
 from ngrpo_lightning.cli import main
@@ -54,11 +54,7 @@ def test_only_the_adapters_get_gradients():
 def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
     from peft.tuners.lora.layer import Linear
 
-    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.3)
+    policy = trained_lora()
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
 
     def forward_backward():
@@ -78,11 +74,7 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
 
 
 def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
-    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.3)
+    policy = trained_lora()
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     embeds = policy.get_input_embeddings()(ids)  # frozen: the checkpointed layers' input needs no gradient
 
@@ -105,11 +97,7 @@ def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
 
 def test_the_reference_is_the_base_model_with_the_adapters_off():
     base, _ = load_policy("tiny")
-    policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4))
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)  # trained adapters: the policy differs from its base
+    policy = trained_lora(std=0.5)  # trained adapters: the policy differs from its base
     ids = torch.randint(0, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = base(input_ids=ids).logits

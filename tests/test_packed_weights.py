@@ -3,7 +3,7 @@ model untouched outside the rollout, and nothing packed where it cannot be."""
 
 import pytest
 import torch
-from conftest import chat_prompt_ids
+from conftest import chat_prompt_ids, trained_lora
 
 from ngrpo_lightning.explorers import TemperatureExplorer
 from ngrpo_lightning.rollout import HFEngine
@@ -100,20 +100,14 @@ def test_nothing_is_packed_when_off_or_unsupported(tiny):
 def test_a_lora_layer_is_packed_merged_and_gives_the_adapted_output():
     peft = pytest.importorskip("peft")
     from ngrpo_lightning import lora
-    from ngrpo_lightning.models import load_policy
 
-    model, _ = load_policy("tiny")  # its own copy: peft adapts the model in place
-    policy = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, dropout=0.1))
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)  # trained adapters: merged != base
+    policy = trained_lora(std=0.5, dropout=0.1)  # its own model (peft adapts in place); merged != base
     adapted = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
     inner = {id(sub) for m in adapted for sub in m.modules() if type(sub) is torch.nn.Linear}
     others = [m for m in linears(policy) if id(m) not in inner]  # the LM head
     calls = []
     hooks = [m.register_forward_pre_hook(lambda m, args: calls.append(m)) for m in linears(policy)]
-    ids = torch.randint(0, model.config.vocab_size, (3, 7))
+    ids = torch.randint(0, policy.config.vocab_size, (3, 7))
     policy.eval()
     try:
         with torch.no_grad():

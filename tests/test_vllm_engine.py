@@ -131,37 +131,41 @@ def test_records_reconstruct_vllm_logprobs(engine, smollm2, prompts, name):
     assert bool((batch.records.pos < batch.response_lengths[batch.records.row]).all())
 
 
-def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, prompts):
+def synced_like_hf_engine(engine, model, smollm2, prompts, before) -> None:
+    """Sync ``model`` into vLLM: its greedy rollouts change from ``before`` and equal HFEngine's
+    on ``model``; the live policy's weights are synced back after."""
     from ngrpo_lightning.rollout import HFEngine
     from ngrpo_lightning.rollout.engine import full_named_tensors
 
     policy, tok = smollm2
+    try:
+        engine.sync_weights(full_named_tensors(model), version=1)
+        assert engine.weights_version == 1
+        after = engine.generate(prompts, greedy(), n=1)
+        ref = HFEngine(model, tok, max_new_tokens=24).generate(prompts, greedy(), n=1)
+        assert not torch.equal(after.response_ids, before.response_ids)
+        assert torch.equal(after.response_ids, ref.response_ids)
+        assert (after.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
+    finally:
+        engine.sync_weights(full_named_tensors(policy), version=None)
+
+
+def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, prompts):
+    policy, _ = smollm2
     before = engine.generate(prompts, greedy(), n=1)
     changed = copy.deepcopy(policy)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for p in changed.model.layers[-1].parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.std())
-    try:
-        engine.sync_weights(full_named_tensors(changed), version=1)
-        assert engine.weights_version == 1
-        after = engine.generate(prompts, greedy(), n=1)
-        ref = HFEngine(changed, tok, max_new_tokens=24).generate(prompts, greedy(), n=1)
-        assert not torch.equal(after.response_ids, before.response_ids)
-        assert torch.equal(after.response_ids, ref.response_ids)
-        assert (after.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
-    finally:
-        engine.sync_weights(full_named_tensors(policy), version=None)
+    synced_like_hf_engine(engine, changed, smollm2, prompts, before)
     assert torch.equal(engine.generate(prompts, greedy(), n=1).response_ids, before.response_ids)
 
 
 def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, prompts):
     from ngrpo_lightning import lora
     from ngrpo_lightning.models import load_policy
-    from ngrpo_lightning.rollout import HFEngine
-    from ngrpo_lightning.rollout.engine import full_named_tensors
 
-    policy, tok = smollm2
     before = engine.generate(prompts, greedy(), n=1)
     adapted = lora.apply(load_policy("smollm2-135m-instruct")[0], lora.LoraSettings(enabled=True, rank=8))
     with torch.no_grad():
@@ -169,15 +173,7 @@ def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, pr
         for name, p in adapted.named_parameters():
             if "lora_B" in name:  # trained adapters: the policy is no longer its base model
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    try:
-        engine.sync_weights(full_named_tensors(adapted), version=1)
-        after = engine.generate(prompts, greedy(), n=1)
-        ref = HFEngine(adapted, tok, max_new_tokens=24).generate(prompts, greedy(), n=1)
-        assert not torch.equal(after.response_ids, before.response_ids)
-        assert torch.equal(after.response_ids, ref.response_ids)
-        assert (after.rollout_logprobs - ref.rollout_logprobs).abs().max() < 1e-4
-    finally:
-        engine.sync_weights(full_named_tensors(policy), version=None)
+    synced_like_hf_engine(engine, adapted, smollm2, prompts, before)
 
 
 def test_version_errors_say_what_to_install():
