@@ -108,11 +108,11 @@ def apply(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     adapted = get_peft_model(model, config)
-    install_lean_forward(adapted)
+    installlean_forward(adapted)
     return adapted
 
 
-def _lean_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def lean_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``lora.Linear.forward`` (``base(x) + B(A(dropout(x))) * scale``), op for op, with
     the scaling and the sum done in place on tensors nothing else holds: two full-width
     temporaries fewer per adapted layer, the same bits forward and backward."""
@@ -127,15 +127,15 @@ def _lean_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return result
 
 
-def install_lean_forward(model: torch.nn.Module) -> int:
-    """Give every peft LoRA linear layer of ``model`` :func:`_lean_forward` (what it computes is
+def installlean_forward(model: torch.nn.Module) -> int:
+    """Give every peft LoRA linear layer of ``model`` :func:`lean_forward` (what it computes is
     unchanged; on the packaged model, the update's peak memory drops by about 0.8 GiB, the
     transient sums of 210 adapted layers). Returns how many layers got it."""
     from peft.tuners.lora.layer import Linear
 
     layers = [m for m in model.modules() if type(m) is Linear]
     for m in layers:
-        m.forward = types.MethodType(_lean_forward, m)
+        m.forward = types.MethodType(lean_forward, m)
     return len(layers)
 
 

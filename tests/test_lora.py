@@ -64,7 +64,7 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
         return logits.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 
     layers = [m for m in policy.modules() if type(m) is Linear]
-    assert layers and all(m.forward.__func__ is lora._lean_forward for m in layers)
+    assert layers and all(m.forward.__func__ is lora.lean_forward for m in layers)
     lean, lean_grads = forward_backward()
     for m in layers:
         del m.forward  # peft's own forward

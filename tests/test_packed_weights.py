@@ -126,7 +126,7 @@ def test_a_lora_layer_is_packed_merged_and_gives_the_adapted_output():
         for hook in hooks:
             hook.remove()
     assert not any("forward" in m.__dict__ for m in linears(policy))  # unpacked after the block
-    assert all(m.forward.__func__ is lora._lean_forward for m in adapted)  # the training forward is back
+    assert all(m.forward.__func__ is lora.lean_forward for m in adapted)  # the training forward is back
     assert not torch.allclose(unmerged, expected_base, atol=1e-3)
     torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(base, expected_base, atol=1e-4, rtol=1e-4)

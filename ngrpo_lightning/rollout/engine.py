@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..explorers import Explorer
+from ..lora import has_adapters, merged_named_tensors
 from ..registry import Registry
 from .answer_marker import AnswerMarker
 from .batch import RolloutBatch
@@ -221,8 +222,6 @@ def full_named_tensors(model: torch.nn.Module):
     DTensors gathered into full tensors one at a time (a collective: all ranks iterate
     together), so that an engine with its own weights can load them. A policy with LoRA
     adapters gives its base model's entries with the adapters merged in (model.lora)."""
-    from ..lora import has_adapters, merged_named_tensors
-
     if has_adapters(model):
         yield from merged_named_tensors(model)
         return

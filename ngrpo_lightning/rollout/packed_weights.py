@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from ..lora import lean_forward
+
 log = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -65,10 +67,8 @@ def _packable(module: torch.nn.Module) -> bool:
 def _own_forward(module: torch.nn.Module) -> bool:
     """Whether a LoRA layer computes what peft's class does: no instance forward, or the lean
     one of :mod:`ngrpo_lightning.lora` (same values)."""
-    from ..lora import _lean_forward
-
     forward = module.__dict__.get("forward")
-    return forward is None or getattr(forward, "__func__", None) is _lean_forward
+    return forward is None or getattr(forward, "__func__", None) is lean_forward
 
 
 def _merged_lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
