@@ -181,6 +181,29 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monk
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
+def test_a_sharded_lora_run_resumes_exactly(tmp_path, monkeypatch):
+    """2 steps under FSDP2 with adapters, then resume=last to 3: the adapters equal those of 3
+    steps in one go (one process; the same rollouts, as above)."""
+    pytest.importorskip("peft")
+    from conftest import ScriptedReward
+
+    from ngrpo_lightning.cli import train
+
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2", "trainer.max_steps=3"]
+    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    one = tmp_path / "one"
+    logs = [f"output_dir={one}", f"logger.tracking_uri=sqlite:///{one}/mlruns.db"]
+    train(compose(RUN + lora + logs + ["trainer=cpu", "data.prompts_per_step=4"]))
+    sharded = [*lora, "trainer=fsdp_cpu", "data.prompts_per_step=2", "checkpoint.every_n_steps=1"]
+    two = launch(tmp_path, "two", *sharded, "trainer.max_steps=2")
+    assert launch(tmp_path, "two", *sharded, "resume=last") == two
+    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
+    assert w1 and w1.keys() == w2.keys() and all(".lora_" in k for k in w1)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
+    assert metrics(two)["train/loss"] == pytest.approx(metrics(one)["train/loss"], rel=1e-4, abs=1e-5)
+
+
 def policy_weights_initial() -> dict[str, torch.Tensor]:
     from ngrpo_lightning.models import load_policy
 
