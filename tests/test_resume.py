@@ -122,11 +122,13 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
-    whole_tmp, whole = uninterrupted
+def killed_and_resumed(tmp_path, extra=()) -> dict:
+    """A run (``RUN`` + ``extra``) in its own process, killed once its step-4 checkpoint exists,
+    then resumed here with ``resume=last`` to ``STEPS``: the resumed run's summary."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
     args = RUN + [
+        *extra,
         f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db",
         f"output_dir={tmp_path}/out",
         "checkpoint.every_n_steps=2",
@@ -163,9 +165,29 @@ def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
         mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
         resumed = train(compose(args[:-1] + [f"trainer.max_steps={STEPS}", "resume=last"]))
     assert resumed["steps"] == STEPS
-    assert_same_run(whole_tmp, whole["run_id"], tmp_path, resumed["run_id"])
     assert resumed["run_id"] == killed.info.run_id
     assert client.get_run(resumed["run_id"]).info.status == "FINISHED"
+    return resumed
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(uninterrupted, tmp_path):
+    whole_tmp, whole = uninterrupted
+    resumed = killed_and_resumed(tmp_path)
+    assert_same_run(whole_tmp, whole["run_id"], tmp_path, resumed["run_id"])
+
+
+def test_a_killed_lora_run_resumes_from_its_adapters(tmp_path):
+    """The same with LoRA adapters: checkpoints hold the adapters and their optimizer state
+    only, and the resumed run equals an uninterrupted one."""
+    pytest.importorskip("peft")
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2"]
+    whole = run(tmp_path / "whole", "out", *lora, f"trainer.max_steps={STEPS}")
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    resumed = killed_and_resumed(killed, lora)
+    saved = weights(killed / "out/checkpoints/last.ckpt")
+    assert saved and all(".lora_" in k for k in saved)  # no base weights
+    assert_same_run(tmp_path / "whole", whole["run_id"], killed, resumed["run_id"])
 
 
 def test_resuming_another_config_names_the_mismatch(uninterrupted, capsys):
