@@ -48,14 +48,16 @@ def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
     return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
 
 
-def step_flops(step: dict, shape: ModelShape, shared: bool = True) -> float:
+def step_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool = False) -> float:
     """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
     backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
     and every response token; logits only at response tokens. ``shared=False``: the reference
-    and training passes run every row's prompt (the floor of a step that does not share)."""
+    and training passes run every row's prompt (the floor of a step that does not share).
+    ``frozen``: the weights get no gradients (LoRA: only the adapters train, whose products are
+    not counted), so backward is the activations' gradients alone: training costs 2 forwards."""
 
     def forward(prompt_tokens: int) -> float:
         return 2 * (shape.body_params * (prompt_tokens + step["tokens"]) + shape.head_params * step["tokens"])
 
     passes = forward(step["prompt_tokens"] if shared else step["row_prompt_tokens"])
-    return forward(step["prompt_tokens"]) + passes + 3 * passes  # rollout, reference, training
+    return forward(step["prompt_tokens"]) + passes + (2 if frozen else 3) * passes  # rollout, reference, training

@@ -320,13 +320,14 @@ def indent(text: str) -> str:
 
 
 # ------------------------------------------------------------------ the report
-def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float) -> dict:
-    """One table row: medians over the steps of all runs (first step of each run dropped)."""
+def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float, frozen: bool = False) -> dict:
+    """One table row: medians over the steps of all runs (first step of each run dropped);
+    ``frozen``: the floor of a step whose weights get no gradients (LoRA)."""
     steps = [s for run in runs for s in run["steps"][1:]]
     med = lambda values: statistics.median(list(values))
     step_s = [s["step_s"] for s in steps]
-    floor_s = [step_flops(s, shape) / rate for s in steps]
-    unshared_s = [step_flops(s, shape, shared=False) / rate for s in steps]
+    floor_s = [step_flops(s, shape, frozen=frozen) / rate for s in steps]
+    unshared_s = [step_flops(s, shape, shared=False, frozen=frozen) / rate for s in steps]
     row = {
         "side": side,
         "runs": len(runs),
@@ -390,7 +391,8 @@ def main(argv=None) -> None:
         rate = matmul_rate(shape, workload.dtype)
         results, errors = bench(workload, args.runs, args.sides)
         rate = max(rate, matmul_rate(shape, workload.dtype))
-    rows = [summarize(side, runs, shape, rate) for side, runs in results.items() if runs]
+    frozen = workload.lora_rank > 0
+    rows = [summarize(side, runs, shape, rate, frozen) for side, runs in results.items() if runs]
     report(rows, errors, workload.natural)
     write_json(
         "vs_trl",
@@ -406,7 +408,8 @@ def main(argv=None) -> None:
         matmul_gflops=rate / 1e9,
         model_shape=asdict(shape),
         floor="2 x params x tokens per forward (body on all tokens, LM head on response tokens; attention "
-        "products left out), each distinct prompt once; rollout + reference forward + training (3x a forward)",
+        "products left out), each distinct prompt once; rollout + reference forward + training "
+        + ("(2x a forward: LoRA, no weight gradients; adapter products left out)" if frozen else "(3x a forward)"),
         errors=errors,
         versions=versions(),
     )
