@@ -38,11 +38,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from . import file_weights, lora
-from .checkpointing import check_base_model, config_mismatch, rng_states, set_rng_states, weights_digest
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
 from .metrics.training import combine_metrics, rollout_step_metrics
+from .module_checkpoints import CheckpointHooks, reference_not_required
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
@@ -56,7 +56,7 @@ from .updates import StepHook, StepRollouts
 __all__ = ["RLModule"]
 
 
-class RLModule(L.LightningModule):
+class RLModule(CheckpointHooks, L.LightningModule):
     """Policy optimization of a causal LM with a pluggable explorer and objective.
 
     Args:
@@ -121,7 +121,7 @@ class RLModule(L.LightningModule):
             self.reference.requires_grad_(False).eval()
         # checkpoints hold no reference weights (they are the base model's): its id and hash instead
         self.base_model: dict = {}
-        self.register_load_state_dict_post_hook(_reference_not_required)
+        self.register_load_state_dict_post_hook(reference_not_required)
         resolve_advantage(advantage)  # fail now on an unknown estimator name
         self.train_config = train = train or TrainConfig()
         if train.tis_cap is not None and not getattr(objective, "token_advantages", False):
@@ -143,35 +143,6 @@ class RLModule(L.LightningModule):
         self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
 
     # --------------------------------------------------------------- sharding
-    def setup(self, stage: str) -> None:
-        """Record the frozen reference's identity (before any sharding): checkpoints keep it in
-        place of its weights, and a resumed run checks that its reference hashes the same."""
-        if self.reference is not None and not self.base_model:
-            with file_weights.materialized(self.reference):  # a file-backed one is read back for the hash
-                self.base_model = {
-                    "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
-                    "weights_sha256": weights_digest(self.reference),
-                }
-        elif self.adapters and not self.base_model:  # the base weights inside the peft policy
-            base = self.policy.get_base_model()
-            self.base_model = {
-                "name_or_path": str(getattr(base, "name_or_path", "") or ""),
-                "weights_sha256": weights_digest(self.policy, keep=lambda name: not lora.is_adapter_weight(name)),
-            }
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        """The module's state without the frozen reference (see :meth:`setup`); with adapters,
-        without the frozen base weights either (recorded by hash in the same way)."""
-        state = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        for key in [k for k in state if k.startswith(f"{prefix}reference.")]:
-            del state[key]
-        if self.adapters:
-            policy = f"{prefix}policy."
-            for key in [k for k in state if k.startswith(policy) and not lora.is_adapter_weight(k[len(policy) :])]:
-                del state[key]
-        return state
-
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer, then at
         the root (a wrapper around the model whose forward rebuilds the inputs), for the
@@ -442,29 +413,6 @@ class RLModule(L.LightningModule):
             sync_dist=sync,
         )
 
-    # ---------------------------------------------------------- checkpoints
-    # Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
-    # (ReplayBuffer) and the datamodule (data position, engine RNG); the module adds the
-    # explorer's state, the process RNG states and what identifies the run.
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
-        checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
-        checkpoint["rng"] = rng_states()
-        checkpoint["ngrpo"] = {**self.run_meta, "base_model": dict(self.base_model)}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        saved = checkpoint.get("ngrpo") or {}
-        if saved.get("config") is not None and self.run_meta.get("config") is not None:
-            problem = config_mismatch(saved["config"], self.run_meta["config"])
-            if problem:
-                raise ValueError(f"cannot resume from this checkpoint: {problem}")
-        if self.adapters or not any(k.startswith("reference.") for k in checkpoint.get("state_dict", {})):
-            check_base_model(saved.get("base_model") or {}, self.base_model)
-        self.explorer.load_state_dict(checkpoint.get("explorer", {}))
-        self.plan.load_state_dict(checkpoint.get("update_plan", {}))
-        if "rng" in checkpoint:
-            set_rng_states(checkpoint["rng"])
-
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: RolloutBatch, batch_idx: int):
         scored = self.score(batch)
@@ -481,15 +429,3 @@ class RLModule(L.LightningModule):
         with torch.inference_mode(False):
             self.val_accuracy.reset()
             self.val_reward.reset()
-
-
-def _reference_not_required(module: RLModule, incompatible) -> None:
-    """``load_state_dict`` post-hook: checkpoints hold no ``reference.*`` weights (the module keeps
-    the base model's, checked by hash), so their absence is not a missing key."""
-    base = "policy."  # with adapters, the frozen base weights are not in checkpoints either
-    incompatible.missing_keys[:] = [
-        k
-        for k in incompatible.missing_keys
-        if not k.startswith("reference.")
-        and not (module.adapters and k.startswith(base) and not lora.is_adapter_weight(k[len(base) :]))
-    ]
