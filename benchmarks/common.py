@@ -6,6 +6,8 @@ import contextlib
 import json
 import platform
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +122,43 @@ def tree_rss(pid: int) -> int:
         with contextlib.suppress(psutil.Error):
             total += p.memory_info().rss
     return total
+
+
+# Processes a benchmark runs beside or under it
+@contextlib.contextmanager
+def background_load(n: int):
+    """``n`` CPU-bound processes, killed on exit (also on Ctrl-C or an error)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0) -> int:
+    """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``."""
+    peak = 0
+    while True:
+        peak = max(peak, tree_rss(proc.pid))
+        try:
+            proc.wait(timeout=interval_s)
+            return peak
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and its descendants (reward workers, vLLM), and reap ``proc``."""
+    import psutil
+
+    try:
+        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.wait()

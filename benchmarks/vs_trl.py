@@ -88,7 +88,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from common import RESULTS, print_table, tree_rss, write_json  # noqa: E402
+from common import RESULTS, background_load, kill_tree, print_table, wait_watching_rss, write_json  # noqa: E402
 from compute_floor import ModelShape, matmul_rate, model_shape, step_flops  # noqa: E402
 
 # side -> (its script, what it changes in the workload)
@@ -198,45 +198,6 @@ def workload_from(args) -> Workload:
 def run_order(runs: int, sides: tuple[str, ...] | list[str] = tuple(SIDES)) -> list[str]:
     """ours, trl, trl-ac, trl-ac, trl, ours, ...: a slow spell of the machine falls on every side."""
     return [side for r in range(runs) for side in (list(sides) if r % 2 == 0 else list(sides)[::-1])]
-
-
-@contextlib.contextmanager
-def background_load(n: int):
-    """``n`` CPU-bound processes, killed on exit (also on Ctrl-C or an error)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-
-
-def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0) -> int:
-    """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``."""
-    peak = 0
-    while True:
-        peak = max(peak, tree_rss(proc.pid))
-        try:
-            proc.wait(timeout=interval_s)
-            return peak
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and its descendants (reward workers, vLLM), and reap ``proc``."""
-    import psutil
-
-    try:
-        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.Error:
-        procs = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    proc.wait()
 
 
 def child_env(workload: Workload) -> dict:
