@@ -67,7 +67,8 @@ def export_checkpoint(
     if adapters:
         load = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({ckpt.base_model!r}), {str(out)!r})"
     lines = [
-        f"Exported {path} (step {ckpt.global_step}) to {out}" + (" (LoRA adapters, --merge: a full model)" * adapters),
+        f"Exported {path} (step {ckpt.global_step}) to {out}"
+        + (" (LoRA adapters in peft's format; --merge writes a full model)" if adapters else ""),
         f"  load it: {load}",
     ]
     if logged:
