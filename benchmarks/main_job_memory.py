@@ -65,6 +65,12 @@ def measure(overrides: list[str], steps: int) -> dict:
         steps_s = [
             m.value for m in sorted(client.get_metric_history(run.info.run_id, "time/step_s"), key=lambda m: m.step)
         ]
+        phases = {  # medians after the first step: where a step's time goes
+            key: statistics.median(v[1:] or v)
+            for key in run.data.metrics
+            if key.startswith(("time/", "async/")) or key == "rollout/time_s"
+            for v in [[m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]]
+        }
     return {
         "overrides": overrides,
         # the kernel's figure once the process is reaped (KiB) when it is this process's largest child so far
@@ -73,6 +79,7 @@ def measure(overrides: list[str], steps: int) -> dict:
         "wall_s": wall,
         "step_s": statistics.median(steps_s[1:] or steps_s),
         "steps_s": steps_s,
+        "phases": phases,
         "console": output,
     }
 

@@ -33,7 +33,7 @@ from .module import RLModule
 from .objectives import OBJECTIVES, PolicyObjective, resolve_advantage
 from .planning import check_dynamic_sampling_processes
 from .rewards import MathReward
-from .rollout import check_engine
+from .rollout import check_engine, engine_class
 from .settings import OptimConfig, ReplayConfig, TrainConfig
 from .updates import StepHook
 
@@ -135,10 +135,15 @@ def check_config(cfg: DictConfig) -> None:
         resolve_advantage(cfg.advantage)
     except ValueError as err:
         raise named_error(err, "advantage") from err
-    settings(cfg)
+    _, train, _ = settings(cfg)
+    try:
+        train.importance_level(build_objective(cfg.objective))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     check_run_settings(cfg)
     build_step_hooks(cfg)
     check_trainer(cfg)
+    check_staleness(cfg)
     check_async_save(cfg)
     check_export(cfg)
     try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own
@@ -293,6 +298,28 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ConfigError(
             "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
             "everything is in host memory already: set trainer.parallel.cpu_offload=false"
+        )
+
+
+def check_staleness(cfg: DictConfig) -> None:
+    """``train.max_staleness`` > 0 rolls out on a worker thread with its own copy of the policy:
+    one process, an engine that decodes with the model it is given (not one with its own
+    weights, such as vLLM's)."""
+    staleness = (cfg.get("train") or {}).get("max_staleness", 0)
+    if not staleness:
+        return
+    if engine_class(cfg.rollout.engine).needs_sync:
+        raise ConfigError(
+            f"train.max_staleness={staleness} with rollout.engine={cfg.rollout.engine}: rollouts ahead of training "
+            "run on an engine that decodes with a copy of the policy (rollout.engine=hf); an engine with its own "
+            "weights cannot run them yet. Use rollout.engine=hf or train.max_staleness=0"
+        )
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    if parallel_config(cfg) is not None or not isinstance(devices, int) or devices * nodes != 1:
+        raise ConfigError(
+            f"train.max_staleness={staleness} runs in one process; trainer.devices={devices}, "
+            f"trainer.num_nodes={nodes}{', trainer.parallel (FSDP2)' if parallel_config(cfg) is not None else ''} "
+            "ask for several: use trainer=cpu or trainer=gpu with one device, or train.max_staleness=0"
         )
 
 

@@ -55,6 +55,9 @@ def header(cfg: DictConfig) -> str:
     where = f"{trainer.get('accelerator', 'auto')} x {devices}" if devices != 1 else str(trainer.get("accelerator"))
     if str(trainer.get("accelerator")) == "cpu":
         where += f", {torch.get_num_threads()} threads"
+    staleness = (cfg.get("train") or {}).get("max_staleness", 0)
+    if staleness:  # rollouts come from older weights: the user should see it at once
+        where += f"; rollouts {staleness} step(s) ahead on a worker ({r.get('ahead_threads', 1)} thread(s))"
     tracking = (
         f"MLflow {cfg.logger.tracking_uri} (experiment {cfg.experiment_name!r})"
         if cfg.logger.get("name") == "mlflow"

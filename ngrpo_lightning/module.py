@@ -72,7 +72,10 @@ class RLModule(CheckpointHooks, L.LightningModule):
             and ``tis_cap``, truncated importance sampling of the rollout/train mismatch (an
             engine's log-probs differ from the trainer's, e.g. vLLM in bf16): the policy
             gradient of every fresh token is weighted by ``min(exp(old_logp - rollout_logp),
-            tis_cap)``; it needs an objective with ``token_advantages`` (GRPO).
+            tis_cap)`` (``tis_level``: per token, which needs an objective with
+            ``token_advantages`` (GRPO), or per sequence; ``tis_mode``: truncated or masked). Under
+            ``max_staleness`` > 0 the rollout log-probs are an older policy's and the same weights
+            correct for it (the DataModule rolls out ahead; ``tis_cap`` defaults to 2.0 then).
         advantage: group advantage estimator (a name registered with ``register_advantage``).
         eval_explorer: how validation rollouts sample (plain sampling; never mixing).
         detach_mixture: stop gradients into the embedding matrix through mixed inputs.
@@ -124,12 +127,8 @@ class RLModule(CheckpointHooks, L.LightningModule):
         self.register_load_state_dict_post_hook(reference_not_required)
         resolve_advantage(advantage)  # fail now on an unknown estimator name
         self.train_config = train = train or TrainConfig()
-        if train.tis_cap is not None and not getattr(objective, "token_advantages", False):
-            raise ValueError(
-                f"train.tis_cap needs an objective that takes per-token advantages; "
-                f"{type(objective).__name__} does not (GRPO does)"
-            )
-        self.tis_cap = train.tis_cap
+        self.tis_level = train.importance_level(objective)
+        self.tis_cap, self.tis_mode = train.importance_cap, train.tis_mode
         self.plan = UpdatePlan.from_settings(train, self.optim, seed=seed)
         self.dynamic_sampling = DynamicSampling.from_settings(train) if train.dynamic_sampling else None
         self.step_hooks: list[StepHook] = list(step_hooks)
@@ -357,18 +356,31 @@ class RLModule(CheckpointHooks, L.LightningModule):
         return out, reused
 
     def _tis_advantages(self, mb: StepRollouts, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Advantages, per token with the truncated importance weights of the fresh rows
-        when ``tis_cap`` is set (replayed rows carry their own correction: weight 1)."""
+        """Advantages weighted by the importance ratio ``p_train_old / p_rollout`` of the fresh
+        rows, capped at ``tis_cap`` (``tis_mode``: truncated to it, or 0 above it), per token or per
+        sequence (``tis_level``). The rollout log-probs are those of the policy that generated the
+        rows: the engine's numerics, and under ``max_staleness`` older weights. Replayed rows carry
+        their own correction (weight 1)."""
         if self.tis_cap is None:
             return mb.advantages, {}
-        fresh = (~mb.replayed)[:, None] & mb.batch.response_mask.bool()
-        ratio = torch.exp((old_logp - mb.batch.rollout_logprobs).clamp(max=20.0))
-        weights = torch.where(fresh, ratio.clamp(max=self.tis_cap), torch.ones_like(ratio))
+        mask = mb.batch.response_mask.bool()
+        log_ratio = torch.where(mask, old_logp - mb.batch.rollout_logprobs, 0.0)
+        fresh = ~mb.replayed
+        if self.tis_level == "token":
+            ratio, fresh = log_ratio.clamp(max=20.0).exp(), fresh[:, None] & mask
+        elif self.tis_level == "sequence":
+            ratio = log_ratio.sum(-1).clamp(max=20.0).exp()
+        else:  # geometric: the mean log-ratio of the sequence's tokens
+            ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).clamp(max=20.0).exp()
+        capped = ratio > self.tis_cap
+        weights = ratio.clamp(max=self.tis_cap) if self.tis_mode == "truncate" else torch.where(capped, 0.0, ratio)
+        weights = torch.where(fresh, weights, torch.ones_like(weights))
         stats = {
             "tis_weight_mean": masked_mean(weights, fresh),
-            "tis_clipped_frac": masked_mean((ratio > self.tis_cap).float(), fresh),
+            "tis_weight_max": torch.where(fresh, weights, 0.0).max(),
+            "tis_clipped_frac": masked_mean(capped.float(), fresh),
         }
-        return mb.advantages[:, None] * weights, stats
+        return (mb.advantages[:, None] * weights if self.tis_level == "token" else mb.advantages * weights), stats
 
     def log_step(
         self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict

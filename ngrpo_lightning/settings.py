@@ -75,6 +75,9 @@ class OptimConfig:
 
 
 DROP_GROUPS = ("equal", "all_correct")
+TIS_LEVELS = ("auto", "token", "sequence", "geometric")
+TIS_MODES = ("truncate", "mask")
+DEFAULT_STALE_CAP = 2.0  # the importance weight cap of a run with max_staleness > 0 and no tis_cap
 
 
 @dataclass
@@ -88,7 +91,13 @@ class TrainConfig:
     rewards are all correct and keeps all-wrong ones (NGRPO, whose ``calibrated`` advantage
     learns from them). ``tis_cap`` weights each fresh token's policy gradient by
     ``min(p_train_old / p_rollout, tis_cap)`` (truncated importance sampling of the rollout/train
-    mismatch; null = off).
+    mismatch; null = off). ``tis_level`` takes the ratio per token, per sequence (the product of
+    its tokens' ratios) or as the sequence's geometric mean (``auto``: per token for objectives
+    with per-token advantages, GRPO; geometric otherwise, GSPO); ``tis_mode=mask`` gives a weight
+    above the cap 0 instead of the cap. ``max_staleness`` > 0 rolls batches out that many steps
+    ahead of training (see :mod:`ngrpo_lightning.rollout.ahead`); the recorded rollout log-probs
+    are then the stale behaviour policy's, and the weights correct for it (``tis_cap`` defaults
+    to 2.0 then).
     """
 
     ppo_epochs: int = 1
@@ -97,6 +106,28 @@ class TrainConfig:
     max_extra_rollouts: int = 4
     drop_groups: str = "equal"  # which groups dynamic sampling drops: equal (DAPO) | all_correct (NGRPO)
     tis_cap: float | None = None
+    tis_level: str = "auto"  # token | sequence | geometric | auto
+    tis_mode: str = "truncate"  # truncate | mask
+    max_staleness: int = 0
+
+    @property
+    def importance_cap(self) -> float | None:
+        """The cap of the importance weights: ``tis_cap``, or 2.0 under ``max_staleness`` > 0."""
+        if self.tis_cap is None and self.max_staleness:
+            return DEFAULT_STALE_CAP
+        return self.tis_cap
+
+    def importance_level(self, objective) -> str:
+        """``tis_level`` for ``objective`` (``auto`` resolved); ``ValueError`` naming the keys when
+        per-token weights meet an objective whose advantages are per sequence."""
+        per_token = getattr(objective, "token_advantages", False)
+        level = self.tis_level if self.tis_level != "auto" else "token" if per_token else "geometric"
+        if self.importance_cap is not None and level == "token" and not per_token:
+            raise ValueError(
+                f"train.tis_level=token needs an objective that takes per-token advantages; "
+                f"{type(objective).__name__} does not (GRPO does): use train.tis_level=sequence or geometric"
+            )
+        return level
 
     def __post_init__(self):
         check_number("train.ppo_epochs", self.ppo_epochs, 1, integer=True)
@@ -106,6 +137,9 @@ class TrainConfig:
         check_number("train.max_extra_rollouts", self.max_extra_rollouts, 0, integer=True)
         check_choice("train.drop_groups", self.drop_groups, DROP_GROUPS)
         check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
+        check_choice("train.tis_level", self.tis_level, TIS_LEVELS)
+        check_choice("train.tis_mode", self.tis_mode, TIS_MODES)
+        check_number("train.max_staleness", self.max_staleness, 0, integer=True)
 
 
 @dataclass

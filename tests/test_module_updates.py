@@ -65,8 +65,43 @@ def test_tis_cap_is_checked(tiny):
 
     with pytest.raises(ValueError, match=r"train.tis_cap=0 is out of range: allowed \(0.0, inf\]"):
         tiny_rl(tiny, ScriptedReward([1]), tis_cap=0)
-    with pytest.raises(ValueError, match=r"train.tis_cap needs an objective that takes per-token advantages; GSPO"):
-        tiny_rl(tiny, ScriptedReward([1]), objective=GSPO(), tis_cap=2.0)
+    with pytest.raises(ValueError, match=r"train.tis_level=token needs an objective that takes per-token"):
+        tiny_rl(tiny, ScriptedReward([1]), objective=GSPO(), tis_cap=2.0, tis_level="token")
+    with pytest.raises(ValueError, match=r"train.tis_mode='clip' is unknown: allowed \['mask', 'truncate'\]"):
+        tiny_rl(tiny, ScriptedReward([1]), tis_cap=2.0, tis_mode="clip")
+    module, _ = tiny_rl(tiny, ScriptedReward([1]), objective=GSPO(), tis_cap=2.0)  # auto: sequence weights
+    assert module.tis_level == "geometric"
+    module, _ = tiny_rl(tiny, ScriptedReward([1]), max_staleness=1)  # stale rollouts are always corrected
+    assert (module.tis_cap, module.tis_level, module.tis_mode) == (2.0, "token", "truncate")
+
+
+@pytest.mark.parametrize(
+    "level, mode, row0, row2",
+    [  # row 0: each of its 3 tokens has ratio e^0.1; row 2: e^0.5 (above the cap of 1.5 per token)
+        ("token", "truncate", [math.exp(0.1)] * 3, [1.5] * 3),
+        ("token", "mask", [math.exp(0.1)] * 3, [0.0] * 3),
+        ("sequence", "truncate", [math.exp(0.3)] * 3, [1.5] * 3),  # the product of the tokens' ratios
+        ("sequence", "mask", [math.exp(0.3)] * 3, [0.0] * 3),
+        ("geometric", "truncate", [math.exp(0.1)] * 3, [1.5] * 3),  # their geometric mean
+    ],
+)
+def test_importance_weights_per_token_or_sequence(tiny, level, mode, row0, row2):
+    """train.tis_level / tis_mode: the weight of a row's tokens from its ratios p_train / p_rollout."""
+    from conftest import ScriptedReward, fake_step, tiny_rl
+
+    step = fake_step(["a", "a", "b", "b"], torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    module, _ = tiny_rl(tiny, ScriptedReward([1]), tis_cap=1.5, tis_level=level, tis_mode=mode)
+    step.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    step.old_logp = step.batch.rollout_logprobs.clone()
+    mask = step.batch.response_mask.bool()
+    step.batch.rollout_logprobs[0] -= 0.1
+    step.batch.rollout_logprobs[2] -= 0.5
+    advantages, stats = module._tis_advantages(step, step.old_logp)
+    advantages = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+    assert advantages[0][mask[0]].tolist() == pytest.approx(row0, rel=1e-5)
+    assert advantages[2][mask[2]].tolist() == pytest.approx(row2, rel=1e-5)
+    assert advantages[1][mask[1]].tolist() == pytest.approx([-1.0] * 3)  # no mismatch: weight 1
+    assert stats["tis_weight_max"] == pytest.approx(max(row0 + row2 + [1.0]), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,17 @@ class RolloutBatch:
                 out[name] = InputRecords(**{k: fn(v) for k, v in vars(value).items()})
         return RolloutBatch(**out)
 
+    def state_dict(self) -> dict:
+        """The batch as plain containers (tensors, lists, dicts): a checkpoint stores it and
+        ``torch.load(weights_only=True)`` reads it back (:meth:`from_state_dict`)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["records"] = dict(vars(self.records))
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> RolloutBatch:
+        return cls(**{**state, "records": InputRecords(**state["records"])})
+
     def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
         """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so
         select whole groups if group structure matters downstream."""

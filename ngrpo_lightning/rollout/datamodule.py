@@ -9,6 +9,10 @@ engine: the training explorer and G samples per prompt in training, plain sampli
 :meth:`RolloutDataModule.more_rollouts` rolls out one more training prompt batch on
 demand, outside the dataloader: the module's dynamic sampling (DAPO) calls it to refill
 a batch that lost its zero-variance groups.
+
+With ``max_staleness = k > 0`` training batches are rolled out ``k`` steps ahead, on a worker
+thread with its own copy of the policy (:mod:`.ahead`): the rollouts of step ``b`` come from
+the weights after step ``b - k`` while steps ``b - k .. b - 1`` train.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..checks import check_number
 from ..data import PromptDataset, collate_prompts
+from .ahead import RolloutsAhead, trainable_snapshot
 from .batch import RolloutBatch
 from .engine import RolloutEngine, full_named_tensors
 from .engines import build_engine, engine_class
@@ -120,6 +126,9 @@ class RolloutDataModule(L.LightningDataModule):
         ignore_eos: every response is ``max_new_tokens`` long (fixed-length rollouts, for benchmarks).
         instruction / system_prompt: prompt rendering (see :mod:`ngrpo_lightning.data.prompts`).
         seed: shuffling and sampling seed.
+        max_staleness: roll training batches out this many steps ahead of the step that trains
+            on them (``train.max_staleness``; 0 = each step rolls out its own batch first).
+        ahead_threads: intra-op threads of that rollout worker (``rollout.ahead_threads``).
     """
 
     def __init__(
@@ -140,9 +149,12 @@ class RolloutDataModule(L.LightningDataModule):
         system_prompt: str | None = None,
         seed: int = 0,
         shuffle: bool = True,
+        max_staleness: int = 0,
+        ahead_threads: int = 1,
     ):
         super().__init__()
         engine_class(engine)  # an unknown engine fails here, naming rollout.engine and the allowed names
+        check_number("rollout.ahead_threads", ahead_threads, 1, integer=True)
         if group_size < 1 or prompts_per_step < 1:
             raise ValueError(
                 f"rollout.group_size ({group_size}) and data.prompts_per_step ({prompts_per_step}) must be >= 1"
@@ -157,7 +169,12 @@ class RolloutDataModule(L.LightningDataModule):
             k: v for k, v in {"instruction": instruction, "system_prompt": system_prompt}.items() if v is not None
         }
         self.seed, self.shuffle = seed, shuffle
+        self.max_staleness = int(max_staleness)
         self.engine: RolloutEngine | None = None
+        self.ahead: RolloutsAhead | None = None  # the worker of max_staleness > 0
+        self._ahead_state: dict | None = None
+        self.ahead_threads = int(ahead_threads)
+        self._sampler: PromptSampler | None = None
         self.train_set = self.val_set = None
         self.extra_prompts_drawn = 0  # position in the stream of more_rollouts()
         self.epoch, self.batches_in_epoch = 0, 0  # data position: training batches rolled out in the current epoch
@@ -196,6 +213,7 @@ class RolloutDataModule(L.LightningDataModule):
             skip=batches * self.prompts_per_step,
             on_pass=self._start_pass,
         )
+        self._sampler = sampler
         return PromptLoader(
             self.train_set,
             batch_size=self.prompts_per_step,
@@ -221,9 +239,71 @@ class RolloutDataModule(L.LightningDataModule):
             return batch
         module = self.trainer.lightning_module
         if self.trainer.training:
+            key = (self.epoch, self.batches_in_epoch)
             self.batches_in_epoch += 1  # the data position saved in checkpoints
+            if self.max_staleness:
+                return self.rollout_ahead(key, batch)
             return self.rollout(batch, module.explorer, self.group_size)
         return self.rollout(batch, module.eval_explorer, self.val_samples)
+
+    # ------------------------------------------------ rollouts ahead (max_staleness > 0)
+    def rollout_ahead(self, key: tuple[int, int], prompts: dict) -> RolloutBatch:
+        """The rollouts of training batch ``key`` = (pass, index), rolled out ahead; queues the
+        batches of the next ``max_staleness`` steps with the current weights first."""
+        module, ahead = self.trainer.lightning_module, self.ensure_ahead()
+        version, weights = self.trainer.global_step, None  # optimizer steps of the run (a resumed one too)
+        for k, p in [(key, prompts), *self._upcoming(key)]:
+            if not ahead.queued(k):
+                weights = weights if weights is not None else trainable_snapshot(module.policy)
+                ahead.submit(k, self._generation(p, module.explorer, self.group_size), weights, version)
+        batch = ahead.take(key)
+        if batch.problem_ids != [i for i in prompts["id"] for _ in range(self.group_size)]:
+            raise RuntimeError(
+                f"the rollouts restored for training batch {key} are of other prompts: the checkpoint's "
+                "data settings (data.*, seed) differ from this run's"
+            )
+        batch.stats["async/staleness"] = float(version - batch.stats["async/weights_version"])
+        return batch
+
+    def _upcoming(self, key: tuple[int, int]) -> list[tuple[tuple[int, int], dict]]:
+        """The next ``max_staleness`` training batches after ``key``, by (pass, index), within
+        the run's steps (``trainer.max_steps``)."""
+        if self._sampler is None:  # a loader not made by train_dataloader(): nothing to look ahead in
+            return []
+        per_pass = len(self._sampler) // self.prompts_per_step if len(self._sampler) >= self.prompts_per_step else 1
+        ahead = self.max_staleness
+        max_steps, module = self.trainer.max_steps, self.trainer.lightning_module
+        if max_steps is not None and max_steps > 0:
+            updates = module.plan.ppo_epochs * module.plan.num_mini_batches
+            ahead = min(ahead, math.ceil(max_steps / updates) - self.trainer.global_step // updates - 1)
+        out = []
+        epoch, index = key
+        for _ in range(max(ahead, 0)):
+            epoch, index = (epoch, index + 1) if index + 1 < per_pass else (epoch + 1, 0)
+            rows = self._sampler.order(epoch)[index * self.prompts_per_step : (index + 1) * self.prompts_per_step]
+            out.append(((epoch, index), collate_prompts([self.train_set[i] for i in rows])))
+        return out
+
+    def ensure_ahead(self) -> RolloutsAhead:
+        """The rollout worker (built at the first training batch): a copy of the policy, an engine
+        of the configured kind on it, and ``ahead_threads`` intra-op threads of its own (the
+        training thread keeps its own: measured on 2 cores, halving them slowed the step 1.2-1.35x
+        while the worker idled, docs/async.md)."""
+        if self.ahead is None:
+            module = self.trainer.lightning_module
+            self.ahead = RolloutsAhead(
+                module.policy, lambda model: self._build_engine(model, module), self.ahead_threads
+            )
+            if self._ahead_state is not None:
+                self.ahead.load_state_dict(self._ahead_state)
+                self._ahead_state = None
+        return self.ahead
+
+    def close_ahead(self) -> None:
+        """Stop the rollout worker (rollouts queued beyond the run are dropped)."""
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
 
     def ensure_engine(self) -> RolloutEngine:
         """The rollout engine, built at the first rollout for the trainer's module (its
@@ -231,21 +311,24 @@ class RolloutDataModule(L.LightningDataModule):
         state of a resumed checkpoint."""
         if self.engine is None:
             module = self.trainer.lightning_module
-            self.engine = build_engine(
-                self.engine_name,
-                module.policy,
-                module.tokenizer,
-                max_new_tokens=self.max_new_tokens,
-                seed=self.seed + self._rank()[0],
-                ignore_eos=self.ignore_eos,
-                max_prompt_tokens=self.max_prompt_tokens,
-                sharded_root=module.sharded_root(module.policy),
-                **self.engine_kwargs,
-            )
+            self.engine = self._build_engine(module.policy, module, module.sharded_root(module.policy))
             if self._engine_state is not None:
                 self.engine.load_state_dict(self._engine_state)
             self._engine_state = None
         return self.engine
+
+    def _build_engine(self, model, module, sharded_root=None) -> RolloutEngine:
+        return build_engine(
+            self.engine_name,
+            model,
+            module.tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed + self._rank()[0],
+            ignore_eos=self.ignore_eos,
+            max_prompt_tokens=self.max_prompt_tokens,
+            sharded_root=sharded_root,
+            **self.engine_kwargs,
+        )
 
     def more_rollouts(self) -> RolloutBatch:
         """Roll out one more batch of ``prompts_per_step`` training prompts with the training
@@ -265,17 +348,35 @@ class RolloutDataModule(L.LightningDataModule):
             take = order[start : start + count - len(rows)].tolist()
             rows += take
             self.extra_prompts_drawn += len(take)
-        return self.rollout(collate_prompts([self.train_set[i] for i in rows]), module.explorer, self.group_size)
+        prompts = collate_prompts([self.train_set[i] for i in rows])
+        if self.max_staleness:  # the worker owns the training explorer and its generator: it rolls out, now
+            batch = self.ensure_ahead().run_now(
+                self._generation(prompts, module.explorer, self.group_size),
+                trainable_snapshot(module.policy),
+                self.trainer.global_step,
+            )
+            batch.stats["async/staleness"] = 0.0
+            return batch
+        return self.rollout(prompts, module.explorer, self.group_size)
 
     def rollout(self, prompts: dict, explorer, n: int) -> RolloutBatch:
         """Roll out a collated prompt batch ``n`` times each and attach gold answers and ids."""
         self.ensure_engine()
         self.sync_engine()
-        out = self.engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
-        out.answers = [a for a in prompts["answer"] for _ in range(n)]
-        out.verifiers = [v for v in prompts.get("verifier", [None] * len(prompts["answer"])) for _ in range(n)]
-        out.problem_ids = [i for i in prompts["id"] for _ in range(n)]
-        return out
+        return self._generation(prompts, explorer, n)(self.engine)
+
+    def _generation(self, prompts: dict, explorer, n: int) -> Callable[[RolloutEngine], RolloutBatch]:
+        """The rollout of a collated prompt batch (``n`` samples each, with gold answers and ids)
+        by a given engine."""
+
+        def generate(engine: RolloutEngine) -> RolloutBatch:
+            out = engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
+            out.answers = [a for a in prompts["answer"] for _ in range(n)]
+            out.verifiers = [v for v in prompts.get("verifier", [None] * len(prompts["answer"])) for _ in range(n)]
+            out.problem_ids = [i for i in prompts["id"] for _ in range(n)]
+            return out
+
+        return generate
 
     def sync_engine(self) -> None:
         """Give an engine with its own weights (vLLM) the policy's current weights if the
@@ -289,10 +390,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str | None = None) -> None:
         """The engine outlives ``fit``: a validation after training (``ngrpo train`` runs one)
-        reuses it, since starting vLLM again costs seconds. :meth:`close` releases it."""
+        reuses it, since starting vLLM again costs seconds. :meth:`close` releases it. The
+        rollout worker of ``max_staleness`` stops with ``fit``."""
+        if stage == "fit":
+            self.close_ahead()
 
     def close(self) -> None:
         """Release the rollout engine (vLLM's memory and threads)."""
+        self.close_ahead()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -300,8 +405,10 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
         """Seed, data position (epoch and batches rolled out in it), the extra-prompt stream's
-        position and the engine's sampling RNG. Under several processes each rank's engine
-        has its own RNG: the states of all ranks are saved (gathered), each rank restores its own."""
+        position and the engine's sampling RNG; with ``max_staleness`` the rollouts in flight
+        (waited for) and the worker engine's RNG after them, so that a resumed run trains on them.
+        Under several processes each rank's engine has its own RNG: the states of all ranks are
+        saved (gathered), each rank restores its own."""
         engine = self.engine.state_dict() if self.engine is not None else self._engine_state
         rank, world = self._rank()
         engines = [engine]
@@ -315,6 +422,7 @@ class RolloutDataModule(L.LightningDataModule):
             "batches_in_epoch": self.batches_in_epoch,
             "engine": engines,
             "world_size": world,
+            "ahead": self.ahead.state_dict() if self.ahead is not None else self._ahead_state,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -330,6 +438,10 @@ class RolloutDataModule(L.LightningDataModule):
                 f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
                 "resume with the same trainer (number of devices)"
             )
+        self._ahead_state = state.get("ahead") if self.max_staleness else None
+        if self.ahead is not None and self._ahead_state is not None:
+            self.ahead.load_state_dict(self._ahead_state)
+            self._ahead_state = None
         engines = state.get("engine") or [None]
         self._engine_state = engines[rank] if rank < len(engines) else None
         if self.engine is not None and self._engine_state is not None:

@@ -1,0 +1,130 @@
+"""Rollouts generated ahead of training: bounded staleness (``train.max_staleness``).
+
+With ``max_staleness = k > 0`` the rollouts of training step ``b`` are generated from the
+policy's weights after step ``b - k`` (``max(0, b - k)`` optimizer-step versions, one update per
+step), while steps ``b - k .. b - 1`` train. Generation runs on a worker thread with its own
+copy of the policy and its own rollout engine; the training thread hands it a copy of the
+trainable weights with each job, so the worker never reads weights the optimizer is changing.
+
+Why a thread: PyTorch's kernels release the GIL, so a decoding loop and a training step run
+side by side, with no second process, no second copy of the libraries and no weight transfer
+beyond one in-memory copy of the trainable parameters per job (LoRA: the adapters only). The
+worker has its own intra-op threads (``rollout.ahead_threads``); the training thread keeps its own.
+What it costs and when it pays: ``docs/async.md``.
+
+The schedule is a pure function of the step index, not of timing: the job for step ``b + k``
+is submitted when step ``b`` starts (its weights are version ``b``) and jobs run in the order
+submitted on one sampling generator. A run therefore gives the same rollouts however fast
+either side is, and a checkpoint can hold the rollouts in flight (:meth:`RolloutsAhead.settle`
+waits for them) so that ``resume=last`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .batch import RolloutBatch
+from .engine import RolloutEngine
+
+__all__ = ["RolloutsAhead", "trainable_snapshot"]
+
+Key = tuple[int, int]  # (pass over the data, batch index in it)
+
+
+def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s trainable parameters by name: what an optimizer step changes (the
+    frozen weights of a LoRA policy are shared with the worker's copy, never copied again)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+class RolloutsAhead:
+    """A worker thread that rolls out training batches ahead of the step that trains on them.
+
+    Args:
+        policy: the live policy; the worker decodes with a deep copy of it.
+        make_engine: builds the worker's engine for a model (the DataModule's engine settings).
+        threads: intra-op threads of the worker.
+    """
+
+    def __init__(self, policy: torch.nn.Module, make_engine: Callable[[torch.nn.Module], RolloutEngine], threads: int):
+        self.model = copy.deepcopy(policy)
+        self.model.requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        self.engine = make_engine(self.model)
+        self.threads = threads
+        self.version: int | None = None  # the policy version of the worker's weights
+        self.pending: dict[Key, Future] = {}
+        self.ready: dict[Key, RolloutBatch] = {}  # restored from a checkpoint
+        self._last_end: float | None = None
+        self._executor = ThreadPoolExecutor(1, "ngrpo-rollouts", initializer=torch.set_num_threads, initargs=(threads,))
+
+    # -------------------------------------------------------------- jobs
+    def submit(self, key: Key, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> None:
+        """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
+        ``weights`` (a :func:`trainable_snapshot` of policy ``version``)."""
+        self.pending[key] = self._executor.submit(self._run, generate, weights, version, time.perf_counter())
+
+    def _run(self, generate, weights: dict, version: int, submitted: float) -> RolloutBatch:
+        # the worker waited for the trainer when this job came after the previous one had ended
+        idle = max(0.0, submitted - self._last_end) if self._last_end is not None else 0.0
+        if version != self.version:
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    self._params[name].copy_(tensor)
+            self.version = version
+        del weights
+        batch = generate(self.engine)
+        self._last_end = time.perf_counter()
+        batch.stats.update({"async/weights_version": float(version), "async/generator_wait_s": idle})
+        return batch
+
+    def run_now(self, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> RolloutBatch:
+        """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
+        ones: the worker owns the engine's generator, so its draws stay in one order."""
+        return self._executor.submit(self._run, generate, weights, version, time.perf_counter()).result()
+
+    def take(self, key: Key) -> RolloutBatch | None:
+        """The rollouts of batch ``key`` (waiting for them), or ``None`` if it was never queued."""
+        if key in self.ready:
+            return self.ready.pop(key)
+        future = self.pending.pop(key, None)
+        if future is None:
+            return None
+        t0 = time.perf_counter()
+        batch = future.result()
+        batch.stats["async/trainer_wait_s"] = time.perf_counter() - t0
+        return batch
+
+    def queued(self, key: Key) -> bool:
+        return key in self.pending or key in self.ready
+
+    def settle(self) -> dict[Key, RolloutBatch]:
+        """Wait for every queued rollout; all of them, by key (they stay queued)."""
+        for key, future in list(self.pending.items()):
+            self.ready[key] = future.result()
+            del self.pending[key]
+        return dict(self.ready)
+
+    # ------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The rollouts in flight (waited for) and the worker engine's sampling state after them."""
+        ready = {key: batch.state_dict() for key, batch in self.settle().items()}
+        return {"ready": ready, "engine": self.engine.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ready = {key: RolloutBatch.from_state_dict(batch) for key, batch in (state.get("ready") or {}).items()}
+        if state.get("engine") is not None:
+            self.engine.load_state_dict(state["engine"])
+
+    def close(self) -> None:
+        """Stop the worker; rollouts queued and not started are dropped."""
+        for future in self.pending.values():
+            future.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
+        self.engine.close()

@@ -1,0 +1,117 @@
+"""Rollouts ahead of training (``train.max_staleness``): the first batch equals an on-policy
+run's, each batch's weights are exactly as old as the bound allows, the importance weights see
+the stale policy, ``resume=last`` continues exactly with rollouts in flight, and configurations
+that cannot run it are refused before a model loads."""
+
+import pytest
+import torch
+from conftest import ScriptedReward
+from test_resume import KEYS, history, run, weights
+
+from ngrpo_lightning.cli import train
+from ngrpo_lightning.config import ConfigError, compose
+
+UPDATES = 2  # test_resume's RUN: 2 optimizer updates per rollout batch
+
+
+@pytest.fixture(autouse=True)
+def scripted_reward(monkeypatch):
+    """Rows alternate reward 1/0 (real advantages, real updates) whatever the model writes."""
+    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+
+
+def values(tmp, run_id, key):
+    return [v for _, v in history(tmp, run_id, key)]
+
+
+def test_first_batch_equals_on_policy_and_later_ones_are_stale(tmp_path):
+    """Batch 0 of a run with max_staleness=1 comes from the worker's copy of the initial weights:
+    the same rollouts, losses and gradients as the on-policy run. Batch 1 is rolled out while
+    batch 0 trains, from the initial weights: it differs from the on-policy run's."""
+    on = run(tmp_path / "on", "out", "trainer.max_steps=4")
+    ahead = run(tmp_path / "ahead", "out", "trainer.max_steps=4", "train.max_staleness=1")
+    for key in KEYS:
+        a, b = values(tmp_path / "on", on["run_id"], key), values(tmp_path / "ahead", ahead["run_id"], key)
+        assert a[0] == pytest.approx(b[0], rel=1e-6, abs=1e-7), key
+    loss_on = values(tmp_path / "on", on["run_id"], "train/loss")
+    loss_ahead = values(tmp_path / "ahead", ahead["run_id"], "train/loss")
+    assert loss_on[1] != pytest.approx(loss_ahead[1], rel=1e-4)
+    # the stale batch is corrected: its importance weights are not all 1
+    weights = values(tmp_path / "ahead", ahead["run_id"], "train/tis_weight_max")
+    assert weights[0] == pytest.approx(1.0, abs=1e-4) and weights[1] != pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("explorer, objective", [("neighbor", "gspo"), ("temperature", "grpo")])
+def test_each_batch_uses_weights_exactly_as_old_as_the_bound(tmp_path, explorer, objective):
+    """Batch b is rolled out with the weights after batch max(0, b - k): versions counted in
+    optimizer steps, never older than k batches; the waits of both sides are logged."""
+    k = 2
+    summary = run(
+        tmp_path, "out", "trainer.max_steps=10", f"train.max_staleness={k}", f"explorer={explorer}",
+        f"objective={objective}", "replay.capacity=0",
+    )  # fmt: skip
+    versions = values(tmp_path, summary["run_id"], "async/weights_version")
+    staleness = values(tmp_path, summary["run_id"], "async/staleness")
+    assert versions == [UPDATES * max(0, b - k) for b in range(5)]
+    assert staleness == [UPDATES * b - UPDATES * max(0, b - k) for b in range(5)]
+    assert max(staleness) <= UPDATES * k
+    for key in ("async/trainer_wait_s", "async/generator_wait_s", "train/tis_clipped_frac", "train/tis_weight_mean"):
+        assert all(v >= 0 for v in values(tmp_path, summary["run_id"], key)), key
+
+
+def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
+    """A checkpoint holds the rollouts queued ahead (and the worker's RNG after them): resuming
+    a 4-batch run from its checkpoint after batch 3, with batch 4 in flight, gives the same
+    steps and weights again (replay buffer and shuffled data included)."""
+    extra = ("trainer.max_steps=8", "train.max_staleness=1", "checkpoint.every_n_steps=6", "checkpoint.keep=-1")
+    whole = run(tmp_path, "out", *extra)
+    expected = {key: values(tmp_path, whole["run_id"], key) for key in KEYS + ["async/staleness"]}
+    final = weights(tmp_path / "out/checkpoints/last.ckpt")
+    step6 = tmp_path / "out/checkpoints/step-step=6.ckpt"
+    in_flight = torch.load(step6, map_location="cpu", weights_only=False)["RolloutDataModule"]["ahead"]["ready"]
+    assert list(in_flight) == [(1, 0)]  # batch 4: the first of the second pass over the data's 3 batches
+    resumed = run(tmp_path, "out", *extra, f"resume={step6}")
+    assert resumed["run_id"] == whole["run_id"]
+    for key, before in expected.items():
+        assert values(tmp_path, whole["run_id"], key) == pytest.approx(before, rel=1e-5, abs=1e-6), key
+    assert expected["async/staleness"] == [0, 2, 2, 2]
+    again = weights(tmp_path / "out/checkpoints/last.ckpt")
+    for name in final:
+        torch.testing.assert_close(again[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.engine=vllm"], "train.max_staleness=1 with rollout.engine=vllm"),
+        (["trainer=fsdp_cpu"], r"train.max_staleness=1 runs in one process; trainer.devices=2"),
+        (["train.max_staleness=-1"], r"train.max_staleness=-1 is out of range"),
+        (["objective=gspo", "train.tis_level=token"], "train.tis_level=token needs an objective"),
+    ],
+)
+def test_staleness_that_cannot_run_is_refused_before_the_model_loads(tmp_path, overrides, message, monkeypatch):
+    monkeypatch.setattr("ngrpo_lightning.build.load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises((ConfigError, ValueError), match=message):
+        train(compose(["model=tiny", "train.max_staleness=1", f"output_dir={tmp_path}", *overrides]))
+
+
+def test_dynamic_sampling_draws_its_extra_rollouts_from_the_worker(tiny):
+    """Under max_staleness the worker owns the training explorer and the engine's generator: a
+    step's extra rollouts (DAPO) are rolled out there, after the queued batches, with the
+    current weights (staleness 0), and the step trains on the refilled batch."""
+    from conftest import tiny_rl, tiny_trainer
+
+    # batch 0: group 0 all wrong, group 1 mixed; its extra batch: both mixed; batch 1 likewise
+    reward = ScriptedReward([0, 0, 1, 0], [1, 0, 1, 0], [0, 0, 1, 0], [1, 0, 1, 0])
+    module, dm = tiny_rl(tiny, reward, num_problems=6, dynamic_sampling=True)
+    dm.max_staleness = 1
+    extra = []
+    original = dm.more_rollouts
+    dm.more_rollouts = lambda: extra.append(original()) or extra[-1]
+    trainer = tiny_trainer(max_steps=2)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 2 and len(extra) == 2
+    assert [batch.stats["async/staleness"] for batch in extra] == [0.0, 0.0]
+    assert [batch.stats["async/weights_version"] for batch in extra] == [0.0, 1.0]
+    assert trainer.callback_metrics["dynamic/kept_groups"] == 2
+    assert dm.extra_prompts_drawn == 4 and dm.ahead is None  # the worker stopped with fit
