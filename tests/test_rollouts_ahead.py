@@ -115,3 +115,41 @@ def test_dynamic_sampling_draws_its_extra_rollouts_from_the_worker(tiny):
     assert [batch.stats["async/weights_version"] for batch in extra] == [0.0, 1.0]
     assert trainer.callback_metrics["dynamic/kept_groups"] == 2
     assert dm.extra_prompts_drawn == 4 and dm.ahead is None  # the worker stopped with fit
+
+
+def test_worker_of_a_lora_policy_shares_its_base_and_decodes_what_it_does(tokenizer):
+    """The worker's copy of a LoRA policy shares the frozen base weights (no second copy) and
+    has adapters of its own, set from each job's weights: its rollouts equal the policy's own
+    (same seed), before and after the policy's adapters change."""
+    from conftest import chat_prompt_ids, trained_lora
+
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.rollout import HFEngine
+    from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
+
+    policy = trained_lora()
+    tok = tokenizer
+    prompts = chat_prompt_ids(tok, ["What is 2 + 3?", "What is 7 - 4?"])
+    make = lambda model: HFEngine(model, tok, max_new_tokens=8, seed=3)  # noqa: E731
+    ahead, reference = RolloutsAhead(policy, make, threads=1), make(policy)
+    try:
+        worker = dict(ahead.model.named_parameters())
+        for name, p in policy.named_parameters():
+            shared = worker[name].data_ptr() == p.data_ptr()
+            assert shared == (not p.requires_grad), name  # base shared, adapters copied
+        for version in (0, 1):
+            explorer = TemperatureExplorer(temperature=1.0)
+            job = lambda engine, e=explorer: engine.generate(prompts, e, n=2)  # noqa: E731
+            ahead.submit((0, version), job, trainable_snapshot(policy), version)
+            got = ahead.take((0, version))
+            want = reference.generate(prompts, TemperatureExplorer(temperature=1.0), n=2)
+            assert torch.equal(got.response_ids, want.response_ids)
+            torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, rtol=0, atol=1e-6)
+            with torch.no_grad():  # an optimizer step: the adapters change, the worker's do not until its next job
+                for p in policy.parameters():
+                    if p.requires_grad:
+                        p.add_(0.05 * torch.randn_like(p))
+            adapter = next(n for n, p in policy.named_parameters() if p.requires_grad)
+            assert not torch.equal(worker[adapter], dict(policy.named_parameters())[adapter])
+    finally:
+        ahead.close()

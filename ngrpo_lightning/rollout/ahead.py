@@ -52,7 +52,9 @@ class RolloutsAhead:
     """
 
     def __init__(self, policy: torch.nn.Module, make_engine: Callable[[torch.nn.Module], RolloutEngine], threads: int):
-        self.model = copy.deepcopy(policy)
+        # the copy shares what training never changes (a LoRA policy's base weights, buffers)
+        frozen = [p for p in policy.parameters() if not p.requires_grad] + list(policy.buffers())
+        self.model = copy.deepcopy(policy, memo={id(t): t for t in frozen})
         self.model.requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self.engine = make_engine(self.model)
@@ -67,11 +69,12 @@ class RolloutsAhead:
     def submit(self, key: Key, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> None:
         """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
         ``weights`` (a :func:`trainable_snapshot` of policy ``version``)."""
-        self.pending[key] = self._executor.submit(self._run, generate, weights, version, time.perf_counter())
+        self.pending[key] = self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
 
-    def _run(self, generate, weights: dict, version: int, submitted: float) -> RolloutBatch:
+    def _run(self, generate, holder: list[dict], version: int, submitted: float) -> RolloutBatch:
         # the worker waited for the trainer when this job came after the previous one had ended
         idle = max(0.0, submitted - self._last_end) if self._last_end is not None else 0.0
+        weights = holder.pop()  # the job's only reference: the copy is freed once loaded
         if version != self.version:
             with torch.no_grad():
                 for name, tensor in weights.items():
@@ -86,7 +89,7 @@ class RolloutsAhead:
     def run_now(self, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> RolloutBatch:
         """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
         ones: the worker owns the engine's generator, so its draws stay in one order."""
-        return self._executor.submit(self._run, generate, weights, version, time.perf_counter()).result()
+        return self._executor.submit(self._run, generate, [weights], version, time.perf_counter()).result()
 
     def take(self, key: Key) -> RolloutBatch | None:
         """The rollouts of batch ``key`` (waiting for them), or ``None`` if it was never queued."""

@@ -253,7 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
         module, ahead = self.trainer.lightning_module, self.ensure_ahead()
         version, weights = self.trainer.global_step, None  # optimizer steps of the run (a resumed one too)
         for k, p in [(key, prompts), *self._upcoming(key)]:
-            if not ahead.queued(k):
+            if not ahead.queued(k):  # jobs queued together share one copy of the weights
                 weights = weights if weights is not None else trainable_snapshot(module.policy)
                 ahead.submit(k, self._generation(p, module.explorer, self.group_size), weights, version)
         batch = ahead.take(key)
