@@ -100,7 +100,7 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_epoch_start(self, trainer, *_) -> None:
         plan = getattr(trainer.lightning_module, "plan", None)  # several optimizer steps per rollout batch
-        self._updates = plan.ppo_epochs * plan.num_mini_batches if plan is not None else 1
+        self._updates = plan.updates_per_step if plan is not None else 1
         total = math.ceil(trainer.max_steps / self._updates) if trainer.max_steps > 0 else None
         self.train_progress_bar.reset(total=total)
         self.train_progress_bar.n = trainer.global_step // self._updates  # a resumed run starts where it was

@@ -43,7 +43,7 @@ from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
 from .metrics.training import combine_metrics, rollout_step_metrics
 from .module_checkpoints import CheckpointHooks, reference_not_required
-from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage
+from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, rollout_importance_weights
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
 from .recompute import recomputing
@@ -363,23 +363,10 @@ class RLModule(CheckpointHooks, L.LightningModule):
         their own correction (weight 1)."""
         if self.tis_cap is None:
             return mb.advantages, {}
-        mask = mb.batch.response_mask.bool()
-        log_ratio = torch.where(mask, old_logp - mb.batch.rollout_logprobs, 0.0)
-        fresh = ~mb.replayed
-        if self.tis_level == "token":
-            ratio, fresh = log_ratio.clamp(max=20.0).exp(), fresh[:, None] & mask
-        elif self.tis_level == "sequence":
-            ratio = log_ratio.sum(-1).clamp(max=20.0).exp()
-        else:  # geometric: the mean log-ratio of the sequence's tokens
-            ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).clamp(max=20.0).exp()
-        capped = ratio > self.tis_cap
-        weights = ratio.clamp(max=self.tis_cap) if self.tis_mode == "truncate" else torch.where(capped, 0.0, ratio)
-        weights = torch.where(fresh, weights, torch.ones_like(weights))
-        stats = {
-            "tis_weight_mean": masked_mean(weights, fresh),
-            "tis_weight_max": torch.where(fresh, weights, 0.0).max(),
-            "tis_clipped_frac": masked_mean(capped.float(), fresh),
-        }
+        weights, stats = rollout_importance_weights(
+            old_logp, mb.batch.rollout_logprobs, mb.batch.response_mask, ~mb.replayed, self.tis_cap,
+            self.tis_level, self.tis_mode,
+        )  # fmt: skip
         return (mb.advantages[:, None] * weights if self.tis_level == "token" else mb.advantages * weights), stats
 
     def log_step(

@@ -74,9 +74,14 @@ class UpdatePlan:
         )
 
     @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per rollout batch (``trainer.max_steps`` counts these)."""
+        return self.ppo_epochs * self.num_mini_batches
+
+    @property
     def single(self) -> bool:
         """One update per step: the update's own forward can serve as the old log-probs."""
-        return self.ppo_epochs * self.num_mini_batches == 1
+        return self.updates_per_step == 1
 
     def updates(self, step: StepRollouts) -> list[StepRollouts]:
         """The step's updates, in order (each a row subset of the prepared step)."""

@@ -237,7 +237,7 @@ def test_fsdp_on_gpus_trains(tmp_path):  # pragma: no cover - no GPU in CI
 
 
 def test_prompts_are_split_by_rank_evenly_and_resume_mid_pass():
-    from ngrpo_lightning.rollout.datamodule import PromptSampler
+    from ngrpo_lightning.rollout.prompt_order import PromptSampler
 
     shares = [list(PromptSampler(10, seed=1, shuffle=True, rank=r, world_size=2, batch_size=2)) for r in (0, 1)]
     assert len(shares[0]) == len(shares[1]) == 4  # whole batches, the same number on every rank

@@ -11,7 +11,7 @@ from .aggregation import AGGREGATIONS, aggregate, masked_mean
 from .base import OBJECTIVES, PolicyObjective, check_objective_choice, check_objective_key, register_objective
 from .grpo import GRPO, grpo_loss
 from .gspo import GSPO, gspo_loss, sequence_log_ratio
-from .importance import sequence_importance_weight
+from .importance import rollout_importance_weights, sequence_importance_weight
 from .kl import KL_ESTIMATORS, kl_penalty
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "register_advantage",
     "register_objective",
     "resolve_advantage",
+    "rollout_importance_weights",
     "sequence_importance_weight",
     "sequence_log_ratio",
     "zero_variance_groups",

@@ -1,4 +1,5 @@
-"""Importance weights of off-policy (replayed) trajectories.
+"""Importance weights of off-policy trajectories: replayed ones, and rollouts whose engine or
+weights differ from the trainer's (``train.tis_*``, ``train.max_staleness``).
 
 A trajectory replayed from an earlier step was sampled by an older policy (its
 *behaviour* policy, whose log-probs were stored with it). The objective's ratio is taken
@@ -26,3 +27,37 @@ def sequence_importance_weight(
 ) -> torch.Tensor:
     """Capped sequence importance weights [N] of ``pi(logp) / pi_behaviour`` (see module docstring)."""
     return torch.exp(sequence_log_ratio(logp, behaviour_logp, mask).clamp(max=20.0)).clamp(max=cap)
+
+
+@torch.no_grad()
+def rollout_importance_weights(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    fresh: torch.Tensor,
+    cap: float,
+    level: str = "token",
+    mode: str = "truncate",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights of ``pi(logp) / pi_rollout`` for the ``fresh`` rows ([N] bool; the others get 1):
+    [N, L] per ``token``, [N] per ``sequence`` (the product of its tokens' ratios) or
+    ``geometric`` (their geometric mean, as above). ``mode``: ``truncate`` to ``cap``, or ``mask``
+    (0 above it). Also their mean, max and the share above the cap over the fresh entries."""
+    mask = mask.bool()
+    if level == "token":
+        ratio, fresh = torch.where(mask, logp - rollout_logp, 0.0).clamp(max=20.0).exp(), fresh[:, None] & mask
+    elif level == "sequence":
+        ratio = torch.where(mask, logp - rollout_logp, 0.0).sum(-1).clamp(max=20.0).exp()
+    else:
+        ratio = sequence_log_ratio(logp, rollout_logp, mask).clamp(max=20.0).exp()
+    capped = ratio > cap
+    weights = ratio.clamp(max=cap) if mode == "truncate" else torch.where(capped, 0.0, ratio)
+    weights = torch.where(fresh, weights, torch.ones_like(weights))
+    fresh_f = fresh.to(weights.dtype)
+    count = fresh_f.sum().clamp(min=1.0)
+    stats = {
+        "tis_weight_mean": (weights * fresh_f).sum() / count,
+        "tis_weight_max": torch.where(fresh, weights, 0.0).max(),
+        "tis_clipped_frac": (capped.to(weights.dtype) * fresh_f).sum() / count,
+    }
+    return weights, stats
