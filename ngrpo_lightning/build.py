@@ -172,6 +172,7 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("rollout.max_new_tokens", r.max_new_tokens, 1),
         ("rollout.val_samples", r.val_samples, 1),
         ("rollout.val_batch_size", r.val_batch_size, 1),
+        ("rollout.ahead_threads", r.get("ahead_threads", 1), 1),
         ("data.prompts_per_step", d.prompts_per_step, 1),
         ("data.max_prompt_tokens", d.max_prompt_tokens, 1),
     ]

@@ -86,6 +86,7 @@ def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
         (["rollout.engine=vllm"], "train.max_staleness=1 with rollout.engine=vllm"),
         (["trainer=fsdp_cpu"], r"train.max_staleness=1 runs in one process; trainer.devices=2"),
         (["train.max_staleness=-1"], r"train.max_staleness=-1 is out of range"),
+        (["rollout.ahead_threads=0"], r"rollout.ahead_threads=0 is out of range"),
         (["objective=gspo", "train.tis_level=token"], "train.tis_level=token needs an objective"),
     ],
 )
