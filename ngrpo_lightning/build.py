@@ -16,7 +16,7 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from . import attention
+from . import allocator, attention
 from .build_data import engine_settings
 from .build_model import check_model_settings, parallel_config, prepare_models
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
@@ -157,6 +157,7 @@ def check_config(cfg: DictConfig) -> None:
     try:
         attention.configured(cfg.model)
         wants_freed_memory_kept(cfg)
+        allocator.resolve((cfg.get("host") or {}).get("allocator", "auto"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     check_model_settings(cfg)

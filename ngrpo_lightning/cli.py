@@ -29,6 +29,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from . import allocator
 from .build import build_module, build_pass_at_k, build_trainer, check_config
 from .build_data import build_datamodule, build_problems
 from .checkpointing import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
@@ -146,7 +147,7 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
 def command_line() -> str:
     """The command that started this process, as a user would type it again."""
     program = Path(sys.argv[0]).name
-    return shlex.join(["ngrpo" if program in ("ngrpo", "cli.py") else sys.argv[0], *sys.argv[1:]])
+    return shlex.join(["ngrpo" if program in ("ngrpo", "cli.py", "launch.py") else sys.argv[0], *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.help else 2
     try:
         if args.command == "eval":
-            print(run_eval(compose_eval(args.overrides))["text"])
+            cfg = compose_eval(args.overrides)
+            restart_on_allocator(cfg, argv)
+            print(run_eval(cfg)["text"])
             return 0
         if args.command == "compare":
             print(run_compare(compose_compare(args.overrides))["text"])
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
+        restart_on_allocator(cfg, argv)
         summary = train(cfg)
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
@@ -224,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary["text"])
     return 0
+
+
+def restart_on_allocator(cfg: DictConfig, argv: list[str]) -> None:
+    """A ``host.allocator`` that a config group set (not the command line): the command restarts
+    on it now (:func:`ngrpo_lightning.allocator.ensure`; a no-op from the Python API)."""
+    try:
+        allocator.ensure((cfg.get("host") or {}).get("allocator", "auto"), argv)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _export(args) -> int:

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from omegaconf import DictConfig
 
+from . import allocator
+
 __all__ = ["StepProgressBar", "header", "quiet_libraries"]
 
 # logger -> the level below which its records are not shown
@@ -54,7 +56,7 @@ def header(cfg: DictConfig) -> str:
     devices = trainer.get("devices", 1)
     where = f"{trainer.get('accelerator', 'auto')} x {devices}" if devices != 1 else str(trainer.get("accelerator"))
     if str(trainer.get("accelerator")) == "cpu":
-        where += f", {torch.get_num_threads()} threads"
+        where += f", {torch.get_num_threads()} threads, {allocator.active()} allocator"
     staleness = (cfg.get("train") or {}).get("max_staleness", 0)
     if staleness:  # rollouts come from older weights: the user should see it at once
         where += f"; rollouts {staleness} step(s) ahead on a worker ({r.get('ahead_threads', 1)} thread(s))"

@@ -13,8 +13,12 @@ the heap too; ``M_TRIM_THRESHOLD`` at its maximum, 2 GiB: the heap's free top is
 blocks are then reused without faults. The process's peak memory is unchanged (the same
 tensors are alive at the peak); its memory after the peak is not given back until it exits.
 ``host.keep_freed_memory: true`` (the default) applies it when a run or evaluation starts;
-elsewhere than glibc (macOS, musl) it does nothing. Preloading jemalloc or tcmalloc
-(``LD_PRELOAD``) is the alternative, for those who prefer it.
+elsewhere than glibc (macOS, musl) it does nothing.
+
+Under mimalloc (``host.allocator``, :mod:`ngrpo_lightning.allocator`) the same setting turns
+its purging off (``mi_option_purge_delay = -1``): by default mimalloc returns freed pages to
+the OS after a second, and every step then faults them in again (the default run measured
+11.9-12.2 s per step instead of 10.2-10.5; 4.0 GiB instead of 4.2 at its peak).
 """
 
 from __future__ import annotations
@@ -28,10 +32,18 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
 INT_MAX = 2**31 - 1
+MI_OPTION_PURGE_DELAY = 15  # mimalloc's mi_option_t number (mimalloc.h, stable since 2.1 as reset_delay)
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse; ``True`` if it took both settings."""
+    """Tell the C allocator to keep freed memory for reuse (glibc's malloc, or mimalloc when it is
+    preloaded); ``True`` if it took the settings."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "mi_option_set"):  # mimalloc replaced malloc: glibc's settings would tune nothing
+        process.mi_option_set.argtypes, process.mi_option_get.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_long
+        process.mi_option_get.argtypes = [ctypes.c_int]
+        process.mi_option_set(MI_OPTION_PURGE_DELAY, -1)
+        return process.mi_option_get(MI_OPTION_PURGE_DELAY) == -1
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
