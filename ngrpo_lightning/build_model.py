@@ -40,7 +40,7 @@ def prepare_models(cfg: DictConfig, policy: torch.nn.Module, needs_reference: bo
     if cfg.model.get("gradient_checkpointing", False):  # after the copy: the frozen reference never runs backward
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.model.get("recompute_elementwise", True):  # checkpointed layers recompute everything anyway
-        recompute.install(policy)
+        recompute.install(policy, up_proj=cfg.model.get("recompute_up_proj", True))
     return policy, reference, lora_cfg.enabled
 
 
@@ -58,7 +58,7 @@ def check_memory_settings(cfg: DictConfig) -> None:
             f"raise it to at least {longest}, or set it to null"
         )
     checkpointing = cfg.model.get("gradient_checkpointing", False)
-    for key in ("gradient_checkpointing", "recompute_elementwise"):
+    for key in ("gradient_checkpointing", "recompute_elementwise", "recompute_up_proj"):
         value = cfg.model.get(key, False)
         if not isinstance(value, bool):
             raise ConfigError(f"model.{key}={value!r} must be true or false")

@@ -95,6 +95,7 @@ RESUMABLE_KEYS = (
     "host",  # how this process uses its machine, not what it computes
     "model.attn_implementation",  # the attention kernel: same values (checkpoints from before it existed resume)
     "optim.logprob_keep_softmax_mib",  # memory for speed: same values and gradients
+    "model.recompute_up_proj",  # memory for speed: same values and gradients
     "rollout.hf.packed_weights",  # the matmul kernels of a rollout: same model, outputs to float rounding
 )
 

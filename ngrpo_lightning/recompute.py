@@ -19,6 +19,13 @@ keeping the tensors (tested). A module is patched only where its new forward giv
 its old output (checked once per class on a random input), so other architectures (Gemma's
 ``1 + weight`` norms, GELU MLPs) keep theirs. ``model.recompute_elementwise`` (default true)
 turns it on for the policy's training forward.
+
+One matmul is worth recomputing too: the MLP's ``up(x)`` [tokens, intermediate] is kept for the
+product's backward, and its input ``x`` is a norm output that is itself recomputed.
+``model.recompute_up_proj`` (default true) registers ``up`` with a recipe that recomputes the
+norm and then the projection, once per layer in backward (the product's recipe and the
+product's own backward share that value). On the packaged model's default run it cut the
+process's peak from 4.16 to 3.86 GiB at the same time per step (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,10 +50,15 @@ class _Recipe:
         self.fn, self.args, self.version, self.nbytes = fn, args, version, nbytes
         self.pending, self.value = 0, None
 
-    def get(self) -> torch.Tensor:
+    def peek(self) -> torch.Tensor:
+        """The value, computed once and cached until the saved views have read it."""
         if self.value is None:
             with torch.no_grad():
                 self.value = self.fn(*self.args)
+        return self.value
+
+    def get(self) -> torch.Tensor:
+        self.peek()
         self.pending -= 1
         value = self.value
         if self.pending <= 0:  # the last view that was saved has been read: drop the cache
@@ -118,6 +130,9 @@ def recomputing(enabled: bool = True):
 
 
 # ---------------------------------------------------------------- patched forwards
+UP_FLAG = "_ngrpo_recompute_up"  # an MLP's attribute: its up projection is recomputed too (install(up_proj=True))
+
+
 def _scaled(weight: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight * (x * rstd).to(dtype)
 
@@ -142,11 +157,33 @@ def _act_times(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up
 
 
+def _recipe_of(t: torch.Tensor) -> _Recipe | None:
+    """The recipe registered for the whole of ``t``, unchanged since, if any."""
+    recipe = _recipes.get(t.untyped_storage().data_ptr()) if t.storage_offset() == 0 else None
+    if recipe is None or recipe.version != t._version or recipe.nbytes != t.untyped_storage().nbytes():
+        return None
+    return recipe
+
+
+def _linear_of(source: _Recipe, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(source.fn(*source.args), weight, bias)
+
+
+def _act_times_recomputed(act, gate: torch.Tensor, up: _Recipe) -> torch.Tensor:
+    return act(gate) * up.peek()  # the product's recompute leaves `up` cached for the product's own backward
+
+
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` (Llama, Qwen, Mistral MLPs), with ``act(gate)`` and the
-    product registered."""
+    product registered, and ``up`` too where its input is a registered norm output."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     act = _register(self.act_fn(gate), self.act_fn, gate)
+    up_too = _active and getattr(self, UP_FLAG, False) and type(self.up_proj) is torch.nn.Linear
+    source = _recipe_of(x) if up_too else None
+    if source is not None and _register(up, _linear_of, source, self.up_proj.weight, self.up_proj.bias) is up:
+        up_recipe = _recipe_of(up)
+        if up_recipe is not None:
+            return self.down_proj(_register(act * up, _act_times_recomputed, self.act_fn, gate, up_recipe))
     return self.down_proj(_register(act * up, _act_times, self.act_fn, gate, up))
 
 
@@ -179,9 +216,12 @@ def _same_output(module: torch.nn.Module, forward) -> bool:
         module.train(was_training)
 
 
-def install(model: torch.nn.Module) -> int:
+def install(model: torch.nn.Module, up_proj: bool = False) -> int:
     """Give ``model``'s RMSNorms and gated MLPs their recomputing forwards, where these give
-    exactly the same outputs (checked once per class); returns how many modules got one."""
+    exactly the same outputs (checked once per class); returns how many modules got one.
+    ``up_proj``: the MLPs recompute their up projection too (a plain ``nn.Linear`` fed by a
+    patched norm): one more matmul per layer in backward, for one [tokens, intermediate]
+    tensor per layer less kept."""
     checked: dict[type, bool] = {}
     count = 0
     for module in model.modules():
@@ -193,5 +233,7 @@ def install(model: torch.nn.Module) -> int:
             checked[cls] = _same_output(module, forward)
         if checked[cls]:
             module.forward = types.MethodType(forward, module)
+            if forward is gated_mlp_forward:
+                setattr(module, UP_FLAG, up_proj)
             count += 1
     return count

@@ -37,12 +37,13 @@ def grads_of(model, ids, context) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("up_proj", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_losses_and_gradients_are_bit_identical(dtype):
+def test_losses_and_gradients_are_bit_identical(dtype, up_proj):
     plain, _ = load_policy("tiny", dtype=dtype)
     patched = copy.deepcopy(plain)
     layers = plain.config.num_hidden_layers
-    assert recompute.install(patched) == 3 * layers + 1  # two norms and an MLP per layer, the final norm
+    assert recompute.install(patched, up_proj=up_proj) == 3 * layers + 1  # 2 norms + an MLP per layer, final norm
     ids = torch.randint(0, plain.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     loss0, grads0 = grads_of(plain, ids, contextlib.nullcontext())
     loss1, grads1 = grads_of(patched, ids, recompute.recomputing())
@@ -66,6 +67,31 @@ def test_fewer_bytes_are_kept_for_backward():
     # norm's two (its output feeds the LM head)
     expected = tokens * 4 * ((4 * c.hidden_size + 2 * c.intermediate_size) * c.num_hidden_layers + 2 * c.hidden_size)
     assert before - after == expected
+    up_too = copy.deepcopy(plain)
+    recompute.install(up_too, up_proj=True)
+    loss2, fewer = kept_bytes(up_too, ids)
+    assert torch.equal(loss0, loss2)
+    assert after - fewer == tokens * 4 * c.intermediate_size * c.num_hidden_layers  # each layer's up(x) too
+
+
+def test_up_projection_is_recomputed_once_per_layer():
+    """The product's recompute and the product's own backward share one recomputed up(x)."""
+    model, _ = load_policy("tiny")
+    recompute.install(model, up_proj=True)
+    calls = []
+    original = recompute._linear_of
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, "_linear_of", counting)
+        with recompute.recomputing():
+            loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
+        loss.backward()
+    assert len(calls) == model.config.num_hidden_layers
 
 
 def test_a_module_that_computes_something_else_keeps_its_forward():

@@ -71,6 +71,7 @@ def test_checks_name_the_key_once(make, message):
         ),
         (["model.gradient_checkpointing=yes"], "model.gradient_checkpointing='yes' must be true or false"),
         (["model.recompute_elementwise=2"], "model.recompute_elementwise=2 must be true or false"),
+        (["model.recompute_up_proj=yes"], "model.recompute_up_proj='yes' must be true or false"),
         (["model.reference_weights=disk"], "model.reference_weights='disk' is not one of auto, memory, file"),
         (
             ["model.reference_weights=file", "trainer=fsdp_cpu"],
