@@ -85,3 +85,28 @@ def test_keep_freed_memory_turns_mimallocs_purging_off():
     kept, on_mimalloc, rss_after_free_mib = json.loads(out.stdout.strip().splitlines()[-1])
     assert kept and on_mimalloc
     assert rss_after_free_mib > 200  # the freed block stays for the next step to reuse
+
+
+LAUNCHER_ENV = """
+import os, sys
+import ngrpo_lightning.launch as launch
+assert "torch" not in sys.modules  # the launcher decides before torch (and OpenMP) loads
+sys.argv = ["ngrpo", "config", "model=tiny"]
+launch.main()
+print("GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "<unset>"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("exported", "expected"),
+    [
+        ({}, "GOMP_SPINCOUNT=1000"),
+        ({"GOMP_SPINCOUNT": "5"}, "GOMP_SPINCOUNT=5"),
+        ({"OMP_WAIT_POLICY": "active"}, "GOMP_SPINCOUNT=<unset>"),
+    ],
+)
+def test_the_command_sets_a_short_openmp_spin_unless_the_user_chose(exported, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", LAUNCHER_ENV], env={**env, **exported}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
