@@ -200,12 +200,22 @@ def run_order(runs: int, sides: tuple[str, ...] | list[str] = tuple(SIDES)) -> l
     return [side for r in range(runs) for side in (list(sides) if r % 2 == 0 else list(sides)[::-1])]
 
 
-def child_env(workload: Workload) -> dict:
+def child_env(workload: Workload, side: str = "trl") -> dict:
+    """A side's environment. This project's side gets what the ``ngrpo`` command gives its own
+    process before torch loads (ngrpo_lightning/launch.py): OpenMP's short spin and, where
+    installed, mimalloc preloaded (since 2026-11-25; the tables before ran without them)."""
     import os
 
+    from ngrpo_lightning import allocator, launch
+
     threads = str(workload.threads)
+    environ = dict(os.environ)
+    if side == "ours":
+        if "OMP_WAIT_POLICY" not in environ:
+            environ.setdefault("GOMP_SPINCOUNT", launch.GOMP_SPINCOUNT)
+        environ = allocator.preload_env(allocator.resolve("auto"), environ)
     return {
-        **os.environ,
+        **environ,
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
         "TOKENIZERS_PARALLELISM": "false",
@@ -222,7 +232,7 @@ def run_side(side: str, workload: Workload, workdir: Path, index: int) -> dict:
     cmd = [sys.executable, str(HERE / script), "--workload", replace(workload, **changes).to_json(), "--out", str(out)]
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(workload))
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(workload, side))
         try:
             tree_peak = wait_watching_rss(proc)
         finally:
