@@ -180,8 +180,9 @@ def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     act = _register(self.act_fn(gate), self.act_fn, gate)
     up_too = _active and getattr(self, UP_FLAG, False) and type(self.up_proj) is torch.nn.Linear
     source = _recipe_of(x) if up_too else None
-    if source is not None and _register(up, _linear_of, source, self.up_proj.weight, self.up_proj.bias) is up:
-        up_recipe = _recipe_of(up)
+    if source is not None:
+        _register(up, _linear_of, source, self.up_proj.weight, self.up_proj.bias)
+        up_recipe = _recipe_of(up)  # None where `up` could not be registered: it is kept as before
         if up_recipe is not None:
             return self.down_proj(_register(act * up, _act_times_recomputed, self.act_fn, gate, up_recipe))
     return self.down_proj(_register(act * up, _act_times, self.act_fn, gate, up))
