@@ -79,7 +79,7 @@ def _status_kb(key: str) -> int:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(fmt(r.get(c))) for r in rows)]) for c in columns]
     print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
     print("-|-".join("-" * w for w in widths))
     for r in rows:
@@ -138,11 +138,16 @@ def background_load(n: int):
             p.wait()
 
 
-def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0) -> int:
-    """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``."""
+def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0, limit_bytes: int | None = None) -> int:
+    """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``. A tree
+    above ``limit_bytes`` is killed (the returned peak then exceeds the limit): a run that would
+    exhaust the machine's memory ends as a failure of its own, not by the kernel's choice."""
     peak = 0
     while True:
         peak = max(peak, tree_rss(proc.pid))
+        if limit_bytes is not None and peak > limit_bytes:
+            kill_tree(proc)
+            return peak
         try:
             proc.wait(timeout=interval_s)
             return peak

@@ -1,14 +1,18 @@
 """The compute floor of a GRPO step: the matmul FLOPs of the passes it needs, and the machine's
 dense matmul rate to divide them by (``benchmarks/vs_trl.py`` reports step / floor).
 
-A forward costs 2 x parameters x tokens (the decoder body on every token, the LM head on
-response tokens only; attention score/value products left out, under 3% at the benchmark's
-lengths); a forward + backward 3x that.
+A forward costs 2 x parameters x tokens in its linear layers (the decoder body on every token,
+the LM head on response tokens only) plus, in every layer, causal attention's two products
+(scores Q K^T and their weighting of V): 2 x 2 x the query width per query-key pair, over
+the pairs a causal model cannot skip (token i attends to the i tokens up to it). At 40-token
+responses attention is under 3% of a step; at thousands of tokens it is the growing term. A
+forward + backward costs 3x a forward.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,8 @@ class ModelShape:
     head_params: int  # vocab x hidden: the LM head, applied where logits are needed
     hidden: int
     intermediate: int
+    layers: int = 0  # decoder layers (0: attention not counted)
+    attn_width: int = 0  # query heads x head dim: the width of the score and value products
 
 
 def model_shape(model_path: str) -> ModelShape:
@@ -32,7 +38,16 @@ def model_shape(model_path: str) -> ModelShape:
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     head = config.vocab_size * config.hidden_size
     untied = not getattr(config, "tie_word_embeddings", False)
-    return ModelShape(total - head * (2 if untied else 1), head, config.hidden_size, config.intermediate_size)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        total - head * (2 if untied else 1),
+        head,
+        config.hidden_size,
+        config.intermediate_size,
+        layers=config.num_hidden_layers,
+        attn_width=heads * head_dim,
+    )
 
 
 def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
@@ -48,16 +63,41 @@ def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
     return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
 
 
+def attention_pairs(prompt_lengths: Sequence[int], response_lengths: Sequence[int], group: int) -> dict[str, int]:
+    """Causal query-key pairs of a step's passes over its rows (grouped by prompt, ``group`` rows
+    each): ``attn_pairs`` with each distinct prompt attended once (its rows' responses attend to
+    it), ``attn_pairs_unshared`` with every row's whole sequence."""
+    tri = lambda n: n * (n + 1) // 2
+    responses = sum(r * p + tri(r) for p, r in zip(prompt_lengths, response_lengths, strict=True))
+    return {
+        "attn_pairs": sum(tri(p) for p in prompt_lengths[::group]) + responses,
+        "attn_pairs_unshared": sum(tri(p + r) for p, r in zip(prompt_lengths, response_lengths, strict=True)),
+    }
+
+
+def linear_flops(shape: ModelShape, prompt_tokens: int, response_tokens: int) -> float:
+    """A forward's linear layers: the decoder body on every token, the LM head on response tokens."""
+    return 2 * (shape.body_params * (prompt_tokens + response_tokens) + shape.head_params * response_tokens)
+
+
+def attention_flops(shape: ModelShape, pairs: int) -> float:
+    """A forward's attention products over ``pairs`` query-key pairs: scores and weighted values,
+    2 x query width each, in every layer."""
+    return 4 * shape.layers * shape.attn_width * pairs
+
+
 def step_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool = False) -> float:
     """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
     backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
     and every response token; logits only at response tokens. ``shared=False``: the reference
     and training passes run every row's prompt (the floor of a step that does not share).
     ``frozen``: the weights get no gradients (LoRA: only the adapters train, whose products are
-    not counted), so backward is the activations' gradients alone: training costs 2 forwards."""
-
-    def forward(prompt_tokens: int) -> float:
-        return 2 * (shape.body_params * (prompt_tokens + step["tokens"]) + shape.head_params * step["tokens"])
-
-    passes = forward(step["prompt_tokens"] if shared else step["row_prompt_tokens"])
-    return forward(step["prompt_tokens"]) + passes + (2 if frozen else 3) * passes  # rollout, reference, training
+    not counted), so the linear layers' backward is the activations' gradients alone (training
+    costs 2 of their forwards); attention has no weights, its backward is 2 forwards either way.
+    Records without ``attn_pairs`` (tables before attention was counted) count none."""
+    tokens = step["tokens"]
+    rollout = linear_flops(shape, step["prompt_tokens"], tokens) + attention_flops(shape, step.get("attn_pairs", 0))
+    prompt = step["prompt_tokens"] if shared else step["row_prompt_tokens"]
+    linear = linear_flops(shape, prompt, tokens)
+    attention = attention_flops(shape, step.get("attn_pairs" if shared else "attn_pairs_unshared", 0))
+    return rollout + (linear + attention) + ((2 if frozen else 3) * linear + 3 * attention)  # + reference + training

@@ -49,12 +49,14 @@ three memory figures, and step / floor. Memory: ``loop_rss_gib`` is the side's p
 the end of its last training step (the figure the tables gave before: model loading and the
 steps); ``cmd_rss_gib`` is the peak of the whole command, its exit included (a final checkpoint
 save, with each side's default saving); ``tree_rss_gib`` adds its child processes (reward
-workers, vLLM), sampled every second. The floor is the matmul FLOPs a step needs, 2 x params x tokens per forward
-(decoder body on every token, LM head on response tokens only; attention score/value products
-left out, under 3% here), for the rollout, the reference forward and the training forward +
-backward (3x a forward), each over every distinct prompt once (a group's rows share it: ngrpo
-runs it once per group, ``optim.share_prompts``; TRL repeats it per row) and every response
-token, divided by the dense matmul rate measured in this run with the same threads and dtype
+workers, vLLM), sampled every second. The floor is the matmul FLOPs a step needs, 2 x params x
+tokens per forward (decoder body on every token, LM head on response tokens only) plus causal
+attention's score and value products (4 x layers x query width per query-key pair; ``attn_share``
+is their share of the floor: under 3% at 40 tokens, the growing term at long responses), for
+the rollout, the reference forward and the training forward + backward (3x a forward), each
+over every distinct prompt once (a group's rows share it: ngrpo runs it once per group,
+``optim.share_prompts``; TRL repeats it per row) and every response token, divided by the
+dense matmul rate measured in this run with the same threads and dtype
 ([3000, hidden] x [hidden, intermediate], best of several).
 
     .venv/bin/python benchmarks/vs_trl.py                 # 3 sides x 2 runs: ~35 minutes, on a quiet machine
@@ -62,7 +64,14 @@ token, divided by the dense matmul rate measured in this run with the same threa
     .venv/bin/python benchmarks/vs_trl.py --natural       # EOS on: compare seconds per generated token
     .venv/bin/python benchmarks/vs_trl.py --load 2        # with 2 CPU-bound background processes
     .venv/bin/python benchmarks/vs_trl.py --engine vllm   # vLLM rollouts, on the sides where they run
+    .venv/bin/python benchmarks/vs_trl.py --tokens 40 256 1024 --runs 1 --steps 3   # cost against length, plotted
     .venv/bin/python benchmarks/vs_trl.py --steps 2 --runs 1 --prompts 1 --group 2 --tokens 4   # smoke test only
+
+Several ``--tokens``: the whole comparison at each response length in turn (fixed lengths, or
+at most that many with ``--natural``), a table across lengths and a plot of seconds per step
+and step / floor against length for every side (``--plot``, default
+benchmarks/results/vs_trl_lengths.png). A side whose process tree goes above ``--max-rss-gib``
+(default 90% of the machine's memory) is stopped and reported as failed at that length.
 
 TRL is an optional dependency: ``pip install -e ".[bench]"``. Prints a table and writes
 benchmarks/results/vs_trl.json (git-ignored).
@@ -89,7 +98,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, background_load, kill_tree, print_table, wait_watching_rss, write_json  # noqa: E402
-from compute_floor import ModelShape, matmul_rate, model_shape, step_flops  # noqa: E402
+from compute_floor import ModelShape, attention_pairs, matmul_rate, model_shape, step_flops  # noqa: E402
 
 # side -> (its script, what it changes in the workload)
 SIDES = {
@@ -121,6 +130,7 @@ class Workload:
     saves: bool = True  # checkpoints as each side's defaults save them (False: none on either side)
     activation_checkpointing: bool = False  # TRL's side only (the trl-ac row)
     lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank (alpha 2 x rank) on every linear layer
+    micro_batch: int = 0  # rows per forward/backward of the update, both sides (0: the whole batch at once)
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
@@ -137,13 +147,17 @@ class Workload:
 
 
 # ------------------------------------------------------------ sides (subprocesses)
-def prompt_counts(row_prompt_lengths: list[int], group: int) -> dict:
-    """Token counts of a step's prompts: rows are grouped by prompt, ``group`` rows each."""
-    return {
+def prompt_counts(row_prompt_lengths: list[int], group: int, row_response_lengths: list[int] | None = None) -> dict:
+    """Token counts of a step's prompts (rows are grouped by prompt, ``group`` rows each) and,
+    given the rows' response lengths, attention's query-key pairs (``compute_floor.attention_pairs``)."""
+    counts = {
         "rows": len(row_prompt_lengths),
         "row_prompt_tokens": sum(row_prompt_lengths),
         "prompt_tokens": sum(row_prompt_lengths[::group]),  # each distinct prompt once
     }
+    if row_response_lengths is not None:
+        counts.update(attention_pairs(row_prompt_lengths, row_response_lengths, group))
+    return counts
 
 
 def peak_rss_now() -> int:
@@ -182,17 +196,50 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=Workload.model)
     ap.add_argument("--prompts", type=int, default=Workload.prompts, help="smoke tests only")
     ap.add_argument("--group", type=int, default=Workload.group, help="smoke tests only")
-    ap.add_argument("--tokens", type=int, default=Workload.tokens, help="smoke tests only")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[Workload.tokens],
+        help="response lengths (max new tokens); several: the whole comparison at each, a table across them and a plot",
+    )
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        nargs="+",
+        default=[Workload.micro_batch],
+        help="rows per forward/backward of the update on both sides (0: whole batch); one value, or one per --tokens",
+    )
+    ap.add_argument(
+        "--max-rss-gib",
+        type=float,
+        default=None,
+        help="a side whose process tree exceeds this is stopped "
+        "and reported as failed at that length (default: 90%% of the machine's memory)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "vs_trl.json"))
+    ap.add_argument("--plot", default=str(RESULTS / "vs_trl_lengths.png"), help="the plot of several --tokens")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step of every run is dropped)")
+    if min(args.tokens) < 1 or len(set(args.tokens)) != len(args.tokens):
+        ap.error(f"--tokens takes distinct lengths >= 1, got {args.tokens}")
+    if len(args.micro_batch) not in (1, len(args.tokens)) or min(args.micro_batch) < 0:
+        ap.error(f"--micro-batch takes one value >= 0 or one per --tokens length, got {args.micro_batch}")
     return args
 
 
+def workloads_from(args) -> list[Workload]:
+    """The workload at each ``--tokens`` length, in order (with its ``--micro-batch``)."""
+    keys = ("model", "dtype", "prompts", "group", "natural", "steps", "engine", "saves", "lora_rank")
+    micro = args.micro_batch * len(args.tokens) if len(args.micro_batch) == 1 else args.micro_batch
+    common = {k: getattr(args, k) for k in keys}
+    return [Workload(tokens=n, micro_batch=m, **common) for n, m in zip(args.tokens, micro, strict=True)]
+
+
 def workload_from(args) -> Workload:
-    keys = ("model", "dtype", "prompts", "group", "tokens", "natural", "steps", "engine", "saves", "lora_rank")
-    return Workload(**{k: getattr(args, k) for k in keys})
+    """The workload of the first ``--tokens`` length."""
+    return workloads_from(args)[0]
 
 
 def run_order(runs: int, sides: tuple[str, ...] | list[str] = tuple(SIDES)) -> list[str]:
@@ -225,8 +272,9 @@ def child_env(workload: Workload, side: str = "trl") -> dict:
     }
 
 
-def run_side(side: str, workload: Workload, workdir: Path, index: int) -> dict:
-    """One run of a side in a fresh subprocess: its per-step records and peak RSS, or ``error``."""
+def run_side(side: str, workload: Workload, workdir: Path, index: int, limit_bytes: int | None = None) -> dict:
+    """One run of a side in a fresh subprocess: its per-step records and peak RSS, or ``error``
+    (also when its process tree goes above ``limit_bytes``: stopped there)."""
     out, log = workdir / f"{index}-{side}.json", workdir / f"{index}-{side}.log"
     script, changes = SIDES[side]
     cmd = [sys.executable, str(HERE / script), "--workload", replace(workload, **changes).to_json(), "--out", str(out)]
@@ -234,11 +282,14 @@ def run_side(side: str, workload: Workload, workdir: Path, index: int) -> dict:
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(workload, side))
         try:
-            tree_peak = wait_watching_rss(proc)
+            tree_peak = wait_watching_rss(proc, limit_bytes=limit_bytes)
         finally:
             if proc.poll() is None:  # Ctrl-C or an error here: the child and its workers go too
                 kill_tree(proc)
     wall = time.perf_counter() - t0
+    if limit_bytes is not None and tree_peak > limit_bytes:
+        reason = f"MemoryError: stopped at {tree_peak / GIB:.1f} GiB, above the limit of {limit_bytes / GIB:.1f} GiB"
+        return {"error": {"returncode": proc.returncode, "reason": reason, "log_tail": ""}, "wall_s": wall}
     if proc.returncode != 0 or not out.exists():
         return {"error": failure(log.read_text(errors="replace"), proc.returncode), "wall_s": wall}
     return {**json.loads(out.read_text()), "tree_peak_rss_bytes": tree_peak, "wall_s": wall}
@@ -267,7 +318,9 @@ def progress(i: int, total: int, side: str, result: dict) -> str:
     )
 
 
-def bench(workload: Workload, runs: int, sides: list[str]) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def bench(
+    workload: Workload, runs: int, sides: list[str], limit_bytes: int | None = None
+) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Every run of every side, in alternating order; a side that fails is not run again."""
     results: dict[str, list[dict]] = {side: [] for side in sides}
     errors: dict[str, dict] = {}
@@ -276,7 +329,7 @@ def bench(workload: Workload, runs: int, sides: list[str]) -> tuple[dict[str, li
         for i, side in enumerate(order):
             if side in errors:
                 continue
-            result = run_side(side, workload, Path(tmp), i)
+            result = run_side(side, workload, Path(tmp), i, limit_bytes)
             print(progress(i, len(order), side, result), flush=True)
             if "error" in result:
                 errors[side] = result["error"]
@@ -311,6 +364,10 @@ def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float, froze
         "ms/token": 1000 * med(s["step_s"] / max(s["tokens"], 1) for s in steps),
         "floor_s": med(floor_s),
         "x_floor": med(t / f for t, f in zip(step_s, floor_s)),
+        "attn_share": med(
+            1 - step_flops(s, replace(shape, layers=0), frozen=frozen) / step_flops(s, shape, frozen=frozen)
+            for s in steps
+        ),
         "floor_unshared_s": med(unshared_s),
         "x_floor_unshared": med(t / f for t, f in zip(step_s, unshared_s)),
         "loop_rss_gib": max(s.get("rss_bytes", 0) for run in runs for s in run["steps"]) / GIB,
@@ -328,7 +385,7 @@ def columns(natural: bool) -> list[str]:
     per_token = ["ms/token", "tokens"]
     lead = per_token + timing if natural else timing + per_token
     memory = ["loop_rss_gib", "cmd_rss_gib", "tree_rss_gib"]
-    return ["side", *lead, "floor_s", "x_floor", "floor_unshared_s", "x_floor_unshared", *memory]
+    return ["side", *lead, "floor_s", "x_floor", "attn_share", "floor_unshared_s", "x_floor_unshared", *memory]
 
 
 def report(rows: list[dict], errors: dict, natural: bool) -> None:
@@ -352,37 +409,129 @@ def versions() -> dict:
     return out
 
 
+LENGTH_COLUMNS = [
+    "max_new_tokens",
+    "micro_batch",
+    "side",
+    "tokens",
+    "s/step",
+    "vs_ours",
+    "gen_s",
+    "update_s",
+    "floor_s",
+    "x_floor",
+    "attn_share",
+    "cmd_rss_gib",
+    "tree_rss_gib",
+]
+
+
+def plot_lengths(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Seconds per step against response length for each side, with the compute floor (left),
+    and each side's step / floor (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for side in dict.fromkeys(r["side"] for r in rows):
+        mine = sorted((r for r in rows if r["side"] == side), key=lambda r: r["max_new_tokens"])
+        x = [r["max_new_tokens"] for r in mine]
+        left.plot(x, [r["s/step"] for r in mine], "o-", label=side)
+        right.plot(x, [r["x_floor"] for r in mine], "o-", label=side)
+    floor = {r["max_new_tokens"]: r["floor_s"] for r in rows if r["side"] == rows[0]["side"]}
+    left.plot(list(floor), list(floor.values()), "k--", label="compute floor (prompts shared)")
+    left.set(xscale="log", yscale="log", xlabel="response length (max new tokens)", ylabel="s / step")
+    right.set(xscale="log", xlabel="response length (max new tokens)", ylabel="step / compute floor", ylim=(0, None))
+    lengths = sorted({r["max_new_tokens"] for r in rows})
+    for ax in (left, right):
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def memory_limit(max_rss_gib: float | None) -> int:
+    """Bytes a side's process tree may hold: ``--max-rss-gib``, else 90% of the machine's memory."""
+    import psutil
+
+    return int(max_rss_gib * GIB) if max_rss_gib else int(0.9 * psutil.virtual_memory().total)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    workload = workload_from(args)
+    workloads = workloads_from(args)
+    first = workloads[0]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-ups too
-    torch.set_num_threads(workload.threads)
-    shape = model_shape(workload.model_path())  # builds a packaged model once, before any timed run
+    torch.set_num_threads(first.threads)
+    shape = model_shape(first.model_path())  # builds a packaged model once, before any timed run
+    limit = memory_limit(args.max_rss_gib)
     with background_load(args.load):
-        rate = matmul_rate(shape, workload.dtype)
-        results, errors = bench(workload, args.runs, args.sides)
-        rate = max(rate, matmul_rate(shape, workload.dtype))
-    frozen = workload.lora_rank > 0
-    rows = [summarize(side, runs, shape, rate, frozen) for side, runs in results.items() if runs]
-    report(rows, errors, workload.natural)
+        rate = matmul_rate(shape, first.dtype)
+        outcomes = []
+        for workload in workloads:
+            if len(workloads) > 1:
+                kind = "at most " if workload.natural else ""
+                rows = workload.micro_batch or "all"
+                print(f"\n== responses of {kind}{workload.tokens} tokens, micro-batches of {rows} rows ==", flush=True)
+            outcomes.append(bench(workload, args.runs, args.sides, limit))
+        rate = max(rate, matmul_rate(shape, first.dtype))
+    frozen = first.lora_rank > 0
+    rows, failures = [], []
+    for workload, (results, errors) in zip(workloads, outcomes):
+        here = [
+            summarize(side, runs, shape, rate, frozen)
+            | {"max_new_tokens": workload.tokens, "micro_batch": workload.micro_batch}
+            for side, runs in results.items()
+            if runs
+        ]
+        if len(workloads) > 1:
+            print(f"\nresponses of {'at most ' if workload.natural else ''}{workload.tokens} tokens:")
+        report(here, errors, first.natural)
+        rows += here
+        failures += [{"side": side, "max_new_tokens": workload.tokens, **err} for side, err in errors.items()]
+    meta = {}
+    if len(workloads) > 1:
+        print("\nacross lengths:")
+        print_table(rows, LENGTH_COLUMNS)
+        kind = "natural lengths, at most" if first.natural else "fixed lengths,"
+        title = f"{first.prompts} prompts x {first.group} completions, {kind} the given tokens"
+        title += f"; {first.dtype}, {first.threads} threads"
+        meta["plot"] = str(plot_lengths(rows, args.plot, title))
+        print(f"\nplotted {meta['plot']}")
     write_json(
         "vs_trl",
         rows,
         path=args.out,
-        workload=asdict(workload),
-        model_path=Path(workload.model_path()).name,
+        workload=asdict(first) | {"tokens": args.tokens, "micro_batch": [w.micro_batch for w in workloads]},
+        model_path=Path(first.model_path()).name,
         runs=args.runs,
         order=run_order(args.runs, args.sides),
         memory="loop_rss_gib: peak RSS up to the end of the last step; cmd_rss_gib: the whole command's "
         "process, its exit and each side's default checkpoint saving included; tree_rss_gib: with child processes",
+        memory_limit_gib=limit / GIB,
         load=args.load,
         matmul_gflops=rate / 1e9,
         model_shape=asdict(shape),
-        floor="2 x params x tokens per forward (body on all tokens, LM head on response tokens; attention "
-        "products left out), each distinct prompt once; rollout + reference forward + training "
-        + ("(2x a forward: LoRA, no weight gradients; adapter products left out)" if frozen else "(3x a forward)"),
-        errors=errors,
+        floor="2 x params x tokens per forward (body on all tokens, LM head on response tokens) + causal attention's "
+        "score and value products (4 x layers x query width per query-key pair), each distinct prompt once; rollout + "
+        "reference forward + training "
+        + (
+            "(linear layers 2x a forward: LoRA, no weight gradients; adapter products left out; attention 3x)"
+            if frozen
+            else "(3x a forward)"
+        ),
+        errors=failures,
         versions=versions(),
+        **meta,
     )
 
 

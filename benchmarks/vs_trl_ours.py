@@ -54,6 +54,7 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
         f"objective.kl_coef={workload.kl_coef}",
         "objective.kl_estimator=k3",
         f"optim.lr={workload.lr}",
+        f"optim.micro_batch_size={workload.micro_batch}",
         "optim.warmup_steps=0",
         "train.ppo_epochs=1",
         "train.num_mini_batches=1",
@@ -105,7 +106,9 @@ class StepRecorder(L.Callback):
         metrics = trainer.callback_metrics
         step = {key: float(metrics[name]) for key, name in METRICS.items()}
         step["tokens"] = round(step["tokens"])
-        step.update(prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size))
+        step.update(
+            prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size, batch.response_mask.sum(1).tolist())
+        )
         step["rss_bytes"] = peak_rss_now()  # before this step's checkpoint save: Lightning runs saving callbacks last
         self.steps.append(step)
 

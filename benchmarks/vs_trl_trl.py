@@ -39,6 +39,9 @@ from vs_trl_ours import ours_config, prompt_batches  # noqa: E402
 def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
     """The workload as a ``GRPOConfig``: one optimizer step per generation of prompts x group completions."""
     batch = workload.prompts * workload.group
+    micro = workload.micro_batch or batch  # rows per forward/backward; generation still makes the whole batch at once
+    if batch % micro:
+        raise ValueError(f"micro_batch={micro} must divide the batch of {batch} rows on TRL's side")
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
@@ -50,9 +53,9 @@ def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
         fp16=False,
         gradient_checkpointing=workload.activation_checkpointing,
         # a step: prompts x group completions, generated once, one optimizer update
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro,
         num_generations=workload.group,
         num_iterations=1,
         max_steps=workload.steps,
@@ -161,7 +164,8 @@ class TimedGRPOTrainer(GRPOTrainer):
             out = super()._generate(prompts)
         prompt_ids, completion_ids = out[0], out[1]
         self.clock.current["tokens"] += sum(len(ids) for ids in completion_ids)
-        self.clock.current.update(prompt_counts([len(ids) for ids in prompt_ids], self.num_generations))
+        lengths = lambda rows: [len(ids) for ids in rows]
+        self.clock.current.update(prompt_counts(lengths(prompt_ids), self.num_generations, lengths(completion_ids)))
         return out
 
     def _calculate_rewards(self, *args, **kwargs):

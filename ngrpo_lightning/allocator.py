@@ -47,6 +47,11 @@ def mimalloc_path() -> Path | None:
     return None
 
 
+def configured(cfg) -> str:
+    """``host.allocator`` of a run's config as given (default ``auto``); :func:`resolve` checks it."""
+    return (cfg.get("host") or {}).get("allocator", "auto")
+
+
 def resolve(name) -> str:
     """``mimalloc`` or ``system``: what ``host.allocator=name`` means on this machine."""
     if name not in ALLOCATORS:

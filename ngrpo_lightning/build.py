@@ -157,7 +157,7 @@ def check_config(cfg: DictConfig) -> None:
     try:
         attention.configured(cfg.model)
         wants_freed_memory_kept(cfg)
-        allocator.resolve((cfg.get("host") or {}).get("allocator", "auto"))
+        allocator.resolve(allocator.configured(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     check_model_settings(cfg)

@@ -234,7 +234,7 @@ def restart_on_allocator(cfg: DictConfig, argv: list[str]) -> None:
     """A ``host.allocator`` that a config group set (not the command line): the command restarts
     on it now (:func:`ngrpo_lightning.allocator.ensure`; a no-op from the Python API)."""
     try:
-        allocator.ensure((cfg.get("host") or {}).get("allocator", "auto"), argv)
+        allocator.ensure(allocator.configured(cfg), argv)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

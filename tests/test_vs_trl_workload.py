@@ -85,6 +85,28 @@ def test_same_generation(sides):
     assert not trainer.use_vllm and cfg.rollout.engine == "hf"
 
 
+def test_micro_batches_split_the_same_update_on_both_sides(tmp_path):
+    """--micro-batch: the same rows per forward/backward on both sides, still one generation of
+    the whole batch and one optimizer update per step."""
+    split = dataclasses.replace(WORKLOAD, micro_batch=8)
+    cfg, args = vs_trl_ours.ours_config(split, str(tmp_path)), vs_trl_trl.trl_config(split, str(tmp_path))
+    batch = split.prompts * split.group
+    assert cfg.optim.micro_batch_size == args.per_device_train_batch_size == 8
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == batch
+    assert args.generation_batch_size == batch and args.steps_per_generation == args.gradient_accumulation_steps
+    with pytest.raises(ValueError, match="micro_batch=5 must divide"):
+        vs_trl_trl.trl_config(dataclasses.replace(WORKLOAD, micro_batch=5))
+
+
+def test_several_lengths_pair_with_their_micro_batches():
+    workloads = vs_trl.workloads_from(vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "0", "8"]))
+    assert [(w.tokens, w.micro_batch) for w in workloads] == [(40, 0), (256, 8)]
+    same = vs_trl.workloads_from(vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "4"]))
+    assert [w.micro_batch for w in same] == [4, 4]
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "0", "8", "4"])
+
+
 def test_natural_lengths_keep_eos_on_both_sides():
     natural = dataclasses.replace(WORKLOAD, natural=True)
     assert vs_trl_trl.trl_config(natural).generation_kwargs is None
