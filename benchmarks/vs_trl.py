@@ -444,9 +444,11 @@ def plot_lengths(rows: list[dict], path: str | Path, title: str) -> Path:
     left.plot(list(floor), list(floor.values()), "k--", label="compute floor (prompts shared)")
     left.set(xscale="log", yscale="log", xlabel="response length (max new tokens)", ylabel="s / step")
     right.set(xscale="log", xlabel="response length (max new tokens)", ylabel="step / compute floor", ylim=(0, None))
-    lengths = sorted({r["max_new_tokens"] for r in rows})
+    micro = {r["max_new_tokens"]: r.get("micro_batch", 0) for r in rows}
+    lengths = sorted(micro)
+    labels = [f"{n}\n{micro[n] or 'all'} rows/micro-batch" if len(set(micro.values())) > 1 else str(n) for n in lengths]
     for ax in (left, right):
-        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xticks(lengths, labels)
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()

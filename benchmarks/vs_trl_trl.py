@@ -11,8 +11,9 @@ Timed phases, per optimizer step (a ``GRPOTrainer`` subclass and a ``TrainerCall
 * ``reward_s``: ``_calculate_rewards``;
 * ``logprobs_s``: ``_get_per_token_logps_and_entropies`` without gradients (reference; old
   log-probs too when TRL computes them);
-* ``update_s``: from the end of ``_prepare_inputs`` (generation and scoring) to the end of the
-  optimizer step: the loss forward, backward, gradient clipping, ``optimizer.step``;
+* ``update_s``: from the end of each ``_prepare_inputs`` (generation and scoring in the first
+  of a step) to the next one or the end of the optimizer step: the loss forwards and backwards
+  of every micro-batch (``--micro-batch``), gradient clipping, ``optimizer.step``;
 * ``step_s``: between consecutive ``on_step_end`` callbacks (the first from ``on_train_begin``).
 
     .venv/bin/python benchmarks/vs_trl_trl.py --workload '{"steps": 2}' --out trl.json
@@ -146,7 +147,8 @@ class PhaseClock(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         self.current["step_s"] = now - self.last_end
-        self.current["update_s"] = now - (self.prepared_at or self.last_end)
+        self.current["update_s"] += now - (self.prepared_at or self.last_end)
+        self.prepared_at = None
         self.current["rss_bytes"] = peak_rss_now()  # before the step's checkpoint save (on_save comes later)
         self.steps.append(self.current)
         self.current, self.last_end = self._blank(), now
@@ -179,9 +181,12 @@ class TimedGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
+        clock = self.clock
+        if self.model.training and clock.prepared_at is not None:  # the previous micro-batch's forward + backward
+            clock.current["update_s"] += time.perf_counter() - clock.prepared_at
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training:
-            self.clock.prepared_at = time.perf_counter()
+            clock.prepared_at = time.perf_counter()
         return inputs
 
 

@@ -1,4 +1,5 @@
-"""Lightning callbacks of ngrpo-lightning: sample tables, the replay buffer, Pass@k evaluation.
+"""Lightning callbacks of ngrpo-lightning: sample tables, the replay buffer, Pass@k evaluation,
+the update's memory check.
 
 The source folder is the top-level `callbacks/`; it installs (and imports) as
 `ngrpo_lightning.callbacks`, the one import path: `from ngrpo_lightning.callbacks import PassAtK`.
@@ -7,5 +8,6 @@ The source folder is the top-level `callbacks/`; it installs (and imports) as
 from .pass_at_k import PassAtK
 from .replay_buffer import ReplayBuffer
 from .sample_table import RolloutSamplesLogger
+from .update_memory import UpdateMemoryCheck
 
-__all__ = ["PassAtK", "ReplayBuffer", "RolloutSamplesLogger"]
+__all__ = ["PassAtK", "ReplayBuffer", "RolloutSamplesLogger", "UpdateMemoryCheck"]

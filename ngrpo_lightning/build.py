@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import allocator, attention
 from .build_data import engine_settings
 from .build_model import check_model_settings, parallel_config, prepare_models
-from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger
+from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger, UpdateMemoryCheck
 from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
 from .checkpointing import build_checkpointing
 from .checks import check_number
@@ -375,6 +375,10 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
         cbs.append(StepProgressBar())
     if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
         cbs += build_checkpointing(cfg)
+    if "data" in cfg and not any(isinstance(cb, UpdateMemoryCheck) for cb in cbs):
+        new_tokens = cfg.rollout.max_new_tokens
+        rows, longest = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.data.max_prompt_tokens + new_tokens
+        cbs.append(UpdateMemoryCheck(rows, new_tokens, longest))
     if logger is not None:
         cbs.append(LearningRateMonitor(logging_interval="step"))
         if cfg.logger.log_samples_every:

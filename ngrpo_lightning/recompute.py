@@ -129,6 +129,27 @@ def recomputing(enabled: bool = True):
         _refs.clear()
 
 
+@contextmanager
+def tallying_kept(kept: dict[int, int], skip: frozenset[int] = frozenset()):
+    """Inside :func:`recomputing`, also record what autograd keeps for backward: ``kept`` maps
+    each kept storage's address to its bytes (a storage counts once however many views of it
+    are saved; recomputed tensors and storages in ``skip``, e.g. the parameters', not at all)."""
+
+    def pack(t: torch.Tensor):
+        packed = _pack(t)
+        if not isinstance(packed, _Packed):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return packed
+            if storage.data_ptr() not in skip:
+                kept[storage.data_ptr()] = storage.nbytes()
+        return packed
+
+    with recomputing(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        yield kept
+
+
 # ---------------------------------------------------------------- patched forwards
 UP_FLAG = "_ngrpo_recompute_up"  # an MLP's attribute: its up projection is recomputed too (install(up_proj=True))
 
