@@ -16,14 +16,7 @@ def kept_bytes(model, ids) -> tuple[torch.Tensor, int]:
     """Loss of a forward and the bytes autograd keeps for its backward (unique storages),
     after the recomputing hooks had their say (an outer tally sees what they pass on)."""
     kept = {}
-
-    def pack(t):
-        packed = recompute._pack(t)
-        if not isinstance(packed, recompute._Packed):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return packed
-
-    with recompute.recomputing(), torch.autograd.graph.saved_tensors_hooks(pack, recompute._unpack):
+    with recompute.tallying_kept(kept):
         loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
     loss.backward()
     return loss.detach(), sum(kept.values())
