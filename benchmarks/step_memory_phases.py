@@ -38,6 +38,7 @@ from vs_trl import Workload  # noqa: E402
 from vs_trl_ours import run as run_ours  # noqa: E402
 
 GIB = 2**30
+LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]  # experiment=ngrpo-lora's adapters
 CONFIGS = {  # name -> overrides on top of the workload's
     "default": [],
     "no-keep": ["host.keep_freed_memory=false"],
@@ -47,8 +48,12 @@ CONFIGS = {  # name -> overrides on top of the workload's
     "micro-batch-16": ["optim.micro_batch_size=16"],
     "trimmed": ["host.keep_freed_memory=false"],  # and malloc_trim before each phase: live memory only
     "trimmed-micro-batch-16": ["host.keep_freed_memory=false", "optim.micro_batch_size=16"],
+    "lora": LORA,
+    "lora-micro-batch-8": [*LORA, "optim.micro_batch_size=8"],
+    "lora-trimmed": [*LORA, "host.keep_freed_memory=false"],
+    "lora-trimmed-micro-batch-8": [*LORA, "host.keep_freed_memory=false", "optim.micro_batch_size=8"],
 }
-TRIMMED = {"trimmed", "trimmed-micro-batch-16"}
+TRIMMED = {"trimmed", "trimmed-micro-batch-16", "lora-trimmed", "lora-trimmed-micro-batch-8"}
 PHASES = ["rollout", "reference", "update", "optimizer"]
 
 

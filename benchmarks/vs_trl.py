@@ -106,6 +106,7 @@ SIDES = {
     "ours": ("vs_trl_ours.py", {}),
     "trl": ("vs_trl_trl.py", {}),
     "trl-ac": ("vs_trl_trl.py", {"activation_checkpointing": True}),
+    "ours-unpacked": ("vs_trl_ours.py", {"ours_overrides": ("optim.packed_weights=false",)}),  # plain products
 }
 PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
 GIB = 1024**3
@@ -132,6 +133,7 @@ class Workload:
     activation_checkpointing: bool = False  # TRL's side only (the trl-ac row)
     lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank (alpha 2 x rank) on every linear layer
     micro_batch: int = 0  # rows per forward/backward of the update, both sides (0: the whole batch at once)
+    ours_overrides: tuple[str, ...] = ()  # this project's side only: extra `ngrpo train` overrides (a baseline row)
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
@@ -258,7 +260,7 @@ def child_env(workload: Workload, side: str = "trl") -> dict:
 
     threads = str(workload.threads)
     environ = dict(os.environ)
-    if side == "ours":
+    if side.startswith("ours"):
         if "OMP_WAIT_POLICY" not in environ:
             environ.setdefault("GOMP_SPINCOUNT", launch.GOMP_SPINCOUNT)
         environ = allocator.preload_env(allocator.resolve("auto"), environ)

@@ -76,6 +76,7 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
             if workload.lora_rank
             else []
         ),
+        *workload.ours_overrides,
     ]
 
 

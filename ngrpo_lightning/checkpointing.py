@@ -97,6 +97,7 @@ RESUMABLE_KEYS = (
     "optim.logprob_keep_softmax_mib",  # memory for speed: same values and gradients
     "model.recompute_up_proj",  # memory for speed: same values and gradients
     "rollout.hf.packed_weights",  # the matmul kernels of a rollout: same model, outputs to float rounding
+    "optim.packed_weights",  # the matmul kernels of the log-prob passes and the update: values to float rounding
 )
 
 

@@ -96,10 +96,18 @@ class _FileWeights:
                 module._parameters[name] = placeholder
         self.loaded = False
 
+    def drop_one(self, module: torch.nn.Module, name: str) -> None:
+        """Free one loaded parameter until the next load, unless another module shares it (a
+        tied embedding is read as a weight, not through the packed layer)."""
+        for _, placeholder, owners in self.slots:
+            if len(owners) == 1 and owners[0][0] is module and owners[0][1] == name:
+                module._parameters[name] = placeholder
+                return
+
     def __del__(self):
         try:
             os.close(self.fd)
-        except OSError:
+        except (OSError, AttributeError, TypeError):  # at interpreter exit `os` may be gone already
             pass
 
 
@@ -164,6 +172,22 @@ def release(model: torch.nn.Module | None) -> None:
     weights = _files.get(model) if model is not None else None
     if weights is not None and weights.loaded:
         weights.drop()
+
+
+def weight_releaser(model: torch.nn.Module | None):
+    """For a model :func:`frozen_copy_to_file` made: a function ``release(module)`` that frees
+    ``module.weight`` until the next load (for a layer that runs on a packed copy of it, see
+    :func:`~ngrpo_lightning.rollout.packed_weights.packed_linears`); ``None`` for other models."""
+    weights = _files.get(model) if model is not None else None
+    if weights is None:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def release(module: torch.nn.Module) -> None:
+        if module is not head:  # the chunked log-probs read the head's weight itself
+            weights.drop_one(module, "weight")
+
+    return release
 
 
 @contextmanager

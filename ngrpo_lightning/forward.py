@@ -17,8 +17,11 @@ vocabularies), forward keeps it and backward skips the recomputation.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .recompute import rows_then_new
 from .rollout.batch import RolloutBatch
 from .rollout.reconstruction import build_inputs_embeds
 
@@ -309,8 +312,7 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
         position_ids=position_ids_from_mask(prompt_mask),
         use_cache=True,
     )
-    cache = prompt.past_key_values
-    cache.reorder_cache(inverse)  # the prompt's keys and values, one row per sample
+    cache = _read_only_prefix(prompt.past_key_values, inverse)  # the prompt's keys and values, per sample
     mask = batch.attention_mask
     response = decoder(
         inputs_embeds=build_inputs_embeds(embedding, batch.response_ids, records, 0, detach_mixture),
@@ -322,3 +324,17 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
     # position t predicts response token t: the prompt's last position, then the response's
     last_prompt = _last_hidden(prompt)[:, -1:][inverse]
     return torch.cat([last_prompt, _last_hidden(response)[:, :-1]], dim=1)
+
+
+def _read_only_prefix(cache, inverse: torch.Tensor):
+    """``cache`` (the distinct prompts' keys and values) made to serve every row: each layer's
+    ``update`` returns the prompt's rows for each sample followed by the new keys or values, and
+    stores nothing (the responses' pass is the cache's last use). The per-row copy is recomputed
+    in backward instead of kept, under :func:`~ngrpo_lightning.recompute.recomputing`."""
+
+    def update(layer, key_states, value_states, *args, **kwargs):
+        return rows_then_new(layer.keys, inverse, key_states), rows_then_new(layer.values, inverse, value_states)
+
+    for layer in cache.layers:
+        layer.update = functools.partial(update, layer)
+    return cache

@@ -44,11 +44,13 @@ from .metrics.exploration import exploration_metrics
 from .metrics.training import combine_metrics, rollout_step_metrics
 from .module_checkpoints import CheckpointHooks, reference_not_required
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, rollout_importance_weights
+from .packed_linear import packed_training
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
 from .recompute import recomputing
 from .rewards import MathReward, score_responses
 from .rollout.batch import RolloutBatch
+from .rollout.packed_weights import packed_linears
 from .rollout.padding import pad_to
 from .settings import OptimConfig, TrainConfig
 from .updates import StepHook, StepRollouts
@@ -294,16 +296,32 @@ class RLModule(CheckpointHooks, L.LightningModule):
         ref_logp = None
         if self.reference is not None:
             with file_weights.materialized(self.reference):  # a file-backed reference is in memory only meanwhile
-                ref_logp = self._logprobs_no_grad(self.reference, step.batch)
+                with self._packed(self.reference, step.batch):
+                    ref_logp = self._logprobs_no_grad(self.reference, step.batch)
         elif self.adapters and self.objective.needs_reference:
             with self.policy.disable_adapter():  # the base model: the policy without its adapters
-                ref_logp = self._logprobs_no_grad(self.policy, step.batch)
+                with self._packed(self.policy, step.batch):
+                    ref_logp = self._logprobs_no_grad(self.policy, step.batch)
         return replace(
             step,
             advantages=group_advantages(step.rewards, step.group_size, self.advantage),
-            old_logp=None if reuse_forward else self._logprobs_no_grad(self.policy, step.batch),
+            old_logp=None if reuse_forward else self._policy_logprobs_no_grad(step.batch),
             ref_logp=ref_logp,
         )
+
+    def _policy_logprobs_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
+        with packed_training(self.policy, enabled=self._packs()):  # the same products as the update's
+            return self._logprobs_no_grad(self.policy, batch)
+
+    def _packs(self) -> bool:
+        return self.optim.packed_weights and self.parallel is None
+
+    def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
+        """The reference's linear layers on weights packed for oneDNN for one pass
+        once (``optim.packed_weights``; CPU weights on one process, else nothing changes). A
+        file-backed reference frees each plain weight once it is packed."""
+        rows = self.optim.micro_batch_size or len(batch)
+        return packed_linears(model, rows, enabled=self._packs(), release=file_weights.weight_releaser(model))
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
@@ -323,37 +341,43 @@ class RLModule(CheckpointHooks, L.LightningModule):
         temperature = self.explorer.temperature or 1.0
         self.update_metrics = []
         reused = None
-        for update in updates:
-            opt.zero_grad(set_to_none=True)
-            parts, weights = [], []
-            if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
-                assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
-                reused = torch.zeros_like(update.batch.rollout_logprobs)
-            for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
-                mb = update.select(rows) if len(rows) < len(update) else update
-                with recomputing():  # the policy's cheap activations (recompute.install) are recomputed in backward
-                    logp, entropy = self._logprobs(
-                        self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
-                    )
-                old_logp = mb.old_logp
-                if old_logp is None:
-                    old_logp = logp.detach()
-                    reused[rows.to(old_logp.device)] = old_logp
-                advantages, tis = self._tis_advantages(mb, old_logp)
-                loss, m = self.objective(logp, old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
-                self.manual_backward(loss * weight)
-                parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
-                weights.append(weight)
-            metrics = combine_metrics(parts, weights)
-            metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
-            opt.step()
-            opt.zero_grad(set_to_none=True)  # freed now: rollouts and log-prob passes until the next update need none
-            sched.step()
-            self.policy_version += 1
-            self.update_metrics.append({k: float(v) for k, v in metrics.items()})
+        with packed_training(self.policy, enabled=self._packs()):  # forward and backward alike (packed_linear.py)
+            for update in updates:
+                opt.zero_grad(set_to_none=True)
+                if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
+                    assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
+                    reused = torch.zeros_like(update.batch.rollout_logprobs)
+                metrics = self._accumulate_gradients(update, temperature, reused)
+                metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
+                opt.step()
+                opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
+                sched.step()
+                self.policy_version += 1
+                self.update_metrics.append({k: float(v) for k, v in metrics.items()})
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)
         return out, reused
+
+    def _accumulate_gradients(self, update: StepRollouts, temperature: float, reused: torch.Tensor | None) -> dict:
+        """Forward and backward of ``update``, one micro-batch at a time; returns its metrics. Where
+        the update has no old log-probs, its forward's go into ``reused``."""
+        parts, weights = [], []
+        for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
+            mb = update.select(rows) if len(rows) < len(update) else update
+            with recomputing():  # the policy's cheap activations (recompute.install) are recomputed in backward
+                logp, entropy = self._logprobs(
+                    self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
+                )
+            old_logp = mb.old_logp
+            if old_logp is None:
+                old_logp = logp.detach()
+                reused[rows.to(old_logp.device)] = old_logp
+            advantages, tis = self._tis_advantages(mb, old_logp)
+            loss, m = self.objective(logp, old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
+            self.manual_backward(loss * weight)
+            parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
+            weights.append(weight)
+        return combine_metrics(parts, weights)
 
     def _tis_advantages(self, mb: StepRollouts, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Advantages weighted by the importance ratio ``p_train_old / p_rollout`` of the fresh

@@ -21,7 +21,8 @@ its old output (checked once per class on a random input), so other architecture
 turns it on for the policy's training forward.
 
 One matmul is worth recomputing too: the MLP's ``up(x)`` [tokens, intermediate] is kept for the
-product's backward, and its input ``x`` is a norm output that is itself recomputed.
+product's backward, and its input ``x`` is a norm output that is itself recomputed (with LoRA
+adapters on ``up_proj``, without dropout, the adapted layer's whole forward is recomputed).
 ``model.recompute_up_proj`` (default true) registers ``up`` with a recipe that recomputes the
 norm and then the projection, once per layer in backward (the product's recipe and the
 product's own backward share that value). On the packaged model's default run it cut the
@@ -150,6 +151,17 @@ def tallying_kept(kept: dict[int, int], skip: frozenset[int] = frozenset()):
         yield kept
 
 
+def rows_then_new(prefix: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat([prefix[rows], new], dim=-2)``, registered: attention keeps this per-row copy of a
+    shared prompt's keys or values for backward, and it is two copies away from ``prefix`` (one
+    row per distinct prompt, kept by the prompt's own pass) and ``new`` (the rows' own)."""
+    return _register(_rows_then_new(prefix, rows, new), _rows_then_new, prefix, rows, new)
+
+
+def _rows_then_new(prefix: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return torch.cat([prefix.index_select(0, rows), new], dim=-2)
+
+
 # ---------------------------------------------------------------- patched forwards
 UP_FLAG = "_ngrpo_recompute_up"  # an MLP's attribute: its up projection is recomputed too (install(up_proj=True))
 
@@ -186,8 +198,23 @@ def _recipe_of(t: torch.Tensor) -> _Recipe | None:
     return recipe
 
 
-def _linear_of(source: _Recipe, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(source.fn(*source.args), weight, bias)
+def _layer_of(source: _Recipe, layer: torch.nn.Module) -> torch.Tensor:
+    # the layer's own forward, as in the forward pass (a packed product, a LoRA layer's sum)
+    return layer(source.fn(*source.args))
+
+
+def _recomputable(layer: torch.nn.Module) -> bool:
+    """Whether running ``layer`` again on the same input gives the same bits: a plain linear
+    layer, or a LoRA layer whose adapters see their input as is (no dropout: a recompute would
+    draw another mask)."""
+    if type(layer) is torch.nn.Linear:
+        return True
+    dropouts = getattr(layer, "lora_dropout", None)
+    return (
+        hasattr(layer, "base_layer")
+        and dropouts is not None
+        and all(isinstance(d, torch.nn.Identity) for d in dropouts.values())
+    )
 
 
 def _act_times_recomputed(act, gate: torch.Tensor, up: _Recipe) -> torch.Tensor:
@@ -199,10 +226,10 @@ def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     product registered, and ``up`` too where its input is a registered norm output."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     act = _register(self.act_fn(gate), self.act_fn, gate)
-    up_too = _active and getattr(self, UP_FLAG, False) and type(self.up_proj) is torch.nn.Linear
+    up_too = _active and getattr(self, UP_FLAG, False) and _recomputable(self.up_proj)
     source = _recipe_of(x) if up_too else None
     if source is not None:
-        _register(up, _linear_of, source, self.up_proj.weight, self.up_proj.bias)
+        _register(up, _layer_of, source, self.up_proj)
         up_recipe = _recipe_of(up)  # None where `up` could not be registered: it is kept as before
         if up_recipe is not None:
             return self.down_proj(_register(act * up, _act_times_recomputed, self.act_fn, gate, up_recipe))
@@ -243,7 +270,7 @@ def install(model: torch.nn.Module, up_proj: bool = False) -> int:
     exactly the same outputs (checked once per class); returns how many modules got one.
     ``up_proj``: the MLPs recompute their up projection too (a plain ``nn.Linear`` fed by a
     patched norm): one more matmul per layer in backward, for one [tokens, intermediate]
-    tensor per layer less kept."""
+    tensor per layer less kept. A LoRA ``up_proj`` (peft's ``lora.Linear``) is recomputed whole."""
     checked: dict[type, bool] = {}
     count = 0
     for module in model.modules():

@@ -28,7 +28,11 @@ class OptimConfig:
     micro-batch whose float32 softmax [tokens, V] fits in that many MiB keep it for backward
     instead (one LM-head pass fewer; 0 = always recompute). ``share_prompts``: the G samples of a
     group run their common prompt once in every log-prob pass (training, old and reference),
-    its keys and values shared; same values and gradients, fewer FLOPs.
+    its keys and values shared; same values and gradients, fewer FLOPs. ``packed_weights``: on
+    the CPU the linear layers multiply by weights packed for oneDNN, as rollouts do: the KL
+    reference's pass on copies packed once per pass, the policy's passes (forward and backward)
+    on copies packed per product (:mod:`~ngrpo_lightning.packed_linear`; values and gradients
+    equal to float rounding, faster).
     """
 
     lr: float = 2.0e-5
@@ -41,6 +45,7 @@ class OptimConfig:
     logprob_chunk_size: int | None = 512  # tokens whose LM-head logits exist at once (null = all: [N, L, V])
     logprob_keep_softmax_mib: float = 512  # LM-head softmax kept for backward when it fits (0 = recompute)
     share_prompts: bool = True  # rows with the same prompt run its tokens once (exact; see forward.py)
+    packed_weights: bool = True  # CPU: products on oneDNN-packed weights (packed_linear.py)
 
     def __post_init__(self):
         check_number("optim.lr", self.lr, 0.0, low_open=True)
@@ -58,8 +63,9 @@ class OptimConfig:
         )
         check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
         check_number("optim.logprob_keep_softmax_mib", self.logprob_keep_softmax_mib, 0.0)
-        if not isinstance(self.share_prompts, bool):
-            raise ValueError(f"optim.share_prompts={self.share_prompts!r} must be true or false")
+        for key in ("share_prompts", "packed_weights"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"optim.{key}={getattr(self, key)!r} must be true or false")
 
     def build(self, params: list[torch.nn.Parameter], sharded: bool = False):
         """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused

@@ -173,3 +173,89 @@ def test_gradient_checkpointing_on_one_device_keeps_the_gradient(tiny):
         (logp * step.batch.response_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in plain.policy.parameters() if p.grad is not None]))
     assert (grads[1] - grads[0]).norm() <= 1e-5 * grads[0].norm()
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["reference", "lora"])
+def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
+    """optim.packed_weights: the KL reference's log-probs (a frozen copy, or the LoRA policy
+    with its adapters off) come from oneDNN-packed weights, equal to the plain pass's to float
+    rounding; off, nothing is packed."""
+    import copy
+
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning import lora
+    from ngrpo_lightning import module as module_file
+    from ngrpo_lightning.module import RLModule
+    from ngrpo_lightning.objectives import GRPO
+    from ngrpo_lightning.settings import OptimConfig
+
+    packed_layers = []
+    original = module_file.packed_linears
+
+    def counting(*args, **kwargs):
+        ctx = original(*args, **kwargs)
+
+        class Spy:
+            def __enter__(self):
+                packed_layers.append(ctx.__enter__())
+
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+
+        return Spy()
+
+    monkeypatch.setattr(module_file, "packed_linears", counting)
+    step = fake_step(list("aabb"), [1, 0, 1, 0])
+    results = []
+    for packed in (True, False):
+        policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+        if adapters:
+            policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=4, alpha=8))
+            kwargs = {"adapters": True}
+        else:
+            kwargs = {"reference": RLModule.reference_from(policy)}
+        module, _ = tiny_rl((policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), **kwargs)
+        module.optim = OptimConfig(packed_weights=packed)
+        results.append(module.prepare(step).ref_logp)
+    assert packed_layers[0] >= 7 * tiny[0].config.num_hidden_layers  # every linear of every layer
+    assert packed_layers[1] == 0
+    mask = step.batch.response_mask.bool()
+    assert results[0][mask].abs().min() > 0
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_a_file_backed_reference_frees_each_weight_it_packs(tiny, tmp_path, tied):
+    """model.reference_weights=file with optim.packed_weights: each decoder weight is freed once
+    packed (one copy per pass, not two); the LM head, read as a weight by the chunked
+    log-probs, stays; the log-probs equal the in-memory reference's to float rounding."""
+    import copy
+
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning import file_weights
+    from ngrpo_lightning.module import RLModule
+    from ngrpo_lightning.objectives import GRPO
+
+    policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    if not tied:
+        policy.lm_head.weight = torch.nn.Parameter(policy.lm_head.weight.detach() * 1.5)
+    step = fake_step(list("aabb"), [1, 0, 1, 0])
+    results, live = [], []
+    for reference in (RLModule.reference_from(policy), file_weights.frozen_copy_to_file(policy, tmp_path)):
+        module, _ = tiny_rl((policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), reference=reference)
+        original = module._logprobs_no_grad
+
+        def seen(model, batch, original=original, reference=reference):  # weights in memory during its pass
+            if model is reference:
+                live.append(sum(p.numel() for p in model.parameters() if p.untyped_storage().nbytes() > 4))
+            return original(model, batch)
+
+        module._logprobs_no_grad = seen
+        results.append(module.prepare(step).ref_logp)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
+    linears = sum(
+        m.weight.numel() for name, m in policy.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in name
+    )
+    assert live[0] - live[1] == linears  # every decoder linear's plain weight freed; embeddings and head kept

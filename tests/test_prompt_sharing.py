@@ -83,3 +83,36 @@ def test_groups_are_found_by_prompt_not_by_position():
 def test_nothing_is_shared_when_every_prompt_differs():
     batch = grouped_batch(512).select(torch.tensor([0, 3]))
     assert shared_prompts(batch) is None
+
+
+def test_the_per_row_prompt_keys_are_recomputed_not_kept():
+    """Under recompute.recomputing, attention's per-row copy of the prompt's keys and values is
+    rebuilt in backward from the one-per-prompt pass: the same bits, no such copy kept."""
+    from ngrpo_lightning import attention, recompute
+
+    model = small_llama()
+    model.set_attn_implementation(attention.NAME)  # the default: grouped keys and values read as they are
+    batch = grouped_batch(512, [4, 0, 5, 2, 1, 3])
+    c = model.config
+    per_row = len(batch) * c.num_key_value_heads * (P + L) * (c.hidden_size // c.num_attention_heads) * 4
+
+    def copies(kept: dict[int, int]) -> int:  # kept storages of [rows, kv heads, P + L, head dim]
+        return sum(n == per_row for n in kept.values())
+
+    plain: dict[int, int] = {}
+
+    def tally(t):
+        plain[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(tally, lambda t: t):
+        logp0, _, grads0 = run(model, batch, share=True)
+    kept: dict[int, int] = {}
+    with recompute.tallying_kept(kept):
+        logp1, _, grads1 = run(model, batch, share=True)
+    assert copies(plain) == 2 * c.num_hidden_layers  # keys and values of every layer, before
+    assert copies(kept) == 0
+    assert torch.equal(logp0, logp1)
+    assert grads0.keys() == grads1.keys()
+    for name, ref in grads0.items():
+        assert torch.equal(grads1[name], ref), name

@@ -27,7 +27,7 @@ def grads_of(model, ids, context) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     with context:
         loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("up_proj", [False, True])
@@ -72,7 +72,7 @@ def test_up_projection_is_recomputed_once_per_layer():
     model, _ = load_policy("tiny")
     recompute.install(model, up_proj=True)
     calls = []
-    original = recompute._linear_of
+    original = recompute._layer_of
 
     def counting(*args):
         calls.append(1)
@@ -80,7 +80,7 @@ def test_up_projection_is_recomputed_once_per_layer():
 
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(recompute, "_linear_of", counting)
+        mp.setattr(recompute, "_layer_of", counting)
         with recompute.recomputing():
             loss = model(input_ids=ids).logits.float().log_softmax(-1).mean()
         loss.backward()
@@ -109,3 +109,46 @@ def test_outside_the_context_nothing_is_registered():
     assert not recompute._recipes
     out.backward()  # and backward works as usual
     assert model.model.norm.weight.grad is not None
+
+
+def adapted_tiny(seed: int = 3):
+    """The tiny model with rank-4 adapters on every linear layer, B nonzero (A's gradient too)."""
+    from ngrpo_lightning import lora
+
+    model, _ = load_policy("tiny")
+    model = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, alpha=8))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def test_a_lora_up_projection_is_recomputed_with_the_same_gradients():
+    plain = adapted_tiny()
+    elementwise, up_too = copy.deepcopy(plain), copy.deepcopy(plain)
+    recompute.install(elementwise, up_proj=False)
+    recompute.install(up_too, up_proj=True)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(4))
+    loss0, grads0 = grads_of(plain, ids, contextlib.nullcontext())
+    loss1, grads1 = grads_of(up_too, ids, recompute.recomputing())
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and any("lora_A" in name for name in grads0)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+    _, without_up = kept_bytes(elementwise, ids)
+    _, fewer = kept_bytes(up_too, ids)
+    c = plain.config
+    assert without_up - fewer == ids.numel() * 4 * c.intermediate_size * c.num_hidden_layers
+
+
+def test_a_lora_up_projection_with_dropout_is_kept():
+    """A recompute would draw another dropout mask: the adapted up(x) stays kept."""
+    from ngrpo_lightning import lora
+
+    model, _ = load_policy("tiny")
+    model = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, alpha=8, dropout=0.1))
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert not recompute._recomputable(mlp.up_proj)
+    assert recompute._recomputable(adapted_tiny().base_model.model.model.layers[0].mlp.up_proj)

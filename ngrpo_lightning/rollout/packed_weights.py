@@ -88,12 +88,15 @@ def _merged_lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
+def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, release=None):
     """Within the block, ``model``'s linear layers multiply by a packed copy of their weights.
 
     ``rows``: the usual number of rows a product will have (the decoding batch), a hint for the
     layout. Use it where the weights do not change (no optimizer step, no autograd: the packed
-    product has no backward)."""
+    product has no backward). ``release(layer)``, if given, is called once a plain linear
+    layer's weight is packed: a frozen model whose weights are read back from a file for each
+    pass frees the plain copy there (:func:`~ngrpo_lightning.file_weights.weight_releaser`), so the
+    pass holds one copy of each weight, not two."""
     layers, inside = [], set()  # inside: the linears of a merged LoRA layer (never called while packed)
     own = {}  # a layer's instance forward (lora's lean one), put back after
     try:
@@ -113,6 +116,9 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True):
                 own[m] = m.__dict__["forward"]
             m.forward = functools.partial(_packed_forward, packed, None if bias is None else bias.detach())
             layers.append(m)
+            if release is not None and merged is None:
+                del weight
+                release(m)
         yield len(layers)
     finally:
         for m in layers:
