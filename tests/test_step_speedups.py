@@ -204,3 +204,28 @@ def test_checkpoints_from_before_these_settings_still_resume():
     assert config_mismatch(older, current) is None
     older["model"]["dtype"] = "bfloat16"
     assert "model.dtype differs" in config_mismatch(older, current)
+
+
+def test_a_bfloat16_decoding_step_attends_in_float32():
+    """sdpa_gqa: one query per row in bfloat16 (a decoding step) runs attention in float32 (the
+    CPU's bfloat16 kernel is slower there); longer queries keep the bfloat16 kernel."""
+    from types import SimpleNamespace
+
+    from ngrpo_lightning.attention import sdpa_gqa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :3] = False  # a left-padded row
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for length in (1, 4):
+        q = torch.randn(2, 6, length, 16, generator=g).to(torch.bfloat16)
+        m = mask.expand(2, 1, length, 9)
+        out, _ = sdpa_gqa_attention_forward(module, q, k, v, m)
+        assert out.dtype == torch.bfloat16 and out.shape == (2, length, 6, 16)
+        wide = sdpa(q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=True).to(torch.bfloat16)
+        narrow = sdpa(q, k, v, attn_mask=m, enable_gqa=True)
+        assert not torch.equal(wide, narrow)  # the two kernels round differently: the test can tell them apart
+        expected = wide if length == 1 else narrow
+        assert torch.equal(out, expected.transpose(1, 2)), length
