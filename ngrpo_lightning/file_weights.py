@@ -76,6 +76,8 @@ class _FileWeights:
 
     def __init__(self, fd: int, slots: list):
         self.fd, self.slots, self.loaded = fd, slots, False  # slots: (offset, placeholder, [(module, name)])
+        # a parameter that one module alone holds -> its placeholder (drop_one frees those only)
+        self.sole = {(id(o[0][0]), o[0][1]): p for _, p, o in slots if len(o) == 1}
 
     def load(self) -> None:
         for offset, placeholder, owners in self.slots:
@@ -99,10 +101,9 @@ class _FileWeights:
     def drop_one(self, module: torch.nn.Module, name: str) -> None:
         """Free one loaded parameter until the next load, unless another module shares it (a
         tied embedding is read as a weight, not through the packed layer)."""
-        for _, placeholder, owners in self.slots:
-            if len(owners) == 1 and owners[0][0] is module and owners[0][1] == name:
-                module._parameters[name] = placeholder
-                return
+        placeholder = self.sole.get((id(module), name))
+        if placeholder is not None:
+            module._parameters[name] = placeholder
 
     def __del__(self):
         try:

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from .rollout.packed_weights import packing_available
+from .rollout.packed_weights import packable
 
 # bfloat16 products run as fast unpacked on a CPU with native bfloat16 (AVX512-BF16): packed,
 # the packaged model's update took 3.05 s against 2.65 (docs/performance.md); float32 gains 1.5x
@@ -69,15 +69,7 @@ def packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _servable(module: torch.nn.Module) -> bool:
-    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
-        return False
-    w = module.weight
-    return (
-        type(w) in (torch.nn.Parameter, torch.Tensor)
-        and w.device.type == "cpu"
-        and w.dtype in DTYPES
-        and packing_available(w.dtype)
-    )
+    return packable(module) and module.weight.dtype in DTYPES
 
 
 def _adapter_matrices(model: torch.nn.Module) -> set[int]:

@@ -56,7 +56,8 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _packable(module: torch.nn.Module) -> bool:
+def packable(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a plain CPU ``nn.Linear`` whose weight this build can pack."""
     # Exactly nn.Linear: subclasses (quantized, LoRA-wrapped) may compute something else.
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
@@ -107,7 +108,7 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, rele
             if merged is not None:
                 inside.update(id(sub) for sub in m.modules())
                 weight, bias = merged, m.base_layer.bias
-            elif _packable(m):
+            elif packable(m):
                 weight, bias = m.weight.detach(), m.bias
             else:
                 continue
