@@ -95,8 +95,8 @@ def test_reserved_cache_rollouts_equal_dynamic_cache(tiny, monkeypatch, capacity
 
     model, tok = tiny
     for explorer in (TemperatureExplorer(1.0), NeighborMixingExplorer(k=4, rho=0.5)):
-        ours = rollouts(model, tok, explorer, lambda cap: reserved_cache(capacity or cap), monkeypatch)
-        theirs = rollouts(model, tok, explorer, lambda cap: DynamicCache(), monkeypatch)
+        ours = rollouts(model, tok, explorer, lambda cap, *store: reserved_cache(capacity or cap, *store), monkeypatch)
+        theirs = rollouts(model, tok, explorer, lambda cap, *store: DynamicCache(), monkeypatch)
         lengths = ours.response_mask.sum(1)
         assert torch.equal(ours.response_ids, theirs.response_ids)
         assert torch.equal(ours.rollout_logprobs, theirs.rollout_logprobs)
@@ -206,26 +206,149 @@ def test_checkpoints_from_before_these_settings_still_resume():
     assert "model.dtype differs" in config_mismatch(older, current)
 
 
+def _grouped_qkv(queries: int, keys: int, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 6, queries, 16, generator=g).to(dtype)
+    k, v = (torch.randn(3, 2, keys, 16, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def test_one_query_attention_equals_sdpa_with_either_mask_kind():
+    """A decoding step: two matmuls with a group's query heads stacked, against PyTorch's kernel."""
+    from ngrpo_lightning.attention import one_query_attention
+
+    q, k, v = _grouped_qkv(1, 9)
+    keep = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    keep[1, ..., :3] = False  # a left-padded row
+    additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    for mask in (keep, additive):
+        got = one_query_attention(q, k, v, mask)
+        assert got.shape == (3, 1, 6, 16)
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
+    unmasked = one_query_attention(q, k, v, keep.expand(3, 1, 1, 9).clone().fill_(True))
+    assert not torch.allclose(unmasked[1], want.transpose(1, 2)[1], atol=1e-3)  # the padding mattered
+
+
 def test_a_bfloat16_decoding_step_attends_in_float32():
-    """sdpa_gqa: one query per row in bfloat16 (a decoding step) runs attention in float32 (the
-    CPU's bfloat16 kernel is slower there); longer queries keep the bfloat16 kernel."""
+    """sdpa_gqa: one query per row in bfloat16 (a decoding step) is computed in float32 (the CPU's
+    bfloat16 kernel is slower there); longer queries keep the bfloat16 kernel."""
     from types import SimpleNamespace
 
-    from ngrpo_lightning.attention import sdpa_gqa_attention_forward
+    from ngrpo_lightning.attention import one_query_attention, sdpa_gqa_attention_forward
 
-    g = torch.Generator().manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    k, v = (torch.randn(2, 2, 9, 16, generator=g).to(torch.bfloat16) for _ in range(2))
-    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    mask[1, ..., :3] = False  # a left-padded row
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for length in (1, 4):
-        q = torch.randn(2, 6, length, 16, generator=g).to(torch.bfloat16)
-        m = mask.expand(2, 1, length, 9)
-        out, _ = sdpa_gqa_attention_forward(module, q, k, v, m)
-        assert out.dtype == torch.bfloat16 and out.shape == (2, length, 6, 16)
-        wide = sdpa(q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=True).to(torch.bfloat16)
-        narrow = sdpa(q, k, v, attn_mask=m, enable_gqa=True)
-        assert not torch.equal(wide, narrow)  # the two kernels round differently: the test can tell them apart
-        expected = wide if length == 1 else narrow
-        assert torch.equal(out, expected.transpose(1, 2)), length
+    q1, k, v = _grouped_qkv(1, 9, torch.bfloat16)
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    out, _ = sdpa_gqa_attention_forward(module, q1, k, v, mask)
+    wide = one_query_attention(q1.float(), k.float(), v.float(), mask).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide)
+    # the float32 cache of a bfloat16 rollout: the same values, nothing cast per step
+    assert torch.equal(sdpa_gqa_attention_forward(module, q1, k.float(), v.float(), mask)[0], out)
+    q4 = _grouped_qkv(4, 9, torch.bfloat16, seed=1)[0]
+    m4 = mask.expand(3, 1, 4, 9).clone()
+    m4[2, ..., 4] = False  # not a causal layout: the masked kernel
+    out4, _ = sdpa_gqa_attention_forward(module, q4, k, v, m4)
+    narrow = torch.nn.functional.scaled_dot_product_attention(q4, k, v, attn_mask=m4, enable_gqa=True)
+    assert torch.equal(out4, narrow.transpose(1, 2))
+
+
+def _padded_causal_mask(starts, ends, queries: int, keys: int) -> torch.Tensor:
+    """transformers' sdpa mask: causal with the queries at the last positions, padding keys off."""
+    position = torch.arange(keys)
+    run = (position >= torch.tensor(starts)[:, None]) & (position < torch.tensor(ends)[:, None])
+    causal = position[None] <= position[keys - queries :, None]
+    return (causal[None] & run[:, None])[:, None]
+
+
+@pytest.mark.parametrize(
+    ("queries", "starts", "ends"),
+    [
+        (12, [0, 3, 5], [12, 10, 12]),  # a whole sequence: left-padded prompts, right-padded responses
+        (8, [2, 2, 2], [12, 9, 12]),  # a response pass after a shared prompt, one start for every row
+        (8, [0, 2, 3], [12, 12, 11]),  # ... and prompts of different lengths
+    ],
+)
+def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, starts, ends):
+    """The causal kernel (rows shifted to their first key) gives the masked kernel's values and
+    gradients at every real query position; padding queries read no key and give 0."""
+    from ngrpo_lightning.attention import causal_attention, causal_starts
+
+    mask = _padded_causal_mask(starts, ends, queries, 12)
+    assert torch.equal(causal_starts(mask, queries), torch.tensor(starts))
+    q, k, v = (t.double().requires_grad_() for t in _grouped_qkv(queries, 12))
+    positions = torch.arange(12 - queries, 12)
+    real = (positions[None] >= torch.tensor(starts)[:, None]) & (positions[None] < torch.tensor(ends)[:, None])
+    grad = torch.randn(3, 6, queries, 16, dtype=torch.double) * real[:, None, :, None]  # the loss reads real ones
+    outs, grads = [], []
+    for fn in (
+        lambda: causal_attention(q, k, v, torch.tensor(starts)),
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+    ):
+        out = fn()
+        outs.append(out * real[:, None, :, None])
+        grads.append(torch.autograd.grad(out, (q, k, v), grad))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    padding = (positions[None] < torch.tensor(starts)[:, None])[:, None, :, None]  # before a row's first key
+    assert (causal_attention(q, k, v, torch.tensor(starts)) * padding == 0).all()
+
+
+def test_causal_layout_is_taken_only_where_it_holds_and_pays():
+    from ngrpo_lightning.attention import causal_starts
+
+    holed = _padded_causal_mask([0, 0], [10, 10], 10, 10)
+    holed[0, :, :, 4] = False  # a padding token inside a row: not one unbroken run
+    assert causal_starts(holed, 10) is None
+    long_prefix = _padded_causal_mask([0, 0], [100, 100], 4, 100)  # 4 queries after 96 cached positions
+    assert causal_starts(long_prefix, 4) is None  # the zero queries would cost more than the mask saves
+    empty = _padded_causal_mask([0, 10], [10, 10], 10, 10)
+    assert causal_starts(empty, 10) is None  # a row with no key at all
+    mask = _padded_causal_mask([1, 0], [10, 10], 10, 10)
+    assert causal_starts(mask, 10) is causal_starts(mask, 10)  # decided once per mask, kept for every layer
+
+
+def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monkeypatch):
+    """A bfloat16 model decoding on CPU with sdpa_gqa keeps keys and values in float32: each is
+    widened once when written, and the rollout equals one over transformers' bfloat16 cache."""
+    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.rollout.kv_cache import reserved_cache, store_dtype_for
+
+    model, tok = load_policy("tiny", dtype="bfloat16")
+    assert store_dtype_for(model) == torch.float32
+    model.set_attn_implementation("sdpa")
+    assert store_dtype_for(model) is None  # other attentions read the model's dtype
+    model.set_attn_implementation("sdpa_gqa")
+    caches = []
+
+    def ours(cap, store):
+        caches.append(reserved_cache(cap, store))
+        return caches[-1]
+
+    explorer = TemperatureExplorer(1.0)
+    wide = rollouts(model, tok, explorer, ours, monkeypatch)
+    plain = rollouts(model, tok, explorer, lambda cap, store: DynamicCache(), monkeypatch)
+    assert caches[0].layers[0].key_buffer.dtype == torch.float32
+    assert torch.equal(wide.response_ids, plain.response_ids)
+    assert torch.equal(wide.rollout_logprobs, plain.rollout_logprobs)
+    # one prompt: no padding, so no mask at all (transformers passes None)
+    monkeypatch.setattr(hf_engine, "reserved_cache", ours)
+    alone = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer, n=1)
+    monkeypatch.setattr(hf_engine, "reserved_cache", lambda cap, store: DynamicCache())
+    alone_plain = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer)
+    assert caches[-1].layers[0].key_buffer.dtype == torch.float32
+    assert torch.equal(alone.response_ids, alone_plain.response_ids)
+
+
+def test_a_wide_reserved_layer_holds_the_widened_values():
+    ours, reference = ReservedLayer(capacity=8, store_dtype=torch.float32), DynamicLayer()
+    for length in (5, 1, 1):
+        keys, values = (torch.randn(2, 2, length, 8).to(torch.bfloat16) for _ in range(2))
+        got, want = ours.update(keys, values), reference.update(keys, values)
+        if length == 5:  # the prefill reads what the model made
+            assert got[0] is keys and got[1] is values
+        else:
+            assert got[0].dtype == torch.float32
+            assert torch.equal(got[0], want[0].float()) and torch.equal(got[1], want[1].float())

@@ -19,7 +19,7 @@ from ..checks import check_number
 from ..explorers import Explorer
 from .batch import RolloutBatch
 from .engine import RolloutEngine, eos_token_ids, register_engine
-from .kv_cache import reserved_cache
+from .kv_cache import reserved_cache, store_dtype_for
 from .packed_weights import packed_linears
 from .padding import pad_rows
 from .reconstruction import mixture_embeddings
@@ -193,7 +193,7 @@ class HFEngine(RolloutEngine):
         slot = live.clone()
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = reserved_cache(width + max_new)  # no per-step concatenation of the whole cache
+        cache = reserved_cache(width + max_new, store_dtype_for(model))  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
         steps = 0

@@ -8,6 +8,12 @@ the response length (docs/performance.md).
 for the whole rollout (prompt + ``max_new_tokens``) at its first update and writes later
 positions into it; the model reads views of the filled part, so values are those of
 ``DynamicCache``.
+
+``store_dtype`` (float32 for a half-precision model decoding on CPU with ``sdpa_gqa``) keeps
+the keys and values in a wider dtype than the model computes them in: each is widened once,
+when written, where a decoding step would otherwise widen the whole cache for every layer and
+token (see :mod:`ngrpo_lightning.attention`; bfloat16 keys and values are exact in float32).
+The prefill's attention reads the keys and values as the model made them.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..attention import NAME as SDPA_GQA
+
 
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, store_dtype: torch.dtype | None = None):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity, self.length, self.store_dtype = capacity, 0, store_dtype
         self.key_buffer = self.value_buffer = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -37,17 +45,19 @@ class ReservedLayer(DynamicLayer):
                 key_states,
                 value_states,
             )
-        end = self.length + new
+        first, end = self.length == 0, self.length + new
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
-        return self._views()
+        views = self._views()
+        return (key_states, value_states) if first else views
 
     def _resize(self, rows: torch.Tensor, capacity: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New buffers of ``capacity`` positions holding the filled part of ``rows``."""
         old_keys, old_values = self.key_buffer, self.value_buffer
-        self.key_buffer = keys.new_empty(len(rows), keys.shape[1], capacity, keys.shape[-1])
-        self.value_buffer = values.new_empty(len(rows), values.shape[1], capacity, values.shape[-1])
+        dtype = self.store_dtype or keys.dtype
+        self.key_buffer = keys.new_empty(len(rows), keys.shape[1], capacity, keys.shape[-1], dtype=dtype)
+        self.value_buffer = values.new_empty(len(rows), values.shape[1], capacity, values.shape[-1], dtype=dtype)
         if old_keys is not None and self.length:
             self.key_buffer[:, :, : self.length] = old_keys[rows, :, : self.length]
             self.value_buffer[:, :, : self.length] = old_values[rows, :, : self.length]
@@ -87,6 +97,15 @@ class ReservedLayer(DynamicLayer):
         super().reset()
 
 
-def reserved_cache(capacity: int) -> Cache:
-    """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each."""
-    return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity))
+def store_dtype_for(model: torch.nn.Module) -> torch.dtype | None:
+    """float32 for a half-precision model on CPU whose attention is ``sdpa_gqa`` (which decodes in
+    float32); ``None`` (the model's dtype) otherwise: other attentions want the model's dtype."""
+    weight = model.get_input_embeddings().weight
+    wide = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if wide and getattr(model.config, "_attn_implementation", None) == SDPA_GQA else None
+
+
+def reserved_cache(capacity: int, store_dtype: torch.dtype | None = None) -> Cache:
+    """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each, kept in
+    ``store_dtype`` (default: the model's)."""
+    return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity, store_dtype))
