@@ -26,6 +26,7 @@ class ModelShape:
     intermediate: int
     layers: int = 0  # decoder layers (0: attention not counted)
     attn_width: int = 0  # query heads x head dim: the width of the score and value products
+    kv_width: int = 0  # key/value heads x head dim: one position's keys (or values) in one layer
 
 
 def model_shape(model_path: str) -> ModelShape:
@@ -47,6 +48,7 @@ def model_shape(model_path: str) -> ModelShape:
         config.intermediate_size,
         layers=config.num_hidden_layers,
         attn_width=heads * head_dim,
+        kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
     )
 
 
@@ -101,3 +103,45 @@ def step_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool 
     linear = linear_flops(shape, prompt, tokens)
     attention = attention_flops(shape, step.get("attn_pairs" if shared else "attn_pairs_unshared", 0))
     return rollout + (linear + attention) + ((2 if frozen else 3) * linear + 3 * attention)  # + reference + training
+
+
+def read_bandwidth(repeats: int = 5, mib: int = 512) -> float:
+    """Memory read bandwidth of this process's threads, bytes/s: best of ``repeats`` sums of a
+    ``mib`` MiB float32 tensor (far larger than any cache)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()  # warm-up: pages touched
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def decode_steps(step: dict) -> list[tuple[int, int]] | None:
+    """``(rows, cached positions read)`` of each decoding step after the first token of a rollout
+    whose rows all generate the same number of tokens (fixed lengths, the records' ``tokens`` =
+    rows x length); ``None`` for natural lengths, whose per-step rows the records do not keep."""
+    rows, tokens = step["rows"], step["tokens"]
+    if not rows or tokens % rows:
+        return None
+    return [(rows, step["row_prompt_tokens"] + rows * t) for t in range(1, tokens // rows)]
+
+
+def step_roofline_s(step: dict, shape: ModelShape, rate: float, bandwidth: float, value_bytes: int, **kw):
+    """:func:`step_flops` / ``rate``, with each decoding step's two parts raised to the bytes they
+    read / ``bandwidth`` where that is more: the products with the weights read every weight
+    once, and attention reads the keys and values of every cached position of every row
+    (``value_bytes`` each: 4 in float32, 2 in bfloat16). The two run one after the other in a
+    decoding step, so each part has its own bound. ``None`` where :func:`decode_steps` is
+    ``None`` or the shape has no ``kv_width``."""
+    steps = decode_steps(step)
+    if steps is None or not shape.kv_width:
+        return None
+    floor = step_flops(step, shape, **kw) / rate
+    weights = (shape.body_params + shape.head_params) * value_bytes / bandwidth
+    per_position = shape.layers * 2 * shape.kv_width * value_bytes / bandwidth
+    for rows, cached in steps:
+        floor += max(0.0, weights - linear_flops(shape, 0, rows) / rate)
+        floor += max(0.0, per_position * cached - attention_flops(shape, cached) / rate)
+    return floor

@@ -57,7 +57,11 @@ the rollout, the reference forward and the training forward + backward (3x a for
 over every distinct prompt once (a group's rows share it: ngrpo runs it once per group,
 ``optim.share_prompts``; TRL repeats it per row) and every response token, divided by the
 dense matmul rate measured in this run with the same threads and dtype
-([3000, hidden] x [hidden, intermediate], best of several).
+([3000, hidden] x [hidden, intermediate], best of several). ``roofline_s`` (in the JSON and the
+across-lengths table, fixed lengths only) adds what decoding must read: in each decoding step
+the products with the weights take at least the weights' bytes / the read bandwidth, and
+attention every row's cached keys and values / the bandwidth, where those exceed their FLOPs'
+time (``compute_floor.step_roofline_s``; bandwidth measured in the run).
 
     .venv/bin/python benchmarks/vs_trl.py                 # 3 sides x 2 runs: ~35 minutes, on a quiet machine
     .venv/bin/python benchmarks/vs_trl.py --sides ours trl --no-saves   # the tables before 2026-11-25
@@ -98,8 +102,8 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, background_load, kill_tree, print_table, wait_watching_rss, write_json  # noqa: E402
-from compute_floor import ModelShape, attention_pairs, matmul_rate, model_shape, step_flops  # noqa: E402
-from vs_trl_lengths import LENGTH_COLUMNS, plot_lengths  # noqa: E402
+from compute_floor import ModelShape, attention_pairs, matmul_rate, model_shape, read_bandwidth, step_flops  # noqa: E402
+from vs_trl_lengths import LENGTH_COLUMNS, add_roofline, plot_lengths  # noqa: E402
 
 # side -> (its script, what it changes in the workload)
 SIDES = {
@@ -428,7 +432,7 @@ def main(argv=None) -> None:
     shape = model_shape(first.model_path())  # builds a packaged model once, before any timed run
     limit = memory_limit(args.max_rss_gib)
     with background_load(args.load):
-        rate = matmul_rate(shape, first.dtype)
+        rate, bandwidth = matmul_rate(shape, first.dtype), read_bandwidth()
         outcomes = []
         for workload in workloads:
             if len(workloads) > 1:
@@ -436,7 +440,7 @@ def main(argv=None) -> None:
                 rows = workload.micro_batch or "all"
                 print(f"\n== responses of {kind}{workload.tokens} tokens, micro-batches of {rows} rows ==", flush=True)
             outcomes.append(bench(workload, args.runs, args.sides, limit))
-        rate = max(rate, matmul_rate(shape, first.dtype))
+        rate, bandwidth = max(rate, matmul_rate(shape, first.dtype)), max(bandwidth, read_bandwidth())
     frozen = first.lora_rank > 0
     rows, failures = [], []
     for workload, (results, errors) in zip(workloads, outcomes):
@@ -446,6 +450,7 @@ def main(argv=None) -> None:
             for side, runs in results.items()
             if runs
         ]
+        add_roofline(here, shape, rate, bandwidth, first.dtype, frozen)
         if len(workloads) > 1:
             print(f"\nresponses of {'at most ' if workload.natural else ''}{workload.tokens} tokens:")
         report(here, errors, first.natural)
@@ -473,6 +478,7 @@ def main(argv=None) -> None:
         memory_limit_gib=limit / GIB,
         load=args.load,
         matmul_gflops=rate / 1e9,
+        read_gbps=bandwidth / 1e9,
         model_shape=asdict(shape),
         floor="2 x params x tokens per forward (body on all tokens, LM head on response tokens) + causal attention's "
         "score and value products (4 x layers x query width per query-key pair), each distinct prompt once; rollout + "

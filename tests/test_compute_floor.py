@@ -5,6 +5,8 @@ real forward (eager attention, which multiplies every query-key pair, so the cou
 ``tokens^2`` pairs); the causal pair count against explicit masks.
 """
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -68,3 +70,63 @@ def test_frozen_weights_drop_one_linear_pass_and_no_attention(tiny):
         assert full - frozen == compute_floor.linear_flops(shape, prompt, 64)
     without = {k: v for k, v in step.items() if not k.startswith("attn")}
     assert compute_floor.step_flops(without, shape) < compute_floor.step_flops(step, shape)
+
+
+# ------------------------------------------------------------------ decoding's reads (the roofline)
+SHAPE = compute_floor.ModelShape(
+    body_params=1000, head_params=500, hidden=8, intermediate=16, layers=2, attn_width=8, kv_width=4
+)
+
+
+def fixed_step(rows=4, length=5, prompt=3):
+    pairs = compute_floor.attention_pairs([prompt] * rows, [length] * rows, group=2)
+    counts = dict(rows=rows, tokens=rows * length, row_prompt_tokens=rows * prompt, prompt_tokens=rows // 2 * prompt)
+    return counts | pairs
+
+
+def test_decoding_steps_read_every_rows_cache():
+    assert compute_floor.decode_steps(fixed_step()) == [(4, 12 + 4 * t) for t in range(1, 5)]
+    assert compute_floor.decode_steps({**fixed_step(), "tokens": 19}) is None  # natural lengths: rows unknown per step
+
+
+def test_the_roofline_is_the_compute_floor_where_reading_is_free_and_the_reads_where_they_bind():
+    step, rate = fixed_step(), 1e9
+    floor = compute_floor.step_flops(step, SHAPE) / rate
+    assert compute_floor.step_roofline_s(step, SHAPE, rate, float("inf"), 4) == pytest.approx(floor)
+    slow = 1.0  # one byte per second: every decoding step waits on its reads
+    reads = sum((1500 * 4 + 2 * 2 * 4 * 4 * cached) / slow for _, cached in compute_floor.decode_steps(step))
+    decode_compute = sum(
+        (compute_floor.linear_flops(SHAPE, 0, rows) + compute_floor.attention_flops(SHAPE, cached)) / rate
+        for rows, cached in compute_floor.decode_steps(step)
+    )
+    got = compute_floor.step_roofline_s(step, SHAPE, rate, slow, 4)
+    assert got == pytest.approx(floor - decode_compute + reads)
+    assert compute_floor.step_roofline_s(step, SHAPE, rate, slow, 2) < got  # bfloat16 reads half the bytes
+    assert compute_floor.step_roofline_s(step, dataclasses.replace(SHAPE, kv_width=0), rate, slow, 4) is None
+
+
+def test_a_saved_lengths_result_is_reported_again_with_the_roofline(tmp_path, capsys):
+    import vs_trl_lengths
+
+    steps = [fixed_step(length=n) | {"step_s": 2.0 * n} for n in (5, 50)]
+    rows = [
+        {"side": "ours", "max_new_tokens": s["tokens"] // 4, "micro_batch": 0, "s/step": s["step_s"], "per_step": [s]}
+        | {"floor_s": 1.0, "x_floor": 1.0}
+        for s in steps
+    ]
+    meta = {
+        "model_shape": dataclasses.asdict(SHAPE),
+        "matmul_gflops": 1.0,
+        "read_gbps": 1e-9,  # 1 byte/s: the reads bind
+        "workload": {"dtype": "float32", "natural": False, "prompts": 2, "group": 2, "threads": 2, "lora_rank": 0},
+    }
+    result = tmp_path / "lengths.json"
+    result.write_text(json.dumps({"meta": meta, "rows": rows}))
+    vs_trl_lengths.main([str(result), "--plot", str(tmp_path / "lengths.png")])
+    saved = json.loads(result.read_text())["rows"]
+    assert (tmp_path / "lengths.png").stat().st_size > 0
+    for row, step in zip(saved, steps):
+        roofline = compute_floor.step_roofline_s(step, SHAPE, 1e9, 1.0, 4)
+        assert row["roofline_s"] == pytest.approx(roofline)
+        assert row["x_roofline"] == pytest.approx(step["step_s"] / roofline)
+    assert "x_roofline" in capsys.readouterr().out
