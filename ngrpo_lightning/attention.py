@@ -100,7 +100,8 @@ def causal_starts(mask: torch.Tensor, queries: int) -> torch.Tensor | None:
         return mask._ngrpo_causal_starts
     rows, _, lq, lk = mask.shape
     keys = mask[:, 0, -1]  # the last query reads every key of its row that is not padding
-    start, end = keys.int().argmax(-1), lk - keys.int().flip(-1).argmax(-1)
+    flags = keys.int()
+    start, end = flags.argmax(-1), lk - flags.flip(-1).argmax(-1)
     position = torch.arange(lk, device=mask.device)
     run = (position >= start[:, None]) & (position < end[:, None])
     causal = position[None] <= position[lk - lq :, None]  # [Lq, Lk], the queries at the last positions
@@ -121,19 +122,22 @@ def causal_attention(query, key, value, starts: torch.Tensor, scaling=None) -> t
     [N, H, Lq, d]; rows of padding queries (no key to read) are 0."""
     rows, heads, lq, dim = query.shape
     lk = key.shape[-2]
+    first = int(starts[0])
+    if bool((starts == first).all()):  # one start for every row (rows of one prompt): views of the keys
+        extra = lk - first - lq  # zero queries before the first query (negative: padding queries, dropped)
+        q = torch.cat([query.new_zeros(rows, heads, extra, dim), query], 2) if extra > 0 else query[:, :, -extra:]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, key[:, :, first:], value[:, :, first:], is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out[:, :, extra:] if extra >= 0 else torch.nn.functional.pad(out, (0, 0, -extra, 0))
     if lk > lq:
         query = torch.cat([query.new_zeros(rows, heads, lk - lq, dim), query], 2)
-    first = int(starts[0])
-    if bool((starts == first).all()):  # one start for every row (rows of one prompt): views, no copies
-        q, k, v = query[:, :, first:], key[:, :, first:], value[:, :, first:]
-    else:
-        index = (torch.arange(lk, device=key.device) + starts[:, None]).clamp_(max=lk - 1)
-        shift = lambda x: x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, dim))
-        q, k, v = shift(query), shift(key), shift(value)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    index = (torch.arange(lk, device=key.device) + starts[:, None]).clamp_(max=lk - 1)
+    shift = lambda x: x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, dim))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        shift(query), shift(key), shift(value), is_causal=True, scale=scaling, enable_gqa=True
+    )
     # position j of a row (before the shift) is output j - start of the shifted row
-    if bool((starts == first).all()):
-        return torch.nn.functional.pad(out, (0, 0, first, 0))[:, :, lk - lq :]
     back = torch.arange(lk - lq, lk, device=key.device) - starts[:, None]  # [N, Lq]
     out = out.gather(2, back.clamp(min=0)[:, None, :, None].expand(-1, heads, -1, dim))
     return out.masked_fill((back < 0)[:, None, :, None], 0.0)

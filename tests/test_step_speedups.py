@@ -266,6 +266,7 @@ def _padded_causal_mask(starts, ends, queries: int, keys: int) -> torch.Tensor:
     ("queries", "starts", "ends"),
     [
         (12, [0, 3, 5], [12, 10, 12]),  # a whole sequence: left-padded prompts, right-padded responses
+        (12, [2, 2, 2], [12, 12, 10]),  # ... one prompt length: padding queries dropped, then put back as 0
         (8, [2, 2, 2], [12, 9, 12]),  # a response pass after a shared prompt, one start for every row
         (8, [0, 2, 3], [12, 12, 11]),  # ... and prompts of different lengths
     ],
