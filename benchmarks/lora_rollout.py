@@ -58,7 +58,7 @@ def main() -> None:
     greedy = TemperatureExplorer(temperature=0.0)
 
     def unmerged(engine, prompts):
-        with mock.patch.object(packed_weights, "_merged_lora_weight", lambda module: None):
+        with mock.patch.object(packed_weights, "_lora_adapter", lambda module: None):
             return engine.generate(prompts, greedy)
 
     rows = []

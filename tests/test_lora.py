@@ -4,10 +4,11 @@ that trains and checkpoints the adapters only, and adapters that leave the frame
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from conftest import TINY_JOB, trained_lora
+from conftest import TINY_JOB, chat_prompt_ids, trained_lora
 
 from ngrpo_lightning import lora
 from ngrpo_lightning.cli import main
@@ -108,6 +109,34 @@ def test_the_reference_is_the_base_model_with_the_adapters_off():
     torch.testing.assert_close(reference, expected, rtol=1e-6, atol=1e-6)
     trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all(lora.is_adapter_weight(name) for name in trainable)
+
+
+def test_an_unpacked_rollout_multiplies_by_merged_weights():
+    """Where nothing is packed (a GPU rollout; here rollout.hf.packed_weights=false), each adapted
+    layer still runs one product per token, on W + scale B A: no base or adapter product runs,
+    the rollout is the adapted policy's, and the training forward is back afterwards."""
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.models import load_tokenizer
+    from ngrpo_lightning.rollout import HFEngine, packed_weights
+
+    policy, tok = trained_lora(std=0.5), load_tokenizer("tiny")
+    adapted = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    inner = [sub for m in adapted for sub in m.modules() if type(sub) is torch.nn.Linear]
+    engine = HFEngine(policy, tok, max_new_tokens=6, packed_weights=False)
+    prompts = chat_prompt_ids(tok, ["What is 7 + 5?", "What is 3 * 4?"])
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append(m)) for m in inner]
+    try:
+        merged = engine.generate(prompts, TemperatureExplorer(0.0), n=2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not calls  # one merged product per adapted layer
+    with mock.patch.object(packed_weights, "_lora_adapter", lambda module: None):  # peft's three products
+        unmerged = engine.generate(prompts, TemperatureExplorer(0.0), n=2)
+    assert torch.equal(merged.response_ids, unmerged.response_ids)
+    torch.testing.assert_close(merged.rollout_logprobs, unmerged.rollout_logprobs, atol=1e-4, rtol=1e-4)
+    assert all(m.forward.__func__ is lora.lean_forward for m in adapted)
 
 
 def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ class HFEngine(RolloutEngine):
 
     def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, pack: bool = False):
         t0 = time.perf_counter()  # the packing counts in the rollout's time
-        with packed_linears(self.model, rows=len(prompts) * n, enabled=pack):
+        with packed_linears(self.model, rows=len(prompts) * n, enabled=pack, merge_lora=True):
             return self._decode(prompts, explorer, n, max_new_tokens, t0)
 
     def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
