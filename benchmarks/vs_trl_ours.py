@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_trl import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
@@ -42,8 +43,8 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
     return [
         f"model.name_or_path='{workload.model_path()}'",
         f"model.dtype={workload.dtype}",
+        *(["data=files", f"data.train='{workload.problems}'"] if workload.problems else ["data.val_size=0"]),
         f"data.prompts_per_step={workload.prompts}",
-        "data.val_size=0",
         f"rollout.group_size={workload.group}",
         f"rollout.max_new_tokens={workload.tokens}",
         f"rollout.engine={workload.engine}",
@@ -111,6 +112,9 @@ class StepRecorder(L.Callback):
             prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size, batch.response_mask.sum(1).tolist())
         )
         step["rss_bytes"] = peak_rss_now()  # before this step's checkpoint save: Lightning runs saving callbacks last
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a GPU run (benchmarks/large_shapes.py)
+            step["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+            step["cuda_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.steps.append(step)
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command with a time limit, from the project's root on a CUDA machine:
+#   1. the side-by-side workload on the packaged model's shape, full fine-tuning and LoRA
+#   2. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
+#   3. the Qwen2.5-1.5B shape at 256 tokens, full fine-tuning and LoRA
+#   4. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
+# Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
+#   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
+#   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
+#             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
+#   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
+#   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU
+set -u
+ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; mkdir -p "$OUT"
+left() { local l=$((LIMIT - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
+if [ -n "${WHEELS:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+  # run from the source tree: the installed package maps callbacks/ to ngrpo_lightning.callbacks
+  [ -e ngrpo_lightning/callbacks ] || ln -s "$PWD/callbacks" ngrpo_lightning/callbacks
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+[ "$ACC" = gpu ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$PY -c "import torch, transformers, peft, ngrpo_lightning.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
+G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
+echo "== 1. the packaged model's shape, $TOK tokens, full and LoRA ($SECONDS s)"
+timeout -s INT "$(left 150)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 --out "$OUT/small.json"
+if [ "$ACC" = gpu ]; then
+  echo "== 2. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens ($SECONDS s)"
+  timeout -s INT "$(left 240)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 3 --micro-batch 8 \
+    --extra model.gradient_checkpointing=true --out "$OUT/7b.json"
+fi
+echo "== 3. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA ($SECONDS s)"
+timeout -s INT "$(left 170)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
+  --out "$OUT/1.5b.json"
+echo "== 4. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
+DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
+CLI="$PY -m ngrpo_lightning.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
+  model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
+  logger=none output_dir=$OUT/run trainer.enable_progress_bar=false"
+timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$OUT/cli.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/cli.log"
+timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$OUT/resume.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/resume.log"
+echo "== done ($SECONDS s)"

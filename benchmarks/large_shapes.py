@@ -1,0 +1,207 @@
+"""The training step of larger models, on one CUDA GPU or the CPU: seconds per step, its phases
+and peak memory, for full fine-tuning and LoRA, on randomly initialised real architectures.
+
+Only the packaged 135M model is at hand offline (and a GPU machine without network can fetch
+no weights at all), and a step's speed and memory do not
+depend on the weights' values. So each shape is built from its published configuration,
+randomly initialised (seeded) on the device and saved once as a local model directory with the
+packaged SmolLM2 tokenizer (a model's vocabulary may be larger than its tokenizer's, as Qwen2's
+is). Responses have a fixed length (EOS ignored), so every run does the same work.
+
+Each configuration is one ``ngrpo train`` (``trainer=gpu`` or ``trainer=cpu``) in its own process (``vs_trl.run_side``,
+the side-by-side benchmark's workload with our side only: 4 prompts x 8 completions, GRPO with
+a k3 KL term, one AdamW step per rollout batch, the HF engine), so each peak is its own. The
+first step of every run is dropped. ``cuda_gib`` is the run's peak of allocated GPU memory
+(``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
+at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). A run that fails (out
+of memory, say) is reported with its reason; the others go on.
+
+    python benchmarks/large_shapes.py --shapes smollm2-135m qwen2.5-1.5b --modes full lora
+    python benchmarks/large_shapes.py --shapes qwen2.5-7b --modes lora --tokens 256 \\
+        --extra model.gradient_checkpointing=true
+
+A machine without the built-in task's package (reasoning-gym) reads its problems from a file
+written here first: ``--export-problems problems.jsonl``, then ``--problems problems.jsonl``
+there (``data=files``: the same questions, rendered with the same chat template).
+
+``--source`` is a directory with the tokenizer files and SmolLM2-135M's config.json (default: the
+packaged model's directory; on a machine without network, a copy of those small files).
+``--accelerator`` is ``gpu`` where CUDA is available, else ``cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, write_json  # noqa: E402
+from vs_trl import GIB, RESULTS, Workload, run_side  # noqa: E402
+
+# Published shapes (config.json of each model); None: the source directory's own config.
+SHAPES: dict[str, dict | None] = {
+    "smollm2-135m": None,
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen2.5-7b": dict(  # also DeepSeek-R1-Distill-Qwen-7B's shape (experiment=n-grpo-7b-lora)
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+MODES = {"full": 0, "lora": 16}  # mode -> LoRA rank (0: full fine-tuning)
+
+
+def model_dir(shape: str, source: Path, root: Path, dtype: str, device: str) -> Path:
+    """A randomly initialised model of ``shape`` saved under ``root`` (built once, seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = root / f"{shape}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    base = AutoConfig.from_pretrained(source)
+    spec = SHAPES[shape]
+    config = base if spec is None else AutoConfig.for_model(**spec)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's special tokens
+        setattr(config, key, getattr(base, key, None))
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # initialised in the run's dtype: no float32 copy of a 7B model
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=root))
+    model.save_pretrained(tmp)
+    del model
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp / name)
+    tmp.rename(out)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the runs' processes get the whole GPU
+    return out
+
+
+def export_problems(path: Path) -> None:
+    """The built-in task's training problems (the default run's) as JSON lines: problem, answer."""
+    from ngrpo_lightning.build_data import build_problems
+    from ngrpo_lightning.config import compose
+
+    cfg = compose([])
+    train, _ = build_problems(cfg.data, cfg.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"problem": p.question, "answer": p.answer}) + "\n" for p in train))
+    print(f"wrote {len(train)} problems to {path}")
+
+
+def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
+    """One table row from a run's per-step records (the first step dropped)."""
+    row = {"shape": shape, "mode": mode, "dtype": workload.dtype, "tokens": workload.tokens}
+    if "error" in result:
+        print(result["error"]["log_tail"], flush=True)
+        return {**row, "error": result["error"]["reason"], "log_tail": result["error"]["log_tail"]}
+    steps = result["steps"][1:]
+    median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    row.update(
+        step_s=median("step_s"),
+        gen_s=median("gen_s"),
+        logprobs_s=median("logprobs_s"),
+        update_s=median("update_s"),
+        gen_tok_s=median("tokens") / median("gen_s"),
+        cuda_gib=max(s.get("cuda_peak_bytes", 0) for s in result["steps"]) / GIB,
+        reserved_gib=max(s.get("cuda_reserved_bytes", 0) for s in result["steps"]) / GIB,
+        rss_gib=result["peak_rss_bytes"] / GIB,
+        wall_s=result["wall_s"],
+    )
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-135m"], choices=list(SHAPES))
+    ap.add_argument("--modes", nargs="+", default=["full", "lora"], choices=list(MODES))
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--tokens", type=int, default=Workload.tokens, help="new tokens per completion (exactly)")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is dropped)")
+    ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward of the update (0: all)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more `ngrpo train` overrides for every run")
+    ap.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu", choices=["gpu", "cpu"])
+    ap.add_argument("--source", type=Path, default=None, help="tokenizer files and SmolLM2-135M's config.json")
+    ap.add_argument("--problems", default="", help="a .jsonl of problems instead of the built-in task")
+    ap.add_argument("--export-problems", type=Path, default=None, help="write the built-in task's problems; exit")
+    ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "ngrpo-large-shapes")
+    ap.add_argument("--out", default=str(RESULTS / "large_shapes.json"))
+    args = ap.parse_args(argv)
+    if args.export_problems:
+        return export_problems(args.export_problems)
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first step of every run is dropped)")
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        sys.exit("large_shapes.py: --accelerator gpu, but torch sees no CUDA device here")
+    if args.source is None:
+        from ngrpo_lightning.models import resolve_model_path
+
+        args.source = Path(resolve_model_path(Workload.model))
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    args.models.mkdir(parents=True, exist_ok=True)
+    trainer = ["trainer=gpu"] if args.accelerator == "gpu" else ["trainer=cpu"]
+    cores = os.cpu_count() or 1
+    threads = cores if device == "cpu" else min(8, cores)  # a GPU run's CPU side: Python, tokenizing
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    meta = {"device": device_name, "extra": args.extra, "micro_batch": args.micro_batch, "steps": args.steps}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="large-shapes-") as work:
+        for shape in args.shapes:
+            path = model_dir(shape, args.source, args.models, args.dtype, device)
+            for mode in args.modes:
+                workload = Workload(
+                    model=str(path),
+                    dtype=args.dtype,
+                    tokens=args.tokens,
+                    steps=args.steps,
+                    saves=False,
+                    threads=threads,
+                    lora_rank=MODES[mode],
+                    micro_batch=args.micro_batch,
+                    problems=str(Path(args.problems).resolve()) if args.problems else "",
+                    ours_overrides=(*trainer, *args.extra),
+                )
+                result = run_side("ours", workload, Path(work), len(rows))
+                rows.append(summary(shape, mode, workload, result))
+                shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
+                print({k: v for k, v in shown.items() if k != "log_tail"}, flush=True)
+                write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
+    columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
+    print_table(rows, [*columns, "cuda_gib", "reserved_gib", "rss_gib", "error"])
+
+
+if __name__ == "__main__":
+    main()
