@@ -60,13 +60,17 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _can_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and packing_available(weight.dtype)
+
+
 def packable(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a plain CPU ``nn.Linear`` whose weight this build can pack."""
     # Exactly nn.Linear: subclasses (quantized, LoRA-wrapped) may compute something else.
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
     w = module.weight
-    return type(w) in (torch.nn.Parameter, torch.Tensor) and w.device.type == "cpu" and packing_available(w.dtype)
+    return type(w) in (torch.nn.Parameter, torch.Tensor) and _can_pack(w)
 
 
 def _own_forward(module: torch.nn.Module) -> bool:
@@ -87,14 +91,6 @@ def _lora_adapter(module: torch.nn.Module) -> str | None:
     if getattr(module, "lora_bias", {}).get(active[0]) or not _own_forward(module):
         return None
     return active[0]
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and packing_available(weight.dtype)
-
-
-def _linear_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 @contextlib.contextmanager
@@ -134,7 +130,7 @@ def packed_linears(model: torch.nn.Module, rows: int, enabled: bool = True, rele
                     _packed_forward, torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows)), bias
                 )
             else:
-                m_forward = functools.partial(_linear_forward, weight, bias)
+                m_forward = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
             if "forward" in m.__dict__:
                 own[m] = m.__dict__["forward"]
             m.forward = m_forward
