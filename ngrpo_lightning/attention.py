@@ -12,14 +12,17 @@ for attention with dropout, a position bias or returned weights) it is transform
 unchanged.
 
 A decoding step (one query per row) on CPU is two batched matmuls with the query heads of a
-group stacked in one product (:func:`one_query_attention`): each key and value is read once
+group stacked in one product (:func:`grouped_attention`): each key and value is read once
 per group and in order, where the attention kernel reads them once per query head, and at long
 contexts decoding is bound by reading the KV cache (all of it for every new token). A whole
 decoding step of the packaged model, 32 rows, 1,000 cached positions: 117 -> 100 ms (500: 79
 -> 72). Half-precision steps compute in float32: PyTorch's CPU bfloat16 attention kernel was
 2.7x slower than the float32 one at one query, and the rollout's KV cache keeps half-precision
 keys and values in float32 for this function (:mod:`ngrpo_lightning.rollout.kv_cache`), so
-nothing is cast per step.
+nothing is cast per step. Short half-precision passes (log-probs and training at short
+lengths, :func:`half_precision_products_pay`) take the same matmuls with the precision of a
+flash kernel (float32 scores, :class:`HalfPrecisionAttention`): there PyTorch's bfloat16
+kernel's backward was two to three times slower than the matmuls.
 
 Longer queries whose mask is plain causal attention over padded rows (every log-prob pass and
 training forward, and the prefill) run PyTorch's causal kernel (:func:`causal_attention`).
@@ -51,13 +54,15 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
     special = special or kwargs.get("output_attentions", False) or (getattr(module, "training", False) and dropout)
     if query.device.type != "cpu" or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if query.shape[-2] == 1:
+    if query.shape[-2] == 1:  # a decoding step
         if attention_mask is not None:
             attention_mask = attention_mask[..., : key.shape[-2]]
-        return one_query_attention(query, key, value, attention_mask, scaling), None
+        return grouped_attention(query, key, value, attention_mask, scaling), None
     key, value = key.to(query.dtype), value.to(query.dtype)  # from a widened rollout cache: see kv_cache
     if attention_mask is None:  # no padding: transformers passes is_causal itself
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if half_precision_products_pay(query, key):
+        return grouped_attention(query, key, value, attention_mask, scaling), None
     starts = causal_starts(attention_mask, query.shape[-2])
     if starts is not None:
         return causal_attention(query, key, value, starts, scaling).transpose(1, 2).contiguous(), None
@@ -67,25 +72,122 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
     return out.transpose(1, 2).contiguous(), None
 
 
-def one_query_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
-    """Attention of one query per row, query [N, H, 1, d] against key/value [N, H_kv, C, d]
-    (H a multiple of H_kv), mask [N, 1, 1, C] (boolean, True where a key is read, or additive);
-    returns [N, 1, H, d] in the query's dtype, computed in float32 for half-precision queries."""
-    rows, heads, _, dim = query.shape
+# Half-precision passes take the matmuls while a row's [H, Lq, Lk] is at most this many pairs
+# (at 256 queries x 340 keys PyTorch's kernel was as fast), in chunks of rows of about
+# CHUNK_PAIRS pairs, whose float32 scores stay in cache.
+HALF_PRECISION_ROW_PAIRS_MAX = 2**18
+CHUNK_PAIRS = 2**20
+
+
+def half_precision_products_pay(query, key) -> bool:
+    """Whether a half-precision pass computes attention as matmuls (:func:`grouped_attention`)
+    rather than with PyTorch's kernel: on CPU the kernel's bfloat16 backward ran at a third to
+    a half of the matmuls' speed at short lengths (32 rows x 40 queries x 106 keys: 19.8 against
+    8.0 ms; 8 rows x 128 x 212: 11.6 against 6.9), and as fast at 256 queries x 340 keys."""
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return query.shape[1] * query.shape[2] * key.shape[2] <= HALF_PRECISION_ROW_PAIRS_MAX
+
+
+def grouped_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
+    """Attention as batched matmuls with the query heads of a group stacked in one product:
+    query [N, H, Lq, d] at the last Lq key positions, key/value [N, H_kv, Lk, d] (H a multiple
+    of H_kv), mask [N, 1, Lq, Lk] (boolean, True where a key is read, or additive). Returns
+    [N, Lq, H, d] in the query's dtype. A query that reads no key (a padding position) gives 0,
+    as PyTorch's kernel does.
+
+    Scores and softmax are float32 at least. A half-precision query with keys of its dtype (a
+    log-prob or training pass) multiplies the probabilities and values in that dtype and keeps
+    for backward what PyTorch's kernel keeps (:class:`HalfPrecisionAttention`); otherwise (a
+    decoding step: one query, against a float32 cache) everything is float32 at least."""
+    rows, heads, lq, dim = query.shape
     kv_heads = key.shape[1]
-    work = torch.promote_types(query.dtype, torch.float32)
     scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(work) * scale  # a group's heads as columns
-    # keys times queries, not queries times keys: the product then streams the keys row by row,
-    # which at long contexts was 57 against 84 ms per token for 1,000 cached positions
-    scores = torch.matmul(key.to(work), q.transpose(-1, -2)).transpose(-1, -2)  # [N, H_kv, group, C]
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        else:
-            scores = scores + attention_mask.to(work)
-    out = torch.matmul(torch.softmax(scores, -1), value.to(work))  # [N, H_kv, group, d]
-    return out.to(query.dtype).reshape(rows, 1, heads, dim)
+    q = query.reshape(rows, kv_heads, heads // kv_heads * lq, dim)  # a group's heads as rows of one product
+    mask = None if attention_mask is None else attention_mask[:, :, None].expand(rows, -1, -1, -1, -1)  # every head
+    if query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype and lq > 1:
+        out = HalfPrecisionAttention.apply(q, key, value, mask, scale)
+    else:
+        work = torch.promote_types(query.dtype, torch.float32)
+        probs = torch.softmax(_scores(q.to(work), key.to(work), mask, scale, one_query=lq == 1), -1)
+        out = torch.matmul(probs, value.to(work))
+    out = out.view(rows, heads, lq, dim).transpose(1, 2)
+    if mask is not None and mask.dtype == torch.bool and lq > 1:  # a decoding row reads its own key
+        empty = ~attention_mask.any(-1).transpose(1, 2)[..., None]  # [N, Lq, 1, 1]
+        if bool(empty.any()):
+            out = out.masked_fill(empty, 0.0)
+    return out.to(query.dtype).contiguous()
+
+
+def _scores(q, key, mask, scale: float, one_query: bool = False) -> torch.Tensor:
+    """Masked scores [N, H_kv, group x Lq, Lk] of stacked queries ``q`` [N, H_kv, group x Lq, d]
+    in their dtype; ``mask`` [N, 1, 1, Lq, Lk] or None."""
+    if one_query:  # a decoding step: keys times queries, which streams the keys in order (57
+        # against 84 ms per token at 1,000 cached positions)
+        scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2).mul_(scale)
+    else:
+        scores = torch.matmul(q * scale, key.transpose(-1, -2))
+    if mask is None:
+        return scores
+    rows, kv_heads, stacked, keys = scores.shape
+    grouped = scores.view(rows, kv_heads, -1, mask.shape[-2], keys)
+    if mask.dtype == torch.bool:  # the lowest finite value, not -inf: a padding query reads no key, and no NaN
+        grouped = grouped.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        grouped = grouped + mask.to(scores.dtype)
+    return grouped.view(rows, kv_heads, stacked, keys)
+
+
+class HalfPrecisionAttention(torch.autograd.Function):
+    """Half-precision attention as flash-attention kernels compute it, on matmuls: scores and
+    softmax in float32, the probabilities rounded to the half dtype for the product with the
+    values. Keeps for backward only its inputs, as a flash kernel does, and recomputes the
+    probabilities there, so no [Lq, Lk] tensor is held between forward and backward. Works
+    through the rows in chunks of about ``CHUNK_PAIRS`` query-key pairs. Stacked queries
+    [N, H_kv, G, d], key/value [N, H_kv, Lk, d], mask [N, 1, 1, Lq, Lk] or None; returns
+    [N, H_kv, G, d]."""
+
+    @staticmethod
+    def forward(ctx, q, key, value, mask, scale: float):
+        ctx.save_for_backward(q, key, value)
+        ctx.mask, ctx.scale = mask, scale
+        out = torch.empty_like(q)
+        for part in _row_chunks(q, key):
+            probs = _probabilities(q[part], key[part], None if mask is None else mask[part], scale)
+            torch.matmul(probs.to(q.dtype), value[part], out=out[part])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, key, value = ctx.saved_tensors
+        grads = torch.empty_like(q), torch.empty_like(key), torch.empty_like(value)
+        for part in _row_chunks(q, key):
+            mask = None if ctx.mask is None else ctx.mask[part]
+            for grad, chunk in zip(grads, _backward(q[part], key[part], value[part], mask, ctx.scale, grad_out[part])):
+                grad[part] = chunk
+        return *grads, None, None
+
+
+def _backward(q, key, value, mask, scale: float, grad_out):
+    """Gradients of :class:`HalfPrecisionAttention` for q, key and value, the probabilities recomputed."""
+    probs = _probabilities(q, key, mask, scale)
+    grad_value = torch.matmul(probs.to(q.dtype).transpose(-1, -2), grad_out)
+    grad_probs = torch.matmul(grad_out.to(probs.dtype), value.to(probs.dtype).transpose(-1, -2))
+    # softmax's backward: p * (dp - sum(p * dp)), the sum in float32 from the same p and dp
+    grad_scores = probs.mul_(grad_probs.sub_((grad_probs * probs).sum(-1, keepdim=True))).mul_(scale).to(q.dtype)
+    return torch.matmul(grad_scores, key), torch.matmul(grad_scores.transpose(-1, -2), q), grad_value
+
+
+def _row_chunks(q, key) -> list[slice]:
+    rows = q.shape[0]
+    step = max(1, CHUNK_PAIRS // (q.shape[1] * q.shape[2] * key.shape[2]))
+    return [slice(r, r + step) for r in range(0, rows, step)]
+
+
+def _probabilities(q, key, mask, scale: float) -> torch.Tensor:
+    """The softmax of the masked scores, float32 (float64 for float64 inputs, in tests)."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    return torch.softmax(_scores(q.to(work), key.to(work), mask, scale), -1)
 
 
 def causal_starts(mask: torch.Tensor, queries: int) -> torch.Tensor | None:

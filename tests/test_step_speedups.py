@@ -213,9 +213,9 @@ def _grouped_qkv(queries: int, keys: int, dtype=torch.float32, seed=0):
     return q, k, v
 
 
-def test_one_query_attention_equals_sdpa_with_either_mask_kind():
+def test_grouped_attention_equals_sdpa_with_either_mask_kind():
     """A decoding step: two matmuls with a group's query heads stacked, against PyTorch's kernel."""
-    from ngrpo_lightning.attention import one_query_attention
+    from ngrpo_lightning.attention import grouped_attention
 
     q, k, v = _grouped_qkv(1, 9)
     keep = torch.ones(3, 1, 1, 9, dtype=torch.bool)
@@ -223,26 +223,26 @@ def test_one_query_attention_equals_sdpa_with_either_mask_kind():
     additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
     for mask in (keep, additive):
-        got = one_query_attention(q, k, v, mask)
+        got = grouped_attention(q, k, v, mask)
         assert got.shape == (3, 1, 6, 16)
         torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
-    unmasked = one_query_attention(q, k, v, keep.expand(3, 1, 1, 9).clone().fill_(True))
+    unmasked = grouped_attention(q, k, v, keep.expand(3, 1, 1, 9).clone().fill_(True))
     assert not torch.allclose(unmasked[1], want.transpose(1, 2)[1], atol=1e-3)  # the padding mattered
 
 
 def test_a_bfloat16_decoding_step_attends_in_float32():
     """sdpa_gqa: one query per row in bfloat16 (a decoding step) is computed in float32 (the CPU's
-    bfloat16 kernel is slower there); longer queries keep the bfloat16 kernel."""
+    bfloat16 kernel is slower there); short passes take the same matmuls (float32 scores)."""
     from types import SimpleNamespace
 
-    from ngrpo_lightning.attention import one_query_attention, sdpa_gqa_attention_forward
+    from ngrpo_lightning.attention import grouped_attention, half_precision_products_pay, sdpa_gqa_attention_forward
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     q1, k, v = _grouped_qkv(1, 9, torch.bfloat16)
     mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
     mask[1, ..., :3] = False
     out, _ = sdpa_gqa_attention_forward(module, q1, k, v, mask)
-    wide = one_query_attention(q1.float(), k.float(), v.float(), mask).to(torch.bfloat16)
+    wide = grouped_attention(q1.float(), k.float(), v.float(), mask).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16 and torch.equal(out, wide)
     # the float32 cache of a bfloat16 rollout: the same values, nothing cast per step
     assert torch.equal(sdpa_gqa_attention_forward(module, q1, k.float(), v.float(), mask)[0], out)
@@ -250,8 +250,12 @@ def test_a_bfloat16_decoding_step_attends_in_float32():
     m4 = mask.expand(3, 1, 4, 9).clone()
     m4[2, ..., 4] = False  # not a causal layout: the masked kernel
     out4, _ = sdpa_gqa_attention_forward(module, q4, k, v, m4)
-    narrow = torch.nn.functional.scaled_dot_product_attention(q4, k, v, attn_mask=m4, enable_gqa=True)
-    assert torch.equal(out4, narrow.transpose(1, 2))
+    assert out4.dtype == torch.bfloat16 and torch.equal(out4, grouped_attention(q4, k, v, m4))
+    # ... while short: long passes, and float32 ones, keep PyTorch's kernel
+    long_q, long_k = torch.empty(1, 9, 256, 64, dtype=torch.bfloat16), torch.empty(1, 3, 340, 64, dtype=torch.bfloat16)
+    assert half_precision_products_pay(long_q[:, :, :40], long_k[:, :, :106])
+    assert not half_precision_products_pay(long_q, long_k)
+    assert not half_precision_products_pay(long_q[:, :, :40].float(), long_k[:, :, :106].float())
 
 
 def _padded_causal_mask(starts, ends, queries: int, keys: int) -> torch.Tensor:
@@ -295,6 +299,52 @@ def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, st
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     padding = (positions[None] < torch.tensor(starts)[:, None])[:, None, :, None]  # before a row's first key
     assert (causal_attention(q, k, v, torch.tensor(starts)) * padding == 0).all()
+
+
+def _flash_style(q, k, v, mask):
+    """HalfPrecisionAttention on [N, H, Lq, d] queries, as grouped_attention calls it, [N, H, Lq, d]."""
+    from ngrpo_lightning.attention import HalfPrecisionAttention
+
+    rows, heads, lq, dim = q.shape
+    out = HalfPrecisionAttention.apply(q.reshape(rows, k.shape[1], -1, dim), k, v, mask[:, :, None], dim**-0.5)
+    return out.view(rows, heads, lq, dim)
+
+
+@pytest.mark.parametrize("path", ["matmuls", "flash-style", "bfloat16"])
+def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positions(path):
+    """Attention as matmuls (padded prompts, a response pass after a shared prompt): in float64
+    the masked kernel's values and gradients, both the plain matmuls and the half-precision
+    function that recomputes the probabilities in backward; in bfloat16 (that function) no
+    further from float64 than the bfloat16 kernel is. A padding query reads no key: 0, no NaN."""
+    from ngrpo_lightning.attention import grouped_attention
+
+    starts, ends, queries = [0, 3, 5], [12, 10, 12], 8
+    mask = _padded_causal_mask(starts, ends, queries, 12)
+    positions = torch.arange(12 - queries, 12)
+    real = (positions[None] >= torch.tensor(starts)[:, None]) & (positions[None] < torch.tensor(ends)[:, None])
+    grad = torch.randn(3, 6, queries, 16, dtype=torch.double) * real[:, None, :, None]
+
+    def run(fn, dt):
+        q, k, v = (t.to(dt).requires_grad_() for t in _grouped_qkv(queries, 12, torch.double))
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad.to(dt))
+        return (out.double() * real[:, None, :, None], *(g.double() for g in grads))
+
+    kernel = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ours = lambda q, k, v: grouped_attention(q, k, v, mask).transpose(1, 2)
+    exact = run(kernel, torch.double)
+    if path == "bfloat16":
+        got, narrow = run(ours, torch.bfloat16), run(kernel, torch.bfloat16)
+        for a, b, want in zip(got, narrow, exact, strict=True):
+            assert (a - want).abs().max() <= 1.5 * (b - want).abs().max()
+    else:
+        got = run(ours if path == "matmuls" else lambda q, k, v: _flash_style(q, k, v, mask), torch.double)
+        for a, b in zip(got, exact, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert all(torch.isfinite(t).all() for t in got)
+    before = (positions[None] < torch.tensor(starts)[:, None])[:, None, :, None]  # before a row's first key
+    dtype = torch.bfloat16 if path == "bfloat16" else torch.double
+    assert before.any() and (ours(*_grouped_qkv(queries, 12, dtype)) * before == 0).all()
 
 
 def test_causal_layout_is_taken_only_where_it_holds_and_pays():
