@@ -143,7 +143,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc = _softmax_dtype(weight)
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        grad_weight = None  # the first chunk's product, then the sum (float32 for a half-precision head)
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
@@ -161,12 +161,15 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_hidden[part] = dz @ weight
             if need_weight:
                 h = hidden[part].to(weight.dtype)
-                if weight.dtype == acc:
+                if grad_weight is None:  # no zeroed [V, d] buffer to add the first product to
+                    grad_weight = (dz.t() @ h).to(acc)
+                elif weight.dtype == acc:
                     grad_weight.addmm_(dz.t(), h)
-                else:
-                    grad_weight += (dz.t() @ h).to(acc)
+                else:  # a half-precision product is added into float32 without a float32 copy of it
+                    grad_weight += dz.t() @ h
             del dz
-        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        if need_weight:
+            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
