@@ -104,9 +104,10 @@ def grouped_attention(query, key, value, attention_mask, scaling=None) -> torch.
     kv_heads = key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(rows, kv_heads, heads // kv_heads * lq, dim)  # a group's heads as rows of one product
-    mask = None if attention_mask is None else attention_mask[:, :, None].expand(rows, -1, -1, -1, -1)  # every head
+    mask = None if attention_mask is None else attention_mask[:, :, None]  # [N, 1, 1, Lq, Lk]: every head
     if query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype and lq > 1:
-        out = HalfPrecisionAttention.apply(q, key, value, mask, scale)
+        bias = None if mask is None else score_bias(attention_mask, q.shape, torch.float32)
+        out = HalfPrecisionAttention.apply(q, key, value, bias, scale)
     else:
         work = torch.promote_types(query.dtype, torch.float32)
         probs = torch.softmax(_scores(q.to(work), key.to(work), mask, scale, one_query=lq == 1), -1)
@@ -138,22 +139,40 @@ def _scores(q, key, mask, scale: float, one_query: bool = False) -> torch.Tensor
     return grouped.view(rows, kv_heads, stacked, keys)
 
 
+def score_bias(mask: torch.Tensor, stacked_shape, dtype: torch.dtype) -> torch.Tensor:
+    """The mask [N, 1, Lq, Lk] (boolean or additive) as an additive bias [N, H_kv, group x Lq, Lk]
+    of ``dtype`` for the scores of stacked queries of ``stacked_shape`` [N, H_kv, group x Lq, d]:
+    0 where a key is read, the lowest finite value where not. Built once per forward: it is
+    kept on the mask, which every layer shares."""
+    rows, kv_heads, stacked, _ = stacked_shape
+    lq, lk = mask.shape[-2:]
+    cache = mask.__dict__.setdefault("_ngrpo_score_bias", {})
+    key = (kv_heads, stacked, dtype)
+    if key not in cache:
+        if mask.dtype == torch.bool:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        else:
+            bias = mask.to(dtype)
+        cache[key] = bias[:, :, None].expand(rows, kv_heads, stacked // lq, lq, lk).reshape(rows, kv_heads, stacked, lk)
+    return cache[key]
+
+
 class HalfPrecisionAttention(torch.autograd.Function):
     """Half-precision attention as flash-attention kernels compute it, on matmuls: scores and
     softmax in float32, the probabilities rounded to the half dtype for the product with the
     values. Keeps for backward only its inputs, as a flash kernel does, and recomputes the
     probabilities there, so no [Lq, Lk] tensor is held between forward and backward. Works
     through the rows in chunks of about ``CHUNK_PAIRS`` query-key pairs. Stacked queries
-    [N, H_kv, G, d], key/value [N, H_kv, Lk, d], mask [N, 1, 1, Lq, Lk] or None; returns
-    [N, H_kv, G, d]."""
+    [N, H_kv, G, d], key/value [N, H_kv, Lk, d], ``bias`` [N, H_kv, G, Lk] (:func:`score_bias`)
+    or None; returns [N, H_kv, G, d]."""
 
     @staticmethod
-    def forward(ctx, q, key, value, mask, scale: float):
+    def forward(ctx, q, key, value, bias, scale: float):
         ctx.save_for_backward(q, key, value)
-        ctx.mask, ctx.scale = mask, scale
+        ctx.bias, ctx.scale = bias, scale
         out = torch.empty_like(q)
         for part in _row_chunks(q, key):
-            probs = _probabilities(q[part], key[part], None if mask is None else mask[part], scale)
+            probs = _probabilities(q[part], key[part], None if bias is None else bias[part], scale)
             torch.matmul(probs.to(q.dtype), value[part], out=out[part])
         return out
 
@@ -162,15 +181,15 @@ class HalfPrecisionAttention(torch.autograd.Function):
         q, key, value = ctx.saved_tensors
         grads = torch.empty_like(q), torch.empty_like(key), torch.empty_like(value)
         for part in _row_chunks(q, key):
-            mask = None if ctx.mask is None else ctx.mask[part]
-            for grad, chunk in zip(grads, _backward(q[part], key[part], value[part], mask, ctx.scale, grad_out[part])):
+            bias = None if ctx.bias is None else ctx.bias[part]
+            for grad, chunk in zip(grads, _backward(q[part], key[part], value[part], bias, ctx.scale, grad_out[part])):
                 grad[part] = chunk
         return *grads, None, None
 
 
-def _backward(q, key, value, mask, scale: float, grad_out):
+def _backward(q, key, value, bias, scale: float, grad_out):
     """Gradients of :class:`HalfPrecisionAttention` for q, key and value, the probabilities recomputed."""
-    probs = _probabilities(q, key, mask, scale)
+    probs = _probabilities(q, key, bias, scale)
     grad_value = torch.matmul(probs.to(q.dtype).transpose(-1, -2), grad_out)
     grad_probs = torch.matmul(grad_out.to(probs.dtype), value.to(probs.dtype).transpose(-1, -2))
     # softmax's backward: p * (dp - sum(p * dp)), the sum in float32 from the same p and dp
@@ -184,10 +203,18 @@ def _row_chunks(q, key) -> list[slice]:
     return [slice(r, r + step) for r in range(0, rows, step)]
 
 
-def _probabilities(q, key, mask, scale: float) -> torch.Tensor:
-    """The softmax of the masked scores, float32 (float64 for float64 inputs, in tests)."""
+def _probabilities(q, key, bias, scale: float) -> torch.Tensor:
+    """The softmax of the biased scores, float32 (float64 for float64 inputs, in tests), the bias
+    and the scale taken inside the product."""
+    rows, kv_heads, stacked, dim = q.shape
     work = torch.promote_types(q.dtype, torch.float32)
-    return torch.softmax(_scores(q.to(work), key.to(work), mask, scale), -1)
+    q3 = q.to(work).reshape(-1, stacked, dim)
+    k3 = key.to(work).reshape(-1, key.shape[-2], dim).transpose(1, 2)
+    if bias is None:
+        scores = torch.bmm(q3, k3).mul_(scale)
+    else:
+        scores = torch.baddbmm(bias.to(work).reshape(-1, stacked, k3.shape[-1]), q3, k3, alpha=scale)
+    return torch.softmax(scores, -1).view(rows, kv_heads, stacked, -1)
 
 
 def causal_starts(mask: torch.Tensor, queries: int) -> torch.Tensor | None:

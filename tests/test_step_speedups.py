@@ -303,10 +303,11 @@ def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, st
 
 def _flash_style(q, k, v, mask):
     """HalfPrecisionAttention on [N, H, Lq, d] queries, as grouped_attention calls it, [N, H, Lq, d]."""
-    from ngrpo_lightning.attention import HalfPrecisionAttention
+    from ngrpo_lightning.attention import HalfPrecisionAttention, score_bias
 
     rows, heads, lq, dim = q.shape
-    out = HalfPrecisionAttention.apply(q.reshape(rows, k.shape[1], -1, dim), k, v, mask[:, :, None], dim**-0.5)
+    stacked = q.reshape(rows, k.shape[1], -1, dim)
+    out = HalfPrecisionAttention.apply(stacked, k, v, score_bias(mask, stacked.shape, q.dtype), dim**-0.5)
     return out.view(rows, heads, lq, dim)
 
 
