@@ -165,7 +165,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_weight = (dz.t() @ h).to(acc)
                 elif weight.dtype == acc:
                     grad_weight.addmm_(dz.t(), h)
-                else:  # a half-precision product is added into float32 without a float32 copy of it
+                else:  # a half-precision product, widened to float32 as it is added
                     grad_weight += dz.t() @ h
             del dz
         if need_weight:
