@@ -24,13 +24,15 @@ lengths, :func:`half_precision_products_pay`) take the same matmuls with the pre
 flash kernel (float32 scores, :class:`HalfPrecisionAttention`): there PyTorch's bfloat16
 kernel's backward was two to three times slower than the matmuls.
 
-Longer queries whose mask is plain causal attention over padded rows (every log-prob pass and
-training forward, and the prefill) run PyTorch's causal kernel (:func:`causal_attention`).
+Long passes whose mask is plain causal attention over padded rows (log-prob passes and
+training forwards of long responses) run PyTorch's causal kernel (:func:`causal_attention`).
 Given a mask, the kernel computes every query-key pair and discards the masked ones, about half
-of a causal pass's; with ``is_causal`` it skips them. The mask is checked once per forward
-(:func:`causal_starts`); anything else (holes in a row, a long cached prefix before a few
-queries) keeps the masked kernel. Attention of a 4-row micro-batch of 1,024-token responses
-after a shared 80-token prompt, forward and backward over 30 layers: 6.10 -> 4.58 s.
+of a causal pass's; with ``is_causal`` it skips them, but only in whole blocks of 512 keys, so
+below about 600 keys per row the causal kernel does more work, not less. The mask and the
+lengths are checked once per forward (:func:`causal_starts`); anything else (holes in a row,
+shorter rows, a long cached prefix before a few queries) keeps the masked kernel. Attention of
+a 4-row micro-batch of 1,024-token responses after a shared 80-token prompt, forward and
+backward over 30 layers: 6.10 -> 4.58 s.
 
 It is registered with transformers (``AttentionInterface``, with ``sdpa``'s mask builder) as
 ``sdpa_gqa`` and is the default of ``model.attn_implementation``; any name transformers
@@ -218,15 +220,24 @@ def _probabilities(q, key, bias, scale: float) -> torch.Tensor:
 
 
 def causal_starts(mask: torch.Tensor, queries: int) -> torch.Tensor | None:
-    """Where each row's keys start, [N], when ``mask`` [N, 1, Lq, Lk] (boolean) is exactly causal
-    attention over one unbroken run of keys per row (left padding, then tokens, then right
-    padding; the queries are the last Lq positions) and the causal kernel would do less work
-    than the masked one; ``None`` otherwise. Checked once per forward: the answer is kept on the
-    mask, which every layer shares."""
+    """Where each row's keys start, [N], when ``mask`` [N, 1, Lq, Lk] is causal attention over one
+    unbroken run of keys per row (:func:`causal_layout`) and the causal kernel would do less work
+    than the masked one (:func:`causal_kernel_pays`); ``None`` otherwise. Checked once per
+    forward: the answer is kept on the mask, which every layer shares."""
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
         return None
-    if hasattr(mask, "_ngrpo_causal_starts"):
-        return mask._ngrpo_causal_starts
+    if not hasattr(mask, "_ngrpo_causal_starts"):
+        starts = causal_layout(mask, queries)
+        pays = starts is not None and causal_kernel_pays(starts, *mask.shape[-2:])
+        mask._ngrpo_causal_starts = starts if pays else None
+    return mask._ngrpo_causal_starts
+
+
+def causal_layout(mask: torch.Tensor, queries: int) -> torch.Tensor | None:
+    """Where each row's keys start, [N], when the boolean ``mask`` [N, 1, Lq, Lk] is exactly
+    causal attention over one unbroken run of keys per row (left padding, then tokens, then
+    right padding; the queries are the last Lq positions) and every row reads a key; ``None``
+    otherwise."""
     rows, _, lq, lk = mask.shape
     keys = mask[:, 0, -1]  # the last query reads every key of its row that is not padding
     flags = keys.int()
@@ -235,11 +246,28 @@ def causal_starts(mask: torch.Tensor, queries: int) -> torch.Tensor | None:
     run = (position >= start[:, None]) & (position < end[:, None])
     causal = position[None] <= position[lk - lq :, None]  # [Lq, Lk], the queries at the last positions
     exact = torch.equal(keys, run) and torch.equal(mask[:, 0], causal[None] & run[:, None])
-    # the causal kernel reads each row's keys from its start, with queries (some unused) at each
-    # position: worth it where that is well under the masked kernel's Lq x Lk pairs
-    cheaper = float(((lk - start) ** 2).sum()) / 2 < 0.6 * rows * lq * lk
-    mask._ngrpo_causal_starts = start if exact and cheaper and bool(keys.any(-1).all()) else None
-    return mask._ngrpo_causal_starts
+    return start if exact and bool(keys.any(-1).all()) else None
+
+
+# PyTorch's CPU kernel skips the keys past the diagonal a block of this many keys at a time
+CAUSAL_KEY_BLOCK = 512
+
+
+def causal_kernel_pays(starts: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether the causal kernel on rows shifted to their ``starts`` (:func:`causal_attention`)
+    computes clearly fewer query-key pairs than the masked kernel's ``queries x keys`` per row.
+    The causal kernel gives each shifted position (zero queries included) the keys up to the end
+    of its block of ``CAUSAL_KEY_BLOCK``: below one block it computes every pair, more than the
+    masked kernel. Rows of different starts also pay for gathering the shifted rows, so they
+    need a larger saving. Measured (float32, 9 heads): 256 queries x 340 keys took 51.7 against
+    32.9 ms per layer's forward and backward (causal against masked); 1,024 x 1,104 took 165 against
+    206 ms (152 against 204 with one start)."""
+    block = CAUSAL_KEY_BLOCK
+    lengths = keys - starts.double()
+    full = torch.div(lengths, block, rounding_mode="floor")
+    causal = block * block * full * (full + 1) / 2 + (lengths - block * full) * lengths
+    one_start = bool((starts == starts[0]).all())
+    return float(causal.sum()) < (0.95 if one_start else 0.8) * len(starts) * queries * keys
 
 
 def causal_attention(query, key, value, starts: torch.Tensor, scaling=None) -> torch.Tensor:

@@ -278,10 +278,10 @@ def _padded_causal_mask(starts, ends, queries: int, keys: int) -> torch.Tensor:
 def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, starts, ends):
     """The causal kernel (rows shifted to their first key) gives the masked kernel's values and
     gradients at every real query position; padding queries read no key and give 0."""
-    from ngrpo_lightning.attention import causal_attention, causal_starts
+    from ngrpo_lightning.attention import causal_attention, causal_layout
 
     mask = _padded_causal_mask(starts, ends, queries, 12)
-    assert torch.equal(causal_starts(mask, queries), torch.tensor(starts))
+    assert torch.equal(causal_layout(mask, queries), torch.tensor(starts))
     q, k, v = (t.double().requires_grad_() for t in _grouped_qkv(queries, 12))
     positions = torch.arange(12 - queries, 12)
     real = (positions[None] >= torch.tensor(starts)[:, None]) & (positions[None] < torch.tensor(ends)[:, None])
@@ -349,17 +349,23 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
 
 
 def test_causal_layout_is_taken_only_where_it_holds_and_pays():
-    from ngrpo_lightning.attention import causal_starts
+    from ngrpo_lightning.attention import causal_layout, causal_starts
 
     holed = _padded_causal_mask([0, 0], [10, 10], 10, 10)
     holed[0, :, :, 4] = False  # a padding token inside a row: not one unbroken run
-    assert causal_starts(holed, 10) is None
-    long_prefix = _padded_causal_mask([0, 0], [100, 100], 4, 100)  # 4 queries after 96 cached positions
-    assert causal_starts(long_prefix, 4) is None  # the zero queries would cost more than the mask saves
+    assert causal_layout(holed, 10) is None
     empty = _padded_causal_mask([0, 10], [10, 10], 10, 10)
-    assert causal_starts(empty, 10) is None  # a row with no key at all
-    mask = _padded_causal_mask([1, 0], [10, 10], 10, 10)
-    assert causal_starts(mask, 10) is causal_starts(mask, 10)  # decided once per mask, kept for every layer
+    assert causal_layout(empty, 10) is None  # a row with no key at all
+    # the causal kernel skips keys in blocks of 512: long rows pay, short ones do not
+    long_rows = _padded_causal_mask([0, 30, 60, 90], [1104] * 4, 1024, 1104)
+    assert torch.equal(causal_starts(long_rows, 1024), torch.tensor([0, 30, 60, 90]))
+    assert causal_starts(long_rows, 1024) is causal_starts(long_rows, 1024)  # decided once per mask
+    one_start = _padded_causal_mask([0] * 4, [700] * 4, 620, 700)  # one start: a smaller saving pays
+    assert causal_starts(one_start, 620) is not None
+    shorter = _padded_causal_mask([0, 30, 60, 84], [340] * 4, 256, 340)  # 256 responses after their prompts
+    assert causal_layout(shorter, 256) is not None and causal_starts(shorter, 256) is None
+    long_prefix = _padded_causal_mask([0, 0], [1100, 1100], 4, 1100)  # 4 queries after 1,096 cached positions
+    assert causal_starts(long_prefix, 4) is None  # the zero queries would cost more than the mask saves
 
 
 def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monkeypatch):
