@@ -80,6 +80,7 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
 # short shape measured, by 10-30% over 2^20).
 HALF_PRECISION_ROW_PAIRS_MAX = 2**18
 CHUNK_PAIRS = 2**19
+HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def half_precision_products_pay(query, key) -> bool:
@@ -87,7 +88,7 @@ def half_precision_products_pay(query, key) -> bool:
     rather than with PyTorch's kernel: on CPU the kernel's bfloat16 backward ran at a third to
     a half of the matmuls' speed at short lengths (32 rows x 40 queries x 106 keys: 19.8 against
     8.0 ms; 8 rows x 128 x 212: 11.6 against 6.9), and as fast at 256 queries x 340 keys."""
-    if query.dtype not in (torch.bfloat16, torch.float16):
+    if query.dtype not in HALF_PRECISION:
         return False
     return query.shape[1] * query.shape[2] * key.shape[2] <= HALF_PRECISION_ROW_PAIRS_MAX
 
@@ -108,7 +109,7 @@ def grouped_attention(query, key, value, attention_mask, scaling=None) -> torch.
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(rows, kv_heads, heads // kv_heads * lq, dim)  # a group's heads as rows of one product
     mask = None if attention_mask is None else attention_mask[:, :, None]  # [N, 1, 1, Lq, Lk]: every head
-    if query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype and lq > 1:
+    if query.dtype in HALF_PRECISION and key.dtype == query.dtype and lq > 1:
         bias = None if mask is None else score_bias(attention_mask, q.shape, torch.float32)
         out = HalfPrecisionAttention.apply(q, key, value, bias, scale)
     else:
