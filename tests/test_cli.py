@@ -1,6 +1,8 @@
 """Bad input gets one clear error naming the problem; nothing is trained."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -86,6 +88,23 @@ def test_config_prints_composed_yaml(capsys):
     assert main(["config", "experiment=grpo", "optim.lr=3e-6"]) == 0
     out = capsys.readouterr().out
     assert "lr: 3.0e-06" in out and "experiment_name: grpo" in out
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [(["train", "--help"], 0), (["config", "experiment=ngrpo"], 0), (["train", "explorer=bogus"], 2)],
+)
+def test_cheap_paths_answer_before_torch_loads(argv, code):
+    # help, the composed config and a config that does not compose need neither torch nor
+    # Lightning (5-6 s of imports): a fresh process shows they were never loaded
+    script = (
+        "import sys; from ngrpo_lightning.cli import main; code = main(sys.argv[1:]); "
+        "heavy = sorted({'torch', 'lightning', 'transformers', 'mlflow'} & set(sys.modules)); "
+        "print('heavy:', heavy, file=sys.stderr); sys.exit(code)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert "heavy: []" in done.stderr
 
 
 def test_unknown_rollout_engine_is_a_config_error(capsys):

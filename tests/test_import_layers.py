@@ -18,6 +18,19 @@ REPO = ROOT.parent
 LAZY_OK = {
     ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
     ("ngrpo_lightning.launch", "ngrpo_lightning.cli"): "the command restarts on its allocator before torch loads",
+    **{
+        ("ngrpo_lightning.cli", f"ngrpo_lightning.{command}"): "help and config errors answer before torch loads"
+        for command in (
+            "train_command",
+            "eval_command",
+            "export",
+            "sweep",
+            "compare",
+            "compare.command",
+            "diagnose",
+            "diagnose.command",
+        )
+    },
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import ScriptedReward
 from mlflow.tracking import MlflowClient
 
-from ngrpo_lightning import build, cli
+from ngrpo_lightning import build, train_command
 from ngrpo_lightning.cli import main, train
 from ngrpo_lightning.config import compose
 from ngrpo_lightning.tracking import build_logger
@@ -66,7 +66,7 @@ def test_run_status_is_running_while_training_and_finished_after(tmp_path, monke
             logger = trainer.logger
             seen.setdefault("status", logger.experiment.get_run(logger.run_id).info.status)
 
-    monkeypatch.setattr(cli, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
+    monkeypatch.setattr(train_command, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
     monkeypatch.setattr(build, "build_reward", lambda cfg: ScriptedReward((1, 0)))
     store = f"sqlite:///{tmp_path}/mlruns.db"
     overrides = [*TINY, f"logger.tracking_uri={store}"]
