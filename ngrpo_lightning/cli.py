@@ -22,7 +22,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from . import allocator
-from .config import GROUPS, ConfigError, compose, group_options
+from .config import ConfigError, compose, config_dir, group_options
 
 # Only what the cheap paths need is imported here: ``--help``, ``ngrpo config`` and a config
 # that does not compose answer in about a second, before torch and Lightning (5-6 s) load.
@@ -38,14 +38,39 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def print_groups() -> None:
+# Each command's config file in conf/: what its --help describes.
+CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
+
+
+def print_groups(command: str = "train") -> None:
+    """``ngrpo <command> --help``: the config groups the command composes, with their options,
+    then its usage lines and, but for train (``ngrpo config`` prints its every key), its own keys
+    with their comments, as its config file documents them."""
+    lines = (config_dir() / f"{CONFIG_FILES[command]}.yaml").read_text().splitlines()
+    defaults = OmegaConf.create("\n".join(lines)).get("defaults", [])
+    groups = [g for entry in defaults if isinstance(entry, DictConfig) for g in entry]
     print("Config groups (select with group=option; override any key with a.b=value):")
-    for g in GROUPS:
+    for g in groups:
         print(f"  {g:<10} {', '.join(group_options(g))}")
-    print(
-        "\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
-        "\n  ngrpo config experiment=grpo   # print the composed config"
-    )
+    if command in ("train", "config"):
+        print(
+            "\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
+            "\n  ngrpo config experiment=grpo   # print the composed config, every key"
+        )
+        return
+    usage = [line.removeprefix("#").strip() for line in lines[: _first_key(lines)] if line.startswith("#   ngrpo")]
+    print("\nExamples:\n" + "\n".join(f"  {line}" for line in usage))
+    keys = lines[_first_key(lines, after_defaults=True) :]
+    print(f"\nKeys (conf/{CONFIG_FILES[command]}.yaml):\n" + "\n".join(f"  {line}".rstrip() for line in keys).rstrip())
+
+
+def _first_key(lines: list[str], after_defaults: bool = False) -> int:
+    """Index of the config file's first top-level line (``defaults:``), or with ``after_defaults``
+    of the first top-level key after the defaults list."""
+    first = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    if not after_defaults:
+        return first
+    return next(i for i in range(first + 1, len(lines)) if lines[i] and not lines[i].startswith(("#", " ", "-")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.help or (args.command == "diagnose" and args.mode is None):
         mode = " {drift,rollouts}" if args.command == "diagnose" else ""
         print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
-        print_groups()
+        print_groups(args.command)
         return 0 if args.help else 2
     try:
         if args.command == "eval":

@@ -84,6 +84,21 @@ def test_help_lists_groups(capsys):
     assert "explorer" in out and "temperature" in out and "experiment" in out
 
 
+@pytest.mark.parametrize(
+    "command, groups, keys",
+    [
+        ("eval", ["model", "data", "logger"], ["n:", "ks:", "checkpoint:"]),
+        ("compare", ["logger"], ["sweep:", "n_boot:"]),
+    ],
+)
+def test_a_commands_help_describes_its_own_config(capsys, command, groups, keys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.split("Examples:")[0].splitlines()[1:] if line.startswith("  ")]
+    assert listed == groups  # train's explorer, objective, ... are not the command's
+    assert all(f"\n  {key}" in out for key in keys) and f"ngrpo {command} " in out
+
+
 def test_config_prints_composed_yaml(capsys):
     assert main(["config", "experiment=grpo", "optim.lr=3e-6"]) == 0
     out = capsys.readouterr().out
