@@ -42,7 +42,7 @@ def __getattr__(name: str):
 CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
 
 
-def print_groups(command: str = "train") -> None:
+def print_command_help(command: str = "train") -> None:
     """``ngrpo <command> --help``: the config groups the command composes, with their options,
     then its usage lines and, but for train (``ngrpo config`` prints its every key), its own keys
     with their comments, as its config file documents them."""
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.help or (args.command == "diagnose" and args.mode is None):
         mode = " {drift,rollouts}" if args.command == "diagnose" else ""
         print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
-        print_groups(args.command)
+        print_command_help(args.command)
         return 0 if args.help else 2
     try:
         if args.command == "eval":
