@@ -8,9 +8,9 @@ randomly initialised (seeded) on the device and saved once as a local model dire
 packaged SmolLM2 tokenizer (a model's vocabulary may be larger than its tokenizer's, as Qwen2's
 is). Responses have a fixed length (EOS ignored), so every run does the same work.
 
-Each configuration is one ``ngrpo train`` (``trainer=gpu`` or ``trainer=cpu``) in its own process (``vs_trl.run_side``,
-the side-by-side benchmark's workload with our side only: 4 prompts x 8 completions, GRPO with
-a k3 KL term, one AdamW step per rollout batch, the HF engine), so each peak is its own. The
+Each configuration is one ``ngrpo train`` (``trainer=gpu`` or ``trainer=cpu``) in its own process
+(``vs_trl_workload.run_side``, the side-by-side benchmark's workload with our side only: 4 prompts
+x 8 completions, GRPO with a k3 KL term, one AdamW step per rollout batch, the HF engine), so each peak is its own. The
 first step of every run is dropped. ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
 at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). A run that fails (out
@@ -43,8 +43,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
-from vs_trl import GIB, RESULTS, Workload, run_side  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,  # noqa: E402
+    print_table,
+    write_json,
+)
+from vs_trl_workload import GIB, Workload, run_side  # noqa: E402
 
 # Published shapes (config.json of each model); None: the source directory's own config.
 SHAPES: dict[str, dict | None] = {

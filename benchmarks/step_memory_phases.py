@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import peak_rss_bytes, reset_peak, rss_bytes  # noqa: E402
-from vs_trl import Workload  # noqa: E402
 from vs_trl_ours import run as run_ours  # noqa: E402
+from vs_trl_workload import Workload  # noqa: E402
 
 GIB = 2**30
 LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]  # experiment=ngrpo-lora's adapters

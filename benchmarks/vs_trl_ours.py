@@ -22,7 +22,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_trl import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
+from vs_trl_workload import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 
 from ngrpo_lightning import cli  # noqa: E402
 from ngrpo_lightning.config import compose  # noqa: E402

@@ -33,8 +33,8 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_trl import PHASES, Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 from vs_trl_ours import ours_config, prompt_batches  # noqa: E402
+from vs_trl_workload import PHASES, Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 
 
 def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
