@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, best_of_each, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning import lora  # noqa: E402
+from ngrpo_lightning.backends import backend_for  # noqa: E402
+from ngrpo_lightning.backends.lora import LeanLoraLinear  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models import load_policy  # noqa: E402
-from ngrpo_lightning.rollout import HFEngine, packed_weights  # noqa: E402
+from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 
 
 def lora_policy(name: str, rank: int) -> torch.nn.Module:
@@ -55,10 +57,12 @@ def main() -> None:
     torch.manual_seed(0)
     full, tok = load_policy(args.model)
     adapted = lora_policy(args.model, args.rank)
+    for model in (full, adapted):  # the products the run's backend would choose
+        backend_for(model).prepare(model)
     greedy = TemperatureExplorer(temperature=0.0)
 
     def unmerged(engine, prompts):
-        with mock.patch.object(packed_weights, "_lora_adapter", lambda module: None):
+        with mock.patch.object(LeanLoraLinear, "merge_adapter_name", lambda self: None):
             return engine.generate(prompts, greedy)
 
     rows = []

@@ -6,10 +6,12 @@ peak of the whole process tree (verifier workers included; sampled every 0.1 s, 
 wall time of the command, and the median ``time/step_s`` of its steps after the first (read
 from the run's MLflow store). Several ``--variant`` options (each a quoted list of overrides) run one
 after the other in the same invocation, so their ratios come from one sitting of the machine;
-the first is the baseline of the ``x step`` column.
+the first is the baseline of the ``x step`` column. The command runs in the environment ``make
+train`` gives it (mimalloc preloaded, freed memory kept: Makefile, ``RUN_ENV``); ``--plain-env``
+runs it without.
 
     .venv/bin/python benchmarks/main_job_memory.py --steps 4 -- optim.micro_batch_size=8
-    .venv/bin/python benchmarks/main_job_memory.py --steps 4 --variant "model.recompute_elementwise=false" --variant ""
+    .venv/bin/python benchmarks/main_job_memory.py --steps 4 --variant "backend.packing=off" --variant ""
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, tree_rss  # noqa: E402
+from vs_trl_workload import launcher_env  # noqa: E402
 
 
 def high_water_mark(pid: int) -> int:
@@ -40,7 +43,7 @@ def high_water_mark(pid: int) -> int:
     return 0
 
 
-def measure(overrides: list[str], steps: int) -> dict:
+def measure(overrides: list[str], steps: int, env: dict | None = None) -> dict:
     from mlflow import MlflowClient
 
     with tempfile.TemporaryDirectory(prefix="main-job-") as tmp:
@@ -49,7 +52,9 @@ def measure(overrides: list[str], steps: int) -> dict:
         cmd += [f"logger.tracking_uri={store}", *overrides]
         t0 = time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         tree_peak, hwm = 0, 0
         while proc.poll() is None:
             tree_peak = max(tree_peak, tree_rss(proc.pid))
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--variant", action="append", help="overrides of one variant, quoted (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS / "main_job_memory.json")
+    parser.add_argument("--plain-env", action="store_true", help="without the launcher's allocator environment")
     parser.add_argument("overrides", nargs="*", help="ngrpo train overrides of every variant (after --)")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -96,7 +102,7 @@ def main() -> None:
     gib, results = 2**30, []
     print(f"{'main peak GiB':>14} {'tree peak GiB':>14} {'wall s':>8} {'s/step':>8} {'x step':>7}  overrides")
     for extra in variants:
-        result = measure([*args.overrides, *extra], args.steps)
+        result = measure([*args.overrides, *extra], args.steps, None if args.plain_env else launcher_env())
         results.append(result)
         ratio = result["step_s"] / results[0]["step_s"]
         label = " ".join(result["overrides"]) or "(defaults)"

@@ -9,10 +9,10 @@ at fixed points (after the imports, with both models loaded, after each step) an
 the tensors of the run hold (weights, gradients, AdamW state), which the RSS is compared with.
 
     .venv/bin/python benchmarks/step_memory_phases.py                 # ~6 minutes
-    .venv/bin/python benchmarks/step_memory_phases.py --steps 4 --configs default no-keep
+    .venv/bin/python benchmarks/step_memory_phases.py --steps 4 --configs default no-packing
 
 A phase's peak includes what earlier phases left resident: freed blocks stay in the process
-(by design with ``host.keep_freed_memory``, the default; by glibc's heap otherwise), so the
+(by design under ``make train``'s allocator environment; by glibc's heap otherwise), so the
 ``trimmed`` configuration hands freed memory back (``malloc_trim``) before each phase: its
 phase peaks are what each phase needs on top of the memory alive when it starts.
 """
@@ -41,17 +41,15 @@ GIB = 2**30
 LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]  # experiment=ngrpo-lora's adapters
 CONFIGS = {  # name -> overrides on top of the workload's
     "default": [],
-    "no-keep": ["host.keep_freed_memory=false"],
-    "no-keep-softmax": ["optim.logprob_keep_softmax_mib=0"],
-    "no-packing": ["rollout.hf.packed_weights=false"],
+    "no-packing": ["backend.packing=off"],
     "micro-batch-8": ["optim.micro_batch_size=8"],
     "micro-batch-16": ["optim.micro_batch_size=16"],
-    "trimmed": ["host.keep_freed_memory=false"],  # and malloc_trim before each phase: live memory only
-    "trimmed-micro-batch-16": ["host.keep_freed_memory=false", "optim.micro_batch_size=16"],
+    "trimmed": [],  # and malloc_trim before each phase: live memory only
+    "trimmed-micro-batch-16": ["optim.micro_batch_size=16"],
     "lora": LORA,
     "lora-micro-batch-8": [*LORA, "optim.micro_batch_size=8"],
-    "lora-trimmed": [*LORA, "host.keep_freed_memory=false"],
-    "lora-trimmed-micro-batch-8": [*LORA, "host.keep_freed_memory=false", "optim.micro_batch_size=8"],
+    "lora-trimmed": LORA,
+    "lora-trimmed-micro-batch-8": [*LORA, "optim.micro_batch_size=8"],
 }
 TRIMMED = {"trimmed", "trimmed-micro-batch-16", "lora-trimmed", "lora-trimmed-micro-batch-8"}
 PHASES = ["rollout", "reference", "update", "optimizer"]

@@ -30,7 +30,7 @@ SIDES = {
     "ours": ("vs_trl_ours.py", {}),
     "trl": ("vs_trl_trl.py", {}),
     "trl-ac": ("vs_trl_trl.py", {"activation_checkpointing": True}),
-    "ours-unpacked": ("vs_trl_ours.py", {"ours_overrides": ("optim.packed_weights=false",)}),  # plain products
+    "ours-unpacked": ("vs_trl_ours.py", {"ours_overrides": ("backend.packing=off",)}),  # plain products
 }
 PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
 GIB = 1024**3
@@ -110,19 +110,20 @@ def child_main(run) -> None:
 
 
 def child_env(workload: Workload, side: str = "trl") -> dict:
-    """A side's environment. This project's side gets what the ``ngrpo`` command gives its own
-    process before torch loads (ngrpo_lightning/launch.py): OpenMP's short spin and, where
-    installed, mimalloc preloaded (since 2026-11-25; the tables before ran without them)."""
+    """A side's environment. This project's side gets what ``make train`` gives the ``ngrpo``
+    command: OpenMP's short spin (ngrpo_lightning/launch.py) and the launcher's allocator
+    environment, mimalloc preloaded where installed (Makefile, ``RUN_ENV``; since 2026-11-25, the
+    tables before ran without them)."""
     import os
 
-    from ngrpo_lightning import allocator, launch
+    from ngrpo_lightning import launch
 
     threads = str(workload.threads)
     environ = dict(os.environ)
     if side.startswith("ours"):
         if "OMP_WAIT_POLICY" not in environ:
             environ.setdefault("GOMP_SPINCOUNT", launch.GOMP_SPINCOUNT)
-        environ = allocator.preload_env(allocator.resolve("auto"), environ)
+        environ.update(launcher_env())
     return {
         **environ,
         "OMP_NUM_THREADS": threads,
@@ -132,6 +133,21 @@ def child_env(workload: Workload, side: str = "trl") -> dict:
         "HF_HUB_OFFLINE": "1",  # both sides load a local directory: no Hub look-ups
         "TRANSFORMERS_OFFLINE": "1",
     }
+
+
+def launcher_env() -> dict[str, str]:
+    """The allocator environment ``make train`` runs the command in (``make run-env``), for this
+    virtual environment; empty where ``make`` is missing."""
+    try:
+        out = subprocess.run(
+            ["make", "-s", "-C", str(HERE.parent), "run-env", f"BIN={Path(sys.executable).parent}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
 def run_side(side: str, workload: Workload, workdir: Path, index: int, limit_bytes: int | None = None) -> dict:

@@ -30,8 +30,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..backends.recompute import tallying_kept
 from ..forward import response_logprobs
-from ..recompute import tallying_kept
 from ..rollout.batch import RolloutBatch
 
 GIB = 1024**3
@@ -43,7 +43,7 @@ class UpdateMemory:
 
     kept_per_token: float  # activations the training forward keeps per token
     tokens: int  # response tokens of the largest micro-batch
-    softmax: int  # LM-head softmax kept for backward (0 when above optim.logprob_keep_softmax_mib)
+    softmax: int  # LM-head softmax kept for backward (0 when above the backend's keep_softmax_mib)
     optimizer: int  # gradients + AdamW moments not yet allocated
     available: int
     # backward's own tensors (a layer's recomputed activations and gradients, LM-head chunks)
@@ -74,7 +74,7 @@ class UpdateMemory:
 def kept_bytes_per_token(module, probe_tokens: int = 128) -> float:
     """Bytes the policy's training forward keeps for backward per token: one row of
     ``probe_tokens - 1`` prompt tokens and one response token, parameters not counted."""
-    policy, optim = module.policy, module.optim
+    policy, backend = module.policy, module.backend
     vocab = policy.get_input_embeddings().weight.shape[0]
     device = next(policy.parameters()).device
     ids = (torch.arange(probe_tokens, device=device) % (vocab - 3) + 3).unsqueeze(0)
@@ -93,7 +93,7 @@ def kept_bytes_per_token(module, probe_tokens: int = 128) -> float:
             policy,
             probe,
             with_entropy=True,
-            chunk_size=optim.logprob_chunk_size,
+            chunk_size=backend.logprob_chunk_size,
             keep_softmax_mib=0,  # the kept softmax is counted apart (UpdateMemory.softmax)
         )
     del logp  # the probe's graph goes with it: no backward
@@ -125,7 +125,7 @@ class UpdateMemoryCheck(L.Callback):
             rank_zero_warn(self.advice(self.estimate))
 
     def measure(self, trainer: L.Trainer, pl_module) -> UpdateMemory:
-        plan, optim = pl_module.plan, pl_module.optim
+        plan, backend = pl_module.plan, pl_module.backend
         rows = math.ceil(self.rows_per_step / plan.num_mini_batches)
         rows = min(plan.micro_batch_size or rows, rows)
         tokens = rows * self.max_new_tokens
@@ -133,7 +133,7 @@ class UpdateMemoryCheck(L.Callback):
             tokens = min(tokens, plan.max_tokens)
         vocab = pl_module.policy.get_input_embeddings().weight.shape[0]
         softmax = tokens * vocab * 4  # float32 probabilities
-        if optim.logprob_chunk_size is not None and softmax > optim.logprob_keep_softmax_mib * 2**20:
+        if backend.logprob_chunk_size is not None and softmax > backend.keep_softmax_mib * 2**20:
             softmax = 0  # recomputed chunk by chunk in backward instead
         trainable = sum(p.numel() * p.element_size() for p in pl_module.policy.parameters() if p.requires_grad)
         allocated = sum(

@@ -34,9 +34,10 @@ shorter rows, a long cached prefix before a few queries) keeps the masked kernel
 a 4-row micro-batch of 1,024-token responses after a shared 80-token prompt, forward and
 backward over 30 layers: 6.10 -> 4.58 s.
 
-It is registered with transformers (``AttentionInterface``, with ``sdpa``'s mask builder) as
-``sdpa_gqa`` and is the default of ``model.attn_implementation``; any name transformers
-knows (``sdpa``, ``eager``, ``flash_attention_2``) can be set there instead.
+The CPU backend registers it with transformers (``AttentionInterface``, with ``sdpa``'s mask
+builder) as ``sdpa_gqa`` when it chooses it (:func:`register`, never at import) and loads models
+with it; ``backend.attention`` can name any attention transformers knows instead (``sdpa``,
+``eager``, ``flash_attention_2``).
 """
 
 from __future__ import annotations
@@ -302,22 +303,25 @@ def causal_attention(query, key, value, starts: torch.Tensor, scaling=None) -> t
     return out.masked_fill((back < 0)[:, None, :, None], 0.0)
 
 
-AttentionInterface.register(NAME, sdpa_gqa_attention_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+def register() -> str:
+    """Make ``sdpa_gqa`` known to transformers (its ``AttentionInterface``, with ``sdpa``'s mask
+    builder): called by the backend that chooses it, before a model loads with it, never at
+    import. Idempotent; returns the name."""
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, sdpa_gqa_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME
 
 
-def check_attn_implementation(name) -> None:
-    """``model.attn_implementation`` names an attention transformers knows (or a hub kernel,
-    ``owner/repo``); otherwise a ``ValueError`` with the allowed names."""
-    known = ["eager", *AttentionInterface._global_mapping]
+def known_attentions() -> list[str]:
+    """The attention implementations a model can be loaded with here."""
+    return sorted({"eager", NAME, *AttentionInterface._global_mapping})
+
+
+def check_attn_implementation(name, key: str = "backend.attention") -> None:
+    """``name`` is an attention transformers knows, ``sdpa_gqa``, or a hub kernel (``owner/repo``);
+    otherwise a ``ValueError`` naming ``key`` and the allowed names."""
+    known = known_attentions()
     if isinstance(name, str) and (name in known or "/" in name):
         return
-    raise ValueError(f"model.attn_implementation={name!r} is not an attention transformers knows: allowed {known}")
-
-
-def configured(model_cfg) -> str:
-    """The checked ``model.attn_implementation`` of a config's ``model`` group (default ``sdpa_gqa``:
-    configs from before the key existed)."""
-    name = model_cfg.get("attn_implementation", NAME)
-    check_attn_implementation(name)
-    return name
+    raise ValueError(f"{key}={name!r} is not an attention transformers knows: allowed auto, {', '.join(known)}")

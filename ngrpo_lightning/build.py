@@ -16,9 +16,8 @@ from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from . import allocator, attention
 from .build_data import engine_settings
-from .build_model import check_model_settings, parallel_config, prepare_models
+from .build_model import build_backend, check_model_settings, parallel_config, prepare_models
 from .callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger, UpdateMemoryCheck
 from .checkpoint_io import AtomicModelParallelStrategy, checkpoint_io
 from .checkpointing import build_checkpointing
@@ -27,7 +26,6 @@ from .config import ConfigError, named_error
 from .console import StepProgressBar
 from .evaluate import EvalSet
 from .explorers import EXPLORERS, Explorer, TemperatureExplorer
-from .host_memory import wants_freed_memory_kept
 from .models import load_policy, parse_dtype
 from .module import RLModule
 from .objectives import OBJECTIVES, PolicyObjective, resolve_advantage
@@ -154,12 +152,6 @@ def check_config(cfg: DictConfig) -> None:
         parse_dtype(cfg.model.dtype)
     except ValueError as err:
         raise named_error(err, "model.dtype") from err
-    try:
-        attention.configured(cfg.model)
-        wants_freed_memory_kept(cfg)
-        allocator.resolve(allocator.configured(cfg))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
     check_model_settings(cfg)
 
 
@@ -173,7 +165,6 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("rollout.max_new_tokens", r.max_new_tokens, 1),
         ("rollout.val_samples", r.val_samples, 1),
         ("rollout.val_batch_size", r.val_batch_size, 1),
-        ("rollout.ahead_threads", r.get("ahead_threads", 1), 1),
         ("data.prompts_per_step", d.prompts_per_step, 1),
         ("data.max_prompt_tokens", d.max_prompt_tokens, 1),
     ]
@@ -202,13 +193,14 @@ def build_module(cfg: DictConfig) -> RLModule:
     check_config(cfg)  # bad values fail here, before minutes of model loading
     explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
     optim, train, _ = settings(cfg)
+    backend = build_backend(cfg)
     policy, tokenizer = load_policy(
         cfg.model.name_or_path,
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=attention.configured(cfg.model),
+        attn_implementation=backend.attention,
     )
-    policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference)
+    policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference, backend)
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
     try:
         return RLModule(
@@ -227,6 +219,7 @@ def build_module(cfg: DictConfig) -> RLModule:
             seed=cfg.seed,
             step_hooks=build_step_hooks(cfg),
             adapters=adapters,
+            backend=backend,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err

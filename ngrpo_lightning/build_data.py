@@ -56,7 +56,6 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
         system_prompt=cfg.data.system_prompt,
         seed=cfg.seed,
         max_staleness=(cfg.get("train") or {}).get("max_staleness", 0),
-        ahead_threads=r.get("ahead_threads", 1),
     )
 
 

@@ -92,12 +92,19 @@ RESUMABLE_KEYS = (
     "reward.timeout_s",
     "experiment_name",
     "overwrite",
-    "host",  # how this process uses its machine, not what it computes
-    "model.attn_implementation",  # the attention kernel: same values (checkpoints from before it existed resume)
-    "optim.logprob_keep_softmax_mib",  # memory for speed: same values and gradients
-    "model.recompute_up_proj",  # memory for speed: same values and gradients
-    "rollout.hf.packed_weights",  # the matmul kernels of a rollout: same model, outputs to float rounding
-    "optim.packed_weights",  # the matmul kernels of the log-prob passes and the update: values to float rounding
+    "backend",  # how the models compute on this device: same values (bit for bit or to float rounding)
+    # keys removed when the backend took these choices over: checkpoints from before still resume
+    "host",
+    "model.attn_implementation",
+    "model.recompute_elementwise",
+    "model.recompute_up_proj",
+    "model.reference_weights",
+    "optim.logprob_chunk_size",
+    "optim.logprob_keep_softmax_mib",
+    "optim.share_prompts",
+    "optim.packed_weights",
+    "rollout.hf",
+    "rollout.ahead_threads",
 )
 
 

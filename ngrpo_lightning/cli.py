@@ -21,7 +21,6 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import allocator
 from .config import ConfigError, compose, config_dir, group_options
 
 # Only what the cheap paths need is imported here: ``--help``, ``ngrpo config`` and a config
@@ -124,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
             from .eval_command import compose_eval, run_eval
 
             cfg = compose_eval(args.overrides)
-            restart_on_allocator(cfg, argv)
             print(run_eval(cfg)["text"])
             return 0
         if args.command == "compare":
@@ -150,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
-        restart_on_allocator(cfg, argv)
         from .train_command import train
 
         summary = train(cfg)
@@ -162,15 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary["text"])
     return 0
-
-
-def restart_on_allocator(cfg: DictConfig, argv: list[str]) -> None:
-    """A ``host.allocator`` that a config group set (not the command line): the command restarts
-    on it now (:func:`ngrpo_lightning.allocator.ensure`; a no-op from the Python API)."""
-    try:
-        allocator.ensure(allocator.configured(cfg), argv)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
 
 
 def _export(args) -> int:

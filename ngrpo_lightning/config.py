@@ -128,6 +128,9 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
                 config_name, [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in GROUPS]
             )
             node = OmegaConf.select(base, parent) if parent else base
+            while parent and not isinstance(node, DictConfig):  # a group that is not there (host.*): its nearest one
+                parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+                node = OmegaConf.select(base, parent) if parent else base
             if isinstance(node, DictConfig):
                 where = f" of {parent}" if parent else ""
                 return f"unknown config key {key!r}; valid keys{where}: {sorted(node.keys())}"

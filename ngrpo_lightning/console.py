@@ -8,6 +8,7 @@ Libraries are quietened at their source, by their loggers' levels and their own 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import sys
@@ -16,8 +17,6 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from omegaconf import DictConfig
-
-from . import allocator
 
 __all__ = ["StepProgressBar", "header", "quiet_libraries"]
 
@@ -43,6 +42,12 @@ def quiet_libraries(verbose: bool = False) -> None:
     hf_logging.disable_progress_bar()  # "Loading weights: 100%": instant for models on disk
 
 
+def c_allocator() -> str:
+    """The C allocator this process runs on: ``mimalloc`` when it was preloaded (``make train``
+    does; docs/performance.md, "The allocator"), else ``system``."""
+    return "mimalloc" if hasattr(ctypes.CDLL(None), "mi_version") else "system"
+
+
 def header(cfg: DictConfig) -> str:
     """One block saying what this run is: model, task, explorer x objective, steps, device, store."""
     model, data, r = cfg.model, cfg.data, cfg.rollout
@@ -56,10 +61,10 @@ def header(cfg: DictConfig) -> str:
     devices = trainer.get("devices", 1)
     where = f"{trainer.get('accelerator', 'auto')} x {devices}" if devices != 1 else str(trainer.get("accelerator"))
     if str(trainer.get("accelerator")) == "cpu":
-        where += f", {torch.get_num_threads()} threads, {allocator.active()} allocator"
+        where += f", {torch.get_num_threads()} threads, {c_allocator()} allocator"
     staleness = (cfg.get("train") or {}).get("max_staleness", 0)
     if staleness:  # rollouts come from older weights: the user should see it at once
-        where += f"; rollouts {staleness} step(s) ahead on a worker ({r.get('ahead_threads', 1)} thread(s))"
+        where += f"; rollouts {staleness} step(s) ahead on a worker"
     tracking = (
         f"MLflow {cfg.logger.tracking_uri} (experiment {cfg.experiment_name!r})"
         if cfg.logger.get("name") == "mlflow"

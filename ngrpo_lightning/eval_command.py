@@ -15,12 +15,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import attention
+from .backends import Backend, select_backend
 from .config import ConfigError, compose
 from .data import load_problems, reasoning_gym_problems
 from .data.benchmarks import load_benchmark
 from .evaluate import EvalSet, RewardCache, check_ks, evaluate_sets, plot_pass_at_k, results_table
 from .explorers import TemperatureExplorer
-from .host_memory import apply_host_settings
 from .models import load_policy, parse_dtype
 from .rollout import build_engine
 from .rollout.engine import full_named_tensors
@@ -105,16 +105,34 @@ def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
         engine.close()
 
 
-def load_eval_policy(cfg):
+def eval_backend(cfg) -> Backend:
+    """How the evaluated model computes (``backend.*``, on ``device``), checked."""
+    node = cfg.get("backend") or {}
+    try:
+        dtype = parse_dtype(cfg.model.dtype)
+        choice = node.get("attention", "auto")
+        if choice != "auto":
+            attention.check_attn_implementation(choice, "backend.attention")
+        return select_backend(
+            node.get("name", "auto"),
+            dtype,
+            accelerator=str(cfg.get("device", "cpu")),
+            attention=choice,
+            packing=node.get("packing", "auto"),
+            decode_rows=(cfg.get("batch_size") or 8) * (cfg.get("n") or 1),
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def load_eval_policy(cfg, backend: Backend | None = None):
     """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name) or a
     trained run's policy: a checkpoint (``.ckpt`` file or distributed folder) or a run's
     ``output_dir`` (its ``last.ckpt``; ``checkpoint=best`` for ``best.ckpt``), loaded into the base
-    model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``."""
+    model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``.
+    The backend (default: :func:`eval_backend`) swaps its modules once it is on its device."""
+    backend = backend or eval_backend(cfg)
     name, ckpt_arg, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
-    try:
-        parse_dtype(dtype)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
     which = "best" if ckpt_arg == "best" else "last"
     source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
     base = None if source == name else name
@@ -123,7 +141,7 @@ def load_eval_policy(cfg):
             name,
             dtype=dtype,
             trust_remote_code=cfg.model.trust_remote_code,
-            attn_implementation=attention.configured(cfg.model),
+            attn_implementation=backend.attention,
         )
     else:
         path = find_checkpoint(str(source), which)
@@ -135,13 +153,13 @@ def load_eval_policy(cfg):
             ckpt,
             base=base,
             dtype=None if base is None else dtype,
-            attn_implementation=attention.configured(cfg.model),
+            attn_implementation=backend.attention,
             **remote,
         )
     device = cfg.get("device", "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return policy.to(device).eval(), tokenizer
+    return backend.prepare(policy.to(device).eval()), tokenizer
 
 
 def run_eval(cfg) -> dict:
@@ -153,12 +171,11 @@ def run_eval(cfg) -> dict:
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)
         explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-        attention.configured(cfg.model)
-        apply_host_settings(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    backend = eval_backend(cfg)
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading
-    policy, tokenizer = load_eval_policy(cfg)
+    policy, tokenizer = load_eval_policy(cfg, backend)
     t0 = time.perf_counter()
     with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
         results = evaluate_sets(

@@ -7,15 +7,15 @@ in a file instead: :func:`frozen_copy_to_file` writes them once into the run's f
 file open and unlinks it at once (nothing is left on disk once the process ends), and
 :func:`materialized` reads them back into memory for the duration of a pass (0.54 GB from the
 page cache: about 0.1 s on a laptop) and frees them after. The freed blocks are what the
-update's activations then use (``host.keep_freed_memory`` keeps them in the process), so the
+update's activations then use (the allocator keeps them in the process), so the
 reference and the activations share memory in turn instead of adding up. The bytes are the
 weights', so the reference log-probs are unchanged. Under memory pressure the OS may drop the
 file from its cache and read it back from disk.
 
-``model.reference_weights``: ``auto`` (the default: ``file`` for a CPU run without FSDP on
-Linux whose ``output_dir`` is on a disk, ``memory`` otherwise), ``memory`` or ``file``. On a
-RAM-backed ``output_dir`` (tmpfs, ramfs) the file itself would be memory, so ``auto`` keeps
-the weights in memory there.
+The CPU backend chooses it (:meth:`~ngrpo_lightning.backends.Backend.reference_in_file`): ``file``
+for a CPU run without FSDP on Linux whose ``output_dir`` is on a disk, ``memory`` otherwise. On a
+RAM-backed ``output_dir`` (tmpfs, ramfs) the file itself would be memory, so the weights stay in
+memory there.
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def frozen_copy_to_file(model: torch.nn.Module, folder: str | os.PathLike) -> to
     except OSError as err:
         raise OSError(
             f"could not write the frozen reference's weights ({offset / 2**30:.2f} GiB so far) to {path}: {err}; "
-            "free space there, set output_dir elsewhere, or keep them in memory with model.reference_weights=memory"
+            "free space there or set output_dir to a folder with room (the CPU backend keeps the reference in a file "
+            "in output_dir on a disk; on a RAM-backed output_dir it keeps it in memory)"
         ) from err
     finally:
         if os.path.lexists(path):
@@ -178,7 +179,7 @@ def release(model: torch.nn.Module | None) -> None:
 def weight_releaser(model: torch.nn.Module | None):
     """For a model :func:`frozen_copy_to_file` made: a function ``release(module)`` that frees
     ``module.weight`` until the next load (for a layer that runs on a packed copy of it, see
-    :func:`~ngrpo_lightning.rollout.packed_weights.packed_linears`); ``None`` for other models."""
+    :func:`~ngrpo_lightning.backends.passes.packed_for_pass`); ``None`` for other models."""
     weights = _files.get(model) if model is not None else None
     if weights is None:
         return None

@@ -17,23 +17,18 @@ vocabularies), forward keeps it and backward skips the recomputation.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+from transformers.cache_utils import DynamicLayer
 
-from .recompute import rows_then_new
+from .backends.base import Backend
+from .backends.linear import BackendLinear
+from .backends.recompute import rows_then_new
 from .rollout.batch import RolloutBatch
 from .rollout.reconstruction import build_inputs_embeds
 
-# Tokens per LM-head chunk. 512 x 151,936 float32 logits are 311 MB: the peak of the chunked path
-# is about two of these, while on CPU the head's throughput is flat from 256 tokens per chunk up
-# (measured in docs/performance.md), and a GPU is saturated well before 512 rows of d x V.
-DEFAULT_LOGPROB_CHUNK = 512
-
-# MiB of LM-head softmax a training forward may keep for its backward instead of recomputing the
-# logits there (ChunkedTokenLogprobs, keep=True). 1,280 tokens x 49,152 float32 are 240 MiB; a
-# single 8,192-token response at V = 151,936 is 4.6 GiB and recomputes, as it must.
-DEFAULT_KEEP_SOFTMAX_MIB = 512
+# The backend's defaults (backends/base.py says why these sizes)
+DEFAULT_LOGPROB_CHUNK = Backend.logprob_chunk_size
+DEFAULT_KEEP_SOFTMAX_MIB = Backend.keep_softmax_mib
 
 # Config attributes of architectures whose logits are not just ``lm_head(hidden)`` (soft-capping,
 # scaling after the head, a vocabulary cut): those models take the full-logits path.
@@ -71,7 +66,7 @@ def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Lin
         return None
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in (torch.nn.Linear, BackendLinear):  # the backend's head computes what nn.Linear does
         return None
     decoder = None
     if hasattr(model, "get_decoder"):
@@ -329,15 +324,23 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
     return torch.cat([last_prompt, _last_hidden(response)[:, :-1]], dim=1)
 
 
+class SharedPrefixLayer(DynamicLayer):
+    """One layer's keys and values of the distinct prompts, serving every row: ``update`` returns
+    each row's prompt rows followed by its new keys or values, and stores nothing (the responses'
+    pass is the cache's last use). The per-row copy is recomputed in backward instead of kept,
+    under :func:`~ngrpo_lightning.backends.recompute.recomputing`."""
+
+    def __init__(self, layer: DynamicLayer, rows: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.rows = layer.keys, layer.values, rows
+        self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return rows_then_new(self.keys, self.rows, key_states), rows_then_new(self.values, self.rows, value_states)
+
+
 def _read_only_prefix(cache, inverse: torch.Tensor):
-    """``cache`` (the distinct prompts' keys and values) made to serve every row: each layer's
-    ``update`` returns the prompt's rows for each sample followed by the new keys or values, and
-    stores nothing (the responses' pass is the cache's last use). The per-row copy is recomputed
-    in backward instead of kept, under :func:`~ngrpo_lightning.recompute.recomputing`."""
-
-    def update(layer, key_states, value_states, *args, **kwargs):
-        return rows_then_new(layer.keys, inverse, key_states), rows_then_new(layer.values, inverse, value_states)
-
-    for layer in cache.layers:
-        layer.update = functools.partial(update, layer)
+    """``cache`` (the distinct prompts' keys and values) with each layer a :class:`SharedPrefixLayer`
+    serving the rows ``inverse`` names."""
+    cache.layers = [SharedPrefixLayer(layer, inverse) for layer in cache.layers]
     return cache

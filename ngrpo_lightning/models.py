@@ -287,6 +287,8 @@ def load_policy(
     kwargs = {_DTYPE_KW: torch_dtype}
     if attn_implementation == attention.NAME and trust_remote_code:
         attn_implementation = None  # remote modelling code may dispatch on the name itself: transformers' choice
+    if attn_implementation == attention.NAME:
+        attention.register()
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)

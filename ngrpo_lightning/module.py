@@ -38,19 +38,19 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from . import file_weights, lora
+from .backends import Backend, backend_for
+from .backends.passes import packed_for_pass
+from .backends.recompute import recomputing
 from .explorers import Explorer, TemperatureExplorer
 from .forward import response_logprobs
 from .metrics.exploration import exploration_metrics
 from .metrics.training import combine_metrics, rollout_step_metrics
 from .module_checkpoints import CheckpointHooks, reference_not_required
 from .objectives import PolicyObjective, group_advantages, masked_mean, resolve_advantage, rollout_importance_weights
-from .packed_linear import packed_training
 from .parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from .planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
-from .recompute import recomputing
 from .rewards import MathReward, score_responses
 from .rollout.batch import RolloutBatch
-from .rollout.packed_weights import packed_linears
 from .rollout.padding import pad_to
 from .settings import OptimConfig, TrainConfig
 from .updates import StepHook, StepRollouts
@@ -85,6 +85,10 @@ class RLModule(CheckpointHooks, L.LightningModule):
         seed: seed of the mini-batch shuffling.
         step_hooks: what takes part in every step (``ReplayBuffer``), in order; hooks that are
             Lightning callbacks are attached to the Trainer by ``configure_callbacks``.
+        adapters: the policy is a peft model whose reference is itself with its adapters off.
+        backend: how the models compute on their device (:mod:`ngrpo_lightning.backends`; the
+            run's builder chose it and swapped the models' modules; default: the policy's
+            device's backend, which leaves the models as they are).
     """
 
     def __init__(
@@ -104,8 +108,10 @@ class RLModule(CheckpointHooks, L.LightningModule):
         seed: int = 0,
         step_hooks: Sequence[StepHook] = (),
         adapters: bool = False,
+        backend: Backend | None = None,
     ):
         super().__init__()
+        self.backend = backend or backend_for(policy)
         self.automatic_optimization = False
         self.policy, self.tokenizer = policy, tokenizer
         self.explorer, self.objective, self.reward = explorer, objective, reward
@@ -170,13 +176,13 @@ class RLModule(CheckpointHooks, L.LightningModule):
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
         """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
         cut to its own longest sequence and padded back to its width, so a micro-batch of short
-        rows costs what its rows cost. The LM head works ``optim.logprob_chunk_size`` tokens at a time;
-        with ``optim.share_prompts`` a group's common prompt runs once."""
+        rows costs what its rows cost. The LM head works the backend's ``logprob_chunk_size`` tokens
+        at a time; a group's common prompt runs once (``share_prompts``)."""
         width = batch.response_ids.shape[1]
         forward = self.sharded_root(model)
         trimmed = batch.trim()
-        kwargs["chunk_size"] = self.optim.logprob_chunk_size
-        kwargs["keep_softmax_mib"] = self.optim.logprob_keep_softmax_mib
+        kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
+        kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
         kwargs["share_prompts"] = self._shares_prompts(model)
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
@@ -185,13 +191,13 @@ class RLModule(CheckpointHooks, L.LightningModule):
         return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
 
     def _shares_prompts(self, model: torch.nn.Module) -> bool:
-        """``optim.share_prompts``, unless ``model`` recomputes its layers in backward (activation
+        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
         checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
         root forward shares as the plain model does."""
         checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
             model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
         )
-        return self.optim.share_prompts and not checkpointed
+        return self.backend.share_prompts and not checkpointed
 
     @classmethod
     def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
@@ -223,9 +229,9 @@ class RLModule(CheckpointHooks, L.LightningModule):
                 f"{loose[0]} takes part in training steps: give it to the module, "
                 "RLModule(..., step_hooks=[...]), not only to the Trainer's callbacks"
             )
-        if self.optim.share_prompts and not self._shares_prompts(self.policy):
+        if self.backend.share_prompts and not self._shares_prompts(self.policy):
             rank_zero_info(
-                "optim.share_prompts is off under activation checkpointing (a recomputed layer would extend the "
+                "prompt sharing is off under activation checkpointing (a recomputed layer would extend the "
                 "shared prompt cache twice): each row runs its prompt, same values, more FLOPs"
             )
 
@@ -310,18 +316,14 @@ class RLModule(CheckpointHooks, L.LightningModule):
         )
 
     def _policy_logprobs_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
-        with packed_training(self.policy, enabled=self._packs()):  # the same products as the update's
-            return self._logprobs_no_grad(self.policy, batch)
-
-    def _packs(self) -> bool:
-        return self.optim.packed_weights and self.parallel is None
+        return self._logprobs_no_grad(self.policy, batch)  # the same products as the update's forward
 
     def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
-        """The reference's linear layers on weights packed for oneDNN for one pass
-        once (``optim.packed_weights``; CPU weights on one process, else nothing changes). A
-        file-backed reference frees each plain weight once it is packed."""
+        """A frozen pass: the linear layers the backend chose to pack once multiply by weights packed
+        for it (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`). A file-backed reference frees
+        each plain weight once it is packed."""
         rows = self.optim.micro_batch_size or len(batch)
-        return packed_linears(model, rows, enabled=self._packs(), release=file_weights.weight_releaser(model))
+        return packed_for_pass(model, rows, release=file_weights.weight_releaser(model))
 
     def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
@@ -341,19 +343,18 @@ class RLModule(CheckpointHooks, L.LightningModule):
         temperature = self.explorer.temperature or 1.0
         self.update_metrics = []
         reused = None
-        with packed_training(self.policy, enabled=self._packs()):  # forward and backward alike (packed_linear.py)
-            for update in updates:
-                opt.zero_grad(set_to_none=True)
-                if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
-                    assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
-                    reused = torch.zeros_like(update.batch.rollout_logprobs)
-                metrics = self._accumulate_gradients(update, temperature, reused)
-                metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
-                opt.step()
-                opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
-                sched.step()
-                self.policy_version += 1
-                self.update_metrics.append({k: float(v) for k, v in metrics.items()})
+        for update in updates:
+            opt.zero_grad(set_to_none=True)
+            if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
+                assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
+                reused = torch.zeros_like(update.batch.rollout_logprobs)
+            metrics = self._accumulate_gradients(update, temperature, reused)
+            metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
+            sched.step()
+            self.policy_version += 1
+            self.update_metrics.append({k: float(v) for k, v in metrics.items()})
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)
         return out, reused
@@ -364,7 +365,7 @@ class RLModule(CheckpointHooks, L.LightningModule):
         parts, weights = [], []
         for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
             mb = update.select(rows) if len(rows) < len(update) else update
-            with recomputing():  # the policy's cheap activations (recompute.install) are recomputed in backward
+            with recomputing():  # the policy's cheap activations (backends/recompute.py) are recomputed in backward
                 logp, entropy = self._logprobs(
                     self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
                 )

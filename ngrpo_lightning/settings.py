@@ -22,17 +22,8 @@ class OptimConfig:
 
     ``micro_batch_size`` and ``max_tokens_per_micro_batch`` bound the rows and the tokens of
     one forward/backward (see :class:`~ngrpo_lightning.planning.UpdatePlan`); gradients are
-    the same whatever they are. ``logprob_chunk_size`` bounds the LM head's logits: log-probs
-    are computed that many tokens at a time and recomputed in backward, so no [N, L, V]
-    tensor exists (see :mod:`ngrpo_lightning.forward`); ``logprob_keep_softmax_mib`` lets a
-    micro-batch whose float32 softmax [tokens, V] fits in that many MiB keep it for backward
-    instead (one LM-head pass fewer; 0 = always recompute). ``share_prompts``: the G samples of a
-    group run their common prompt once in every log-prob pass (training, old and reference),
-    its keys and values shared; same values and gradients, fewer FLOPs. ``packed_weights``: on
-    the CPU the linear layers multiply by weights packed for oneDNN, as rollouts do: the KL
-    reference's pass on copies packed once per pass, the policy's passes (forward and backward)
-    on copies packed per product (:mod:`~ngrpo_lightning.packed_linear`; values and gradients
-    equal to float rounding, faster).
+    the same whatever they are. How the products, the LM head's chunks and the shared prompts
+    compute is the backend's choice, not a setting (:mod:`ngrpo_lightning.backends`).
     """
 
     lr: float = 2.0e-5
@@ -42,10 +33,6 @@ class OptimConfig:
     grad_clip: float | None = 1.0  # max global gradient norm (null or 0 = no clipping)
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
     max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
-    logprob_chunk_size: int | None = 512  # tokens whose LM-head logits exist at once (null = all: [N, L, V])
-    logprob_keep_softmax_mib: float = 512  # LM-head softmax kept for backward when it fits (0 = recompute)
-    share_prompts: bool = True  # rows with the same prompt run its tokens once (exact; see forward.py)
-    packed_weights: bool = True  # CPU: products on oneDNN-packed weights (packed_linear.py)
 
     def __post_init__(self):
         check_number("optim.lr", self.lr, 0.0, low_open=True)
@@ -61,11 +48,6 @@ class OptimConfig:
         check_number(
             "optim.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, integer=True, optional=True
         )
-        check_number("optim.logprob_chunk_size", self.logprob_chunk_size, 1, integer=True, optional=True)
-        check_number("optim.logprob_keep_softmax_mib", self.logprob_keep_softmax_mib, 0.0)
-        for key in ("share_prompts", "packed_weights"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"optim.{key}={getattr(self, key)!r} must be true or false")
 
     def build(self, params: list[torch.nn.Parameter], sharded: bool = False):
         """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused

@@ -24,7 +24,6 @@ from .build_data import build_datamodule, build_problems
 from .checkpointing import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from .console import header, quiet_libraries
 from .export import export_checkpoint, model_card, save_hf_model
-from .host_memory import apply_host_settings
 from .tracking import build_logger, log_config, summarize_run
 
 # Lightning warnings that are expected here and would only bury the run's own output.
@@ -53,7 +52,6 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
     if rank_zero_only.rank == 0:
         print(header(cfg), flush=True)
-    apply_host_settings(cfg)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
     ckpt_path = resolve_resume(cfg)
     meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
@@ -76,6 +74,9 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
 def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = ()) -> dict:
     """Validate, fit and validate again; the summary of the run."""
     module = build_module(cfg)
+    if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
+        notes = [module.backend.summary(), *module.backend.startup_notes()]
+        print("\n".join(f"  backend:  {line}" for line in notes), flush=True)
     datamodule = build_datamodule(cfg, module.tokenizer, problems)
     trainer = build_trainer(cfg, logger, callbacks=[*build_pass_at_k(cfg, problems[1]), *callbacks])
     module.run_meta = {

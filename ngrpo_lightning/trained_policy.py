@@ -126,7 +126,7 @@ def load_trained_policy(ckpt: TrainedCheckpoint, base: str | None = None, dtype:
     model_cfg = ckpt.config.get("model") or {}
     dtype = dtype or model_cfg.get("dtype") or _saved_dtype(ckpt.state_dict) or "float32"
     load_kwargs.setdefault("trust_remote_code", bool(model_cfg.get("trust_remote_code", False)))
-    load_kwargs.setdefault("attn_implementation", attention.configured(model_cfg) if model_cfg else None)
+    load_kwargs.setdefault("attn_implementation", attention.NAME)
     policy, tokenizer = load_policy(base, dtype=dtype, **load_kwargs)
     adapters = lora.LoraSettings.from_config(model_cfg.get("lora"))
     if adapters.enabled:  # a LoRA run's checkpoint holds the adapters only: put them on the base model

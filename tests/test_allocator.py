@@ -1,7 +1,8 @@
-"""host.allocator: the ``ngrpo`` command runs on mimalloc (preloaded by restarting itself before
-torch loads), on the system's malloc when asked, and refuses an unknown allocator by name."""
+"""The C allocator is the launcher's business, not the library's: ``make train`` preloads mimalloc
+with freed memory kept in the process (Makefile, ``RUN_ENV``); the ``ngrpo`` command never restarts
+itself, and a run says which allocator it got."""
 
-import json
+import ctypes
 import os
 import subprocess
 import sys
@@ -9,104 +10,62 @@ from pathlib import Path
 
 import pytest
 
-from ngrpo_lightning import allocator
-from ngrpo_lightning.build import check_config
 from ngrpo_lightning.config import ConfigError, compose
 
+ROOT = Path(__file__).resolve().parents[1]
 NGRPO = Path(sys.executable).parent / "ngrpo"
-needs_mimalloc = pytest.mark.skipif(allocator.mimalloc_path() is None, reason="cmeel-mimalloc not installed (Linux)")
+MI_OPTION_PURGE_DELAY = 15  # mimalloc's mi_option_t number (mimalloc.h)
 
 
-def ngrpo_train(tmp: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(NGRPO), "train", "model=tiny", "trainer.max_steps=1", "logger=none", "data.val_size=0", *extra]
-    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.LAUNCHED)}
-    env = {**base, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+def launcher_env() -> dict[str, str]:
+    """The environment ``make train`` runs the command in, for this virtual environment."""
+    out = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "run-env", f"BIN={Path(sys.executable).parent}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def device_line(proc: subprocess.CompletedProcess) -> str:
+def in_process(code: str, env: dict) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+PROBE = (
+    "import ctypes; p = ctypes.CDLL(None); "
+    "print('mimalloc' if hasattr(p, 'mi_version') else 'system', "
+    f"p.mi_option_get({MI_OPTION_PURGE_DELAY}) if hasattr(p, 'mi_option_get') else '-')"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux only")
+def test_the_launcher_preloads_mimalloc_with_freed_memory_kept():
+    env = launcher_env()
+    assert Path(env["LD_PRELOAD"]).name.startswith("libmimalloc.so."), env
+    assert env["MALLOC_MMAP_MAX_"] == "0" and env["MIMALLOC_PURGE_DELAY"] == "-1"
+    assert in_process(PROBE, env) == "mimalloc -1"  # loaded, and the purge delay taken from the environment
+    assert in_process(PROBE, {}) == "system -"  # a plain process is left alone
+
+
+def test_the_command_does_not_restart_itself_and_says_its_allocator(tmp_path):
+    """A run started without the launcher runs on the system's malloc and says so; the library has no
+    code that re-executes the process or preloads a library."""
+    cmd = [str(NGRPO), "train", "model=tiny", "trainer.max_steps=1", "logger=none", "data.val_size=0"]
+    clean = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.strip().startswith("device:")]
-    return line
+    assert "system allocator" in line
+    sources = "\n".join(p.read_text() for p in (ROOT / "ngrpo_lightning").rglob("*.py"))
+    for forbidden in ("os.execv", "LD_PRELOAD", "mallopt"):
+        assert forbidden not in sources, forbidden
+    assert not hasattr(ctypes.CDLL(None), "mi_version") or "LD_PRELOAD" in os.environ
 
 
-@needs_mimalloc
-def test_the_command_runs_on_mimalloc_by_default_and_on_the_system_allocator_when_asked(tmp_path):
-    assert "mimalloc allocator" in device_line(ngrpo_train(tmp_path))
-    assert "system allocator" in device_line(ngrpo_train(tmp_path, "host.allocator=system", "output_dir=o2"))
-
-
-@needs_mimalloc
-def test_a_value_the_command_line_did_not_show_restarts_the_composed_run(tmp_path):
-    """The process already runs on mimalloc when the composed config asks for the system's malloc
-    (what a config group's value looks like to the command): it restarts without mimalloc."""
-    env = {"LD_PRELOAD": str(allocator.mimalloc_path()), allocator.LAUNCHED: "mimalloc"}
-    assert "system allocator" in device_line(ngrpo_train(tmp_path, "host.allocator=system", env=env))
-
-
-def test_an_unknown_allocator_is_refused_by_name_before_anything_loads(tmp_path):
-    proc = ngrpo_train(tmp_path, "host.allocator=jemalloc")
-    assert proc.returncode == 2
-    assert "host.allocator='jemalloc': expected one of auto, mimalloc, system" in proc.stderr
-    assert "device:" not in proc.stdout
-    with pytest.raises(ConfigError, match="host.allocator='tcmalloc'"):
-        check_config(compose(["model=tiny", "host.allocator=tcmalloc"]))
-
-
-def test_the_preload_list_gains_or_loses_mimalloc_and_keeps_the_rest():
-    other = "/opt/lib/libother.so"
-    env = allocator.preload_env("system", {"LD_PRELOAD": f"/x/libmimalloc.so.3:{other}", "HOME": "/h"})
-    assert env["LD_PRELOAD"] == other and env["HOME"] == "/h" and env[allocator.LAUNCHED] == "system"
-    assert "LD_PRELOAD" not in allocator.preload_env("system", {"LD_PRELOAD": "/x/libmimalloc.so.3"})
-    if allocator.mimalloc_path() is not None:
-        env = allocator.preload_env("mimalloc", {"LD_PRELOAD": other})
-        assert env["LD_PRELOAD"] == f"{allocator.mimalloc_path()}:{other}"
-    assert allocator.requested(["train", "host.allocator=system", "++host.allocator=auto"], "mimalloc") == "auto"
-    assert allocator.requested(["train", "seed=1"], "mimalloc") == "mimalloc"
-
-
-KEEP_UNDER_MIMALLOC = """
-import ctypes, json, psutil, torch
-from ngrpo_lightning.host_memory import keep_freed_memory
-kept = keep_freed_memory()
-process = ctypes.CDLL(None)
-before = psutil.Process().memory_info().rss
-x = torch.ones(64 * 2**20)  # 256 MiB, touched
-del x
-print(json.dumps([kept, hasattr(process, "mi_version"), (psutil.Process().memory_info().rss - before) / 2**20]))
-"""
-
-
-@needs_mimalloc
-def test_keep_freed_memory_turns_mimallocs_purging_off():
-    env = {**os.environ, "LD_PRELOAD": str(allocator.mimalloc_path())}
-    out = subprocess.run([sys.executable, "-c", KEEP_UNDER_MIMALLOC], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    kept, on_mimalloc, rss_after_free_mib = json.loads(out.stdout.strip().splitlines()[-1])
-    assert kept and on_mimalloc
-    assert rss_after_free_mib > 200  # the freed block stays for the next step to reuse
-
-
-LAUNCHER_ENV = """
-import os, sys
-import ngrpo_lightning.launch as launch
-assert "torch" not in sys.modules  # the launcher decides before torch (and OpenMP) loads
-sys.argv = ["ngrpo", "config", "model=tiny"]
-launch.main()
-print("GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "<unset>"))
-"""
-
-
-@pytest.mark.parametrize(
-    ("exported", "expected"),
-    [
-        ({}, "GOMP_SPINCOUNT=1000"),
-        ({"GOMP_SPINCOUNT": "5"}, "GOMP_SPINCOUNT=5"),
-        ({"OMP_WAIT_POLICY": "active"}, "GOMP_SPINCOUNT=<unset>"),
-    ],
-)
-def test_the_command_sets_a_short_openmp_spin_unless_the_user_chose(exported, expected):
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", LAUNCHER_ENV], env={**env, **exported}, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == expected
+def test_the_removed_host_keys_are_refused_by_name():
+    with pytest.raises(ConfigError, match="host"):
+        compose(["model=tiny", "host.allocator=system"])

@@ -7,6 +7,7 @@ import torch
 from conftest import chat_prompt_ids
 from transformers import AutoModelForCausalLM
 
+from ngrpo_lightning import attention
 from ngrpo_lightning.attention import check_attn_implementation
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.models import resolve_model_path
@@ -19,6 +20,8 @@ QUESTIONS = [
 
 # ------------------------------------------------------------------ sdpa_gqa
 def load(attn: str) -> torch.nn.Module:
+    if attn == attention.NAME:
+        attention.register()  # as the CPU backend does before its models load
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), attn_implementation=attn)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the case at hand
     return model.train()
@@ -65,12 +68,19 @@ def test_remote_code_models_keep_transformers_attention():
 def test_unknown_attention_is_refused_with_the_allowed_names():
     check_attn_implementation("eager")
     check_attn_implementation("kernels-community/flash-attn")  # a hub kernel: transformers resolves it
-    with pytest.raises(ValueError, match=r"model.attn_implementation='sdpx'.*eager.*sdpa_gqa"):
+    check_attn_implementation(attention.NAME)  # known before it is registered: the CPU backend registers it
+    with pytest.raises(ValueError, match=r"backend.attention='sdpx'.*eager.*sdpa_gqa"):
         check_attn_implementation("sdpx")
+    with pytest.raises(ValueError, match=r"^model.attn_implementation='sdpx'"):  # a caller's own key
+        check_attn_implementation("sdpx", key="model.attn_implementation")
     from ngrpo_lightning.build import check_config
 
-    with pytest.raises(ConfigError, match="model.attn_implementation"):
-        check_config(compose(["model=tiny", "model.attn_implementation=flash"]))
+    with pytest.raises(ConfigError, match=r"backend.attention='flash' is not an attention transformers knows"):
+        check_config(compose(["model=tiny", "backend.attention=flash"]))
+    check_config(compose(["model=tiny", "backend.attention=eager"]))
+    # the key it replaced is refused, naming it
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.attn_implementation'"):
+        compose(["model=tiny", "model.attn_implementation=sdpa"])
 
 
 def _grouped_qkv(queries: int, keys: int, dtype=torch.float32, seed=0):

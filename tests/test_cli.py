@@ -56,18 +56,22 @@ def test_bad_dtype_is_named(capsys):
 
 
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
-    err = run_error(capsys, "train", "model=tiny", "rollout.hf.drop_min_frac=2", "logger=none")
+    # rollout.hf.* is not in the config any more (the backend decides), but HFEngine's own settings
+    # can still be given, and are checked
+    err = run_error(capsys, "train", "model=tiny", "+rollout.hf.drop_min_frac=2", "logger=none")
     assert "rollout.hf.drop_min_frac=2 is out of range: allowed [0.0, 1.0]" in err
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.hf.packed_weights=maybe", "rollout.hf.packed_weights='maybe' must be true or false"),
+        ("+rollout.hf.drop_finished_rows=maybe", "rollout.hf.drop_finished_rows='maybe' must be true or false"),
+        ("+rollout.hf.pack=true", "rollout.hf.pack is unknown: allowed ['drop_finished_rows', 'drop_min_frac']"),
         (
-            "+rollout.hf.pack=true",
-            "rollout.hf.pack is unknown: allowed ['drop_finished_rows', 'drop_min_frac', 'packed_weights']",
+            "+rollout.hf.packed_weights=false",  # the backend's choice now
+            "rollout.hf.packed_weights is unknown: allowed ['drop_finished_rows', 'drop_min_frac']",
         ),
+        ("rollout.hf.packed_weights=false", "unknown config key 'rollout.hf.packed_weights'; valid keys of rollout"),
         ("rollout.ignore_eos=2", "rollout.ignore_eos=2 must be true or false"),
         ("rollout.engine=nope", "rollout.engine='nope' is unknown: allowed ['hf',"),
         ("rollout.engine=no_such.Engine", "rollout.engine='no_such.Engine' cannot be imported"),

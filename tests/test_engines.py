@@ -32,6 +32,13 @@ def test_an_engine_checks_its_settings_before_it_is_built():
         check_engine("hf", {"drop_min_frac": 2})
     with pytest.raises(ValueError, match=r"rollout.hf.beam is unknown: allowed \['drop_finished_rows'"):
         check_engine("hf", {"beam": 2})
+    # how the products run is the backend's choice, and the backend is the run's, not a setting
+    assert HFEngine.settings_names() == ["drop_finished_rows", "drop_min_frac"]
+    for removed in ("packed_weights", "backend"):
+        with pytest.raises(
+            ValueError, match=rf"rollout.hf.{removed} is unknown: allowed \['drop_finished_rows', 'drop_min_frac'\]"
+        ):
+            check_engine("hf", {removed: True})
     with pytest.raises(ValueError, match=r"engine='nope' is unknown"):
         check_engine("nope", key="engine")
 
@@ -75,7 +82,7 @@ def test_the_docs_engine_decodes_what_hf_engine_decodes(generate_engine, tiny):
     model, tok = tiny
     prompts = [tok("1 + 1 =")["input_ids"], tok("12 + 30 =")["input_ids"]]
     greedy = TemperatureExplorer(temperature=0.0)
-    ours = HFEngine(model, tok, max_new_tokens=6, packed_weights=False).generate(prompts, greedy, n=2)
+    ours = HFEngine(model, tok, max_new_tokens=6).generate(prompts, greedy, n=2)  # unprepared: plain products
     theirs = generate_engine.from_policy(model, tok, max_new_tokens=6, seed=0).generate(prompts, greedy, n=2)
     assert torch.equal(theirs.response_mask, ours.response_mask)
     assert torch.equal(theirs.response_ids, ours.response_ids)

@@ -91,5 +91,20 @@ def test_a_folder_that_cannot_be_written_names_the_way_out(tmp_path):
     policy, _ = load_policy("tiny")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(OSError, match="model.reference_weights=memory"):
+    with pytest.raises(OSError, match="free space there or set output_dir to a folder with room") as err:
         file_weights.frozen_copy_to_file(policy, blocker / "outputs")
+    assert "reference_weights" not in str(err.value)  # no advice to set a key the config no longer has
+
+
+def test_the_backend_decides_where_the_reference_lives(tmp_path):
+    """``model.reference_weights`` is gone: the CPU backend keeps the reference in a file on a
+    one-process Linux run whose output_dir is on a disk (``resolve("auto", ...)``), other backends
+    in memory."""
+    from ngrpo_lightning.backends import CPUBackend, CUDABackend
+
+    cpu = CPUBackend(packing="off")
+    assert cpu.reference_in_file(tmp_path, sharded=False) == (
+        file_weights.resolve("auto", "cpu", False, tmp_path) == "file"
+    )
+    assert cpu.reference_in_file(tmp_path, sharded=True) is False
+    assert CUDABackend().reference_in_file(tmp_path, sharded=False) is False

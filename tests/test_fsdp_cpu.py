@@ -181,27 +181,23 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monk
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
-def test_a_sharded_lora_run_resumes_exactly(tmp_path, monkeypatch):
-    """2 steps under FSDP2 with adapters, then resume=last to 3: the adapters equal those of 3
-    steps in one go (one process; the same rollouts, as above)."""
+def test_a_sharded_lora_run_resumes_exactly(tmp_path):
+    """2 steps under FSDP2 with adapters, then resume=last to 3: the adapters, the optimizer's
+    work and the losses are bit for bit those of 3 sharded steps in one go. (Against one unsharded
+    process the sharded run agrees to summation order only, which AdamW at lr 5e-2 amplifies where
+    a gradient is near 0: 2e-4 after 3 steps on an AVX2 CPU. The test above bounds that.)"""
     pytest.importorskip("peft")
-    from conftest import ScriptedReward
-
-    from ngrpo_lightning.cli import train
-
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2", "trainer.max_steps=3"]
-    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
-    one = tmp_path / "one"
-    logs = [f"output_dir={one}", f"logger.tracking_uri=sqlite:///{one}/mlruns.db"]
-    train(compose(RUN + lora + logs + ["trainer=cpu", "data.prompts_per_step=4"]))
     sharded = [*lora, "trainer=fsdp_cpu", "data.prompts_per_step=2", "checkpoint.every_n_steps=1"]
+    one_go = launch(tmp_path, "one_go", *sharded)
     two = launch(tmp_path, "two", *sharded, "trainer.max_steps=2")
     assert launch(tmp_path, "two", *sharded, "resume=last") == two
-    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
+    w1, w2 = policy_weights(one_go / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
     assert w1 and w1.keys() == w2.keys() and all(".lora_" in k for k in w1)
+    assert any("lora_B" in k and w1[k].abs().sum() > 0 for k in w1)  # B starts at 0: training moved it
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
-    assert metrics(two)["train/loss"] == pytest.approx(metrics(one)["train/loss"], rel=1e-4, abs=1e-5)
+        assert torch.equal(w2[k], w1[k]), k
+    assert metrics(two)["train/loss"] == metrics(one_go)["train/loss"]
 
 
 def policy_weights_initial() -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ REPO = ROOT.parent
 # Package-internal imports that stay inside functions, and why.
 LAZY_OK = {
     ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
-    ("ngrpo_lightning.launch", "ngrpo_lightning.cli"): "the command restarts on its allocator before torch loads",
+    ("ngrpo_lightning.launch", "ngrpo_lightning.cli"): "OpenMP's settings are in the environment before torch loads",
     **{
         ("ngrpo_lightning.cli", f"ngrpo_lightning.{command}"): "help and config errors answer before torch loads"
         for command in (

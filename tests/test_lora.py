@@ -55,7 +55,11 @@ def test_only_the_adapters_get_gradients():
 def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
     from peft.tuners.lora.layer import Linear
 
+    from ngrpo_lightning.backends.lora import LeanLoraLinear, lean_lora_layers
+    from ngrpo_lightning.backends.swap import original_class
+
     policy = trained_lora()
+    assert lean_lora_layers(policy) == 7 * policy.config.num_hidden_layers
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
 
     def forward_backward():
@@ -64,11 +68,13 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
         logits.float().log_softmax(-1).mean().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 
-    layers = [m for m in policy.modules() if type(m) is Linear]
-    assert layers and all(m.forward.__func__ is lora.lean_forward for m in layers)
+    layers = [m for m in policy.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m, LeanLoraLinear) and "forward" not in vars(m) for m in layers)
+    assert lean_lora_layers(policy) == 0  # swapped once
     lean, lean_grads = forward_backward()
     for m in layers:
-        del m.forward  # peft's own forward
+        m.__class__ = original_class(m)  # peft's own layer and forward
+    assert all(type(m) is Linear for m in layers)
     peft_out, peft_grads = forward_backward()
     assert torch.equal(lean, peft_out)
     assert lean_grads.keys() == peft_grads.keys() and all(torch.equal(lean_grads[k], peft_grads[k]) for k in lean_grads)
@@ -112,17 +118,20 @@ def test_the_reference_is_the_base_model_with_the_adapters_off():
 
 
 def test_an_unpacked_rollout_multiplies_by_merged_weights():
-    """Where nothing is packed (a GPU rollout; here rollout.hf.packed_weights=false), each adapted
+    """Where nothing is packed (a GPU rollout; here the CPU backend with packing off), each adapted
     layer still runs one product per token, on W + scale B A: no base or adapter product runs,
     the rollout is the adapted policy's, and the training forward is back afterwards."""
+    from ngrpo_lightning.backends import CPUBackend
+    from ngrpo_lightning.backends.lora import LeanLoraLinear
     from ngrpo_lightning.explorers import TemperatureExplorer
     from ngrpo_lightning.models import load_tokenizer
-    from ngrpo_lightning.rollout import HFEngine, packed_weights
+    from ngrpo_lightning.rollout import HFEngine
 
     policy, tok = trained_lora(std=0.5), load_tokenizer("tiny")
+    CPUBackend(packing="off").prepare(policy, trains=True)
     adapted = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
-    inner = [sub for m in adapted for sub in m.modules() if type(sub) is torch.nn.Linear]
-    engine = HFEngine(policy, tok, max_new_tokens=6, packed_weights=False)
+    inner = [sub for m in adapted for sub in m.modules() if isinstance(sub, torch.nn.Linear)]
+    engine = HFEngine(policy, tok, max_new_tokens=6)
     prompts = chat_prompt_ids(tok, ["What is 7 + 5?", "What is 3 * 4?"])
     calls = []
     hooks = [m.register_forward_pre_hook(lambda m, args: calls.append(m)) for m in inner]
@@ -132,11 +141,12 @@ def test_an_unpacked_rollout_multiplies_by_merged_weights():
         for hook in hooks:
             hook.remove()
     assert not calls  # one merged product per adapted layer
-    with mock.patch.object(packed_weights, "_lora_adapter", lambda module: None):  # peft's three products
+    with mock.patch.object(LeanLoraLinear, "merge_adapter_name", lambda module: None):  # three products
         unmerged = engine.generate(prompts, TemperatureExplorer(0.0), n=2)
     assert torch.equal(merged.response_ids, unmerged.response_ids)
     torch.testing.assert_close(merged.rollout_logprobs, unmerged.rollout_logprobs, atol=1e-4, rtol=1e-4)
-    assert all(m.forward.__func__ is lora.lean_forward for m in adapted)
+    assert all(isinstance(m, LeanLoraLinear) and m._merged is None for m in adapted)  # the training forward
+    assert not any("forward" in vars(m) for m in policy.modules())
 
 
 def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch):

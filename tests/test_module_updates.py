@@ -126,12 +126,12 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objectiv
     step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 5, 2, 3, 5, 4])
     step.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
     grads = []
-    # the first is the plain forward; the others share each group's prompt (optim.share_prompts)
+    # the first is the plain forward; the others share each group's prompt (the backend's share_prompts)
     for budget, size, share in ((None, 0, False), (None, 0, True), (16, 0, True), (9, 2, True)):
         module, _ = tiny_rl(tiny, ScriptedReward([1]), objective=objective)
-        module.optim = OptimConfig(
-            lr=1e-2, max_tokens_per_micro_batch=budget, micro_batch_size=size, share_prompts=share
-        )
+        module.optim = OptimConfig(lr=1e-2, max_tokens_per_micro_batch=budget, micro_batch_size=size)
+        module.backend.share_prompts = share
+        assert module._shares_prompts(module.policy) == share
         module.plan = UpdatePlan(micro_batch_size=size, max_tokens_per_micro_batch=budget)
         torch.manual_seed(0)
         with torch.no_grad():
@@ -177,21 +177,21 @@ def test_gradient_checkpointing_on_one_device_keeps_the_gradient(tiny):
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["reference", "lora"])
 def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
-    """optim.packed_weights: the KL reference's log-probs (a frozen copy, or the LoRA policy
-    with its adapters off) come from oneDNN-packed weights, equal to the plain pass's to float
-    rounding; off, nothing is packed."""
+    """The KL reference's log-probs (a frozen copy, or the LoRA policy with its adapters off) come
+    from weights packed once for the pass where the backend chose it, equal to the plain pass's to
+    float rounding; with packing off, nothing is packed."""
     import copy
 
     from conftest import ScriptedReward, tiny_rl
 
     from ngrpo_lightning import lora
     from ngrpo_lightning import module as module_file
+    from ngrpo_lightning.backends import CPUBackend
     from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.objectives import GRPO
-    from ngrpo_lightning.settings import OptimConfig
 
     packed_layers = []
-    original = module_file.packed_linears
+    original = module_file.packed_for_pass
 
     def counting(*args, **kwargs):
         ctx = original(*args, **kwargs)
@@ -205,18 +205,22 @@ def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
 
         return Spy()
 
-    monkeypatch.setattr(module_file, "packed_linears", counting)
+    monkeypatch.setattr(module_file, "packed_for_pass", counting)
     step = fake_step(list("aabb"), [1, 0, 1, 0])
     results = []
-    for packed in (True, False):
+    for packing in ("on", "off"):
+        backend = CPUBackend(packing=packing)
         policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
         if adapters:
             policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=4, alpha=8))
             kwargs = {"adapters": True}
         else:
-            kwargs = {"reference": RLModule.reference_from(policy)}
-        module, _ = tiny_rl((policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), **kwargs)
-        module.optim = OptimConfig(packed_weights=packed)
+            kwargs = {"reference": backend.prepare(RLModule.reference_from(policy))}
+        backend.prepare(policy, trains=True)
+        module, _ = tiny_rl(
+            (policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), backend=backend, **kwargs
+        )
+        assert module.backend is backend
         results.append(module.prepare(step).ref_logp)
     assert packed_layers[0] >= 7 * tiny[0].config.num_hidden_layers  # every linear of every layer
     assert packed_layers[1] == 0
@@ -227,14 +231,15 @@ def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
 def test_a_file_backed_reference_frees_each_weight_it_packs(tiny, tmp_path, tied):
-    """model.reference_weights=file with optim.packed_weights: each decoder weight is freed once
-    packed (one copy per pass, not two); the LM head, read as a weight by the chunked
+    """A file-backed reference whose layers the backend packs once per pass: each decoder weight is
+    freed once packed (one copy per pass, not two); the LM head, read as a weight by the chunked
     log-probs, stays; the log-probs equal the in-memory reference's to float rounding."""
     import copy
 
     from conftest import ScriptedReward, tiny_rl
 
     from ngrpo_lightning import file_weights
+    from ngrpo_lightning.backends import CPUBackend
     from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.objectives import GRPO
 
@@ -243,8 +248,12 @@ def test_a_file_backed_reference_frees_each_weight_it_packs(tiny, tmp_path, tied
         policy.lm_head.weight = torch.nn.Parameter(policy.lm_head.weight.detach() * 1.5)
     step = fake_step(list("aabb"), [1, 0, 1, 0])
     results, live = [], []
+    backend = CPUBackend(packing="on")
     for reference in (RLModule.reference_from(policy), file_weights.frozen_copy_to_file(policy, tmp_path)):
-        module, _ = tiny_rl((policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), reference=reference)
+        backend.prepare(reference)
+        module, _ = tiny_rl(
+            (policy, tokenizer), ScriptedReward([1]), objective=GRPO(kl_coef=0.1), reference=reference, backend=backend
+        )
         original = module._logprobs_no_grad
 
         def seen(model, batch, original=original, reference=reference):  # weights in memory during its pass

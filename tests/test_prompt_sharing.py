@@ -88,10 +88,11 @@ def test_nothing_is_shared_when_every_prompt_differs():
 def test_the_per_row_prompt_keys_are_recomputed_not_kept():
     """Under recompute.recomputing, attention's per-row copy of the prompt's keys and values is
     rebuilt in backward from the one-per-prompt pass: the same bits, no such copy kept."""
-    from ngrpo_lightning import attention, recompute
+    from ngrpo_lightning import attention
+    from ngrpo_lightning.backends import recompute
 
     model = small_llama()
-    model.set_attn_implementation(attention.NAME)  # the default: grouped keys and values read as they are
+    model.set_attn_implementation(attention.register())  # the default: grouped keys and values read as they are
     batch = grouped_batch(512, [4, 0, 5, 2, 1, 3])
     c = model.config
     per_row = len(batch) * c.num_key_value_heads * (P + L) * (c.hidden_size // c.num_attention_heads) * 4
@@ -116,3 +117,26 @@ def test_the_per_row_prompt_keys_are_recomputed_not_kept():
     assert grads0.keys() == grads1.keys()
     for name, ref in grads0.items():
         assert torch.equal(grads1[name], ref), name
+
+
+def test_the_shared_prompt_cache_is_made_of_its_own_layers():
+    """The responses' pass reads the distinct prompts' keys and values through cache layers of
+    their own class (``SharedPrefixLayer``), not through a patched ``update``: each row gets its
+    prompt's rows followed by its new keys, and nothing is stored."""
+    from transformers import DynamicCache
+
+    from ngrpo_lightning.forward import SharedPrefixLayer, _read_only_prefix
+
+    cache = DynamicCache()
+    keys, values = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
+    cache.update(keys, values, 0)
+    rows = torch.tensor([0, 0, 1])
+    stored = cache.layers[0].keys, cache.layers[0].values
+    cache = _read_only_prefix(cache, rows)
+    layer = cache.layers[0]
+    assert type(layer) is SharedPrefixLayer and "update" not in vars(layer)
+    new_k, new_v = torch.randn(3, 3, 2, 8), torch.randn(3, 3, 2, 8)
+    k, v = cache.update(new_k, new_v, 0)
+    assert torch.equal(k, torch.cat([keys[rows], new_k], dim=-2))
+    assert torch.equal(v, torch.cat([values[rows], new_v], dim=-2))
+    assert layer.keys is stored[0] and layer.values is stored[1]  # nothing stored

@@ -86,7 +86,7 @@ def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
         (["rollout.engine=vllm"], "train.max_staleness=1 with rollout.engine=vllm"),
         (["trainer=fsdp_cpu"], r"train.max_staleness=1 runs in one process; trainer.devices=2"),
         (["train.max_staleness=-1"], r"train.max_staleness=-1 is out of range"),
-        (["rollout.ahead_threads=0"], r"rollout.ahead_threads=0 is out of range"),
+        (["rollout.ahead_threads=2"], r"unknown config key 'rollout.ahead_threads'"),  # the backend's now
         (["objective=gspo", "train.tis_level=token"], "train.tis_level=token needs an objective"),
     ],
 )
@@ -94,6 +94,28 @@ def test_staleness_that_cannot_run_is_refused_before_the_model_loads(tmp_path, o
     monkeypatch.setattr("ngrpo_lightning.build.load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises((ConfigError, ValueError), match=message):
         train(compose(["model=tiny", "train.max_staleness=1", f"output_dir={tmp_path}", *overrides]))
+
+
+def test_the_workers_threads_are_the_backends_unless_given(tiny):
+    """The worker's intra-op threads: the module's backend's ``ahead_threads``, or the DataModule's
+    own ``ahead_threads`` where one is given (checked)."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_rl
+
+    from ngrpo_lightning.rollout import RolloutDataModule
+
+    with pytest.raises(ValueError, match=r"ahead_threads=0 is out of range"):
+        RolloutDataModule(tiny[1], [], [], prompts_per_step=2, group_size=2, max_new_tokens=6, ahead_threads=0)
+    for given, expected in ((None, 2), (3, 3)):
+        module, dm = tiny_rl(tiny, ScriptedReward([1]))
+        module.backend.ahead_threads = 2
+        dm.ahead_threads = given
+        dm.trainer = SimpleNamespace(lightning_module=module)
+        try:
+            assert dm.ensure_ahead().threads == expected
+        finally:
+            dm.close_ahead()
 
 
 def test_dynamic_sampling_draws_its_extra_rollouts_from_the_worker(tiny):

@@ -64,19 +64,14 @@ def test_checks_name_the_key_once(make, message):
         (["optim.lr=-1"], "optim.lr=-1 is out of range"),
         (["train.ppo_epochs=0"], "train.ppo_epochs=0 is out of range"),
         (["replay.is_cap=0.5"], "replay.is_cap=0.5 is out of range"),
-        (["optim.logprob_chunk_size=0"], "optim.logprob_chunk_size=0 is out of range"),
         (
             ["optim.max_tokens_per_micro_batch=100", "rollout.max_new_tokens=40", "data.max_prompt_tokens=512"],
             "optim.max_tokens_per_micro_batch=100 is smaller than the longest possible sequence, 552 tokens",
         ),
         (["model.gradient_checkpointing=yes"], "model.gradient_checkpointing='yes' must be true or false"),
-        (["model.recompute_elementwise=2"], "model.recompute_elementwise=2 must be true or false"),
-        (["model.recompute_up_proj=yes"], "model.recompute_up_proj='yes' must be true or false"),
-        (["model.reference_weights=disk"], "model.reference_weights='disk' is not one of auto, memory, file"),
-        (
-            ["model.reference_weights=file", "trainer=fsdp_cpu"],
-            "model.reference_weights=file reads the reference's weights from a file",
-        ),
+        (["backend.name=tpu"], "backend.name='tpu' is unknown: allowed ['cpu', 'cuda']"),
+        (["backend.attention=flash"], "backend.attention='flash' is not an attention transformers knows: allowed auto"),
+        (["backend.packing=yes"], "backend.packing='yes' is unknown: allowed ['auto', 'off', 'on']"),
         (["rollout.group_size=abc"], "rollout.group_size='abc' must be an integer"),
         (
             ["rollout.group_size=1"],
@@ -97,6 +92,48 @@ def test_bad_values_fail_before_the_model_loads(overrides, message, monkeypatch,
     assert message in err
     key = message.split("=")[0]
     assert err.count(key + "=") == 1  # named once, not "objective (GRPO): objective.clip_low=..."
+
+
+# keys whose choices the backend took over (backends/): same values, so no longer settings
+REMOVED_KEYS = [
+    "optim.packed_weights=false",
+    "optim.logprob_chunk_size=0",
+    "optim.logprob_keep_softmax_mib=0",
+    "optim.share_prompts=false",
+    "model.attn_implementation=eager",
+    "model.recompute_elementwise=false",
+    "model.recompute_up_proj=false",
+    "model.reference_weights=file",
+    "rollout.ahead_threads=2",
+    "rollout.hf.packed_weights=false",
+    "rollout.hf.drop_min_frac=0.5",
+    "host.allocator=system",
+    "host.keep_freed_memory=false",
+]
+
+
+@pytest.mark.parametrize("override", REMOVED_KEYS)
+def test_a_removed_key_is_refused_as_unknown_before_the_model_loads(override, monkeypatch, capsys):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(build, "load_policy", no_loading)
+    assert main(["train", "model=tiny", "logger=none", override]) == 2
+    err = capsys.readouterr().err
+    key = override.split("=")[0]
+    assert f"unknown config key '{key}'; valid keys" in err
+
+
+def test_the_backend_group_is_checked_and_has_no_removed_keys():
+    cfg = compose([])
+    assert set(cfg.backend.keys()) >= {"name", "attention"} and cfg.backend.name == "auto"
+    for group, removed in [
+        ("optim", {"packed_weights", "logprob_chunk_size", "logprob_keep_softmax_mib", "share_prompts"}),
+        ("model", {"attn_implementation", "recompute_elementwise", "recompute_up_proj", "reference_weights"}),
+        ("rollout", {"ahead_threads", "hf"}),
+    ]:
+        assert not removed & set(cfg[group].keys()), group
+    assert "host" not in cfg
 
 
 def test_a_registered_advantage_estimator_is_selectable_by_name():

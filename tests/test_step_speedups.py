@@ -1,10 +1,6 @@
 """The step's CPU speed-ups change no value: a KV cache written in place during rollouts
-(``ReservedLayer``), freed memory kept in the process (``host.keep_freed_memory``) and fused
-AdamW. The attention ones (``sdpa_gqa``) are tested in test_attention.py."""
-
-import json
-import subprocess
-import sys
+(``ReservedLayer``), in float32 for a half-precision model on the CPU backend, and fused AdamW.
+The attention ones (``sdpa_gqa``) are tested in test_attention.py."""
 
 import pytest
 import torch
@@ -76,36 +72,15 @@ def test_reserved_layer_follows_dynamic_layer_through_row_and_length_edits():
     assert ours.key_buffer.shape[-2] > 6  # it did grow
 
 
-# ------------------------------------------------------------------ host.keep_freed_memory
-RSS_AFTER_FREE = """
-import json, sys, psutil, torch
-if sys.argv[1] == "keep":
-    from ngrpo_lightning.host_memory import keep_freed_memory
-    assert keep_freed_memory()
-before = psutil.Process().memory_info().rss
-x = torch.ones(64 * 2**20)  # 256 MiB, touched
-del x
-print(json.dumps((psutil.Process().memory_info().rss - before) / 2**20))
-"""
-
-
-def rss_kept_after_free(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", RSS_AFTER_FREE, mode], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
-def test_keep_freed_memory_keeps_a_freed_block_for_reuse():
-    assert rss_kept_after_free("default") < 64  # glibc gives a freed 256 MiB block back at once
-    assert rss_kept_after_free("keep") > 200  # kept: the next step's tensors reuse its pages
-
-
-def test_keep_freed_memory_setting_is_checked():
-    from ngrpo_lightning.build import check_config
-
-    assert compose(["model=tiny"]).host.keep_freed_memory is True
-    with pytest.raises(ConfigError, match="host.keep_freed_memory='yes' must be true or false"):
-        check_config(compose(["model=tiny", "host.keep_freed_memory=yes"]))
+# ------------------------------------------------------------------ host.* (removed)
+@pytest.mark.parametrize("override", ["host.keep_freed_memory=yes", "host.allocator=mimalloc"])
+def test_the_removed_host_settings_are_refused_as_unknown(override):
+    """How the process uses its machine is no setting any more (the launcher's business, not the
+    run's config): an old override fails at once, naming the key and the groups there are."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"unknown config key '{key}'; valid keys: \[.*'backend'"):
+        compose(["model=tiny", override])
+    assert "host" not in compose(["model=tiny"])
 
 
 # ------------------------------------------------------------------ fused AdamW
@@ -141,9 +116,16 @@ def test_checkpoints_from_before_these_settings_still_resume():
 
     current = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
     older = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
-    del older["host"], older["model"]["attn_implementation"]  # a checkpoint's config from before they existed
-    del older["optim"]["logprob_keep_softmax_mib"], older["optim"]["packed_weights"]
+    del older["backend"]  # a checkpoint's config from before the backend, with the keys it replaced
+    older["host"] = {"allocator": "auto", "keep_freed_memory": True}
+    older["model"].update(
+        attn_implementation="sdpa_gqa", recompute_elementwise=True, recompute_up_proj=True, reference_weights="auto"
+    )
+    older["optim"].update(logprob_chunk_size=512, logprob_keep_softmax_mib=512, share_prompts=True, packed_weights=True)
+    older["rollout"].update(ahead_threads=1, hf={"drop_min_frac": 0.0, "packed_weights": True})
     assert config_mismatch(older, current) is None
+    changed = OmegaConf.to_container(compose(["model=tiny", "backend.attention=eager"]), resolve=True)
+    assert config_mismatch(current, changed) is None  # the backend's choices give the same values
     older["model"]["dtype"] = "bfloat16"
     assert "model.dtype differs" in config_mismatch(older, current)
 
@@ -151,13 +133,17 @@ def test_checkpoints_from_before_these_settings_still_resume():
 def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monkeypatch):
     """A bfloat16 model decoding on CPU with sdpa_gqa keeps keys and values in float32: each is
     widened once when written, and the rollout equals one over transformers' bfloat16 cache."""
+    from ngrpo_lightning.backends import CPUBackend, backend_for
     from ngrpo_lightning.models import load_policy
-    from ngrpo_lightning.rollout.kv_cache import reserved_cache, store_dtype_for
+    from ngrpo_lightning.rollout.kv_cache import reserved_cache
 
     model, tok = load_policy("tiny", dtype="bfloat16")
-    assert store_dtype_for(model) == torch.float32
+    assert CPUBackend(torch.bfloat16).kv_cache_dtype(model) == torch.float32
+    assert backend_for(model).kv_cache_dtype(model) == torch.float32  # what HFEngine uses by default
+    assert CPUBackend(torch.bfloat16, attention="sdpa").kv_cache_dtype(model) is None  # others read the model's dtype
+    assert CPUBackend(torch.float32).kv_cache_dtype(load_policy("tiny")[0]) is None
     model.set_attn_implementation("sdpa")
-    assert store_dtype_for(model) is None  # other attentions read the model's dtype
+    assert backend_for(model).kv_cache_dtype(model) is None
     model.set_attn_implementation("sdpa_gqa")
     caches = []
 

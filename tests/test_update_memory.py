@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
+from ngrpo_lightning.backends.recompute import tallying_kept
 from ngrpo_lightning.callbacks import UpdateMemoryCheck
 from ngrpo_lightning.callbacks.update_memory import UpdateMemory, kept_bytes_per_token
 from ngrpo_lightning.forward import response_logprobs
-from ngrpo_lightning.recompute import tallying_kept
 from ngrpo_lightning.rollout.batch import RolloutBatch
 
 

@@ -9,7 +9,7 @@ trainable weights with each job, so the worker never reads weights the optimizer
 Why a thread: PyTorch's kernels release the GIL, so a decoding loop and a training step run
 side by side, with no second process, no second copy of the libraries and no weight transfer
 beyond one in-memory copy of the trainable parameters per job (LoRA: the adapters only). The
-worker has its own intra-op threads (``rollout.ahead_threads``); the training thread keeps its own.
+worker has its own intra-op threads (the backend's ``ahead_threads``); the training thread keeps its own.
 What it costs and when it pays: ``docs/async.md``.
 
 The schedule is a pure function of the step index, not of timing: the job for step ``b + k``

@@ -57,7 +57,7 @@ class RolloutDataModule(L.LightningDataModule):
         seed: shuffling and sampling seed.
         max_staleness: roll training batches out this many steps ahead of the step that trains
             on them (``train.max_staleness``; 0 = each step rolls out its own batch first).
-        ahead_threads: intra-op threads of that rollout worker (``rollout.ahead_threads``).
+        ahead_threads: intra-op threads of that rollout worker (default: the module's backend's).
     """
 
     def __init__(
@@ -79,11 +79,11 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         max_staleness: int = 0,
-        ahead_threads: int = 1,
+        ahead_threads: int | None = None,
     ):
         super().__init__()
         engine_class(engine)  # an unknown engine fails here, naming rollout.engine and the allowed names
-        check_number("rollout.ahead_threads", ahead_threads, 1, integer=True)
+        check_number("ahead_threads", ahead_threads, 1, integer=True, optional=True)
         if group_size < 1 or prompts_per_step < 1:
             raise ValueError(
                 f"rollout.group_size ({group_size}) and data.prompts_per_step ({prompts_per_step}) must be >= 1"
@@ -102,7 +102,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine: RolloutEngine | None = None
         self.ahead: RolloutsAhead | None = None  # the worker of max_staleness > 0
         self._ahead_state: dict | None = None
-        self.ahead_threads = int(ahead_threads)
+        self.ahead_threads = ahead_threads
         self._sampler: PromptSampler | None = None
         self.train_set = self.val_set = None
         self.extra_prompts_drawn = 0  # position in the stream of more_rollouts()
@@ -220,9 +220,8 @@ class RolloutDataModule(L.LightningDataModule):
         while the worker idled, docs/async.md)."""
         if self.ahead is None:
             module = self.trainer.lightning_module
-            self.ahead = RolloutsAhead(
-                module.policy, lambda model: self._build_engine(model, module), self.ahead_threads
-            )
+            threads = self.ahead_threads or getattr(getattr(module, "backend", None), "ahead_threads", 1)
+            self.ahead = RolloutsAhead(module.policy, lambda model: self._build_engine(model, module), threads)
             if self._ahead_state is not None:
                 self.ahead.load_state_dict(self._ahead_state)
                 self._ahead_state = None

@@ -53,7 +53,18 @@ ENGINES = Registry("engine", key="rollout.engine")
 register_engine = ENGINES.register  # class decorator: selectable as ``rollout.engine=<name>``
 
 # Constructor arguments every engine is given by the framework (not settings of its own).
-CONTEXT_ARGS = ("self", "model", "tokenizer", "max_new_tokens", "seed", "ignore_eos", "policy", "sharded_root")
+# ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting.
+CONTEXT_ARGS = (
+    "self",
+    "model",
+    "tokenizer",
+    "max_new_tokens",
+    "seed",
+    "ignore_eos",
+    "policy",
+    "sharded_root",
+    "backend",
+)
 
 
 def eos_token_ids(generation_eos, tokenizer) -> list[int]:

@@ -15,12 +15,13 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..backends import Backend, backend_for
+from ..backends.passes import packed_for_pass
 from ..checks import check_number
 from ..explorers import Explorer
 from .batch import RolloutBatch
 from .engine import RolloutEngine, eos_token_ids, register_engine
-from .kv_cache import reserved_cache, store_dtype_for
-from .packed_weights import packed_linears
+from .kv_cache import reserved_cache
 from .padding import pad_rows
 from .reconstruction import mixture_embeddings
 from .records import InputRecords
@@ -63,8 +64,9 @@ class HFEngine(RolloutEngine):
         drop_min_frac: ended rows leave together, once they make up at least this fraction of
             the decoding batch (0: each step's ended rows at once). Until then they decode
             padding: a small batch saves more by compacting less often.
-        packed_weights: on the CPU, each rollout runs the linear layers on a copy of their
-            weights packed for oneDNN (see :mod:`.packed_weights`; no effect elsewhere).
+        backend: how the model computes (:mod:`ngrpo_lightning.backends`): a rollout multiplies by
+            the weights its layers were chosen to pack once, and keeps its KV cache in the
+            backend's dtype (default: the backend of the model's device).
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -80,21 +82,17 @@ class HFEngine(RolloutEngine):
         ignore_eos: bool = False,
         drop_finished_rows: bool = True,
         drop_min_frac: float = 0.0,
-        packed_weights: bool = True,
         sharded_root: torch.nn.Module | None = None,
+        backend: Backend | None = None,
     ):
-        settings = {
-            "drop_finished_rows": drop_finished_rows,
-            "drop_min_frac": drop_min_frac,
-            "packed_weights": packed_weights,
-        }
+        settings = {"drop_finished_rows": drop_finished_rows, "drop_min_frac": drop_min_frac}
         self.check_settings(settings, "rollout.hf")
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
         self.model, self.tokenizer, self.sharded_root = model, tokenizer, sharded_root
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
-        self.packed_weights = packed_weights
+        self.backend = backend or backend_for(model)
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -102,9 +100,8 @@ class HFEngine(RolloutEngine):
     def check_settings(cls, settings: dict, prefix: str) -> None:
         super().check_settings(settings, prefix)
         check_number(f"{prefix}.drop_min_frac", settings.get("drop_min_frac", 0.0), 0.0, 1.0)
-        for key in ("packed_weights", "drop_finished_rows"):
-            if not isinstance(settings.get(key, True), bool):
-                raise ValueError(f"{prefix}.{key}={settings[key]!r} must be true or false")
+        if not isinstance(settings.get("drop_finished_rows", True), bool):
+            raise ValueError(f"{prefix}.drop_finished_rows={settings['drop_finished_rows']!r} must be true or false")
 
     @classmethod
     def from_policy(cls, policy, tokenizer, *, max_new_tokens, seed, ignore_eos=False, sharded_root=None, **settings):
@@ -140,7 +137,7 @@ class HFEngine(RolloutEngine):
         if sharded:  # FSDP2: gather the full weights once per rollout, not once per decoding step
             return self._generate_unsharded(sharded, prompts, explorer, n, max_new_tokens)
         with torch.inference_mode():
-            batch = self._generate(prompts, explorer, n, max_new_tokens, pack=self.packed_weights)
+            batch = self._generate(prompts, explorer, n, max_new_tokens)
         return batch.clone()
 
     def _generate_unsharded(
@@ -163,9 +160,9 @@ class HFEngine(RolloutEngine):
                 m.set_reshard_after_forward(m is not modules[0], recurse=False)
         return batch
 
-    def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, pack: bool = False):
+    def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None):
         t0 = time.perf_counter()  # the packing counts in the rollout's time
-        with packed_linears(self.model, rows=len(prompts) * n, enabled=pack, merge_lora=True):
+        with packed_for_pass(self.model, rows=len(prompts) * n, decoding=True):
             return self._decode(prompts, explorer, n, max_new_tokens, t0)
 
     def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
@@ -193,7 +190,9 @@ class HFEngine(RolloutEngine):
         slot = live.clone()
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = reserved_cache(width + max_new, store_dtype_for(model))  # no per-step concatenation of the whole cache
+        cache = reserved_cache(
+            width + max_new, self.backend.kv_cache_dtype(model)
+        )  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
         steps = 0

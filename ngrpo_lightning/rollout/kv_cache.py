@@ -9,7 +9,7 @@ for the whole rollout (prompt + ``max_new_tokens``) at its first update and writ
 positions into it; the model reads views of the filled part, so values are those of
 ``DynamicCache``.
 
-``store_dtype`` (float32 for a half-precision model decoding on CPU with ``sdpa_gqa``) keeps
+``store_dtype`` (the backend's choice: float32 for a half-precision model decoding on CPU with ``sdpa_gqa``) keeps
 the keys and values in a wider dtype than the model computes them in: each is widened once,
 when written, where a decoding step would otherwise widen the whole cache for every layer and
 token (see :mod:`ngrpo_lightning.attention`; bfloat16 keys and values are exact in float32).
@@ -22,8 +22,6 @@ from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-
-from ..attention import NAME as SDPA_GQA
 
 
 class ReservedLayer(DynamicLayer):
@@ -95,14 +93,6 @@ class ReservedLayer(DynamicLayer):
         self.key_buffer = self.value_buffer = None
         self.length = 0
         super().reset()
-
-
-def store_dtype_for(model: torch.nn.Module) -> torch.dtype | None:
-    """float32 for a half-precision model on CPU whose attention is ``sdpa_gqa`` (which decodes in
-    float32); ``None`` (the model's dtype) otherwise: other attentions want the model's dtype."""
-    weight = model.get_input_embeddings().weight
-    wide = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if wide and getattr(model.config, "_attn_implementation", None) == SDPA_GQA else None
 
 
 def reserved_cache(capacity: int, store_dtype: torch.dtype | None = None) -> Cache:

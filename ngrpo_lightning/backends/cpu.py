@@ -1,0 +1,174 @@
+"""The CPU backend: products on oneDNN-packed weights where this machine runs them faster.
+
+Whether a product on a packed weight pays depends on the CPU (its vector units, its oneDNN
+kernels) and on the shape: on an AMX machine the packaged model's update ran 1.5x faster
+packed, on an AVX2-only one it ran slower. So nothing is assumed: when a run is built, every
+distinct linear shape of the model is timed both ways, once at the decoding batch's rows
+(``pack_once``: one packed copy per rollout or frozen pass, :mod:`.linear`) and once at a
+training forward's rows, forward and backward (``pack_per_product``), and the faster way is
+taken where it is faster by at least :data:`MARGIN`. The answers are kept per machine
+(:mod:`.probe`), so a second run on the same machine and model does not measure again.
+
+Also chosen here, each giving the same values:
+
+- attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.attention`): grouped KV heads read in place,
+  decoding steps as two matmuls;
+- a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in
+  float32 (nothing is cast per step);
+- the frozen KL reference in an unlinked file between its passes on a one-process Linux run
+  whose ``output_dir`` is on a disk (:mod:`ngrpo_lightning.file_weights`).
+
+A half-precision model on a CPU without native bfloat16 products is warned about at start-up,
+with the rates measured here (on an AVX2-only EPYC, bfloat16 products ran at about 1 GFLOP/s
+against about 100 in float32).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .. import attention, file_weights
+from .base import BACKENDS, Backend
+from .linear import PackedLinearFunction, pack, packed_linear, packing_available
+from .probe import Measurements, faster, median_seconds
+
+MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
+# A training product's relative speed settles by a few thousand rows: larger passes are timed at this
+# many, so that measuring a model's shapes takes a second or two
+TRAIN_ROWS_TIMED = 2048
+HALF = (torch.bfloat16, torch.float16)
+PACKING = ("auto", "on", "off")
+
+
+def _bucket(rows: int) -> int:
+    """Rows rounded up to a power of two: one measurement serves nearby batch sizes."""
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """A decoding step's product of ``rows`` rows: plain against one packed copy."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed = pack(weight, rows)
+    with torch.inference_mode():
+        t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed))
+    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
+
+
+def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """A training forward and backward of ``rows`` rows: plain against packed per product."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(rows, out_features, generator=gen).to(dtype)
+
+    def run(product):
+        def step():
+            y = product(x, weight, None)
+            torch.autograd.grad(y, (x, weight), grad)
+
+        return step
+
+    t = faster(run(torch.nn.functional.linear), run(PackedLinearFunction.apply), rounds=1, budget_s=0.05)
+    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
+
+
+def matmul_rate(dtype: torch.dtype, size: int = 512) -> float:
+    """GFLOP/s of a [size, size] x [size, size] product in ``dtype``."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    return 2 * size**3 / median_seconds(lambda: a @ b, budget_s=0.1, least=2) / 1e9
+
+
+@BACKENDS.register("cpu")
+class CPUBackend(Backend):
+    """Models on the CPU (see the module docstring). ``measurements``: where answers are kept
+    (default: this machine's file); ``packing``: ``auto`` (measured), or ``on`` / ``off`` to
+    force both ways (tests and benchmarks compare them)."""
+
+    device_type = "cpu"
+    default_attention = attention.NAME
+
+    chooses_packing = True
+
+    def __init__(self, *args, measurements: Measurements | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.packing not in PACKING:
+            raise ValueError(f"backend.packing={self.packing!r}: allowed {', '.join(PACKING)}")
+        self.measurements = measurements
+        if self.attention == attention.NAME:
+            attention.register()
+        self._notes: list[str] = []
+        self._chosen: dict[str, tuple[bool, bool]] = {}
+
+    def _answers(self) -> Measurements:
+        if self.measurements is None:
+            self.measurements = Measurements()
+        return self.measurements
+
+    def linear_choices(self, layers):
+        out = {}
+        for m in layers:
+            w = m.weight
+            if w.device.type != "cpu" or not packing_available(w.dtype):
+                out[id(m)] = (False, False, f"plain products: oneDNN cannot pack {w.dtype} weights on {w.device}")
+                continue
+            once, per_product, why = self._shape_choice(w.shape[0], w.shape[1], w.dtype)
+            out[id(m)] = (once, per_product, why)
+        return out
+
+    def _shape_choice(self, n: int, k: int, dtype: torch.dtype) -> tuple[bool, bool, str]:
+        name = str(dtype).removeprefix("torch.")
+        if self.packing != "auto":
+            on = self.packing == "on"
+            return on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
+        decode_rows, train_rows = _bucket(self.decode_rows), min(_bucket(self.train_rows), TRAIN_ROWS_TIMED)
+        answers = self._answers()
+        d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
+        t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
+        once = d["packed_s"] <= MARGIN * d["plain_s"]
+        per_product = t["packed_s"] <= MARGIN * t["plain_s"]
+        self._chosen[f"{n}x{k}"] = (once, per_product)
+        why = (
+            f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows "
+            f"{'packed once' if once else 'plain'} ({d['packed_s'] / d['plain_s']:.2f}x the plain time packed), "
+            f"training {train_rows} rows {'packed per product' if per_product else 'plain'} "
+            f"({t['packed_s'] / t['plain_s']:.2f}x)"
+        )
+        return once, per_product, why
+
+    def kv_cache_dtype(self, model):
+        wide = self.attention == attention.NAME and next(model.parameters()).dtype in HALF
+        return torch.float32 if wide else None
+
+    def reference_in_file(self, output_dir, sharded: bool) -> bool:
+        return file_weights.resolve("auto", "cpu", sharded, output_dir) == "file"
+
+    def startup_notes(self) -> list[str]:
+        notes = []
+        if self.dtype in HALF:
+            half, single = matmul_rate(self.dtype), matmul_rate(torch.float32)
+            if half < 0.5 * single:
+                notes.append(
+                    f"warning: model.dtype={str(self.dtype).removeprefix('torch.')} on this CPU "
+                    f"({torch.backends.cpu.get_cpu_capability()}) multiplies at {half:.0f} GFLOP/s against "
+                    f"{single:.0f} in float32 (no native half-precision products): model.dtype=float32 is faster here"
+                )
+        if self._chosen:
+            once = sum(c[0] for c in self._chosen.values())
+            per = sum(c[1] for c in self._chosen.values())
+            total = len(self._chosen)
+            notes.append(
+                f"packed products ({torch.backends.cpu.get_cpu_capability()}, measured): decoding {once}/{total} "
+                f"shapes, training {per}/{total}"
+            )
+        return notes
+
+    def summary(self) -> str:
+        return f"cpu backend ({torch.backends.cpu.get_cpu_capability()}), attention {self.attention}"
+
+
+def on_linux() -> bool:
+    return sys.platform.startswith("linux")

@@ -1,0 +1,123 @@
+"""The linear layer a backend swaps in: one class says what each product computes.
+
+On the CPU a plain ``F.linear`` multiplies by the weight as it is stored; oneDNN runs the same
+product faster on a copy of the weight reordered into its blocked layout, on some machines and
+shapes and not on others (the CPU backend measures which, :mod:`.cpu`). Two ways use it:
+
+- **packed once for a pass**: inside :func:`~.passes.packed_for_pass` (a rollout, the frozen reference's
+  pass), where the weights do not change and nothing needs a backward, each layer whose backend
+  chose it multiplies by one packed copy made when the pass starts (counted in its time, dropped
+  when it ends). The pass holds one extra copy of those weights, or none for a file-backed
+  reference, which frees each plain weight once packed (``release``).
+- **packed per product**: in the policy's own log-prob passes and the update, whose weights change
+  every optimizer step, each product packs its operand as it runs (:class:`PackedLinearFunction`):
+  forward ``y = x W^T`` on packed ``W``, backward ``dx = dy W`` on packed ``W^T`` and
+  ``dW = dy^T x`` on packed ``x^T``. A copy of the weight per product, far less than what the
+  faster kernel saves at a training pass's thousands of rows.
+
+Either gives the plain product's values to float rounding (another summation order). A LoRA
+layer decodes on a merged copy ``W + scale B A`` inside a rollout (:mod:`.lora`), packed when its
+base layer would be.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether this build packs ``dtype`` weights and its packed product agrees with ``F.linear``."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.randn(24, 16).to(dtype), torch.randn(3, 16).to(dtype)
+        out = packed_product(x, weight)
+        return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), rtol=1e-2, atol=1e-2)
+    except (RuntimeError, AttributeError) as err:  # no such op in this build, or not for this dtype
+        log.debug("no packed linear weights for %s: %s", dtype, err)
+        return False
+
+
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` [N, K] in oneDNN's blocked layout, for products of about ``rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on a weight :func:`pack` made."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` [..., K] and ``weight`` [N, K], on a packed copy of ``weight``."""
+    return packed_linear(x, pack(weight, x.numel() // x.shape[-1]), bias)
+
+
+class PackedLinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` with every product, forward and backward, on packed operands."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.has_bias = bias is not None
+        y = packed_product(x, weight.detach(), None if bias is None else bias.detach())
+        return y.detach()  # not a view of oneDNN's flat output: LoRA's layer adds to it in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = packed_product(grad.contiguous(), weight.detach().t().contiguous())
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            grad_w = packed_product(grad2.t().contiguous(), x2.t().contiguous())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class BackendLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose products the backend chose when it swapped the layer in.
+
+    ``pack_once``: inside :func:`~.passes.packed_for_pass`, multiply by one packed copy of the weight.
+    ``pack_per_product``: elsewhere (the policy's log-prob passes and the update, forward and
+    backward), pack each product's operands as it runs. Otherwise, and inside a pass for a
+    layer not packed once, ``F.linear``. ``why`` says why, in words."""
+
+    prefix = "Backend"
+    pack_once: bool = False
+    pack_per_product: bool = False
+    decode_only: bool = False  # the LM head: packed for rollouts only (log-prob passes read its weight)
+    why: str = ""
+    _pass_weight: torch.Tensor | None = None  # the packed copy, inside a pass
+    _in_pass: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._pass_weight is not None:
+            return packed_linear(x, self._pass_weight, None if self.bias is None else self.bias.detach())
+        if self.pack_per_product and not self._in_pass:
+            return PackedLinearFunction.apply(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def end_pass(self) -> None:
+        self._pass_weight, self._in_pass = None, False
+
+    @classmethod
+    def swap_in(
+        cls, layer: torch.nn.Linear, pack_once: bool, pack_per_product: bool, why: str, decode_only: bool = False
+    ) -> BackendLinear:
+        """Make the plain linear ``layer`` a :class:`BackendLinear` with these choices."""
+        layer.__class__ = cls
+        layer.pack_once, layer.pack_per_product, layer.why = pack_once, pack_per_product, why
+        layer.decode_only = decode_only
+        return layer

@@ -1,0 +1,86 @@
+"""peft's LoRA linear layer as a backend runs it: the same values, fewer temporaries, merged decoding.
+
+:class:`LeanLoraLinear` is swapped in for peft's ``lora.Linear`` (the mixin in front of peft's
+class, :mod:`.swap`); peft still sees its own layer. Two things change, both exact:
+
+- the training forward computes peft's ``base(x) + B(A(dropout(x))) * scale`` op for op, with
+  the scaling and the sum done in place on tensors nothing else holds: two full-width temporaries
+  fewer per adapted layer (on the packaged model the update's peak drops by about 0.8 GiB), the
+  same bits forward and backward;
+- inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
+  once per token by a merged copy ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), packed
+  for oneDNN where its base layer packs, instead of three products (measured on a GPU: unmerged,
+  decoding ran at 0.37x-0.47x of full fine-tuning's speed). The model is not merged; the copy is
+  dropped when the rollout ends. Layers whose adapters are off, already merged, or a variant
+  (DoRA, adapter biases, several active adapters) keep peft's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear import BackendLinear, pack, packed_linear
+from .swap import swap
+
+
+class LeanLoraLinear:
+    """Mixin in front of peft's ``lora.Linear`` (see the module docstring)."""
+
+    prefix = "Lean"
+    why = "peft LoRA layer, its sum and scaling in place; a merged copy W + scale B A while decoding"
+    _merged: tuple | None = None  # (weight or packed copy, bias, packed?) inside a rollout
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self._merged is not None and not args and not kwargs:
+            weight, bias, packed = self._merged
+            return packed_linear(x, weight, bias) if packed else torch.nn.functional.linear(x, weight, bias)
+        peft_forward = super().forward
+        if args or kwargs or self.disable_adapters or self.merged:
+            return peft_forward(x, *args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if any(a in self.lora_variant or self.lora_A[a].weight.dtype != x.dtype for a in active):
+            return peft_forward(x, *args, **kwargs)
+        result = self.base_layer(x)
+        for a in active:  # linear keeps its input, not its output: both may change in place
+            result = result.add_(self.lora_B[a](self.lora_A[a](self.lora_dropout[a](x))).mul_(self.scaling[a]))
+        return result
+
+    def merge_adapter_name(self) -> str | None:
+        """The one plain active adapter that can run merged, else ``None``."""
+        base = self.base_layer
+        if not isinstance(base, torch.nn.Linear) or self.disable_adapters or self.merged:
+            return None
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        if len(active) != 1 or active[0] in getattr(self, "lora_variant", {}):
+            return None
+        if getattr(self, "lora_bias", {}).get(active[0]):
+            return None
+        return active[0]
+
+    def can_merge(self) -> bool:
+        return self.merge_adapter_name() is not None
+
+    def start_merged_pass(self, rows: int) -> bool:
+        """Decode on a merged copy until :meth:`end_pass`; ``True`` if it does."""
+        adapter = self.merge_adapter_name()
+        if adapter is None:
+            return False
+        w = self.base_layer.weight
+        weight = w.detach() + self.get_delta_weight(adapter).detach().to(w.dtype)
+        bias = None if self.base_layer.bias is None else self.base_layer.bias.detach()
+        packs = isinstance(self.base_layer, BackendLinear) and self.base_layer.pack_once
+        self._merged = (pack(weight, rows), bias, True) if packs else (weight, bias, False)
+        return True
+
+    def end_pass(self) -> None:
+        self._merged = None
+
+
+def lean_lora_layers(model: torch.nn.Module) -> int:
+    """Swap every peft LoRA linear layer of ``model`` for :class:`LeanLoraLinear`; returns how many."""
+    from peft.tuners.lora.layer import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, LeanLoraLinear)]
+    for m in layers:
+        swap(m, LeanLoraLinear)
+    return len(layers)

@@ -1,0 +1,51 @@
+"""A pass over weights that do not change: a rollout, the frozen reference's log-probs.
+
+Inside :func:`packed_for_pass`, the layers the backend chose to ``pack_once`` multiply by one copy
+of their weights packed when the pass starts (:mod:`.linear`), and LoRA layers by one merged copy
+(:mod:`.lora`); the copies are dropped when it ends. Nothing here changes a module's forward: each
+layer's class reads its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .linear import BackendLinear, pack
+from .lora import LeanLoraLinear
+
+
+@contextlib.contextmanager
+def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: bool = False):
+    """Within the block, ``model``'s :class:`BackendLinear` layers chosen to ``pack_once`` multiply
+    by a copy of their weights packed now, the others by their plain weights.
+
+    ``rows``: the usual number of rows of a product (the decoding batch), a hint for the layout.
+    Use it where the weights do not change and nothing needs a backward. ``decoding`` (a
+    rollout): LoRA layers multiply once, by a merged copy ``W + scale B A`` (packed where their
+    base layer packs), instead of three products per token (:mod:`.lora`), and the LM head packs
+    too where chosen (a log-prob pass reads its weight directly, so only decoding calls it).
+    ``release(layer)``, if given, is
+    called once a layer's weight is packed: a frozen model whose weights are read back from a
+    file for each pass frees the plain copy there, so the pass holds one copy of each weight,
+    not two. Yields the number of layers that multiply by a copy."""
+    layers = []
+    try:
+        merged_inside = set()
+        for m in model.modules():
+            if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
+                if m.start_merged_pass(rows):
+                    layers.append(m)
+                    merged_inside.update(id(sub) for sub in m.modules() if sub is not m)
+            elif isinstance(m, BackendLinear) and id(m) not in merged_inside:
+                m._in_pass = True
+                layers.append(m)
+                if m.pack_once and (decoding or not m.decode_only):
+                    m._pass_weight = pack(m.weight.detach(), rows)
+                    if release is not None:
+                        release(m)
+        yield sum(1 for m in layers if not isinstance(m, BackendLinear) or m._pass_weight is not None)
+    finally:
+        for m in layers:
+            m.end_pass()

@@ -1,0 +1,49 @@
+"""Swapping a module's class once, explicitly: how a backend changes what a module computes.
+
+A backend never reassigns a module's ``forward``. It swaps the module's class for a subclass
+that computes the chosen way (the idiom of ``torch.nn.utils.parametrize`` and of FSDP2's
+``fully_shard``): the parameters, buffers, hooks and names stay as they are, so state dicts,
+optimizers, peft and FSDP2 see the same module, and ``type(module)`` says what it computes.
+Each swapped class carries ``why``, the reason the backend gave, for :func:`describe`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def swapped_class(mixin: type, cls: type) -> type:
+    """The subclass of ``cls`` that computes as ``mixin`` says (made once per pair)."""
+    if issubclass(cls, mixin):
+        return cls
+    return type(f"{mixin.prefix}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+
+
+def swap(module: torch.nn.Module, mixin: type, **attributes) -> torch.nn.Module:
+    """Give ``module`` the class ``mixin`` + its own class, and ``attributes``; returns it."""
+    module.__class__ = swapped_class(mixin, type(module))
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def original_class(module: torch.nn.Module) -> type:
+    """The class ``module`` had before any swap (for messages and describe)."""
+    cls = type(module)
+    while getattr(cls, "prefix", None) is not None and len(cls.__bases__) == 2:
+        cls = cls.__bases__[1]
+    return cls
+
+
+def describe(model: torch.nn.Module, kinds: tuple[type, ...] = (torch.nn.Linear,)) -> list[tuple[str, str, str]]:
+    """``(name, class, why)`` for every module of ``model`` that is one of ``kinds`` (by default
+    every linear layer): what it computes and why the backend chose it."""
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, kinds):
+            why = getattr(module, "why", None) or "no backend has prepared this model"  # a swapped class says it
+            rows.append((name, type(module).__name__, why))
+    return rows

@@ -1,0 +1,165 @@
+"""Backends (``ngrpo_lightning/backends/``): a run's models are swapped once, by class, and say why
+(``describe``); the CPU backend's measured choices are kept per machine and shape; packed and
+plain products give the same log-probs and rollouts; ``sdpa_gqa`` is registered by the backend
+that chooses it, never at import."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import chat_prompt_ids
+
+from ngrpo_lightning.backends import CPUBackend, describe
+from ngrpo_lightning.backends.linear import BackendLinear, packing_available
+from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.passes import packed_for_pass
+from ngrpo_lightning.backends.probe import Measurements
+from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm
+from ngrpo_lightning.build import build_module
+from ngrpo_lightning.config import compose
+from ngrpo_lightning.explorers import TemperatureExplorer
+from ngrpo_lightning.forward import response_logprobs, split_lm_head
+from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.rollout import HFEngine
+
+QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "Name a prime number larger than ten."]
+
+
+def built(tmp_path, *overrides):
+    """The module a run builds (``build_module``) for the tiny model."""
+    return build_module(
+        compose(["model=tiny", "trainer.max_steps=1", "logger=none", f"output_dir={tmp_path}/run", *overrides])
+    )
+
+
+def print_described(model):
+    for name, cls, why in describe(model):
+        print(f"{name:60s} {cls:16s} {why}")
+
+
+def assert_no_patched_forward(model):
+    patched = [name for name, m in model.named_modules() if "forward" in vars(m)]
+    assert not patched, patched
+
+
+def test_a_run_s_models_are_swapped_by_class_and_say_why(tmp_path, tiny):
+    assert {why for _, _, why in describe(tiny[0])} == {"no backend has prepared this model"}
+    module = built(tmp_path)
+    policy = module.policy
+    print_described(policy)
+    rows = describe(policy)
+    modules = dict(policy.named_modules())
+    head = policy.get_output_embeddings()
+    layers = policy.config.num_hidden_layers
+    decoder = [row for row in rows if modules[row[0]] is not head]
+    assert len(decoder) == 7 * layers and len(rows) == len(decoder) + 1  # q k v o gate up down, and the head
+    for name, cls, why in decoder:
+        assert cls == "BackendLinear" and type(modules[name]) is BackendLinear and why, name
+    (head_row,) = [row for row in rows if modules[row[0]] is head]
+    # the head packs for decoding only: the log-prob passes read its weight in chunks
+    assert head_row[1] == "BackendLinear" and head.decode_only and not head.pack_per_product
+    assert "LM head" in head_row[2]
+    assert split_lm_head(policy) == (policy.model, head)  # still the chunked log-probs' head
+    assert_no_patched_forward(policy)
+    # the trained policy recomputes its cheap activations; it loaded with the backend's attention
+    assert isinstance(policy.model.norm, RecomputingRMSNorm)
+    assert all(isinstance(layer.mlp, RecomputingGatedMLP) for layer in policy.model.layers)
+    for name, cls, why in describe(policy, kinds=(RecomputingRMSNorm, RecomputingGatedMLP)):
+        assert cls.startswith("Recomputing") and "recomputed in backward" in why, name
+    assert policy.config._attn_implementation == module.backend.attention == "sdpa_gqa"
+    assert module.reference is not None  # grpo's KL reference: swapped the same way, never recomputing
+    assert [(n, c) for n, c, _ in describe(module.reference)] == [(n, c) for n, c, _ in rows]
+    assert not any(isinstance(m, (RecomputingRMSNorm, RecomputingGatedMLP)) for m in module.reference.modules())
+    assert_no_patched_forward(module.reference)
+
+
+def test_a_lora_run_swaps_peft_s_layers_and_leaves_the_adapter_matrices_plain(tmp_path):
+    peft = pytest.importorskip("peft")
+
+    module = built(tmp_path, "model.lora.enabled=true")
+    policy = module.policy
+    print_described(policy)
+    adapted = {name: m for name, m in policy.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert len(adapted) == 7 * policy.config.num_hidden_layers
+    for name, cls, why in describe(policy, kinds=(peft.tuners.lora.LoraLayer,)):
+        assert isinstance(adapted[name], LeanLoraLinear) and cls == "LeanLinear" and "LoRA" in why, name
+    modules = dict(policy.named_modules())
+    adapters = [row for row in describe(policy) if ".lora_A." in row[0] or ".lora_B." in row[0]]
+    assert len(adapters) == 2 * len(adapted)
+    for name, cls, why in adapters:
+        assert cls == "Linear" and type(modules[name]) is torch.nn.Linear and "LoRA adapter matrix" in why, name
+    bases = [row for row in describe(policy) if row[0].endswith(".base_layer")]
+    assert len(bases) == len(adapted) and all(cls == "BackendLinear" and why for _, cls, why in bases)
+    assert module.reference is None  # the policy with its adapters off
+    assert_no_patched_forward(policy)
+
+
+def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN packing here: nothing to measure")
+    first = Measurements(tmp_path)
+    a, _ = load_policy("tiny")
+    CPUBackend(torch.float32, measurements=first).prepare(a, trains=True)
+    assert first.measured > 0 and first.path.exists()
+    assert all("measured on this CPU" in why for _, cls, why in describe(a) if cls == "BackendLinear")
+
+    second = Measurements(tmp_path)  # another run on the same machine: the answers are read back
+    b, _ = load_policy("tiny")
+    CPUBackend(torch.float32, measurements=second).prepare(b, trains=True)
+    assert second.measured == 0
+    assert describe(b) == describe(a)  # the same choices, for the same reasons
+    choices = [(m.pack_once, m.pack_per_product) for m in a.modules() if isinstance(m, BackendLinear)]
+    assert choices == [(m.pack_once, m.pack_per_product) for m in b.modules() if isinstance(m, BackendLinear)]
+
+
+@pytest.mark.skipif(not packing_available(torch.float32), reason="this CPU build has no oneDNN packing")
+def test_packed_and_plain_products_give_the_same_log_probs_and_rollouts(tiny):
+    model, tok = tiny
+    on = CPUBackend(torch.float32, packing="on").prepare(copy.deepcopy(model), trains=True)
+    off = CPUBackend(torch.float32, packing="off").prepare(copy.deepcopy(model), trains=True)
+    swapped = [m for m in on.modules() if isinstance(m, BackendLinear)]
+    assert all(m.pack_once and m.pack_per_product != m.decode_only for m in swapped)  # the head: decoding only
+    assert not any(m.pack_once or m.pack_per_product for m in off.modules() if isinstance(m, BackendLinear))
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    greedy = TemperatureExplorer(0.0)
+    rollouts = [HFEngine(m, tok, max_new_tokens=12, seed=0).generate(prompts, greedy, n=2) for m in (on, off)]
+    assert torch.equal(rollouts[0].response_ids, rollouts[1].response_ids)
+    assert torch.equal(rollouts[0].response_mask, rollouts[1].response_mask)
+    torch.testing.assert_close(rollouts[0].rollout_logprobs, rollouts[1].rollout_logprobs, rtol=0, atol=1e-4)
+
+    batch = rollouts[1]
+    with torch.no_grad():
+        plain, _ = response_logprobs(off, batch)
+        per_product, _ = response_logprobs(on, batch)  # the policy's passes: packed per product
+        with packed_for_pass(on, rows=len(batch)):  # the frozen reference's pass: packed once
+            once, _ = response_logprobs(on, batch)
+    mask = batch.response_mask.bool()
+    assert plain[mask].abs().min() > 0
+    torch.testing.assert_close(per_product, plain, rtol=0, atol=1e-4)
+    torch.testing.assert_close(once, plain, rtol=0, atol=1e-4)
+    torch.testing.assert_close(plain[mask], batch.rollout_logprobs[mask], rtol=0, atol=1e-4)
+
+
+REGISTERED = """
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+def known():
+    return "sdpa_gqa" in AttentionInterface._global_mapping, "sdpa_gqa" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+import ngrpo_lightning.attention as attention
+print(known())
+import ngrpo_lightning.backends, ngrpo_lightning.models  # noqa: E401
+print(known())
+attention.register()
+print(known())
+attention.register()  # idempotent
+print(known())
+"""
+
+
+def test_sdpa_gqa_is_registered_by_register_not_at_import():
+    out = subprocess.run([sys.executable, "-c", REGISTERED], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["(False,", "False)"] * 2 + ["(True,", "True)"] * 2, out.stdout + out.stderr
