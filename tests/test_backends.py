@@ -4,6 +4,7 @@ plain products give the same log-probs and rollouts; ``sdpa_gqa`` is registered 
 that chooses it, never at import."""
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -163,3 +164,20 @@ print(known())
 def test_sdpa_gqa_is_registered_by_register_not_at_import():
     out = subprocess.run([sys.executable, "-c", REGISTERED], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["(False,", "False)"] * 2 + ["(True,", "True)"] * 2, out.stdout + out.stderr
+
+
+def test_half_precision_on_a_cpu_without_fast_half_products_is_warned_with_the_measured_rates():
+    """Restricted to AVX2 (no native bfloat16 products), the CPU backend warns at start-up, naming
+    both rates it measured; in float32 it has nothing to warn about."""
+    code = (
+        "import torch\n"
+        "from ngrpo_lightning.backends import CPUBackend\n"
+        "print(CPUBackend(torch.bfloat16).startup_notes())\n"
+        "print(CPUBackend(torch.float32).startup_notes())\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    half, single = proc.stdout.strip().splitlines()[-2:]
+    assert "warning: model.dtype=bfloat16" in half and "GFLOP/s against" in half and "float32 is faster" in half
+    assert single == "[]"

@@ -118,19 +118,21 @@ class Backend:
                 m.why = "sharded by FSDP2: plain products on the gathered weight"
             else:
                 layers.append(m)
-        choices = self.linear_choices(layers)
+        choices = self.linear_choices(layers, head)
         for m in layers:
-            pack_once, per_product, why = choices[id(m)]
+            once, frozen, per_product, why = choices[id(m)]
             if m is head:  # only decoding calls it: the log-prob passes read its weight in chunks
                 why = "the LM head (the chunked log-probs read its weight directly); decoding: " + why
-                BackendLinear.swap_in(m, pack_once, False, why, decode_only=True)
+                BackendLinear.swap_in(m, once, False, why, decode_only=True)
             else:
-                BackendLinear.swap_in(m, pack_once, per_product, why)
+                BackendLinear.swap_in(m, once, per_product, why, pack_frozen=frozen)
         return model
 
-    def linear_choices(self, layers: list[torch.nn.Linear]) -> dict[int, tuple[bool, bool, str]]:
-        """``id(layer) -> (pack_once, pack_per_product, why)`` for the plain linear layers of a model."""
-        return {id(m): (False, False, f"plain products on {self.device_type}") for m in layers}
+    def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, tuple[bool, bool, bool, str]]:
+        """``id(layer) -> (pack_once, pack_frozen, pack_per_product, why)`` for the plain linear layers
+        of a model: pack for a rollout, for a frozen pass, per product in training (see
+        :class:`~.linear.BackendLinear`); ``head``, the LM head among them, is only called by a rollout."""
+        return {id(m): (False, False, False, f"plain products on {self.device_type}") for m in layers}
 
     # ------------------------------------------------------------ what the run asks
     def kv_cache_dtype(self, model: torch.nn.Module) -> torch.dtype | None:

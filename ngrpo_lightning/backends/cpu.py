@@ -35,9 +35,9 @@ from .linear import PackedLinearFunction, pack, packed_linear, packing_available
 from .probe import Measurements, faster, median_seconds
 
 MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
-# A training product's relative speed settles by a few thousand rows: larger passes are timed at this
+# A training product's relative speed settles by about a thousand rows: larger passes are timed at this
 # many, so that measuring a model's shapes takes a second or two
-TRAIN_ROWS_TIMED = 2048
+TRAIN_ROWS_TIMED = 1024
 HALF = (torch.bfloat16, torch.float16)
 PACKING = ("auto", "on", "off")
 
@@ -58,6 +58,11 @@ def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows
     return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
 
 
+def measure_frozen(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """A frozen pass's product of ``rows`` rows (no autograd): plain against one packed copy."""
+    return measure_decode(out_features, in_features, dtype, rows)
+
+
 def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
     """A training forward and backward of ``rows`` rows: plain against packed per product."""
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +77,7 @@ def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows:
 
         return step
 
-    t = faster(run(torch.nn.functional.linear), run(PackedLinearFunction.apply), rounds=1, budget_s=0.05)
+    t = faster(run(torch.nn.functional.linear), run(PackedLinearFunction.apply), rounds=2, budget_s=0.04)
     return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
 
 
@@ -108,36 +113,45 @@ class CPUBackend(Backend):
             self.measurements = Measurements()
         return self.measurements
 
-    def linear_choices(self, layers):
+    def linear_choices(self, layers, head=None):
         out = {}
         for m in layers:
             w = m.weight
             if w.device.type != "cpu" or not packing_available(w.dtype):
-                out[id(m)] = (False, False, f"plain products: oneDNN cannot pack {w.dtype} weights on {w.device}")
+                why = f"plain products: oneDNN cannot pack {w.dtype} weights on {w.device}"
+                out[id(m)] = (False, False, False, why)
                 continue
-            once, per_product, why = self._shape_choice(w.shape[0], w.shape[1], w.dtype)
-            out[id(m)] = (once, per_product, why)
+            out[id(m)] = self._shape_choice(w.shape[0], w.shape[1], w.dtype, decoding_only=m is head)
         return out
 
-    def _shape_choice(self, n: int, k: int, dtype: torch.dtype) -> tuple[bool, bool, str]:
+    def _shape_choice(
+        self, n: int, k: int, dtype: torch.dtype, decoding_only: bool = False
+    ) -> tuple[bool, bool, bool, str]:
         name = str(dtype).removeprefix("torch.")
         if self.packing != "auto":
             on = self.packing == "on"
-            return on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
+            return on, on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
         decode_rows, train_rows = _bucket(self.decode_rows), min(_bucket(self.train_rows), TRAIN_ROWS_TIMED)
         answers = self._answers()
         d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
+        if decoding_only:  # the LM head: only a rollout calls it
+            once = d["packed_s"] <= MARGIN * d["plain_s"]
+            why = f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows {'packed' if once else 'plain'}"
+            return once, False, False, why + f" ({d['packed_s'] / d['plain_s']:.2f}x the plain time)"
+        f = answers.get(f"frozen:{name}:{n}x{k}:{train_rows}", lambda: measure_frozen(n, k, dtype, train_rows))
         t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
-        once = d["packed_s"] <= MARGIN * d["plain_s"]
-        per_product = t["packed_s"] <= MARGIN * t["plain_s"]
-        self._chosen[f"{n}x{k}"] = (once, per_product)
+        once, frozen, per_product = (r["packed_s"] <= MARGIN * r["plain_s"] for r in (d, f, t))
+        self._chosen[f"{n}x{k}"] = (once, frozen, per_product)
+
+        def say(what: str, rows: int, packed: bool, r: dict) -> str:
+            return f"{what} {rows} rows {'packed' if packed else 'plain'} ({r['packed_s'] / r['plain_s']:.2f}x)"
+
         why = (
-            f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows "
-            f"{'packed once' if once else 'plain'} ({d['packed_s'] / d['plain_s']:.2f}x the plain time packed), "
-            f"training {train_rows} rows {'packed per product' if per_product else 'plain'} "
-            f"({t['packed_s'] / t['plain_s']:.2f}x)"
+            f"{n}x{k} {name}, measured on this CPU (packed time / plain time): "
+            f"{say('decoding', decode_rows, once, d)}, {say('frozen pass', train_rows, frozen, f)}, "
+            f"{say('training per product', train_rows, per_product, t)}"
         )
-        return once, per_product, why
+        return once, frozen, per_product, why
 
     def kv_cache_dtype(self, model):
         wide = self.attention == attention.NAME and next(model.parameters()).dtype in HALF
@@ -157,12 +171,11 @@ class CPUBackend(Backend):
                     f"{single:.0f} in float32 (no native half-precision products): model.dtype=float32 is faster here"
                 )
         if self._chosen:
-            once = sum(c[0] for c in self._chosen.values())
-            per = sum(c[1] for c in self._chosen.values())
+            once, frozen, per = (sum(c[i] for c in self._chosen.values()) for i in range(3))
             total = len(self._chosen)
             notes.append(
                 f"packed products ({torch.backends.cpu.get_cpu_capability()}, measured): decoding {once}/{total} "
-                f"shapes, training {per}/{total}"
+                f"shapes, frozen passes {frozen}/{total}, training {per}/{total}"
             )
         return notes
 

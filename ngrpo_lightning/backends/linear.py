@@ -89,13 +89,16 @@ class PackedLinearFunction(torch.autograd.Function):
 class BackendLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose products the backend chose when it swapped the layer in.
 
-    ``pack_once``: inside :func:`~.passes.packed_for_pass`, multiply by one packed copy of the weight.
+    ``pack_once``: inside a rollout (:func:`~.passes.packed_for_pass` decoding), multiply by one
+    packed copy of the weight; ``pack_frozen``: the same inside a frozen pass over whole sequences
+    (the reference's log-probs), whose products have thousands of rows, not dozens.
     ``pack_per_product``: elsewhere (the policy's log-prob passes and the update, forward and
     backward), pack each product's operands as it runs. Otherwise, and inside a pass for a
     layer not packed once, ``F.linear``. ``why`` says why, in words."""
 
     prefix = "Backend"
     pack_once: bool = False
+    pack_frozen: bool = False
     pack_per_product: bool = False
     decode_only: bool = False  # the LM head: packed for rollouts only (log-prob passes read its weight)
     why: str = ""
@@ -114,10 +117,18 @@ class BackendLinear(torch.nn.Linear):
 
     @classmethod
     def swap_in(
-        cls, layer: torch.nn.Linear, pack_once: bool, pack_per_product: bool, why: str, decode_only: bool = False
+        cls,
+        layer: torch.nn.Linear,
+        pack_once: bool,
+        pack_per_product: bool,
+        why: str,
+        decode_only: bool = False,
+        pack_frozen: bool | None = None,
     ) -> BackendLinear:
-        """Make the plain linear ``layer`` a :class:`BackendLinear` with these choices."""
+        """Make the plain linear ``layer`` a :class:`BackendLinear` with these choices
+        (``pack_frozen`` defaults to ``pack_once``)."""
         layer.__class__ = cls
         layer.pack_once, layer.pack_per_product, layer.why = pack_once, pack_per_product, why
+        layer.pack_frozen = (pack_once if pack_frozen is None else pack_frozen) and not decode_only
         layer.decode_only = decode_only
         return layer

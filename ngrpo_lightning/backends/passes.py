@@ -1,6 +1,6 @@
 """A pass over weights that do not change: a rollout, the frozen reference's log-probs.
 
-Inside :func:`packed_for_pass`, the layers the backend chose to ``pack_once`` multiply by one copy
+Inside :func:`packed_for_pass`, the layers the backend chose to pack for such a pass multiply by one copy
 of their weights packed when the pass starts (:mod:`.linear`), and LoRA layers by one merged copy
 (:mod:`.lora`); the copies are dropped when it ends. Nothing here changes a module's forward: each
 layer's class reads its copy.
@@ -18,8 +18,9 @@ from .lora import LeanLoraLinear
 
 @contextlib.contextmanager
 def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: bool = False):
-    """Within the block, ``model``'s :class:`BackendLinear` layers chosen to ``pack_once`` multiply
-    by a copy of their weights packed now, the others by their plain weights.
+    """Within the block, ``model``'s :class:`BackendLinear` layers chosen to pack for this kind of pass
+    (``pack_once`` decoding, ``pack_frozen`` otherwise) multiply by a copy of their weights packed
+    now, the others by their plain weights.
 
     ``rows``: the usual number of rows of a product (the decoding batch), a hint for the layout.
     Use it where the weights do not change and nothing needs a backward. ``decoding`` (a
@@ -41,7 +42,7 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
             elif isinstance(m, BackendLinear) and id(m) not in merged_inside:
                 m._in_pass = True
                 layers.append(m)
-                if m.pack_once and (decoding or not m.decode_only):
+                if m.pack_once if decoding else m.pack_frozen:
                     m._pass_weight = pack(m.weight.detach(), rows)
                     if release is not None:
                         release(m)
