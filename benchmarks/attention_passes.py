@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json  # noqa: E402
 
-from ngrpo_lightning import attention  # noqa: E402
+from ngrpo_lightning.backends import attention  # noqa: E402
 
 # (rows, queries, keys): the workload's responses after their shared prompt, its prompts, longer passes
 SHAPES = [(32, 40, 106), (4, 66, 66), (32, 64, 130), (8, 128, 212), (8, 256, 340), (4, 512, 600), (4, 1024, 1104)]

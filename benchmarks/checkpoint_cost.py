@@ -40,13 +40,14 @@ ARMS = {
 
 def child(arm: str, steps: int, out: Path) -> None:
     """One run of the arm, in this process; writes {wall_s, peak_rss_bytes, size_bytes}."""
-    from ngrpo_lightning import build, cli
+    from ngrpo_lightning.build import components
+    from ngrpo_lightning.commands import cli
     from ngrpo_lightning.config import compose
 
     if arm == "lightning":
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-        build.checkpoint_io = lambda async_save=False: TorchCheckpointIO()
+        components.checkpoint_io = lambda async_save=False: TorchCheckpointIO()
     folder = Path(tempfile.mkdtemp(prefix="ckpt-cost-"))
     overrides = [
         f"trainer.max_steps={steps}",

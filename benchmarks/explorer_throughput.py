@@ -86,7 +86,7 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- rollouts
 def bench_rollouts(args) -> list[dict]:
     from ngrpo_lightning.data import render_prompt
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
     from ngrpo_lightning.rollout import HFEngine
 
     model, tok = load_policy(args.model, dtype=args.dtype)

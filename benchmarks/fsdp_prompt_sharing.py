@@ -44,7 +44,7 @@ def run(share: bool, steps: int, extra: list[str]) -> dict[str, list[float]]:
             *extra,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-        cmd = [sys.executable, "-m", "ngrpo_lightning.cli", "train", *args]
+        cmd = [sys.executable, "-m", "ngrpo_lightning.commands.cli", "train", *args]
         subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True, text=True)
         client = MlflowClient(store)
         (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

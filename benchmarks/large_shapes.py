@@ -116,7 +116,7 @@ def model_dir(shape: str, source: Path, root: Path, dtype: str, device: str) -> 
 
 def export_problems(path: Path) -> None:
     """The built-in task's training problems (the default run's) as JSON lines: problem, answer."""
-    from ngrpo_lightning.build_data import build_problems
+    from ngrpo_lightning.build.data import build_problems
     from ngrpo_lightning.config import compose
 
     cfg = compose([])
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         sys.exit("large_shapes.py: --accelerator gpu, but torch sees no CUDA device here")
     if args.source is None:
-        from ngrpo_lightning.models import resolve_model_path
+        from ngrpo_lightning.models.loading import resolve_model_path
 
         args.source = Path(resolve_model_path(Workload.model))
     device = "cuda" if args.accelerator == "gpu" else "cpu"

@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, best_of_each, print_table, write_json  # noqa: E402
 
-from ngrpo_lightning import lora  # noqa: E402
 from ngrpo_lightning.backends import backend_for  # noqa: E402
 from ngrpo_lightning.backends.lora import LeanLoraLinear  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
-from ngrpo_lightning.models import load_policy  # noqa: E402
+from ngrpo_lightning.models import lora  # noqa: E402
+from ngrpo_lightning.models.loading import load_policy  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 
 

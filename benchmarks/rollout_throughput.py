@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, best_of_each, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
-from ngrpo_lightning.models import load_policy  # noqa: E402
+from ngrpo_lightning.models.loading import load_policy  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 
 # The variable workload alternates these: answers of a few tokens, and answers past any limit.

@@ -136,8 +136,8 @@ class Milestones(L.Callback):
 
 
 def child(workload: Workload, extra: list[str], out: Path, trim: bool = False) -> None:
-    from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.rollout.hf_engine import HFEngine
+    from ngrpo_lightning.training.module import RLModule
 
     torch.set_num_threads(workload.threads)
     after_imports = rss_bytes()

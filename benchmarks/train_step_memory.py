@@ -1,7 +1,7 @@
 """Peak memory and time of one training update at paper-scale response lengths.
 
 One update is what a training step does per micro-batch: the log-probs forward
-(:func:`ngrpo_lightning.forward.response_logprobs`, entropy included), a GRPO loss and
+(:func:`ngrpo_lightning.training.forward.response_logprobs`, entropy included), a GRPO loss and
 backward (the optimizer step, the same for both paths, is left out). The model is
 Qwen2-shaped and randomly initialised, with Qwen2's vocabulary of 151,936 tokens and a small
 hidden size, so that the LM head's logits, not the decoder, dominate memory as they do for a
@@ -93,8 +93,8 @@ def build(args, device: torch.device, dtype: torch.dtype):
 
 def update(model, batch, chunk_size) -> float:
     """One update (gradients accumulate into the kept buffers); returns its loss."""
-    from ngrpo_lightning.forward import response_logprobs
     from ngrpo_lightning.objectives.grpo import grpo_loss
+    from ngrpo_lightning.training.forward import response_logprobs
 
     logp, entropy = response_logprobs(model, batch, 1.0, with_entropy=True, chunk_size=chunk_size)
     advantages = torch.linspace(-1.0, 1.0, len(batch), device=logp.device)
@@ -160,7 +160,7 @@ def run_child(args, length: int, path: str, chunk: int) -> dict:
 
 
 def main() -> None:
-    from ngrpo_lightning.forward import DEFAULT_LOGPROB_CHUNK
+    from ngrpo_lightning.training.forward import DEFAULT_LOGPROB_CHUNK
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

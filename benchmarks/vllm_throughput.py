@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import arithmetic_prompt_ids, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.explorers import NeighborMixingExplorer, TemperatureExplorer  # noqa: E402
-from ngrpo_lightning.models import load_policy  # noqa: E402
+from ngrpo_lightning.models.loading import load_policy  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 
 

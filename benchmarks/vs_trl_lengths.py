@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     workload = meta["workload"]
     shape = ModelShape(**meta["model_shape"])
     if not shape.kv_width:  # a result from before the roofline: the shape again, from the model's config
-        from ngrpo_lightning.models import resolve_model_path
+        from ngrpo_lightning.models.loading import resolve_model_path
 
         shape = model_shape(resolve_model_path(workload["model"]))
         meta["model_shape"] = asdict(shape)

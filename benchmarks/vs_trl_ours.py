@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_trl_workload import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 
-from ngrpo_lightning import cli  # noqa: E402
+from ngrpo_lightning.commands import cli  # noqa: E402
 from ngrpo_lightning.config import compose  # noqa: E402
 
 # record key -> the metric the module logs (rollout/*: the engine; time/*: RLModule.training_step)
@@ -89,8 +89,8 @@ def ours_config(workload: Workload, output_dir: str = "outputs", extra: Sequence
 def prompt_batches(workload: Workload) -> list[dict]:
     """The prompt batches of the workload's ``steps`` steps as the run's ``RolloutDataModule``
     draws them: dicts of lists (``prompt_text``, ``prompt_ids``, ``answer``, ``id``)."""
-    from ngrpo_lightning.build_data import build_datamodule, build_problems
-    from ngrpo_lightning.models import load_tokenizer
+    from ngrpo_lightning.build.data import build_datamodule, build_problems
+    from ngrpo_lightning.models.loading import load_tokenizer
 
     cfg = ours_config(workload)
     datamodule = build_datamodule(cfg, load_tokenizer(cfg.model.name_or_path), build_problems(cfg.data, cfg.seed))

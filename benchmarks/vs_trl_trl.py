@@ -192,7 +192,7 @@ class TimedGRPOTrainer(GRPOTrainer):
 
 def build_trainer(workload: Workload, output_dir: str, reward) -> TimedGRPOTrainer:
     """The TRL trainer of the workload, scoring with ``reward`` (a ``MathReward``)."""
-    from ngrpo_lightning.models import load_tokenizer
+    from ngrpo_lightning.models.loading import load_tokenizer
 
     path = workload.model_path()
     peft_config = None
@@ -216,7 +216,7 @@ def build_trainer(workload: Workload, output_dir: str, reward) -> TimedGRPOTrain
 
 def math_reward_of(workload: Workload):
     """Our side's reward, built from its config (verifier, answer extraction, workers)."""
-    from ngrpo_lightning.build import build_reward
+    from ngrpo_lightning.build.components import build_reward
 
     return build_reward(ours_config(workload).reward)
 

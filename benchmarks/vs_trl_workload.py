@@ -62,7 +62,7 @@ class Workload:
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
-        from ngrpo_lightning.models import resolve_model_path
+        from ngrpo_lightning.models.loading import resolve_model_path
 
         return resolve_model_path(self.model)
 
@@ -111,12 +111,12 @@ def child_main(run) -> None:
 
 def child_env(workload: Workload, side: str = "trl") -> dict:
     """A side's environment. This project's side gets what ``make train`` gives the ``ngrpo``
-    command: OpenMP's short spin (ngrpo_lightning/launch.py) and the launcher's allocator
+    command: OpenMP's short spin (ngrpo_lightning/commands/launch.py) and the launcher's allocator
     environment, mimalloc preloaded where installed (Makefile, ``RUN_ENV``; since 2026-11-25, the
     tables before ran without them)."""
     import os
 
-    from ngrpo_lightning import launch
+    from ngrpo_lightning.commands import launch
 
     threads = str(workload.threads)
     environ = dict(os.environ)

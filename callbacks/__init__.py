@@ -5,9 +5,9 @@ The source folder is the top-level `callbacks/`; it installs (and imports) as
 `ngrpo_lightning.callbacks`, the one import path: `from ngrpo_lightning.callbacks import PassAtK`.
 """
 
-from .pass_at_k import PassAtK
-from .replay_buffer import ReplayBuffer
-from .sample_table import RolloutSamplesLogger
-from .update_memory import UpdateMemoryCheck
+from ngrpo_lightning.callbacks.pass_at_k import PassAtK
+from ngrpo_lightning.callbacks.replay_buffer import ReplayBuffer
+from ngrpo_lightning.callbacks.sample_table import RolloutSamplesLogger
+from ngrpo_lightning.callbacks.update_memory import UpdateMemoryCheck
 
 __all__ = ["PassAtK", "ReplayBuffer", "RolloutSamplesLogger", "UpdateMemoryCheck"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from ..checks import check_number
-from ..evaluate import RewardCache, as_eval_sets, check_ks, evaluate_sets, log_artifacts
-from ..explorers import TemperatureExplorer
-from ..rollout import HFEngine
-from ..tracking import mlflow_key
+from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.explorers import TemperatureExplorer
+from ngrpo_lightning.metrics.evaluate import RewardCache, as_eval_sets, check_ks, evaluate_sets, log_artifacts
+from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.tracking.logger import mlflow_key
 
 
 class PassAtK(L.Callback):
@@ -32,7 +32,7 @@ class PassAtK(L.Callback):
     process samples a share of the problems; the metrics are reduced over all of them.
 
     Args:
-        datasets: ``{name: problems}``, a list of :class:`~ngrpo_lightning.evaluate.EvalSet`
+        datasets: ``{name: problems}``, a list of :class:`~ngrpo_lightning.metrics.evaluate.EvalSet`
             (per-set instruction and answer format), or a list of problems (named ``val``).
         n: samples per problem.
         every_n_steps: evaluate after every N training steps (rollout batches); 0 = only at the end.
@@ -133,7 +133,7 @@ class PassAtK(L.Callback):
         return self.max_new_tokens or getattr(getattr(trainer, "datamodule", None), "max_new_tokens", None) or 256
 
     def evaluate(self, trainer: L.Trainer, pl_module, log_to_module: bool = True) -> dict:
-        """Evaluate now and log; returns the results (see :func:`~ngrpo_lightning.evaluate.evaluate_sets`)."""
+        """Evaluate now and log; returns the results (see :func:`~ngrpo_lightning.metrics.evaluate.evaluate_sets`)."""
         if self._rewards is None:
             self._rewards = RewardCache(
                 default=self.reward if self.reward is not None else getattr(pl_module, "reward", None)

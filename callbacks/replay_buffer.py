@@ -1,8 +1,8 @@
 """ReplayBuffer: replay of past successes into groups whose fresh rollouts are all wrong.
 
 Give it to the module, ``RLModule(..., step_hooks=[buffer])`` (``ngrpo train`` does when
-``replay.capacity`` > 0): :class:`~ngrpo_lightning.module.RLModule` calls it every training step
-(it is a :class:`~ngrpo_lightning.updates.StepHook`) and attaches it to the Trainer as a callback:
+``replay.capacity`` > 0): :class:`~ngrpo_lightning.training.module.RLModule` calls it every training step
+(it is a :class:`~ngrpo_lightning.training.updates.StepHook`) and attaches it to the Trainer as a callback:
 
 1. ``mix_in``: for each group whose G fresh rollouts are all wrong, substitute a stored
    success of the same prompt (from at most ``max_staleness`` steps ago) for the group's
@@ -17,7 +17,7 @@ After the step (``on_train_batch_end``) it stores the step's fresh successes, on
 prompt (the latest), with their old log-probs, and forgets entries too stale to be used
 or beyond ``capacity``. Its state (stored trajectories, step count) is saved in and
 restored from Lightning checkpoints. Several updates per step (``train.ppo_epochs``,
-``train.num_mini_batches``) are the module's :class:`~ngrpo_lightning.planning.UpdatePlan`.
+``train.num_mini_batches``) are the module's :class:`~ngrpo_lightning.training.planning.UpdatePlan`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from dataclasses import replace
 import lightning as L
 import torch
 
-from ..objectives import sequence_importance_weight
-from ..rollout.batch import RolloutBatch
-from ..rollout.padding import pad_rows
-from ..rollout.records import RECORD_FIELDS, InputRecords
-from ..settings import ReplayConfig
-from ..updates import StepHook, StepRollouts
+from ngrpo_lightning.objectives import sequence_importance_weight
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.padding import pad_rows
+from ngrpo_lightning.rollout.records import RECORD_FIELDS, InputRecords
+from ngrpo_lightning.training.settings import ReplayConfig
+from ngrpo_lightning.training.updates import StepHook, StepRollouts
 
 
 class ReplayBuffer(L.Callback, StepHook):

@@ -30,9 +30,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..backends.recompute import tallying_kept
-from ..forward import response_logprobs
-from ..rollout.batch import RolloutBatch
+from ngrpo_lightning.backends.recompute import tallying_kept
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.training.forward import response_logprobs
 
 GIB = 1024**3
 

@@ -2,7 +2,7 @@
 
 A run composes an :class:`~ngrpo_lightning.explorers.Explorer` with a
 :class:`~ngrpo_lightning.objectives.PolicyObjective` inside
-:class:`~ngrpo_lightning.module.RLModule`, fed by
+:class:`~ngrpo_lightning.training.module.RLModule`, fed by
 :class:`~ngrpo_lightning.rollout.RolloutDataModule`.
 """
 

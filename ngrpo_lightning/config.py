@@ -14,6 +14,7 @@ A leaf module: it imports Hydra and OmegaConf only, so every layer may compose a
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -48,6 +49,12 @@ def config_dir() -> Path:
         if (path / "config.yaml").is_file():
             return path
     raise FileNotFoundError(f"ngrpo-lightning's config folder is missing ({here / 'conf'}): reinstall the package")
+
+
+def cache_dir() -> Path:
+    """Where the project keeps what it builds once (the packaged model, a backend's measurements):
+    ``$NGRPO_CACHE`` or ``~/.cache/ngrpo-lightning``."""
+    return Path(os.environ.get("NGRPO_CACHE") or "~/.cache/ngrpo-lightning").expanduser()
 
 
 def group_options(group: str) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from .checks import check_choice
+from ngrpo_lightning.checks import check_choice
 
 __all__ = ["Registry"]
 

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from ngrpo_lightning.models import load_tokenizer
+    from ngrpo_lightning.models.loading import load_tokenizer
 
     return load_tokenizer("tiny")
 
@@ -19,7 +19,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the tiny random Llama, fp32."""
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
 
     return load_policy("tiny")
 
@@ -27,7 +27,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the packaged SmolLM2-135M-Instruct, fp32."""
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
 
     return load_policy("smollm2-135m-instruct")
 
@@ -105,10 +105,10 @@ def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):
 
     from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.explorers import TemperatureExplorer
-    from ngrpo_lightning.module import RLModule
     from ngrpo_lightning.objectives import GRPO
     from ngrpo_lightning.rollout import RolloutDataModule
-    from ngrpo_lightning.settings import OptimConfig, TrainConfig
+    from ngrpo_lightning.training.module import RLModule
+    from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
 
     train = TrainConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in TrainConfig.__dataclass_fields__})
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
@@ -149,7 +149,7 @@ def fake_step(problem_ids, rewards, group_size=2, lengths=None):
     """A prepared StepRollouts without a model: row i has a response of lengths[i] tokens, a
     prompt of 2 + i % 2 tokens and one mixed step at response position 0."""
     from ngrpo_lightning.rollout import InputRecords, RolloutBatch
-    from ngrpo_lightning.updates import StepRollouts
+    from ngrpo_lightning.training.updates import StepRollouts
 
     n = len(problem_ids)
     lengths = lengths or [3] * n
@@ -188,8 +188,8 @@ def fake_step(problem_ids, rewards, group_size=2, lengths=None):
 def trained_lora(std: float = 0.3, **settings):
     """A fresh tiny model with rank-4 LoRA adapters whose B is drawn, as after training (the
     policy is no longer its base model); ``settings`` go to ``LoraSettings``."""
-    from ngrpo_lightning import lora
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models import lora
+    from ngrpo_lightning.models.loading import load_policy
 
     policy = lora.apply(load_policy("tiny")[0], lora.LoraSettings(enabled=True, rank=4, **settings))
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""``sdpa_gqa`` (ngrpo_lightning/attention.py) changes no value: grouped KV heads read in place,
+"""``sdpa_gqa`` (ngrpo_lightning/backends/attention.py) changes no value: grouped KV heads read in place,
 decoding steps and short half-precision passes on matmuls, long causal passes on the causal
 kernel; each against PyTorch's kernel, values and gradients."""
 
@@ -7,10 +7,10 @@ import torch
 from conftest import chat_prompt_ids
 from transformers import AutoModelForCausalLM
 
-from ngrpo_lightning import attention
-from ngrpo_lightning.attention import check_attn_implementation
+from ngrpo_lightning.backends import attention
+from ngrpo_lightning.backends.attention import check_attn_implementation
 from ngrpo_lightning.config import ConfigError, compose
-from ngrpo_lightning.models import resolve_model_path
+from ngrpo_lightning.models.loading import resolve_model_path
 
 QUESTIONS = [
     "What is 9 - 4?",
@@ -59,7 +59,7 @@ def test_policy_loads_with_sdpa_gqa_by_default(tiny):
 
 
 def test_remote_code_models_keep_transformers_attention():
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
 
     model, _ = load_policy("tiny", trust_remote_code=True)  # remote code may dispatch on the name
     assert model.config._attn_implementation == "sdpa"
@@ -73,7 +73,7 @@ def test_unknown_attention_is_refused_with_the_allowed_names():
         check_attn_implementation("sdpx")
     with pytest.raises(ValueError, match=r"^model.attn_implementation='sdpx'"):  # a caller's own key
         check_attn_implementation("sdpx", key="model.attn_implementation")
-    from ngrpo_lightning.build import check_config
+    from ngrpo_lightning.build.components import check_config
 
     with pytest.raises(ConfigError, match=r"backend.attention='flash' is not an attention transformers knows"):
         check_config(compose(["model=tiny", "backend.attention=flash"]))
@@ -92,7 +92,7 @@ def _grouped_qkv(queries: int, keys: int, dtype=torch.float32, seed=0):
 
 def test_grouped_attention_equals_sdpa_with_either_mask_kind():
     """A decoding step: two matmuls with a group's query heads stacked, against PyTorch's kernel."""
-    from ngrpo_lightning.attention import grouped_attention
+    from ngrpo_lightning.backends.attention import grouped_attention
 
     q, k, v = _grouped_qkv(1, 9)
     keep = torch.ones(3, 1, 1, 9, dtype=torch.bool)
@@ -112,7 +112,11 @@ def test_a_bfloat16_decoding_step_attends_in_float32():
     bfloat16 kernel is slower there); short passes take the same matmuls (float32 scores)."""
     from types import SimpleNamespace
 
-    from ngrpo_lightning.attention import grouped_attention, half_precision_products_pay, sdpa_gqa_attention_forward
+    from ngrpo_lightning.backends.attention import (
+        grouped_attention,
+        half_precision_products_pay,
+        sdpa_gqa_attention_forward,
+    )
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     q1, k, v = _grouped_qkv(1, 9, torch.bfloat16)
@@ -155,7 +159,7 @@ def _padded_causal_mask(starts, ends, queries: int, keys: int) -> torch.Tensor:
 def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, starts, ends):
     """The causal kernel (rows shifted to their first key) gives the masked kernel's values and
     gradients at every real query position; padding queries read no key and give 0."""
-    from ngrpo_lightning.attention import causal_attention, causal_layout
+    from ngrpo_lightning.backends.attention import causal_attention, causal_layout
 
     mask = _padded_causal_mask(starts, ends, queries, 12)
     assert torch.equal(causal_layout(mask, queries), torch.tensor(starts))
@@ -180,7 +184,7 @@ def test_causal_attention_equals_the_masked_kernel_on_real_positions(queries, st
 
 def _flash_style(q, k, v, mask):
     """HalfPrecisionAttention on [N, H, Lq, d] queries, as grouped_attention calls it, [N, H, Lq, d]."""
-    from ngrpo_lightning.attention import HalfPrecisionAttention, score_bias
+    from ngrpo_lightning.backends.attention import HalfPrecisionAttention, score_bias
 
     rows, heads, lq, dim = q.shape
     stacked = q.reshape(rows, k.shape[1], -1, dim)
@@ -194,7 +198,7 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
     the masked kernel's values and gradients, both the plain matmuls and the half-precision
     function that recomputes the probabilities in backward; in bfloat16 (that function) no
     further from float64 than the bfloat16 kernel is. A padding query reads no key: 0, no NaN."""
-    from ngrpo_lightning.attention import grouped_attention
+    from ngrpo_lightning.backends.attention import grouped_attention
 
     starts, ends, queries = [0, 3, 5], [12, 10, 12], 8
     mask = _padded_causal_mask(starts, ends, queries, 12)
@@ -226,7 +230,7 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
 
 
 def test_causal_layout_is_taken_only_where_it_holds_and_pays():
-    from ngrpo_lightning.attention import causal_layout, causal_starts
+    from ngrpo_lightning.backends.attention import causal_layout, causal_starts
 
     holed = _padded_causal_mask([0, 0], [10, 10], 10, 10)
     holed[0, :, :, 4] = False  # a padding token inside a row: not one unbroken run

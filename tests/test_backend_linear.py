@@ -10,14 +10,14 @@ import pytest
 import torch
 from conftest import chat_prompt_ids, trained_lora
 
-from ngrpo_lightning import lora
 from ngrpo_lightning.backends import CPUBackend
 from ngrpo_lightning.backends import linear as backend_linear
 from ngrpo_lightning.backends.linear import BackendLinear, PackedLinearFunction, packing_available
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.explorers import TemperatureExplorer
-from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.models import lora
+from ngrpo_lightning.models.loading import load_policy
 from ngrpo_lightning.rollout import HFEngine
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.float32), reason="this CPU build has no oneDNN packing")

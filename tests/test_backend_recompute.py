@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ngrpo_lightning.backends import recompute
-from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.models.loading import load_policy
 
 
 def kept_bytes(model, ids) -> tuple[torch.Tensor, int]:
@@ -163,7 +163,7 @@ def test_a_forward_on_another_thread_is_not_recorded():
 
 def adapted_tiny(seed: int = 3):
     """The tiny model with rank-4 adapters on every linear layer, B nonzero (A's gradient too)."""
-    from ngrpo_lightning import lora
+    from ngrpo_lightning.models import lora
 
     model, _ = load_policy("tiny")
     model = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, alpha=8))
@@ -195,7 +195,7 @@ def test_a_lora_up_projection_is_recomputed_with_the_same_gradients():
 
 def test_a_lora_up_projection_with_dropout_is_kept():
     """A recompute would draw another dropout mask: the adapted up(x) stays kept."""
-    from ngrpo_lightning import lora
+    from ngrpo_lightning.models import lora
 
     model, _ = load_policy("tiny")
     model = lora.apply(model, lora.LoraSettings(enabled=True, rank=4, alpha=8, dropout=0.1))

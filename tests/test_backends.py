@@ -18,12 +18,12 @@ from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.backends.probe import Measurements
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm
-from ngrpo_lightning.build import build_module
+from ngrpo_lightning.build.components import build_module
 from ngrpo_lightning.config import compose
 from ngrpo_lightning.explorers import TemperatureExplorer
-from ngrpo_lightning.forward import response_logprobs, split_lm_head
-from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.models.loading import load_policy
 from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.training.forward import response_logprobs, split_lm_head
 
 QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "Name a prime number larger than ten."]
 
@@ -150,9 +150,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 def known():
     return "sdpa_gqa" in AttentionInterface._global_mapping, "sdpa_gqa" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
-import ngrpo_lightning.attention as attention
+import ngrpo_lightning.backends.attention as attention
 print(known())
-import ngrpo_lightning.backends, ngrpo_lightning.models  # noqa: E401
+import ngrpo_lightning.backends, ngrpo_lightning.models.loading  # noqa: E401
 print(known())
 attention.register()
 print(known())

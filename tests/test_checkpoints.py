@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ngrpo_lightning.checkpoint_io import StreamingCheckpointIO, partial_path
-from ngrpo_lightning.checkpointing import weights_digest
-from ngrpo_lightning.cli import train
+from ngrpo_lightning.checkpoints.io import StreamingCheckpointIO, partial_path
+from ngrpo_lightning.checkpoints.run import weights_digest
+from ngrpo_lightning.commands.cli import train
 from ngrpo_lightning.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     StreamingCheckpointIO().save_checkpoint({"step": 1, "w": torch.ones(3)}, target)
     script = textwrap.dedent(f"""
         import time, torch
-        from ngrpo_lightning.checkpoint_io import StreamingCheckpointIO
+        from ngrpo_lightning.checkpoints.io import StreamingCheckpointIO
 
         class Slow:  # pickled in the middle of the save: the process is killed there
             def __reduce__(self):

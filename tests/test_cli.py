@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.commands.cli import main
 
 
 def run_error(capsys, *args):
@@ -117,7 +117,7 @@ def test_cheap_paths_answer_before_torch_loads(argv, code):
     # help, the composed config and a config that does not compose need neither torch nor
     # Lightning (5-6 s of imports): a fresh process shows they were never loaded
     script = (
-        "import sys; from ngrpo_lightning.cli import main; code = main(sys.argv[1:]); "
+        "import sys; from ngrpo_lightning.commands.cli import main; code = main(sys.argv[1:]); "
         "heavy = sorted({'torch', 'lightning', 'transformers', 'mlflow'} & set(sys.modules)); "
         "print('heavy:', heavy, file=sys.stderr); sys.exit(code)"
     )

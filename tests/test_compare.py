@@ -10,8 +10,8 @@ import pytest
 from conftest import TINY_JOB
 from mlflow import MlflowClient
 
-from ngrpo_lightning.cli import main
-from ngrpo_lightning.compare import paired_differences, per_problem_scores, two_level_bootstrap
+from ngrpo_lightning.commands.cli import main
+from ngrpo_lightning.commands.compare import paired_differences, per_problem_scores, two_level_bootstrap
 
 
 def test_two_level_bootstrap_on_known_data():

@@ -22,7 +22,7 @@ import compute_floor  # noqa: E402
 def tiny():
     from transformers import AutoModelForCausalLM
 
-    from ngrpo_lightning.models import resolve_model_path
+    from ngrpo_lightning.models.loading import resolve_model_path
 
     path = resolve_model_path("tiny")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()

@@ -23,7 +23,7 @@ def chat_tokenizer():
     """The real SmolLM2 tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
 
-    from ngrpo_lightning.models import cache_dir, load_tokenizer
+    from ngrpo_lightning.models.loading import cache_dir, load_tokenizer
 
     path = cache_dir() / "smollm2-135m-instruct"
     if (path / "tokenizer_config.json").is_file():
@@ -132,7 +132,7 @@ def test_verl_prompts_under_an_r1_distill_template_end_where_thinking_starts(tmp
     prompt ends with the template's opening ``<think>`` so the policy starts inside its thinking."""
     import copy
 
-    from ngrpo_lightning.build_data import build_datamodule
+    from ngrpo_lightning.build.data import build_datamodule
     from ngrpo_lightning.config import compose
 
     instruction = "Let's think step by step and output the final answer within \\boxed{}."

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ngrpo_lightning.cli import main
-from ngrpo_lightning.diagnose.drift import (
+from ngrpo_lightning.commands.cli import main
+from ngrpo_lightning.commands.diagnose.drift import (
     Decoder,
     drift_metrics,
     gaussian_perturb,
@@ -17,7 +17,7 @@ from ngrpo_lightning.diagnose.drift import (
     select_tokens,
     token_id,
 )
-from ngrpo_lightning.diagnose.rollouts import group_metrics
+from ngrpo_lightning.commands.diagnose.rollouts import group_metrics
 from ngrpo_lightning.metrics import edit_distance
 from ngrpo_lightning.rollout.engine import special_token_ids
 

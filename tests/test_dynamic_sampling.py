@@ -4,7 +4,7 @@ import pytest
 from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
 
 from ngrpo_lightning.rollout import RolloutBatch
-from ngrpo_lightning.updates import StepRollouts
+from ngrpo_lightning.training.updates import StepRollouts
 
 
 def run_one_step(tiny, reward, **kwargs):

@@ -92,7 +92,7 @@ def test_the_docs_engine_decodes_what_hf_engine_decodes(generate_engine, tiny):
 
 
 def test_the_docs_engine_trains_from_the_command_line(generate_engine, monkeypatch, tmp_path, capsys):
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     argv = ["train", "rollout.engine=generate_engine.GenerateEngine", *ONE_TINY_STEP]

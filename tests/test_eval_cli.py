@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.commands.cli import main
 
 
 def run_error(capsys, *args):
@@ -57,7 +57,7 @@ def test_eval_on_a_benchmark_file_writes_table_json_and_plot(tmp_path, capsys):
 
 
 def test_gpqa_file_becomes_multiple_choice_problems(tmp_path):
-    from ngrpo_lightning.eval_command import build_eval_sets, compose_eval
+    from ngrpo_lightning.commands.eval import build_eval_sets, compose_eval
 
     data = write_jsonl(
         tmp_path / "gpqa.jsonl",
@@ -95,7 +95,7 @@ def test_unknown_key_lists_valid_keys(capsys):
 
 
 def test_checkpoint_policy_weights_are_loaded(tmp_path, tiny):
-    from ngrpo_lightning.eval_command import compose_eval, load_eval_policy
+    from ngrpo_lightning.commands.eval import compose_eval, load_eval_policy
 
     policy = tiny[0]
     weights = {f"policy.{k}": v + 1.0 for k, v in policy.state_dict().items()}

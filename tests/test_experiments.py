@@ -3,8 +3,8 @@ objective and training keys fail with errors that name them."""
 
 import pytest
 
-from ngrpo_lightning.build import build_objective, build_step_hooks, settings
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.build.components import build_objective, build_step_hooks, settings
+from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import ConfigError, compose, config_dir
 from ngrpo_lightning.objectives import GRPO, GSPO
 
@@ -48,7 +48,7 @@ def test_ne_grpo_experiment_is_nan_et_al_ngrpo():
     ],
 )
 def test_release_presets_compose_with_the_release_settings(name, size, lr, kl, mix, capsys):
-    from ngrpo_lightning.build import build_explorer
+    from ngrpo_lightning.build.components import build_explorer
 
     cfg = compose([f"experiment={name}", "data.train=train.parquet"])
     assert cfg.model.name_or_path == f"deepseek-ai/DeepSeek-R1-Distill-Qwen-{size}"
@@ -68,7 +68,7 @@ def test_release_presets_compose_with_the_release_settings(name, size, lr, kl, m
 
 
 def test_the_7b_lora_preset_is_the_release_preset_on_one_gpu_with_adapters():
-    from ngrpo_lightning.build_model import lora_settings, parallel_config
+    from ngrpo_lightning.build.models import lora_settings, parallel_config
 
     release = compose(["experiment=n-grpo-7b", "data.train=train.parquet"])
     cfg = compose(["experiment=n-grpo-7b-lora", "data.train=train.parquet"])

@@ -19,9 +19,9 @@ from ngrpo_lightning.explorers import (
     TopKGumbelMixExplorer,
     TopKMixExplorer,
 )
-from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.metrics.exploration import exploration_metrics
 from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.training.forward import response_logprobs
 
 QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_exploration_metrics_of_a_neighbor_rollout(tiny):
 
 
 def test_experiment_configs_select_the_explorers():
-    from ngrpo_lightning.build import build_explorer
+    from ngrpo_lightning.build.components import build_explorer
     from ngrpo_lightning.config import compose
 
     for experiment, cls in (
@@ -110,7 +110,7 @@ def test_experiment_configs_select_the_explorers():
 
 def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch, tmp_path, capsys):
     """docs/explorers.md shows docs/examples/top_two_blend.py verbatim; run it by class path."""
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
 
     example = (ROOT / "docs" / "examples" / "top_two_blend.py").read_text()
     assert example.strip() in (ROOT / "docs" / "explorers.md").read_text()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ngrpo_lightning.build import build_explorer
+from ngrpo_lightning.build.components import build_explorer
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.explorers import (
     EXPLORERS,

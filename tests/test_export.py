@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.checkpoints.trained_policy import find_checkpoint, load_trained_policy, read_checkpoint
+from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import compose
 from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
-from ngrpo_lightning.trained_policy import find_checkpoint, load_trained_policy, read_checkpoint
 
 RUN = [
     "data.train_size=4",
@@ -45,7 +45,7 @@ def trained(tmp_path_factory):
     store = f"sqlite:///{tmp}/mlruns.db"
     overrides = ["model=tiny", *RUN, "optim.lr=1e-2", f"output_dir={tmp}/run", f"logger.tracking_uri={store}"]
     with pytest.MonkeyPatch.context() as patch:  # rows alternate reward 1/0: real advantages, real updates
-        patch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+        patch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
         summary = train(compose([*overrides, "export.final=true"]))
     return tmp, store, summary
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ngrpo_lightning import file_weights
-from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.backends import file_weights
+from ngrpo_lightning.models.loading import load_policy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "preadv"), reason="os.preadv is POSIX-only")
 

@@ -19,8 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ngrpo_lightning.forward import ChunkedTokenLogprobs, response_logprobs, split_lm_head
 from ngrpo_lightning.rollout import InputRecords, RolloutBatch
+from ngrpo_lightning.training.forward import ChunkedTokenLogprobs, response_logprobs, split_lm_head
 
 N, P, L = 4, 6, 11
 
@@ -85,8 +85,8 @@ def run(model, batch, chunk_size, temperature=1.0, with_entropy=True, keep_softm
 def full_float64_reference(model, batch, temperature):
     """The full-logits log-probs computed in float64 throughout (the library's full path takes
     its softmax in float32 whatever the model's dtype)."""
-    from ngrpo_lightning.forward import position_ids_from_mask
     from ngrpo_lightning.rollout import build_inputs_embeds
+    from ngrpo_lightning.training.forward import position_ids_from_mask
 
     mask = batch.attention_mask
     embedding = model.get_input_embeddings().weight

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ngrpo_lightning.build import check_trainer
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.build.components import check_trainer
+from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.explorers import ExplorerStep, TemperatureExplorer
 
@@ -60,9 +60,9 @@ DRIVER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from conftest import ScriptedReward
-    import ngrpo_lightning.build as build
+    import ngrpo_lightning.build.components as build
     build.build_reward = lambda cfg: ScriptedReward((1, 0))  # rows alternate 1/0: real advantages
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
     if __name__ == "__main__":
         sys.exit(main(sys.argv[1:]))
 """)
@@ -104,9 +104,9 @@ def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
     from conftest import ScriptedReward
 
-    from ngrpo_lightning.cli import train
+    from ngrpo_lightning.commands.cli import train
 
-    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
     one = tmp_path / "one"  # the reference: one process, in this one
     train(
         compose(
@@ -149,10 +149,10 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monk
     pytest.importorskip("peft")
     from conftest import ScriptedReward
 
-    from ngrpo_lightning.cli import train
+    from ngrpo_lightning.commands.cli import train
 
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2"]
-    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
     one = tmp_path / "one"
     train(
         compose(
@@ -201,7 +201,7 @@ def test_a_sharded_lora_run_resumes_exactly(tmp_path):
 
 
 def policy_weights_initial() -> dict[str, torch.Tensor]:
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
 
     model, _ = load_policy("tiny")
     return {f"policy.{k}": v for k, v in model.state_dict().items()}

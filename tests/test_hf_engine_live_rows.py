@@ -6,8 +6,8 @@ import torch
 from conftest import chat_prompt_ids
 
 from ngrpo_lightning.explorers import Explorer, NeighborMixingExplorer, TemperatureExplorer
-from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.training.forward import response_logprobs
 
 QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "What is 12 - 9?"]
 

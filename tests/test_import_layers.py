@@ -17,21 +17,57 @@ REPO = ROOT.parent
 # Package-internal imports that stay inside functions, and why.
 LAZY_OK = {
     ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
-    ("ngrpo_lightning.launch", "ngrpo_lightning.cli"): "OpenMP's settings are in the environment before torch loads",
+    ("ngrpo_lightning.commands.launch", "ngrpo_lightning.commands.cli"): (
+        "OpenMP's settings are in the environment before torch loads"
+    ),
     **{
-        ("ngrpo_lightning.cli", f"ngrpo_lightning.{command}"): "help and config errors answer before torch loads"
+        (
+            "ngrpo_lightning.commands.cli",
+            f"ngrpo_lightning.{command}",
+        ): "help and config errors answer before torch loads"
         for command in (
-            "train_command",
-            "eval_command",
-            "export",
-            "sweep",
-            "compare",
-            "compare.command",
-            "diagnose",
-            "diagnose.command",
+            "commands.train",
+            "commands.eval",
+            "checkpoints",
+            "checkpoints.export",
+            "commands.sweep",
+            "commands.compare",
+            "commands.compare.command",
+            "commands.diagnose",
+            "commands.diagnose.command",
         )
     },
 }
+
+# The layers (docs/architecture.md): a module may import its own layer and those below, never above.
+LAYERS = {
+    "ngrpo_lightning.checks": 0,
+    "ngrpo_lightning.registry": 0,
+    "ngrpo_lightning.config": 0,
+    "ngrpo_lightning.explorers": 1,
+    "ngrpo_lightning.objectives": 1,
+    "ngrpo_lightning.data": 1,
+    "ngrpo_lightning.rewards": 1,
+    "ngrpo_lightning.models": 1,
+    "ngrpo_lightning.backends": 1,
+    "ngrpo_lightning.rollout": 2,
+    "ngrpo_lightning.metrics": 2,
+    "ngrpo_lightning.training": 3,
+    "ngrpo_lightning.checkpoints": 3,
+    "ngrpo_lightning.tracking": 3,
+    "ngrpo_lightning.callbacks": 4,
+    "ngrpo_lightning.build": 5,
+    "ngrpo_lightning.commands": 6,
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a module: that of the longest entry of :data:`LAYERS` it is or lies in."""
+    parts = module.split(".")
+    for i in range(len(parts), 1, -1):
+        if ".".join(parts[:i]) in LAYERS:
+            return LAYERS[".".join(parts[:i])]
+    return None
 
 
 def module_name(path: Path, root: Path = ROOT, package: str = "ngrpo_lightning") -> str:
@@ -133,6 +169,26 @@ def test_package_imports_are_at_module_level():
     _, lazy = import_graph()
     unexpected = sorted({pair for pair in lazy if pair[:2] not in LAZY_OK})
     assert not unexpected, f"imports inside functions (move them to the top, or list them with a reason): {unexpected}"
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_and_those_below():
+    edges, _ = import_graph()
+    unplaced = sorted(m for m in edges if m != "ngrpo_lightning" and layer_of(m) is None)
+    assert not unplaced, f"modules outside every layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+    upward = sorted(
+        (m, t, layer_of(m), layer_of(t))
+        for m, targets in edges.items()
+        for t in targets
+        if m != "ngrpo_lightning" and t != "ngrpo_lightning" and layer_of(t) > layer_of(m)
+    )
+    assert not upward, f"imports from a lower layer up to a higher one: {upward}"
+
+
+def test_the_architecture_doc_names_every_layer_of_the_test():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    for name in LAYERS:
+        short = name.removeprefix("ngrpo_lightning.")
+        assert f"`{short}/`" in doc or f"`{short}.py`" in doc, short
 
 
 def test_callbacks_are_part_of_the_package():

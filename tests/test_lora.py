@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import TINY_JOB, chat_prompt_ids, trained_lora
 
-from ngrpo_lightning import lora
-from ngrpo_lightning.cli import main
-from ngrpo_lightning.models import load_policy
+from ngrpo_lightning.commands.cli import main
+from ngrpo_lightning.models import lora
+from ngrpo_lightning.models.loading import load_policy
 
 peft = pytest.importorskip("peft")
 
@@ -124,7 +124,7 @@ def test_an_unpacked_rollout_multiplies_by_merged_weights():
     from ngrpo_lightning.backends import CPUBackend
     from ngrpo_lightning.backends.lora import LeanLoraLinear
     from ngrpo_lightning.explorers import TemperatureExplorer
-    from ngrpo_lightning.models import load_tokenizer
+    from ngrpo_lightning.models.loading import load_tokenizer
     from ngrpo_lightning.rollout import HFEngine
 
     policy, tok = trained_lora(std=0.5), load_tokenizer("tiny")
@@ -177,7 +177,7 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
     from transformers import AutoModelForCausalLM
 
-    from ngrpo_lightning.trained_policy import find_checkpoint, load_trained_policy, read_checkpoint
+    from ngrpo_lightning.checkpoints.trained_policy import find_checkpoint, load_trained_policy, read_checkpoint
 
     trained, _ = load_trained_policy(read_checkpoint(find_checkpoint("outputs")))
     outside = peft.PeftModel.from_pretrained(load_policy("tiny")[0], "adapters")

@@ -1,4 +1,4 @@
-"""Tests for ngrpo_lightning.models (policy + tokenizer loading).
+"""Tests for ngrpo_lightning.models.loading (policy + tokenizer loading).
 
 Built-in models are cached under $NGRPO_CACHE (or the default cache dir); the first run
 downloads and converts SmolLM2 once (~30 s), later runs reuse it.
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from ngrpo_lightning import models
-from ngrpo_lightning.models import (
+from ngrpo_lightning.models import loading
+from ngrpo_lightning.models.loading import (
     BUILTIN_MODELS,
     cache_dir,
     load_policy,
@@ -104,7 +104,7 @@ def _fake_build(out):
 
 
 def _ensure_fake(_):
-    return str(models._ensure_built("fake", _fake_build))
+    return str(loading._ensure_built("fake", _fake_build))
 
 
 def test_concurrent_builds_run_once(monkeypatch, tmp_path):
@@ -137,9 +137,9 @@ def test_tiny_loads_fast_and_deterministically(tiny):
 
 def test_tiny_build_is_seeded(tmp_path, tiny):
     rng = torch.get_rng_state()
-    models._build_tiny(tmp_path)  # a fresh build gives the cached weights again
+    loading._build_tiny(tmp_path)  # a fresh build gives the cached weights again
     assert torch.equal(rng, torch.get_rng_state())  # and leaves the caller's RNG alone
-    rebuilt = models.AutoModelForCausalLM.from_pretrained(tmp_path)
+    rebuilt = loading.AutoModelForCausalLM.from_pretrained(tmp_path)
     _assert_same(_state(rebuilt), _state(tiny[0]))
 
 

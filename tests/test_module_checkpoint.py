@@ -1,9 +1,9 @@
 """The module saves and restores its explorer's state (counters, schedules) in checkpoints."""
 
 from ngrpo_lightning.explorers import NeighborMixingExplorer
-from ngrpo_lightning.module import RLModule
 from ngrpo_lightning.objectives import GRPO
 from ngrpo_lightning.rewards import MathReward
+from ngrpo_lightning.training.module import RLModule
 
 
 def make_module(tiny, explorer):

@@ -7,7 +7,7 @@ import torch
 from conftest import fake_step
 
 from ngrpo_lightning.objectives import GRPO, GSPO
-from ngrpo_lightning.planning import UpdatePlan
+from ngrpo_lightning.training.planning import UpdatePlan
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny, objectiv
     groups' prompts shared or not."""
     from conftest import ScriptedReward, tiny_rl
 
-    from ngrpo_lightning.settings import OptimConfig
+    from ngrpo_lightning.training.settings import OptimConfig
 
     step = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 5, 2, 3, 5, 4])
     step.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
@@ -155,7 +155,7 @@ def test_gradient_checkpointing_on_one_device_keeps_the_gradient(tiny):
     """model.gradient_checkpointing: decoder activations recomputed in backward, same gradient."""
     from conftest import ScriptedReward, tiny_rl
 
-    from ngrpo_lightning.build import build_module
+    from ngrpo_lightning.build.components import build_module
     from ngrpo_lightning.config import compose
 
     module = build_module(compose(["model=tiny", "model.gradient_checkpointing=true", "logger=none"]))
@@ -184,11 +184,11 @@ def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
 
     from conftest import ScriptedReward, tiny_rl
 
-    from ngrpo_lightning import lora
-    from ngrpo_lightning import module as module_file
     from ngrpo_lightning.backends import CPUBackend
-    from ngrpo_lightning.module import RLModule
+    from ngrpo_lightning.models import lora
     from ngrpo_lightning.objectives import GRPO
+    from ngrpo_lightning.training import module as module_file
+    from ngrpo_lightning.training.module import RLModule
 
     packed_layers = []
     original = module_file.packed_for_pass
@@ -238,10 +238,9 @@ def test_a_file_backed_reference_frees_each_weight_it_packs(tiny, tmp_path, tied
 
     from conftest import ScriptedReward, tiny_rl
 
-    from ngrpo_lightning import file_weights
-    from ngrpo_lightning.backends import CPUBackend
-    from ngrpo_lightning.module import RLModule
+    from ngrpo_lightning.backends import CPUBackend, file_weights
     from ngrpo_lightning.objectives import GRPO
+    from ngrpo_lightning.training.module import RLModule
 
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
     if not tied:

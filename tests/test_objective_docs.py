@@ -42,7 +42,7 @@ def test_example_objective_matches_hand_computation(example_module):
 
 
 def test_example_objective_trains_one_step_from_the_cli(example_module, tmp_path, monkeypatch, capsys):
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     args = [

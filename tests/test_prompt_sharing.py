@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_forward_chunked import small_llama
 
-from ngrpo_lightning.forward import response_logprobs, shared_prompts
 from ngrpo_lightning.rollout import InputRecords, RolloutBatch
+from ngrpo_lightning.training.forward import response_logprobs, shared_prompts
 
 GROUPS, G, P, L = 2, 3, 6, 9
 
@@ -88,8 +88,7 @@ def test_nothing_is_shared_when_every_prompt_differs():
 def test_the_per_row_prompt_keys_are_recomputed_not_kept():
     """Under recompute.recomputing, attention's per-row copy of the prompt's keys and values is
     rebuilt in backward from the one-per-prompt pass: the same bits, no such copy kept."""
-    from ngrpo_lightning import attention
-    from ngrpo_lightning.backends import recompute
+    from ngrpo_lightning.backends import attention, recompute
 
     model = small_llama()
     model.set_attn_implementation(attention.register())  # the default: grouped keys and values read as they are
@@ -125,7 +124,7 @@ def test_the_shared_prompt_cache_is_made_of_its_own_layers():
     prompt's rows followed by its new keys, and nothing is stored."""
     from transformers import DynamicCache
 
-    from ngrpo_lightning.forward import SharedPrefixLayer, _read_only_prefix
+    from ngrpo_lightning.training.forward import SharedPrefixLayer, _read_only_prefix
 
     cache = DynamicCache()
     keys, values = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ngrpo_lightning.build_data import build_problems
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.build.data import build_problems
+from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.data import reasoning_gym_problems
 from ngrpo_lightning.rewards import MathReward

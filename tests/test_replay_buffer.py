@@ -7,8 +7,8 @@ import torch
 from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
 
 from ngrpo_lightning.callbacks import ReplayBuffer
-from ngrpo_lightning.planning import UpdatePlan
-from ngrpo_lightning.settings import TrainConfig
+from ngrpo_lightning.training.planning import UpdatePlan
+from ngrpo_lightning.training.settings import TrainConfig
 
 
 def test_all_wrong_group_gets_a_stored_success_with_its_records():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ScriptedReward
 
-from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import ConfigError, compose
 
 # 2 prompts x 2 samples, 2 optimizer updates per batch (mini-batches shuffled by the replay
@@ -40,7 +40,7 @@ STEPS = 8  # optimizer steps = 4 rollout batches (more than one pass over the 3 
 @pytest.fixture(autouse=True)
 def scripted_reward(monkeypatch):
     """Rows alternate reward 1/0 (real advantages, real updates) whatever the model writes."""
-    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
 
 
 def run(tmp, name, *extra):
@@ -70,7 +70,7 @@ def weights(path):
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("whole")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+        mp.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
         summary = run(tmp, "out", f"trainer.max_steps={STEPS}")
     return tmp, summary
 
@@ -115,9 +115,9 @@ DRIVER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from conftest import ScriptedReward
-    import ngrpo_lightning.build as build
+    import ngrpo_lightning.build.components as build
     build.build_reward = lambda cfg: ScriptedReward((1, 0))
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -162,7 +162,7 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
     (killed,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert killed.info.status == "RUNNING"  # a killed process cannot report; resume continues this run
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+        mp.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
         resumed = train(compose(args[:-1] + [f"trainer.max_steps={STEPS}", "resume=last"]))
     assert resumed["steps"] == STEPS
     assert resumed["run_id"] == killed.info.run_id
@@ -213,7 +213,7 @@ def test_a_new_run_into_another_runs_output_dir_is_refused(uninterrupted, monkey
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before output_dir was checked")
 
-    monkeypatch.setattr("ngrpo_lightning.build.load_policy", no_loading)
+    monkeypatch.setattr("ngrpo_lightning.build.components.load_policy", no_loading)
     args = RUN + [f"logger.tracking_uri=sqlite:///{whole_tmp}/mlruns.db", f"output_dir={whole_tmp}/out"]
     assert main(["train", *args, "seed=1"]) == 2
     err = capsys.readouterr().err

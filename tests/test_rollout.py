@@ -5,9 +5,9 @@ import torch
 from conftest import chat_prompt_ids
 
 from ngrpo_lightning.explorers import Explorer, ExplorerStep, TemperatureExplorer
-from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.rollout import HFEngine, InputRecords, build_inputs_embeds, mixture_embeddings
 from ngrpo_lightning.rollout.records import NO_NOISE, noise_vectors
+from ngrpo_lightning.training.forward import response_logprobs
 
 QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "What is 12 - 9?"]
 

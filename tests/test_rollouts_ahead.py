@@ -8,7 +8,7 @@ import torch
 from conftest import ScriptedReward
 from test_resume import KEYS, history, run, weights
 
-from ngrpo_lightning.cli import train
+from ngrpo_lightning.commands.cli import train
 from ngrpo_lightning.config import ConfigError, compose
 
 UPDATES = 2  # test_resume's RUN: 2 optimizer updates per rollout batch
@@ -17,7 +17,7 @@ UPDATES = 2  # test_resume's RUN: 2 optimizer updates per rollout batch
 @pytest.fixture(autouse=True)
 def scripted_reward(monkeypatch):
     """Rows alternate reward 1/0 (real advantages, real updates) whatever the model writes."""
-    monkeypatch.setattr("ngrpo_lightning.build.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
 
 
 def values(tmp, run_id, key):
@@ -91,7 +91,9 @@ def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
     ],
 )
 def test_staleness_that_cannot_run_is_refused_before_the_model_loads(tmp_path, overrides, message, monkeypatch):
-    monkeypatch.setattr("ngrpo_lightning.build.load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(
+        "ngrpo_lightning.build.components.load_policy", lambda *a, **k: pytest.fail("the model was loaded")
+    )
     with pytest.raises((ConfigError, ValueError), match=message):
         train(compose(["model=tiny", "train.max_staleness=1", f"output_dir={tmp_path}", *overrides]))
 

@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 
-from ngrpo_lightning import build
+from ngrpo_lightning.build import components
 from ngrpo_lightning.checks import check_choice, check_number
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import compose
 from ngrpo_lightning.objectives import ADVANTAGE_ESTIMATORS, group_advantages, register_advantage
-from ngrpo_lightning.settings import OptimConfig, ReplayConfig, TrainConfig
+from ngrpo_lightning.training.settings import OptimConfig, ReplayConfig, TrainConfig
 
 
 @pytest.mark.parametrize("key, cls", [("optim", OptimConfig), ("train", TrainConfig), ("replay", ReplayConfig)])
@@ -86,7 +86,7 @@ def test_bad_values_fail_before_the_model_loads(overrides, message, monkeypatch,
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the config was checked")
 
-    monkeypatch.setattr(build, "load_policy", no_loading)
+    monkeypatch.setattr(components, "load_policy", no_loading)
     assert main(["train", "model=tiny", "logger=none", *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err
@@ -117,7 +117,7 @@ def test_a_removed_key_is_refused_as_unknown_before_the_model_loads(override, mo
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the config was checked")
 
-    monkeypatch.setattr(build, "load_policy", no_loading)
+    monkeypatch.setattr(components, "load_policy", no_loading)
     assert main(["train", "model=tiny", "logger=none", override]) == 2
     err = capsys.readouterr().err
     key = override.split("=")[0]
@@ -154,7 +154,7 @@ def test_an_empty_data_file_is_refused_naming_the_file(tmp_path, monkeypatch, ca
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the data was checked")
 
-    monkeypatch.setattr(build, "load_policy", no_loading)
+    monkeypatch.setattr(components, "load_policy", no_loading)
     empty = tmp_path / "train.jsonl"
     empty.write_text("")
     assert main(["train", "model=tiny", "logger=none", "data=files", f"data.train={empty}"]) == 2

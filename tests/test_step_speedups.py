@@ -112,7 +112,7 @@ def test_optimizer_is_fused_adamw_with_the_unfused_update(tiny):
 def test_checkpoints_from_before_these_settings_still_resume():
     from omegaconf import OmegaConf
 
-    from ngrpo_lightning.checkpointing import config_mismatch
+    from ngrpo_lightning.checkpoints.run import config_mismatch
 
     current = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
     older = OmegaConf.to_container(compose(["model=tiny"]), resolve=True)
@@ -134,7 +134,7 @@ def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monk
     """A bfloat16 model decoding on CPU with sdpa_gqa keeps keys and values in float32: each is
     widened once when written, and the rollout equals one over transformers' bfloat16 cache."""
     from ngrpo_lightning.backends import CPUBackend, backend_for
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models.loading import load_policy
     from ngrpo_lightning.rollout.kv_cache import reserved_cache
 
     model, tok = load_policy("tiny", dtype="bfloat16")

@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY_JOB
 from mlflow import MlflowClient
 
-from ngrpo_lightning.cli import main
+from ngrpo_lightning.commands.cli import main
 
 TINY = [*TINY_JOB, "trainer.max_steps=1", "data.val_size=2"]
 

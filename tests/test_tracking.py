@@ -12,10 +12,11 @@ import pytest
 from conftest import ScriptedReward
 from mlflow.tracking import MlflowClient
 
-from ngrpo_lightning import build, train_command
-from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.build import components
+from ngrpo_lightning.commands import train as train_job
+from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import compose
-from ngrpo_lightning.tracking import build_logger
+from ngrpo_lightning.tracking.logger import build_logger
 
 TINY = [
     "model=tiny",
@@ -34,7 +35,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the tracking store was checked")
 
-    monkeypatch.setattr(build, "load_policy", refuse)
+    monkeypatch.setattr(components, "load_policy", refuse)
 
 
 def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path):
@@ -61,13 +62,13 @@ def test_a_store_that_cannot_be_created_names_the_key_and_the_path(tmp_path, mon
 def test_run_status_is_running_while_training_and_finished_after(tmp_path, monkeypatch):
     seen = {}
 
-    class StatusSpy(build.L.Callback):
+    class StatusSpy(components.L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             logger = trainer.logger
             seen.setdefault("status", logger.experiment.get_run(logger.run_id).info.status)
 
-    monkeypatch.setattr(train_command, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
-    monkeypatch.setattr(build, "build_reward", lambda cfg: ScriptedReward((1, 0)))
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [StatusSpy()])
+    monkeypatch.setattr(components, "build_reward", lambda cfg: ScriptedReward((1, 0)))
     store = f"sqlite:///{tmp_path}/mlruns.db"
     overrides = [*TINY, f"logger.tracking_uri={store}"]
     summary = train(compose([*overrides, f"output_dir={tmp_path}/out", "logger.system_metrics_interval_s=0.2"]))
@@ -90,7 +91,7 @@ def test_a_failing_run_is_marked_failed(tmp_path, monkeypatch):
     def broken(cfg):
         raise RuntimeError("the reward broke")
 
-    monkeypatch.setattr(build, "build_reward", broken)
+    monkeypatch.setattr(components, "build_reward", broken)
     store = f"sqlite:///{tmp_path}/mlruns.db"
     with pytest.raises(RuntimeError, match="the reward broke"):
         train(compose([*TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]))
@@ -112,7 +113,7 @@ def test_run_names_differ_between_runs_of_the_same_seed(tmp_path):
 CREATE = textwrap.dedent("""
     import sys, time
     from ngrpo_lightning.config import compose
-    from ngrpo_lightning.tracking import build_logger
+    from ngrpo_lightning.tracking.logger import build_logger
     while time.time() < float(sys.argv[2]):  # start together
         time.sleep(0.005)
     logger = build_logger(compose([f"logger.tracking_uri=sqlite:///{sys.argv[1]}", "experiment_name=race"]))

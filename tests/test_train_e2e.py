@@ -5,7 +5,7 @@ import math
 import pytest
 from mlflow import MlflowClient
 
-from ngrpo_lightning.cli import main, train
+from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import compose
 
 TINY_RUN = [
@@ -108,6 +108,6 @@ def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
     assert state["monitor"] == "val/accuracy" and float(state["best_model_score"]) == max(history)
     assert (tmp_path / "out/checkpoints/last.ckpt").exists()
     with pytest.raises(Exception, match=r"checkpoint\.best_mode='top' is unknown"):
-        from ngrpo_lightning.checkpointing import build_checkpointing
+        from ngrpo_lightning.checkpoints.run import build_checkpointing
 
         build_checkpointing(compose(["checkpoint.best=val/accuracy", "checkpoint.best_mode=top"]))

@@ -7,8 +7,8 @@ from conftest import ScriptedReward, tiny_rl, tiny_trainer
 from ngrpo_lightning.backends.recompute import tallying_kept
 from ngrpo_lightning.callbacks import UpdateMemoryCheck
 from ngrpo_lightning.callbacks.update_memory import UpdateMemory, kept_bytes_per_token
-from ngrpo_lightning.forward import response_logprobs
 from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.training.forward import response_logprobs
 
 
 def test_the_probe_predicts_what_a_longer_training_forward_keeps(tiny):
@@ -67,7 +67,7 @@ def test_a_run_that_fits_says_nothing(tiny, recwarn):
 
 
 def test_ngrpo_train_checks_its_update(tmp_path):
-    from ngrpo_lightning.build import build_trainer
+    from ngrpo_lightning.build.components import build_trainer
     from ngrpo_lightning.config import compose
 
     cfg = compose([f"output_dir={tmp_path}", "logger=none"])

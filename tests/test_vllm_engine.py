@@ -112,7 +112,7 @@ def _explorers():
 def test_records_reconstruct_vllm_logprobs(engine, smollm2, prompts, name):
     """Training's forward rebuilds the mixed inputs from the records and gets vLLM's log-probs;
     ignoring the records it does not (so the mixtures really were vLLM's inputs)."""
-    from ngrpo_lightning.forward import response_logprobs
+    from ngrpo_lightning.training.forward import response_logprobs
 
     explorer = _explorers()[name]
     batch = engine.generate(prompts, explorer, n=4)
@@ -163,8 +163,8 @@ def test_sync_weights_changes_vllm_output_to_the_new_policy(engine, smollm2, pro
 
 
 def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, prompts):
-    from ngrpo_lightning import lora
-    from ngrpo_lightning.models import load_policy
+    from ngrpo_lightning.models import lora
+    from ngrpo_lightning.models.loading import load_policy
 
     before = engine.generate(prompts, greedy(), n=1)
     adapted = lora.apply(load_policy("smollm2-135m-instruct")[0], lora.LoraSettings(enabled=True, rank=8))
@@ -208,7 +208,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
         "checkpoint.every_n_steps=0",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "ngrpo_lightning.cli", "train", *args],
+        [sys.executable, "-m", "ngrpo_lightning.commands.cli", "train", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -228,12 +228,20 @@ def test_eval_with_vllm_equals_eval_with_hf_engine(tmp_path):
     """`ngrpo eval engine=vllm` (greedy) extracts the same answers as the default engine."""
     import json
 
-    from ngrpo_lightning.cli import main
+    from ngrpo_lightning.commands.cli import main
 
     common = ["data.val_size=6", "n=1", "temperature=0", "max_new_tokens=24", "reward.num_workers=1", "logger=none"]
     assert main(["eval", *common, f"output_dir={tmp_path}/hf"]) == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "ngrpo_lightning.cli", "eval", *common, "engine=vllm", f"output_dir={tmp_path}/vllm"],
+        [
+            sys.executable,
+            "-m",
+            "ngrpo_lightning.commands.cli",
+            "eval",
+            *common,
+            "engine=vllm",
+            f"output_dir={tmp_path}/vllm",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -253,7 +261,7 @@ def test_no_mixing_after_the_answer_marker_in_vllm(engine, smollm2, prompts):
     from test_explorer_rollouts import check_answer_marker
 
     from ngrpo_lightning.explorers import NeighborMixingExplorer
-    from ngrpo_lightning.forward import response_logprobs
+    from ngrpo_lightning.training.forward import response_logprobs
 
     start = engine.state_dict()
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import BACKENDS, Backend
-from .cpu import CPUBackend
-from .cuda import CUDABackend
-from .swap import describe
+from ngrpo_lightning.backends.base import BACKENDS, Backend
+from ngrpo_lightning.backends.cpu import CPUBackend
+from ngrpo_lightning.backends.cuda import CUDABackend
+from ngrpo_lightning.backends.swap import describe
 
 __all__ = ["BACKENDS", "Backend", "CPUBackend", "CUDABackend", "backend_for", "describe", "select_backend"]
 

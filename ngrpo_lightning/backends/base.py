@@ -15,7 +15,7 @@ What this base class does is what every device gets:
   forward's kept activations), unless activation checkpointing recomputes whole layers anyway;
 - peft's LoRA layers with their sum done in place and a merged copy for decoding (:mod:`.lora`);
 - the log-probs' LM head in chunks of ``logprob_chunk_size`` tokens, its softmax kept for
-  backward when it fits ``keep_softmax_mib`` (:mod:`ngrpo_lightning.forward`);
+  backward when it fits ``keep_softmax_mib`` (:mod:`ngrpo_lightning.training.forward`);
 - a group's common prompt run once per log-prob pass (``share_prompts``);
 - plain products, the attention transformers calls ``sdpa``, the KV cache in the model's dtype.
 
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Registry
-from .linear import BackendLinear
-from .lora import lean_lora_layers
-from .recompute import recomputing_modules
+from ngrpo_lightning.backends.linear import BackendLinear
+from ngrpo_lightning.backends.lora import lean_lora_layers
+from ngrpo_lightning.backends.recompute import recomputing_modules
+from ngrpo_lightning.registry import Registry
 
 BACKENDS = Registry("backend", key="backend.name")
 

@@ -11,12 +11,12 @@ taken where it is faster by at least :data:`MARGIN`. The answers are kept per ma
 
 Also chosen here, each giving the same values:
 
-- attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.attention`): grouped KV heads read in place,
+- attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.backends.attention`): grouped KV heads read in place,
   decoding steps as two matmuls;
 - a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in
   float32 (nothing is cast per step);
 - the frozen KL reference in an unlinked file between its passes on a one-process Linux run
-  whose ``output_dir`` is on a disk (:mod:`ngrpo_lightning.file_weights`).
+  whose ``output_dir`` is on a disk (:mod:`ngrpo_lightning.backends.file_weights`).
 
 A half-precision model on a CPU without native bfloat16 products is warned about at start-up,
 with the rates measured here (on an AVX2-only EPYC, bfloat16 products ran at about 1 GFLOP/s
@@ -29,10 +29,10 @@ import sys
 
 import torch
 
-from .. import attention, file_weights
-from .base import BACKENDS, Backend
-from .linear import PackedLinearFunction, pack, packed_linear, packing_available
-from .probe import Measurements, faster, median_seconds
+from ngrpo_lightning.backends import attention, file_weights
+from ngrpo_lightning.backends.base import BACKENDS, Backend
+from ngrpo_lightning.backends.linear import PackedLinearFunction, pack, packed_linear, packing_available
+from ngrpo_lightning.backends.probe import Measurements, faster, median_seconds
 
 MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
 # A training product's relative speed settles by about a thousand rows: larger passes are timed at this

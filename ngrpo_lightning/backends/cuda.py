@@ -8,7 +8,7 @@ decoding replayed from CUDA graphs on a static KV cache is the next step (docs/p
 
 from __future__ import annotations
 
-from .base import BACKENDS, Backend
+from ngrpo_lightning.backends.base import BACKENDS, Backend
 
 
 @BACKENDS.register("cuda")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .linear import BackendLinear, pack, packed_linear
-from .swap import swap
+from ngrpo_lightning.backends.linear import BackendLinear, pack, packed_linear
+from ngrpo_lightning.backends.swap import swap
 
 
 class LeanLoraLinear:

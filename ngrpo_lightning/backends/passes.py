@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
-from .linear import BackendLinear, pack
-from .lora import LeanLoraLinear
+from ngrpo_lightning.backends.linear import BackendLinear, pack
+from ngrpo_lightning.backends.lora import LeanLoraLinear
 
 
 @contextlib.contextmanager

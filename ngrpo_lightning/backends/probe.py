@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import cache_dir
+from ngrpo_lightning.config import cache_dir
 
 
 def processor_name() -> str:

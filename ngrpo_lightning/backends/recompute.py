@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .swap import swap
+from ngrpo_lightning.backends.swap import swap
 
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar("ngrpo_recomputing", default=False)
 RECIPE = "_ngrpo_recipe"  # the attribute of a tagged tensor that holds its recipe

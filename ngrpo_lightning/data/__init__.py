@@ -1,10 +1,10 @@
 """Training data: problems (reasoning-gym tasks, the built-in default, or files / Hugging Face datasets) and
 the tokenized prompts the rollout engine consumes."""
 
-from .loaders import MissingFieldError, load_problems
-from .problem import Problem
-from .prompts import DEFAULT_INSTRUCTION, PromptDataset, collate_prompts, render_prompt
-from .reasoning_gym import reasoning_gym_problems
+from ngrpo_lightning.data.loaders import MissingFieldError, load_problems
+from ngrpo_lightning.data.problem import Problem
+from ngrpo_lightning.data.prompts import DEFAULT_INSTRUCTION, PromptDataset, collate_prompts, render_prompt
+from ngrpo_lightning.data.reasoning_gym import reasoning_gym_problems
 
 __all__ = [
     "DEFAULT_INSTRUCTION",

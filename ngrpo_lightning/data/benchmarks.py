@@ -19,9 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from . import loaders
-from .loaders import MissingFieldError, load_problems
-from .problem import Problem
+from ngrpo_lightning.data import loaders
+from ngrpo_lightning.data.loaders import MissingFieldError, load_problems
+from ngrpo_lightning.data.problem import Problem
 
 GPQA_FIELDS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
 GPQA_INSTRUCTION = (

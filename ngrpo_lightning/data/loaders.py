@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .problem import Problem
+from ngrpo_lightning.data.problem import Problem
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
 # Names with these suffixes are files, never Hugging Face ids (even when they do not exist).

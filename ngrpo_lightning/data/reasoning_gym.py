@@ -29,8 +29,8 @@ from typing import Any
 
 from omegaconf import ListConfig, OmegaConf
 
-from ..checks import check_choice, check_number
-from .problem import Problem
+from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.data.problem import Problem
 
 VERIFIERS = ("task", "math_verify")
 # reasoning-gym draws item i from Random(seed + i): seeds s and s + 1 would give the same stream

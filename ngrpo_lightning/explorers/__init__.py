@@ -7,14 +7,26 @@ thinking), and the N-GRPO release's baselines ``topk``, ``topk_gumbel``,
 through ``explorer._target_=``.
 """
 
-from .base import EXPLORERS, Explorer, ExplorerStep, check_choice, check_range, register_explorer
-from .gaussian import GaussianNoiseExplorer
-from .gumbel import GumbelSoftExplorer
-from .neighbor import NeighborMixingExplorer
-from .neighbor_index import METRICS, NeighborIndex
-from .release import GaussianEmbedNoiseExplorer, OrthogonalNoiseExplorer, TopKGumbelMixExplorer, TopKMixExplorer
-from .sampling import filter_logits, sample_tokens
-from .temperature import TemperatureExplorer
+from ngrpo_lightning.explorers.base import (
+    EXPLORERS,
+    Explorer,
+    ExplorerStep,
+    check_choice,
+    check_range,
+    register_explorer,
+)
+from ngrpo_lightning.explorers.gaussian import GaussianNoiseExplorer
+from ngrpo_lightning.explorers.gumbel import GumbelSoftExplorer
+from ngrpo_lightning.explorers.neighbor import NeighborMixingExplorer
+from ngrpo_lightning.explorers.neighbor_index import METRICS, NeighborIndex
+from ngrpo_lightning.explorers.release import (
+    GaussianEmbedNoiseExplorer,
+    OrthogonalNoiseExplorer,
+    TopKGumbelMixExplorer,
+    TopKMixExplorer,
+)
+from ngrpo_lightning.explorers.sampling import filter_logits, sample_tokens
+from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 __all__ = [
     "EXPLORERS",

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_choice as _check_choice
-from ..checks import check_number
-from ..registry import Registry
+from ngrpo_lightning.checks import check_choice as _check_choice
+from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.registry import Registry
 
 __all__ = [
     "Explorer",

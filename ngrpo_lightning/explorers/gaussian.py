@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from .base import Explorer, ExplorerStep, check_range, register_explorer
-from .temperature import TemperatureExplorer
+from ngrpo_lightning.explorers.base import Explorer, ExplorerStep, check_range, register_explorer
+from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 SEED_HIGH = 2**62  # noise seeds are drawn from [0, SEED_HIGH); -1 marks "no noise" in records
 

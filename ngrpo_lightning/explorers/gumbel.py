@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Explorer, ExplorerStep, check_range, register_explorer
+from ngrpo_lightning.explorers.base import Explorer, ExplorerStep, check_range, register_explorer
 
 
 @register_explorer("gumbel")

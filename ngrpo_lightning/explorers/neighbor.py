@@ -22,10 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from .base import Explorer, ExplorerStep, check_answer_start, check_choice, check_range, register_explorer
-from .neighbor_index import METRICS, NeighborIndex
-from .sampling import filter_logits
-from .temperature import TemperatureExplorer
+from ngrpo_lightning.explorers.base import (
+    Explorer,
+    ExplorerStep,
+    check_answer_start,
+    check_choice,
+    check_range,
+    register_explorer,
+)
+from ngrpo_lightning.explorers.neighbor_index import METRICS, NeighborIndex
+from ngrpo_lightning.explorers.sampling import filter_logits
+from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 EMIT = ("anchor", "sampled")  # the text of a mixed step: the paper's anchor, or the release's sampled token
 GATES = ("rate", "entropy")

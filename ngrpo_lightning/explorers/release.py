@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import ExplorerStep, check_answer_start, check_range, register_explorer
-from .gaussian import noise_seeds
-from .sampling import filter_logits
-from .temperature import TemperatureExplorer
+from ngrpo_lightning.explorers.base import ExplorerStep, check_answer_start, check_range, register_explorer
+from ngrpo_lightning.explorers.gaussian import noise_seeds
+from ngrpo_lightning.explorers.sampling import filter_logits
+from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 
 @register_explorer("topk")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Explorer, ExplorerStep, check_range, register_explorer
-from .sampling import sample_tokens
+from ngrpo_lightning.explorers.base import Explorer, ExplorerStep, check_range, register_explorer
+from ngrpo_lightning.explorers.sampling import sample_tokens
 
 
 @register_explorer("temperature")

@@ -8,8 +8,8 @@ import itertools
 import torch
 from rapidfuzz.distance import Levenshtein
 
-from ..rewards import extract_answer
-from ..rollout.batch import RolloutBatch
+from ngrpo_lightning.rewards import extract_answer
+from ngrpo_lightning.rollout.batch import RolloutBatch
 
 
 def distinct_ngrams(sequences: list[list[int]], n: int) -> float:

@@ -23,7 +23,7 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from ..checks import check_number
+from ngrpo_lightning.checks import check_number
 
 
 def _check_int(name: str, value, minimum: int = 0) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..objectives import masked_mean, zero_variance_groups
-from ..rollout.batch import RolloutBatch
+from ngrpo_lightning.objectives import masked_mean, zero_variance_groups
+from ngrpo_lightning.rollout.batch import RolloutBatch
 
 
 def rollout_step_metrics(batch: RolloutBatch, rewards: torch.Tensor, step) -> dict[str, torch.Tensor | float]:
     """``train/*`` statistics of a step: rewards and advantages of the rows trained on
-    (``step``, a :class:`~ngrpo_lightning.updates.StepRollouts` with its advantages and old
+    (``step``, a :class:`~ngrpo_lightning.training.updates.StepRollouts` with its advantages and old
     log-probs set), lengths of the fresh ``batch``, and the rollout/train mismatch: the engine's
     log-probs of the sampled tokens against the trainer's, on fresh (not replayed) tokens."""
     lengths = batch.response_lengths.float()

@@ -1,18 +1,24 @@
 """Policy objectives: losses as pure functions, selected by name (see :mod:`.base`)."""
 
-from .advantages import (
+from ngrpo_lightning.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
     group_advantages,
     register_advantage,
     resolve_advantage,
     zero_variance_groups,
 )
-from .aggregation import AGGREGATIONS, aggregate, masked_mean
-from .base import OBJECTIVES, PolicyObjective, check_objective_choice, check_objective_key, register_objective
-from .grpo import GRPO, grpo_loss
-from .gspo import GSPO, gspo_loss, sequence_log_ratio
-from .importance import rollout_importance_weights, sequence_importance_weight
-from .kl import KL_ESTIMATORS, kl_penalty
+from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean
+from ngrpo_lightning.objectives.base import (
+    OBJECTIVES,
+    PolicyObjective,
+    check_objective_choice,
+    check_objective_key,
+    register_objective,
+)
+from ngrpo_lightning.objectives.grpo import GRPO, grpo_loss
+from ngrpo_lightning.objectives.gspo import GSPO, gspo_loss, sequence_log_ratio
+from ngrpo_lightning.objectives.importance import rollout_importance_weights, sequence_importance_weight
+from ngrpo_lightning.objectives.kl import KL_ESTIMATORS, kl_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

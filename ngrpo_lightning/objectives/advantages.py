@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..registry import Registry
+from ngrpo_lightning.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

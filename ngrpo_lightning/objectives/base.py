@@ -28,8 +28,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..checks import check_choice, check_number
-from ..registry import Registry
+from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.registry import Registry
 
 __all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
 

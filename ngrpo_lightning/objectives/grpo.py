@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import AGGREGATIONS, aggregate, masked_mean
-from .base import PolicyObjective, check_objective_choice, check_objective_key, register_objective
-from .kl import KL_ESTIMATORS, kl_penalty, reference_kl
+from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean
+from ngrpo_lightning.objectives.base import (
+    PolicyObjective,
+    check_objective_choice,
+    check_objective_key,
+    register_objective,
+)
+from ngrpo_lightning.objectives.kl import KL_ESTIMATORS, kl_penalty, reference_kl
 
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: a safety clamp, far beyond any clip range
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .gspo import sequence_log_ratio
+from ngrpo_lightning.objectives.gspo import sequence_log_ratio
 
 
 @torch.no_grad()

@@ -5,8 +5,8 @@ function whose checks run in worker processes under a hard time limit.
 on start-up, and must not pay for importing torch.
 """
 
-from .extract import EXTRACT_METHODS, extract_answer
-from .verify import verify_answer
+from ngrpo_lightning.rewards.extract import EXTRACT_METHODS, extract_answer
+from ngrpo_lightning.rewards.verify import verify_answer
 
 __all__ = [
     "EXTRACT_METHODS",
@@ -21,7 +21,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("MathReward", "RewardResult", "STATUSES", "score_responses"):
-        from . import reward
+        from ngrpo_lightning.rewards import reward
 
         return getattr(reward, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,7 @@ import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from . import worker
+from ngrpo_lightning.rewards import worker
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .extract import EXTRACT_METHODS, extract_answer
-from .pool import VerifierPool
-from .task_score import score_task_answer
+from ngrpo_lightning.rewards.extract import EXTRACT_METHODS, extract_answer
+from ngrpo_lightning.rewards.pool import VerifierPool
+from ngrpo_lightning.rewards.task_score import score_task_answer
 
 STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 

@@ -21,7 +21,7 @@ import re
 
 from math_verify import parse, verify
 
-from .limits import soft_time_limit
+from ngrpo_lightning.rewards.limits import soft_time_limit
 
 _CHOICE_RE = re.compile(r"^\(?\s*([A-Z])\s*\)?$")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")

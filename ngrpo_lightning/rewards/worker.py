@@ -19,8 +19,8 @@ import signal
 import threading
 import time
 
-from .limits import soft_time_limit
-from .verify import verify_answer
+from ngrpo_lightning.rewards.limits import soft_time_limit
+from ngrpo_lightning.rewards.verify import verify_answer
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 SLOT_WIDTH = 4

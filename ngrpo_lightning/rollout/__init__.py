@@ -1,13 +1,13 @@
 """Rollouts: the batch and its records, reconstruction, engines (a registry), and the DataModule."""
 
-from .batch import RolloutBatch
-from .datamodule import RolloutDataModule  # noqa: E402  (after the engines it builds)
-from .engine import ENGINES, RolloutEngine, RolloutStart, register_engine
-from .engines import build_engine, check_engine, engine_class
-from .hf_engine import HFEngine
-from .reconstruction import build_inputs_embeds, mixture_embeddings
-from .records import InputRecords
-from .vllm_engine import VLLMEngine
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.datamodule import RolloutDataModule  # noqa: E402  (after the engines it builds)
+from ngrpo_lightning.rollout.engine import ENGINES, RolloutEngine, RolloutStart, register_engine
+from ngrpo_lightning.rollout.engines import build_engine, check_engine, engine_class
+from ngrpo_lightning.rollout.hf_engine import HFEngine
+from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds, mixture_embeddings
+from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
 
 __all__ = [
     "ENGINES",

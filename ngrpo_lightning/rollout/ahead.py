@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .batch import RolloutBatch
-from .engine import RolloutEngine
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.engine import RolloutEngine
 
 __all__ = ["RolloutsAhead", "trainable_snapshot"]
 

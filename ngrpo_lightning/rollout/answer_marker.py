@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..explorers import Explorer, ExplorerStep
+from ngrpo_lightning.explorers import Explorer, ExplorerStep
 
 
 class AnswerMarker:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .padding import pad_to
-from .records import InputRecords
+from ngrpo_lightning.rollout.padding import pad_to
+from ngrpo_lightning.rollout.records import InputRecords
 
 
 @dataclass

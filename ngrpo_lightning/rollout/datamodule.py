@@ -24,13 +24,13 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from ..checks import check_number
-from ..data import PromptDataset, collate_prompts
-from .ahead import RolloutsAhead, trainable_snapshot
-from .batch import RolloutBatch
-from .engine import RolloutEngine, full_named_tensors
-from .engines import build_engine, engine_class
-from .prompt_order import PromptLoader, PromptSampler
+from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.data import PromptDataset, collate_prompts
+from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.engine import RolloutEngine, full_named_tensors
+from ngrpo_lightning.rollout.engines import build_engine, engine_class
+from ngrpo_lightning.rollout.prompt_order import PromptLoader, PromptSampler
 
 
 class RolloutDataModule(L.LightningDataModule):

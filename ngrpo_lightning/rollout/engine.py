@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..explorers import Explorer
-from ..lora import has_adapters, merged_named_tensors
-from ..registry import Registry
-from .answer_marker import AnswerMarker
-from .batch import RolloutBatch
+from ngrpo_lightning.explorers import Explorer
+from ngrpo_lightning.models.lora import has_adapters, merged_named_tensors
+from ngrpo_lightning.registry import Registry
+from ngrpo_lightning.rollout.answer_marker import AnswerMarker
+from ngrpo_lightning.rollout.batch import RolloutBatch
 
 __all__ = [
     "ENGINES",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import importlib
 
-from .engine import ENGINES, RolloutEngine
-from .hf_engine import HFEngine
-from .vllm_engine import VLLMEngine
+from ngrpo_lightning.rollout.engine import ENGINES, RolloutEngine
+from ngrpo_lightning.rollout.hf_engine import HFEngine
+from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["BUILT_IN", "build_engine", "check_engine", "engine_class"]
 

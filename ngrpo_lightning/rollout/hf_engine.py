@@ -15,16 +15,16 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..backends import Backend, backend_for
-from ..backends.passes import packed_for_pass
-from ..checks import check_number
-from ..explorers import Explorer
-from .batch import RolloutBatch
-from .engine import RolloutEngine, eos_token_ids, register_engine
-from .kv_cache import reserved_cache
-from .padding import pad_rows
-from .reconstruction import mixture_embeddings
-from .records import InputRecords
+from ngrpo_lightning.backends import Backend, backend_for
+from ngrpo_lightning.backends.passes import packed_for_pass
+from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.explorers import Explorer
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
+from ngrpo_lightning.rollout.kv_cache import reserved_cache
+from ngrpo_lightning.rollout.padding import pad_rows
+from ngrpo_lightning.rollout.reconstruction import mixture_embeddings
+from ngrpo_lightning.rollout.records import InputRecords
 
 
 @register_engine("hf")
@@ -67,7 +67,7 @@ class HFEngine(RolloutEngine):
         backend: how the model computes (:mod:`ngrpo_lightning.backends`): a rollout multiplies by
             the weights its layers were chosen to pack once, and keeps its KV cache in the
             backend's dtype (default: the backend of the model's device).
-        sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.parallel`):
+        sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
 

@@ -12,7 +12,7 @@ positions into it; the model reads views of the filled part, so values are those
 ``store_dtype`` (the backend's choice: float32 for a half-precision model decoding on CPU with ``sdpa_gqa``) keeps
 the keys and values in a wider dtype than the model computes them in: each is widened once,
 when written, where a decoding step would otherwise widen the whole cache for every layer and
-token (see :mod:`ngrpo_lightning.attention`; bfloat16 keys and values are exact in float32).
+token (see :mod:`ngrpo_lightning.backends.attention`; bfloat16 keys and values are exact in float32).
 The prefill's attention reads the keys and values as the model made them.
 """
 

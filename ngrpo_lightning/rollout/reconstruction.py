@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .records import NO_NOISE, InputRecords, noise_vectors
+from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords, noise_vectors
 
 
 def mixture_embeddings(embedding: torch.Tensor, records: InputRecords) -> torch.Tensor:

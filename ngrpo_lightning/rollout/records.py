@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .padding import pad_to
+from ngrpo_lightning.rollout.padding import pad_to
 
 NO_NOISE = -1  # noise_seed of records without additive noise
 RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")  # a record's fields besides its row

@@ -29,13 +29,13 @@ from collections.abc import Iterable
 
 import torch
 
-from ..explorers import Explorer, TemperatureExplorer
-from ..models import resolve_model_path
-from .batch import RolloutBatch
-from .engine import RolloutEngine, eos_token_ids, full_named_tensors, register_engine
-from .padding import pad_rows
-from .vllm_runner_patch import RolloutSession, install, runner_class
-from .vllm_support import VLLMVersionError, check_vllm, select_model_runner_v1
+from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
+from ngrpo_lightning.models.loading import resolve_model_path
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, full_named_tensors, register_engine
+from ngrpo_lightning.rollout.padding import pad_rows
+from ngrpo_lightning.rollout.vllm_runner_patch import RolloutSession, install, runner_class
+from ngrpo_lightning.rollout.vllm_support import VLLMVersionError, check_vllm, select_model_runner_v1
 
 WEIGHTS_DISCARDED = -1  # weights_version after a level-2 sleep: never a policy version, so the next rollout syncs
 

@@ -40,11 +40,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..explorers import Explorer, ExplorerStep
-from .answer_marker import AnswerMarker
-from .reconstruction import mixture_embeddings
-from .records import InputRecords
-from .vllm_support import VLLMRunnerError, VLLMVersionError, vllm_label
+from ngrpo_lightning.explorers import Explorer, ExplorerStep
+from ngrpo_lightning.rollout.answer_marker import AnswerMarker
+from ngrpo_lightning.rollout.reconstruction import mixture_embeddings
+from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.rollout.vllm_support import VLLMRunnerError, VLLMVersionError, vllm_label
 
 PATCHED_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"  # Model Runner V1: the class the patch is written for
 RUNNER_ATTRIBUTES = (

@@ -1,0 +1,388 @@
+"""From a composed config to the objects of a run.
+
+Each ``build_*`` function turns one config group into one object and fails with an
+error naming the offending key. The CLI, the tests and user scripts share them. The data
+and rollout-engine side lives in :mod:`.build_data`, checkpoints in :mod:`.checkpointing`,
+the logger in :mod:`.tracking`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning as L
+import torch
+from hydra.utils import get_class
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.build.data import engine_settings
+from ngrpo_lightning.build.models import build_backend, check_model_settings, parallel_config, prepare_models
+from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger, UpdateMemoryCheck
+from ngrpo_lightning.checkpoints.io import AtomicModelParallelStrategy, checkpoint_io
+from ngrpo_lightning.checkpoints.run import build_checkpointing
+from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.config import ConfigError, named_error
+from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
+from ngrpo_lightning.metrics.evaluate import EvalSet
+from ngrpo_lightning.models.loading import load_policy, parse_dtype
+from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, resolve_advantage
+from ngrpo_lightning.rewards import MathReward
+from ngrpo_lightning.rollout import check_engine, engine_class
+from ngrpo_lightning.tracking.console import StepProgressBar
+from ngrpo_lightning.training.module import RLModule
+from ngrpo_lightning.training.planning import check_dynamic_sampling_processes
+from ngrpo_lightning.training.settings import OptimConfig, ReplayConfig, TrainConfig
+from ngrpo_lightning.training.updates import StepHook
+
+__all__ = [
+    "build_explorer",
+    "build_module",
+    "build_objective",
+    "build_pass_at_k",
+    "build_reward",
+    "build_step_hooks",
+    "build_trainer",
+    "check_config",
+    "check_trainer",
+]
+
+
+# ------------------------------------------------------------------ components
+def instantiate_component(cfg: DictConfig | dict, registry: dict, group: str):
+    """Build an explorer/objective from ``{name: ..., **kwargs}`` or ``{_target_: class.path, **kwargs}``."""
+    params = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    target, name = params.pop("_target_", None), params.pop("name", None)
+    if target:
+        try:
+            cls = get_class(target)
+        except Exception as err:  # ImportError, AttributeError, ValueError from hydra
+            raise ConfigError(f"{group}._target_={target!r} cannot be imported: {err}") from err
+    elif name in registry:
+        cls = registry[name]
+    else:
+        raise ConfigError(
+            f"{group}.name={name!r} is unknown: allowed {sorted(registry)} (or set {group}._target_=<class path>)"
+        )
+    sig = inspect.signature(cls.__init__)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    allowed = [
+        p for p in sig.parameters if p not in ("self",) and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    unknown = [k for k in params if k not in allowed]
+    if unknown and not takes_any:
+        raise ConfigError(f"{group}.{unknown[0]} is not a parameter of {cls.__name__}: allowed {allowed}")
+    try:
+        return cls(**params)
+    except (ValueError, TypeError) as err:
+        raise named_error(err, group) from err
+
+
+def build_explorer(cfg: DictConfig) -> Explorer:
+    explorer = instantiate_component(cfg, EXPLORERS, "explorer")
+    if not isinstance(explorer, Explorer):
+        raise ConfigError(
+            "explorer._target_ must name a subclass of ngrpo_lightning.explorers.Explorer, "
+            f"got {type(explorer).__name__}"
+        )
+    return explorer
+
+
+def build_objective(cfg: DictConfig) -> PolicyObjective:
+    objective = instantiate_component(cfg, OBJECTIVES, "objective")
+    if not isinstance(objective, PolicyObjective):
+        raise ConfigError(
+            "objective._target_ must name a subclass of ngrpo_lightning.objectives.PolicyObjective, "
+            f"got {type(objective).__name__}"
+        )
+    return objective
+
+
+def build_reward(cfg: DictConfig) -> MathReward:
+    return MathReward(
+        extract=cfg.extract,
+        timeout_s=cfg.timeout_s,
+        num_workers=cfg.num_workers,
+        answer_after=cfg.get("answer_after"),
+        graded=cfg.get("graded", False),
+    )
+
+
+# ---------------------------------------------------------------------- module
+def settings(cfg: DictConfig) -> tuple[OptimConfig, TrainConfig, ReplayConfig]:
+    """``optim.*``, ``train.*`` and ``replay.*`` as validated dataclasses (errors name the key)."""
+    out = []
+    for key, cls in (("optim", OptimConfig), ("train", TrainConfig), ("replay", ReplayConfig)):
+        node = cfg.get(key) or {}
+        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        try:
+            out.append(cls(**values))
+        except TypeError as err:  # an unknown key (struct mode catches it on the command line; code may not)
+            fields = list(cls.__dataclass_fields__)
+            raise ConfigError(f"{key}: {err}; the keys of {key} are {fields}") from err
+        except ValueError as err:
+            raise named_error(err, key) from err
+    return tuple(out)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every component the config names is built or checked, without loading a model or data:
+    explorer, objective, advantage estimator, settings, engine, trainer, dtype."""
+    build_explorer(cfg.explorer), build_objective(cfg.objective)
+    try:
+        resolve_advantage(cfg.advantage)
+    except ValueError as err:
+        raise named_error(err, "advantage") from err
+    _, train, _ = settings(cfg)
+    try:
+        train.importance_level(build_objective(cfg.objective))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    check_run_settings(cfg)
+    build_step_hooks(cfg)
+    check_trainer(cfg)
+    check_staleness(cfg)
+    check_async_save(cfg)
+    check_export(cfg)
+    try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own
+        check_engine(cfg.rollout.engine, engine_settings(cfg)).check_explorer(build_explorer(cfg.explorer))
+    except ValueError as err:
+        raise named_error(err, "rollout") from err
+    try:
+        parse_dtype(cfg.model.dtype)
+    except ValueError as err:
+        raise named_error(err, "model.dtype") from err
+    check_model_settings(cfg)
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """Types and ranges of ``rollout.*``, ``data.*`` counts and ``trainer.max_steps``: a wrong
+    value names its key here, not as a TypeError deep in a run."""
+    r, d = cfg.rollout, cfg.data
+    estimator = resolve_advantage(cfg.advantage)
+    checks = [
+        ("rollout.group_size", r.group_size, getattr(estimator, "min_group_size", 2)),
+        ("rollout.max_new_tokens", r.max_new_tokens, 1),
+        ("rollout.val_samples", r.val_samples, 1),
+        ("rollout.val_batch_size", r.val_batch_size, 1),
+        ("data.prompts_per_step", d.prompts_per_step, 1),
+        ("data.max_prompt_tokens", d.max_prompt_tokens, 1),
+    ]
+    try:
+        for key, value, low in checks:
+            check_number(key, value, low, integer=True)
+        check_number("rollout.val_temperature", r.val_temperature, 0.0)
+        if not isinstance(r.get("ignore_eos", False), bool):
+            raise ValueError(f"rollout.ignore_eos={r.ignore_eos!r} must be true or false")
+        if not isinstance(cfg.get("overwrite", False), bool):
+            raise ValueError(f"overwrite={cfg.overwrite!r}: allowed true or false")
+        max_steps = cfg.trainer.get("max_steps", -1)
+        if max_steps != -1:  # Lightning's "no step limit" (then trainer.max_epochs bounds the run)
+            check_number("trainer.max_steps", max_steps, 1, integer=True)
+    except ValueError as err:
+        if "rollout.group_size" in str(err) and isinstance(r.group_size, int):
+            raise ConfigError(
+                f"{err}: advantage={cfg.advantage} compares each rollout with the other samples of its "
+                "prompt, so a group of 1 has zero advantage and nothing is learned"
+            ) from err
+        raise ConfigError(str(err)) from err
+
+
+def build_module(cfg: DictConfig) -> RLModule:
+    """The policy (and reference) models, explorer, objective and reward, as an RLModule."""
+    check_config(cfg)  # bad values fail here, before minutes of model loading
+    explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
+    optim, train, _ = settings(cfg)
+    backend = build_backend(cfg)
+    policy, tokenizer = load_policy(
+        cfg.model.name_or_path,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=backend.attention,
+    )
+    policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference, backend)
+    eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
+    try:
+        return RLModule(
+            policy,
+            tokenizer,
+            explorer,
+            objective,
+            build_reward(cfg.reward),
+            reference=reference,
+            optim=optim,
+            train=train,
+            advantage=cfg.advantage,
+            eval_explorer=eval_explorer,
+            detach_mixture=cfg.detach_mixture,
+            parallel=parallel_config(cfg),
+            seed=cfg.seed,
+            step_hooks=build_step_hooks(cfg),
+            adapters=adapters,
+            backend=backend,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_step_hooks(cfg: DictConfig) -> list[StepHook]:
+    """What takes part in every training step, as the config asks: a ``ReplayBuffer`` when
+    ``replay.capacity`` > 0 (the module attaches it to the Trainer as a callback too)."""
+    _, _, replay = settings(cfg)
+    if not replay.capacity:
+        return []
+    return [ReplayBuffer(capacity=replay.capacity, max_staleness=replay.max_staleness, is_cap=replay.is_cap)]
+
+
+def build_pass_at_k(cfg: DictConfig, val_problems) -> list[L.Callback]:
+    """``callbacks.PassAtK`` on the run's validation problems when ``pass_at_k.n`` > 0."""
+    opts = cfg.get("pass_at_k") or {}
+    if not opts.get("n") or not val_problems:
+        return []
+    d = cfg.data
+    name = d.get("name") or d.source
+    evalset = EvalSet(
+        name,
+        list(val_problems),
+        instruction=d.instruction,
+        system_prompt=d.system_prompt,
+        answer_format=d.answer_format,
+        max_prompt_tokens=d.max_prompt_tokens,
+    )
+    try:
+        return [
+            PassAtK(
+                [evalset],
+                n=opts.n,
+                every_n_steps=opts.every_n_steps,
+                temperature=opts.temperature,
+                top_p=opts.top_p,
+                max_new_tokens=opts.max_new_tokens,
+                batch_size=opts.batch_size,
+                seed=cfg.seed,
+            )
+        ]
+    except ValueError as err:
+        raise named_error(err, "pass_at_k") from err
+
+
+# ------------------------------------------------------------------- trainer
+def check_trainer(cfg: DictConfig) -> None:
+    """Fail early (before model loading) on a trainer the machine cannot run."""
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            hint = (
+                "trainer=fsdp_cpu runs FSDP2 with 2 processes on CPU (gloo)"
+                if trainer.get("parallel")
+                else "use trainer=cpu"
+            )
+            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
+    parallel = parallel_config(cfg)
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
+    processes = (devices if isinstance(devices, int) else 1) * nodes
+    if parallel is not None:
+        processes = max(processes, 2)  # FSDP2 shards over several processes
+    if (cfg.get("train") or {}).get("dynamic_sampling", False):
+        try:
+            check_dynamic_sampling_processes(processes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
+        raise ConfigError(
+            "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
+            "everything is in host memory already: set trainer.parallel.cpu_offload=false"
+        )
+
+
+def check_staleness(cfg: DictConfig) -> None:
+    """``train.max_staleness`` > 0 rolls out on a worker thread with its own copy of the policy:
+    one process, an engine that decodes with the model it is given (not one with its own
+    weights, such as vLLM's)."""
+    staleness = (cfg.get("train") or {}).get("max_staleness", 0)
+    if not staleness:
+        return
+    if engine_class(cfg.rollout.engine).needs_sync:
+        raise ConfigError(
+            f"train.max_staleness={staleness} with rollout.engine={cfg.rollout.engine}: rollouts ahead of training "
+            "run on an engine that decodes with a copy of the policy (rollout.engine=hf); an engine with its own "
+            "weights cannot run them yet. Use rollout.engine=hf or train.max_staleness=0"
+        )
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    if parallel_config(cfg) is not None or not isinstance(devices, int) or devices * nodes != 1:
+        raise ConfigError(
+            f"train.max_staleness={staleness} runs in one process; trainer.devices={devices}, "
+            f"trainer.num_nodes={nodes}{', trainer.parallel (FSDP2)' if parallel_config(cfg) is not None else ''} "
+            "ask for several: use trainer=cpu or trainer=gpu with one device, or train.max_staleness=0"
+        )
+
+
+def check_export(cfg: DictConfig) -> None:
+    """``export.final`` is true or false; under FSDP2 it exports the last checkpoint, so it needs one."""
+    node = cfg.get("export") or {}
+    if not isinstance(node.get("final", False), bool):
+        raise ConfigError(f"export.final={node.final!r} must be true or false")
+    if node.get("final") and parallel_config(cfg) is not None and not cfg.trainer.get("enable_checkpointing", True):
+        raise ConfigError(
+            "export.final=true under FSDP2 exports the last checkpoint, but trainer.enable_checkpointing=false: "
+            "turn checkpointing on, or export.final=false"
+        )
+
+
+def check_async_save(cfg: DictConfig) -> bool:
+    """``checkpoint.async_save``: write checkpoints in a background thread (true or false)."""
+    value = (cfg.get("checkpoint") or {}).get("async_save", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"checkpoint.async_save={value!r} must be true or false")
+    return value
+
+
+def build_strategy(cfg: DictConfig):
+    """``ModelParallelStrategy`` (FSDP2; the module's ``configure_model`` shards) for a
+    ``trainer.parallel`` block, else ``None`` (Lightning's default for ``trainer.strategy``)."""
+    parallel = parallel_config(cfg)
+    if parallel is None:
+        return None
+    return AtomicModelParallelStrategy(
+        data_parallel_size=parallel.data_parallel_size, tensor_parallel_size=1, save_distributed_checkpoint=True
+    )
+
+
+def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
+    check_trainer(cfg)
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.pop("parallel", None)
+    strategy = build_strategy(cfg)
+    io = checkpoint_io(async_save=check_async_save(cfg))  # streamed to disk, atomic (checkpoint_io.py)
+    if strategy is not None:
+        strategy.checkpoint_io = io
+        kwargs["strategy"] = strategy
+    else:
+        kwargs["plugins"] = [*(kwargs.get("plugins") or []), io]
+    kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
+    verbose = bool((cfg.get("logger") or {}).get("verbose", False))
+    kwargs.setdefault("enable_model_summary", verbose)  # a table of parameter counts: for those who ask
+    cbs = list(callbacks)
+    if kwargs.get("enable_progress_bar", True) and not any(isinstance(cb, ProgressBar) for cb in cbs):
+        cbs.append(StepProgressBar())
+    if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
+        cbs += build_checkpointing(cfg)
+    if "data" in cfg and not any(isinstance(cb, UpdateMemoryCheck) for cb in cbs):
+        new_tokens = cfg.rollout.max_new_tokens
+        rows, longest = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.data.max_prompt_tokens + new_tokens
+        cbs.append(UpdateMemoryCheck(rows, new_tokens, longest))
+    if logger is not None:
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+        if cfg.logger.log_samples_every:
+            cbs.append(
+                RolloutSamplesLogger(every_n_steps=cfg.logger.log_samples_every, num_samples=cfg.logger.num_samples)
+            )
+    try:
+        return L.Trainer(
+            logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=cfg.output_dir, **kwargs
+        )
+    except TypeError as err:
+        raise ConfigError(
+            f"trainer: {err} (trainer.* keys are lightning.Trainer arguments, plus trainer.parallel)"
+        ) from err

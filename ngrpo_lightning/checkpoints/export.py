@@ -1,0 +1,147 @@
+"""``ngrpo export``: a trained policy as a Hugging Face model directory.
+
+    ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir> [--which best]
+
+The directory holds what every tool of the ecosystem reads (transformers, vLLM, lm-evaluation-
+harness, lighteval, the Hub): ``config.json``, safetensors weights, the tokenizer with its chat
+template, ``generation_config.json``, and a model card (``README.md``) that says where the
+policy came from: base model, task, explorer, objective, steps, validation metrics, the MLflow
+run and the command that trained it. ``export.final=true`` exports at the end of ``ngrpo train``
+and logs the directory to the run's MLflow artifacts (``model/``).
+
+A LoRA run (``model.lora.enabled=true``) exports its adapters in peft's own format
+(``adapter_config.json`` and ``adapter_model.safetensors``, read by
+``PeftModel.from_pretrained(base, out_dir)``); ``--merge`` writes a plain Hugging Face model with
+the adapters merged into the base weights instead.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from mlflow import MlflowClient
+
+from ngrpo_lightning.checkpoints.trained_policy import (
+    TrainedCheckpoint,
+    find_checkpoint,
+    load_trained_policy,
+    read_checkpoint,
+)
+from ngrpo_lightning.models.lora import has_adapters
+
+__all__ = ["export_checkpoint", "model_card", "save_hf_model"]
+
+VAL_METRICS = ("val/accuracy", "val/reward")
+
+
+def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str) -> Path:
+    """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(card)
+    return out_dir
+
+
+def export_checkpoint(
+    source: str,
+    out_dir: str | Path,
+    *,
+    which: str = "last",
+    tracking_uri: str | None = None,
+    dtype: str | None = None,
+    log_to_mlflow: bool = True,
+    merge: bool = False,
+) -> dict:
+    """Export the policy of ``source`` (see :func:`~ngrpo_lightning.checkpoints.trained_policy.find_checkpoint`)
+    to ``out_dir``; with ``log_to_mlflow`` and a reachable store, also to the run's artifacts."""
+    path = find_checkpoint(source, which, tracking_uri)
+    ckpt = read_checkpoint(path)
+    uri = tracking_uri or _run_tracking_uri(ckpt)
+    policy, tokenizer = load_trained_policy(ckpt, dtype=dtype)
+    adapters = has_adapters(policy)
+    if adapters and merge:  # base + (alpha / rank) B A in every adapted layer: a plain model
+        policy, adapters = policy.merge_and_unload(), False
+    metrics = _mlflow_metrics(ckpt.meta.get("mlflow_run_id"), uri)
+    out = save_hf_model(policy, tokenizer, Path(out_dir), model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics))
+    logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out)
+    load = f"AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    if adapters:
+        load = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({ckpt.base_model!r}), {str(out)!r})"
+    lines = [
+        f"Exported {path} (step {ckpt.global_step}) to {out}"
+        + (" (LoRA adapters in peft's format; --merge writes a full model)" if adapters else ""),
+        f"  load it: {load}",
+    ]
+    if logged:
+        lines.append(f"  logged to MLflow run {ckpt.meta['mlflow_run_id']} as artifacts model/")
+    return {"out": out, "checkpoint": path, "logged": bool(logged), "text": "\n".join(lines)}
+
+
+def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, float]) -> str:
+    """README.md of an exported policy: where it came from, in the Hub's model-card format."""
+    model, data = config.get("model") or {}, config.get("data") or {}
+    explorer, objective = config.get("explorer") or {}, config.get("objective") or {}
+    base = model.get("name_or_path", "unknown")
+    task = data.get("name") or data.get("source", "unknown")
+    if data.get("tasks"):
+        task += f" ({', '.join(map(str, data['tasks']))})"
+    describe = lambda node: ", ".join(f"{k}={v}" for k, v in node.items() if k != "name")  # noqa: E731
+    shown = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+    rows = [
+        ("base model", f"`{base}`"),
+        ("task", task),
+        ("explorer", f"`{explorer.get('name') or explorer.get('_target_', '?')}` ({describe(explorer)})"),
+        ("objective", f"`{objective.get('name') or objective.get('_target_', '?')}` ({describe(objective)})"),
+        ("advantage", f"`{config.get('advantage', '?')}`"),
+        ("optimizer steps", str(steps)),
+        ("MLflow run", f"`{meta.get('mlflow_run_id')}`" if meta.get("mlflow_run_id") else "none (logging off)"),
+    ]
+    rows += [(f"final {k}", f"{v:.4f}") for k, v in shown.items()]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    command = meta.get("command") or "unknown (written before commands were recorded)"
+    hub_id = "/" in base and not Path(base).expanduser().exists()  # the Hub's field names a Hub model only
+    base_tag = f"base_model: {base}\n" if hub_id else ""
+    return (
+        f"---\n{base_tag}library_name: transformers\ntags:\n- ngrpo-lightning\n- reinforcement-learning\n"
+        f"- {objective.get('name', 'rl')}\n---\n\n"
+        f"# {config.get('experiment_name', 'policy')}: {base} trained with ngrpo-lightning\n\n"
+        f"| | |\n| --- | --- |\n{table}\n\n"
+        f"Trained with:\n\n```\n{command}\n```\n\n"
+        "Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this folder>)`; serve it with "
+        "`vllm serve <this folder>`; evaluate it with `ngrpo eval model=<this folder>`.\n"
+    )
+
+
+def _run_tracking_uri(ckpt: TrainedCheckpoint) -> str | None:
+    logger = ckpt.config.get("logger") or {}
+    return logger.get("tracking_uri")
+
+
+def _mlflow_metrics(run_id: str | None, uri: str | None) -> dict[str, float]:
+    """The run's last validation metrics, when its store is reachable (else none)."""
+    if not run_id or not uri:
+        return {}
+    try:
+        client = MlflowClient(uri)
+        out = {}
+        for key in VAL_METRICS:
+            history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+            if history:
+                out[key] = history[-1].value
+        return out
+    except Exception:  # noqa: BLE001 - the card is written without them
+        return {}
+
+
+def _log_artifacts(run_id: str | None, uri: str | None, out: Path) -> bool:
+    if not run_id or not uri:
+        return False
+    try:
+        MlflowClient(uri).log_artifacts(run_id, str(out), "model")
+        return True
+    except Exception:  # noqa: BLE001 - the export itself is done; the summary says it was not logged
+        return False

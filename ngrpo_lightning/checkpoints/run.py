@@ -1,0 +1,305 @@
+"""Checkpoints of a run: where they go and when (``checkpoint.*``), resuming (``resume=``), and
+what a checkpoint holds beyond Lightning's own state: RNG states and the run's config check."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.checks import check_choice
+from ngrpo_lightning.config import ConfigError
+
+
+def weights_digest(model: torch.nn.Module, keep=None) -> str:
+    """SHA-256 of a model's weights (names, dtypes, shapes and bytes of its state dict, in name
+    order; only the names ``keep`` accepts, if given): what a checkpoint records of the frozen
+    reference instead of its weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if keep is not None and not keep(name):
+            continue
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def check_base_model(saved: dict, current: dict) -> None:
+    """A run resumes only on the base model it started from: its reference (the base weights,
+    not stored in checkpoints) is loaded again and must hash to what the checkpoint recorded."""
+    if not saved or not current or saved.get("weights_sha256") == current.get("weights_sha256"):
+        return
+    describe = lambda m: f"{m.get('name_or_path')!r} (weights sha256 {str(m.get('weights_sha256'))[:16]}...)"  # noqa: E731
+    raise ConfigError(
+        f"cannot resume: the checkpoint's reference is the base model {describe(saved)}, but this run's base "
+        f"model is {describe(current)}; its weights changed since the run started. Resume with the original "
+        "base model (model.name_or_path)"
+    )
+
+
+def rng_states() -> dict:
+    """Python, NumPy, torch (and CUDA) RNG states of this process."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }  # tensors and scalars: loadable with weights_only
+    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        n = states["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].cpu())
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# config keys that may change between a run and its resumption
+RESUMABLE_KEYS = (
+    "resume",
+    "output_dir",
+    "logger",
+    "validate_before_fit",
+    "checkpoint",
+    "export",  # what happens after training, not what it computes
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.enable_progress_bar",
+    "trainer.val_check_interval",
+    "trainer.log_every_n_steps",
+    "reward.num_workers",
+    "reward.timeout_s",
+    "experiment_name",
+    "overwrite",
+    "backend",  # how the models compute on this device: same values (bit for bit or to float rounding)
+    # keys removed when the backend took these choices over: checkpoints from before still resume
+    "host",
+    "model.attn_implementation",
+    "model.recompute_elementwise",
+    "model.recompute_up_proj",
+    "model.reference_weights",
+    "optim.logprob_chunk_size",
+    "optim.logprob_keep_softmax_mib",
+    "optim.share_prompts",
+    "optim.packed_weights",
+    "rollout.hf",
+    "rollout.ahead_threads",
+)
+
+
+def config_mismatch(saved: dict, current: dict, prefix: str = "") -> str | None:
+    """The first difference between two resolved configs that forbids resuming (``None`` if none)."""
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        if name in RESUMABLE_KEYS:
+            continue
+        a, b = saved.get(key, "<unset>"), current.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = config_mismatch(a, b, name + ".")
+            if inner:
+                return inner
+        elif a != b:
+            return f"{name} differs: the checkpoint has {a!r}, this run has {b!r}"
+    return None
+
+
+# ---------------------------------------------------------------- run checkpoints
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints"
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also checkpoints the final step when training ends
+    (``max_steps`` is rarely a multiple of ``every_n_train_steps``): a step checkpoint that
+    ``last`` links to, or ``last`` itself when no step checkpoints are kept."""
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        # Lightning sends a step's metrics to the loggers after on_train_batch_end: a process
+        # killed right after this checkpoint would lose them (the resumed run starts after
+        # the step). Send them first; the loop's own send of the same step is then dropped.
+        every = self._every_n_train_steps
+        if (
+            every
+            and trainer.global_step % every == 0
+            and not self._should_skip_saving_checkpoint(trainer)
+            and trainer.loggers
+        ):
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            trainer._logger_connector.update_train_step_metrics()
+            for logger in trainer.loggers:
+                _drop_next_log_of_step(logger, step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            candidates = self._monitor_candidates(trainer)
+            if self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)  # last links to it
+            self._save_last_checkpoint(trainer, candidates)
+
+
+def _drop_next_log_of_step(logger, step: int) -> None:
+    """Make ``logger`` ignore its next ``log_metrics`` call if it is for ``step`` (already sent)."""
+    original = logger.log_metrics
+
+    def once(metrics, step_=None, **kwargs):
+        logger.log_metrics = original  # one call only
+        given = kwargs.get("step", step_)
+        if given != step:
+            original(metrics, given)
+
+    logger.log_metrics = once
+
+
+def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
+    """Checkpoints in ``<output_dir>/checkpoints``: ``step-<n>.ckpt`` every
+    ``checkpoint.every_n_steps`` optimizer steps (0: none) and ``last.ckpt`` (also at the
+    end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept;
+    with ``checkpoint.best=<metric>`` also ``best.ckpt``, the checkpoint of the best value of that
+    validation metric (``checkpoint.best_mode``: max or min)."""
+    if not cfg.trainer.get("enable_checkpointing", True):
+        return []
+    node = cfg.get("checkpoint") or {}
+    every, keep = int(node.get("every_n_steps", 0) or 0), int(node.get("keep", -1))
+    best = []
+    if node.get("best"):  # the best validation checkpoint, as the N-GRPO release keeps by AIME24 mean@32
+        mode = check_choice("checkpoint.best_mode", node.get("best_mode", "max"), ("max", "min"))
+        best = [
+            ModelCheckpoint(
+                dirpath=str(checkpoint_dir(cfg)),
+                filename="best",
+                monitor=str(node.best),
+                mode=mode,
+                save_top_k=1,
+                auto_insert_metric_name=False,
+                enable_version_counter=False,
+            )
+        ]
+    # last.ckpt links to the newest step checkpoint when there is one (no second copy on disk)
+    return best + [
+        RunCheckpoint(
+            dirpath=str(checkpoint_dir(cfg)),
+            filename="step-{step}",
+            save_last="link",
+            save_top_k=keep if every else 0,
+            every_n_train_steps=every or None,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        )
+    ]
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint ``resume`` names: ``null`` (none), ``last`` (``<output_dir>/checkpoints/last.ckpt``)
+    or a path (a ``.ckpt`` file, or the folder of a distributed checkpoint)."""
+    resume = cfg.get("resume")
+    if resume in (None, "", False):
+        return None
+    path = checkpoint_dir(cfg) / "last.ckpt" if str(resume) == "last" else Path(str(resume))
+    if not path.exists():
+        where = (
+            f" (resume=last reads {path}: checkpoints of output_dir={cfg.output_dir})" if str(resume) == "last" else ""
+        )
+        raise ConfigError(f"resume={resume}: no checkpoint at {path}{where}")
+    return str(path)
+
+
+def checkpoint_meta(path: str) -> dict:
+    """What the module stored about the run (``ngrpo``: config, MLflow run id) in a checkpoint
+    file or a distributed checkpoint folder, without loading weights into a model."""
+    file = Path(path) / "meta.pt" if Path(path).is_dir() else Path(path)
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not Path(path).is_dir())
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a config error here
+        raise ConfigError(f"resume: cannot read the checkpoint {path}: {err}") from err
+    return ckpt.get("ngrpo") or {}
+
+
+def check_resume(cfg: DictConfig, meta: dict) -> None:
+    """A checkpoint of a different model or config cannot be resumed: the error names the key."""
+    saved = meta.get("config")
+    if saved is None:
+        return
+    problem = config_mismatch(saved, OmegaConf.to_container(cfg, resolve=True))
+    if problem:
+        raise ConfigError(f"resume={cfg.resume}: the checkpoint is of a different run: {problem}")
+
+
+# ---------------------------------------------------------------- one run per output_dir
+def _run_in(folder: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in a checkpoints folder and what it says about its run."""
+    found = sorted((p for p in folder.iterdir() if p.suffix == ".ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return None
+    newest = folder / "last.ckpt" if (folder / "last.ckpt").exists() else found[-1]
+    file = newest / "meta.pt" if newest.is_dir() else newest  # a distributed checkpoint keeps its meta there
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not newest.is_dir())
+        meta = dict(ckpt.get("ngrpo") or {}, global_step=ckpt.get("global_step"))
+    except Exception:  # noqa: BLE001 - an unreadable file still belongs to some earlier run
+        meta = {}
+    return newest, meta
+
+
+def _describe(path: Path, meta: dict) -> str:
+    config = meta.get("config") or {}
+    parts = [f"{path}"]
+    if meta.get("global_step") is not None:
+        parts.append(f"step {meta['global_step']}")
+    if config.get("experiment_name"):
+        parts.append(f"experiment {config['experiment_name']}")
+    if meta.get("mlflow_run_id"):
+        parts.append(f"MLflow run {meta['mlflow_run_id']}")
+    parts.append("saved " + time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime)))
+    return ", ".join(parts)
+
+
+def claim_output_dir(cfg: DictConfig, ckpt_path: str | None, meta: dict) -> None:
+    """One run per ``output_dir``: a new run into a folder that holds another run's checkpoints
+    is refused (its ``last.ckpt`` would be replaced, and a later ``resume=last`` would continue
+    the wrong run), naming the run found and the ways out. ``overwrite=true`` deletes them
+    first. A resumed run may write where the run it continues wrote."""
+    folder = checkpoint_dir(cfg)
+    if rank_zero_only.rank != 0 or not folder.is_dir():  # the other ranks start after rank 0 checked
+        return
+    found = _run_in(folder)
+    if found is None:
+        return
+    path, other = found
+    if ckpt_path is not None:
+        inside = folder.resolve() in Path(ckpt_path).resolve().parents
+        if inside or other.get("mlflow_run_id") == meta.get("mlflow_run_id"):
+            return
+    if cfg.get("overwrite"):
+        shutil.rmtree(folder)
+        print(f"ngrpo: overwrite=true: deleted the checkpoints of the earlier run in {folder}")
+        return
+    raise ConfigError(
+        f"output_dir={cfg.output_dir} holds another run's checkpoints ({_describe(path, other)}); "
+        "a new run there would replace them. Continue that run with resume=last, write this one "
+        "elsewhere with output_dir=<another folder>, or replace them with overwrite=true"
+    )

@@ -1,0 +1,185 @@
+"""The ``ngrpo`` command line.
+
+    ngrpo train [key=value ...]     train (Hydra overrides: group=option, a.b=value)
+    ngrpo train --help              list the config groups and their options
+    ngrpo config [key=value ...]    print the composed config and exit
+    ngrpo eval [key=value ...]      pass@k evaluation (conf/eval.yaml; see docs/evaluation.md)
+    ngrpo diagnose drift|rollouts [key=value ...]
+                                    semantic-drift pilot / explorers side by side (docs/diagnostics.md)
+    ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir>
+                                    a trained policy as a Hugging Face model (docs/checkpoints.md)
+
+Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
+objective, trainer, logger, experiment). Errors in the config print one clear line that
+names the key and exit with status 2; nothing is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.config import ConfigError, compose, config_dir, group_options
+
+# Only what the cheap paths need is imported here: ``--help``, ``ngrpo config`` and a config
+# that does not compose answer in about a second, before torch and Lightning (5-6 s) load.
+# Each command imports its own module when it runs.
+
+
+def __getattr__(name: str):
+    """``from ngrpo_lightning.commands.cli import train``: the training job, imported on first use."""
+    if name == "train":
+        from ngrpo_lightning.commands.train import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Each command's config file in conf/: what its --help describes.
+CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
+
+
+def print_command_help(command: str = "train") -> None:
+    """``ngrpo <command> --help``: the config groups the command composes, with their options,
+    then its usage lines and, but for train (``ngrpo config`` prints its every key), its own keys
+    with their comments, as its config file documents them."""
+    lines = (config_dir() / f"{CONFIG_FILES[command]}.yaml").read_text().splitlines()
+    defaults = OmegaConf.create("\n".join(lines)).get("defaults", [])
+    groups = [g for entry in defaults if isinstance(entry, DictConfig) for g in entry]
+    print("Config groups (select with group=option; override any key with a.b=value):")
+    for g in groups:
+        print(f"  {g:<10} {', '.join(group_options(g))}")
+    if command in ("train", "config"):
+        print(
+            "\nExamples:\n  ngrpo train experiment=ngrpo\n  ngrpo train model=tiny trainer.max_steps=2 optim.lr=1e-5"
+            "\n  ngrpo config experiment=grpo   # print the composed config, every key"
+        )
+        return
+    usage = [line.removeprefix("#").strip() for line in lines[: _first_key(lines)] if line.startswith("#   ngrpo")]
+    print("\nExamples:\n" + "\n".join(f"  {line}" for line in usage))
+    keys = lines[_first_key(lines, after_defaults=True) :]
+    print(f"\nKeys (conf/{CONFIG_FILES[command]}.yaml):\n" + "\n".join(f"  {line}".rstrip() for line in keys).rstrip())
+
+
+def _first_key(lines: list[str], after_defaults: bool = False) -> int:
+    """Index of the config file's first top-level line (``defaults:``), or with ``after_defaults``
+    of the first top-level key after the defaults list."""
+    first = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    if not after_defaults:
+        return first
+    return next(i for i in range(first + 1, len(lines)) if lines[i] and not lines[i].startswith(("#", " ", "-")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ngrpo", description="RL for language models on verifiable math with pluggable exploration."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("train", "train a policy"),
+        ("eval", "pass@k evaluation of a policy"),
+        ("config", "print the composed config"),
+        ("compare", "trained arms side by side (Pass@k with intervals, curves) from MLflow"),
+    ):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("-h", "--help", action="store_true")
+        if name == "train":
+            p.add_argument("-m", "--multirun", action="store_true", help="a sweep: every combination of a,b values")
+            p.add_argument(
+                "-v", "--verbose", action="store_true", help="the libraries' own output too (logger.verbose=true)"
+            )
+        p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    p = sub.add_parser("export", help="a trained policy as a Hugging Face model directory")
+    p.add_argument(
+        "source", help="a checkpoint (.ckpt file or distributed folder), a run's output_dir or an MLflow run id"
+    )
+    p.add_argument("out_dir", help="the Hugging Face model directory to write")
+    p.add_argument(
+        "--which", choices=("last", "best"), default="last", help="which checkpoint of a run (default: last)"
+    )
+    p.add_argument("--tracking-uri", help="MLflow store of the run (default: the run's logger.tracking_uri)")
+    p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")
+    p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and any(a in ("-v", "--verbose") for a in argv):  # anywhere among the overrides
+        argv = [a for a in argv if a not in ("-v", "--verbose")] + ["logger.verbose=true"]
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
+    if args.help or (args.command == "diagnose" and args.mode is None):
+        mode = " {drift,rollouts}" if args.command == "diagnose" else ""
+        print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")
+        print_command_help(args.command)
+        return 0 if args.help else 2
+    try:
+        if args.command == "eval":
+            from ngrpo_lightning.commands.eval import compose_eval, run_eval
+
+            cfg = compose_eval(args.overrides)
+            print(run_eval(cfg)["text"])
+            return 0
+        if args.command == "compare":
+            from ngrpo_lightning.commands.compare.command import compose_compare, run_compare
+
+            print(run_compare(compose_compare(args.overrides))["text"])
+            return 0
+        if args.command == "diagnose":
+            from ngrpo_lightning.commands.diagnose.command import run_diagnose
+
+            print(run_diagnose(args.mode, args.overrides)["text"])
+            return 0
+        if getattr(args, "multirun", False):
+            from ngrpo_lightning.commands.sweep import run_sweep
+            from ngrpo_lightning.commands.train import train
+
+            sweep = run_sweep(args.overrides, train)
+            print(sweep["text"])
+            return 0 if all(j["status"] == "finished" for j in sweep["jobs"]) else 1
+        cfg = compose(args.overrides, allow_missing=args.command == "config")
+        if args.command == "config":
+            print(OmegaConf.to_yaml(cfg))
+            for key in sorted(OmegaConf.missing_keys(cfg)):
+                print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
+            return 0
+        from ngrpo_lightning.commands.train import train
+
+        summary = train(cfg)
+    except ConfigError as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    print(summary["text"])
+    return 0
+
+
+def _export(args) -> int:
+    from ngrpo_lightning.checkpoints.export import export_checkpoint
+
+    try:
+        result = export_checkpoint(
+            args.source,
+            args.out_dir,
+            which=args.which,
+            tracking_uri=args.tracking_uri,
+            dtype=args.dtype,
+            log_to_mlflow=not args.no_mlflow,
+            merge=args.merge,
+        )
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"ngrpo: error: {err}", file=sys.stderr)
+        return 2
+    print(result["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``ngrpo compare [sweep=<id>] [experiments=[...]] [runs=[...]]``: read the runs, build the
+report (markdown, JSON, figures), write it to ``output_dir`` and log it as an MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
+from ngrpo_lightning.commands.compare.runs import budget_mismatches, load_run, select_runs
+from ngrpo_lightning.config import ConfigError, compose
+from ngrpo_lightning.tracking.logger import log_report_run, resolve_tracking_uri
+
+DEFAULT_STORE = "sqlite:///mlruns/mlflow.db"  # conf/logger/mlflow.yaml's
+
+
+def compose_compare(overrides: list[str]) -> DictConfig:
+    return compose(overrides, "compare")
+
+
+def run_compare(cfg: DictConfig) -> dict:
+    """The comparison of the runs ``cfg`` names; returns ``{"tables", "text", "files"}``."""
+    from mlflow import MlflowClient
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    t0 = time.perf_counter()
+    store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_STORE
+    client = MlflowClient(resolve_tracking_uri(store))
+    found = select_runs(client, cfg.sweep, list(cfg.experiments), list(cfg.runs))
+    if cfg.finished_only:
+        found = [r for r in found if r.info.status == "FINISHED"]
+    runs = [load_run(client, r) for r in found]
+    arms = sorted({r.arm for r in runs})
+    if len(arms) < 2:
+        raise ConfigError(
+            f"a comparison needs two arms; the runs named ({len(runs)} finished) form {len(arms)}: {arms}. "
+            "Name more runs, experiments or a sweep with several arms"
+        )
+    warnings = budget_mismatches(runs)
+    tables = arm_tables(runs, cfg.n_boot, cfg.seed)
+    what = f"sweep {cfg.sweep}" if cfg.sweep else ", ".join([*cfg.experiments, *cfg.runs])
+    header = f"# Comparison: {what} ({len(runs)} runs, {len(arms)} arms)"
+    text = markdown(tables, runs, warnings, header)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "compare.md", out / "compare.json", out / "curves_step.png", out / "curves_time.png"]
+    files[0].write_text(text)
+    record = {"tables": tables, "warnings": warnings, "runs": [vars(r) | {"pass_at_k": None} for r in runs]}
+    files[1].write_text(json.dumps(record, indent=1, default=str))
+    plot_curves(runs, files[2], x="step")
+    plot_curves(runs, files[3], x="minutes")
+    if tables["ks"]:
+        files.append(out / "pass_at_k.png")
+        plot_pass_at_k(tables, files[-1])
+    metrics = {f"compare/{arm}/{m}": v[0] for arm, info in tables["arms"].items() for m, v in info["final"].items()}
+    _, lines = log_report_run(cfg, {**metrics, "compare/seconds": time.perf_counter() - t0}, files)
+    footer = [f"Report: {files[0]} (figures beside it)", *lines]
+    return {"tables": tables, "warnings": warnings, "text": text + "\n" + "\n".join(footer), "files": files}

@@ -1,0 +1,118 @@
+"""Training runs read back from the MLflow store, grouped into arms.
+
+An *arm* is what a comparison compares: the runs of one sweep job's overrides without the seed
+(tag ``ngrpo.arm``), or, for runs outside a sweep, their MLflow experiment. Each run brings its
+metric histories (steps and wall times), its final Pass@k per-problem results (the last
+``pass_at_k/step_*/results.json`` artifact) and the settings that must agree across arms.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ngrpo_lightning.config import ConfigError
+
+CURVES = ("train/reward", "val/accuracy", "train/entropy", "explore/mixed_frac")
+SPEED = ("time/step_s", "rollout/tokens_per_s")
+EXPLORATION = (
+    "explore/distinct_answers_frac",
+    "explore/distinct_1gram",
+    "explore/distinct_2gram",
+    "explore/edit_distance_norm",
+)
+# Settings whose difference makes two arms incomparable: flagged in the report, never averaged over.
+BUDGET = (
+    "model.name_or_path",
+    "data.source",
+    "data.tasks",
+    "data.train",
+    "trainer.max_steps",
+    "rollout.group_size",
+    "rollout.max_new_tokens",
+    "data.prompts_per_step",
+    "pass_at_k.n",
+)
+
+
+@dataclass
+class RunData:
+    run_id: str
+    arm: str
+    seed: str
+    experiment: str
+    status: str
+    params: dict
+    start_ms: int
+    curves: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)  # key: (step, minutes, value)
+    pass_at_k: dict | None = None  # results.json of the last Pass@k evaluation
+    pass_at_k_step: int | None = None
+
+
+def select_runs(client, sweep: str | None, experiments, runs) -> list:
+    """The MLflow runs named by a sweep id, experiment names and/or run ids; an unknown one is
+    refused with the ones that exist."""
+    if not (sweep or experiments or runs):
+        raise ConfigError("ngrpo compare needs sweep=<id>, experiments=[...] or runs=[...]")
+    all_experiments = {e.name: e.experiment_id for e in client.search_experiments()}
+    found = []
+    if sweep:
+        found += client.search_runs(list(all_experiments.values()), filter_string=f"tags.`ngrpo.sweep` = '{sweep}'")
+        if not found:
+            known = sorted(
+                {
+                    r.data.tags["ngrpo.sweep"]
+                    for r in client.search_runs(list(all_experiments.values()))
+                    if "ngrpo.sweep" in r.data.tags
+                }
+            )
+            raise ConfigError(f"sweep={sweep!r} has no runs in this store; sweeps here: {known or 'none'}")
+    for name in experiments or []:
+        if name not in all_experiments:
+            raise ConfigError(f"experiment {name!r} is not in this store; experiments here: {sorted(all_experiments)}")
+        found += client.search_runs([all_experiments[name]])
+    for run_id in runs or []:
+        try:
+            found.append(client.get_run(run_id))
+        except Exception as err:  # noqa: BLE001 - MLflow raises its own exception types per store
+            recent = [r.info.run_id for r in client.search_runs(list(all_experiments.values()), max_results=5)]
+            raise ConfigError(f"run {run_id!r} is not in this store ({err}); recent runs: {recent}") from err
+    unique = {r.info.run_id: r for r in found}
+    return [r for r in unique.values() if r.info.run_name not in ("drift", "rollouts")]
+
+
+def load_run(client, run) -> RunData:
+    """A run's arm, seed, settings, metric curves and last Pass@k results."""
+    tags, params = run.data.tags, run.data.params
+    experiment = client.get_experiment(run.info.experiment_id).name
+    data = RunData(
+        run_id=run.info.run_id,
+        arm=tags.get("ngrpo.arm") or experiment,
+        seed=tags.get("ngrpo.seed") or params.get("seed", "?"),
+        experiment=experiment,
+        status=run.info.status,
+        params=params,
+        start_ms=run.info.start_time,
+    )
+    for key in (*CURVES, *SPEED, *EXPLORATION):
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+        if history:
+            data.curves[key] = [(m.step, (m.timestamp - data.start_ms) / 60_000, m.value) for m in history]
+    evaluations = [a.path for a in client.list_artifacts(run.info.run_id, "pass_at_k") if a.is_dir]
+    if evaluations:
+        last = max(evaluations)
+        with open(client.download_artifacts(run.info.run_id, f"{last}/results.json")) as f:
+            data.pass_at_k = json.load(f)
+        data.pass_at_k_step = int(last.rsplit("_", 1)[1])
+    return data
+
+
+def budget_mismatches(runs: list[RunData]) -> list[str]:
+    """One line per setting of :data:`BUDGET` that is not the same in every run."""
+    lines = []
+    for key in BUDGET:
+        values = {r.params.get(key) for r in runs}
+        if len(values) > 1:
+            per_arm = sorted({(r.arm, r.params.get(key)) for r in runs})
+            lines.append(f"`{key}` differs: " + "; ".join(f"{arm}: {value}" for arm, value in per_arm))
+    return lines

@@ -1,0 +1,234 @@
+"""``ngrpo eval``: compose the evaluation config, load the policy (HF id, folder or Lightning
+checkpoint), sample and score the sets with :mod:`ngrpo_lightning.metrics.evaluate`, and write the
+table, plot, JSON and MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.backends import Backend, attention, select_backend
+from ngrpo_lightning.checkpoints.trained_policy import (
+    find_checkpoint,
+    is_run_checkpoint,
+    load_trained_policy,
+    read_checkpoint,
+)
+from ngrpo_lightning.config import ConfigError, compose
+from ngrpo_lightning.data import load_problems, reasoning_gym_problems
+from ngrpo_lightning.data.benchmarks import load_benchmark
+from ngrpo_lightning.explorers import TemperatureExplorer
+from ngrpo_lightning.metrics.evaluate import (
+    EvalSet,
+    RewardCache,
+    check_ks,
+    evaluate_sets,
+    plot_pass_at_k,
+    results_table,
+)
+from ngrpo_lightning.models.loading import load_policy, parse_dtype
+from ngrpo_lightning.rollout import build_engine
+from ngrpo_lightning.rollout.engine import full_named_tensors
+from ngrpo_lightning.tracking.logger import log_report_run
+
+
+def compose_eval(overrides: list[str]) -> DictConfig:
+    """``conf/eval.yaml`` with the overrides; ``model=<HF id | directory | file.ckpt>`` takes any model."""
+    return compose(overrides, "eval", model_paths=True)
+
+
+def build_eval_sets(cfg) -> list[EvalSet]:
+    """The evaluation set of ``cfg.data``: a benchmark, the validation split of reasoning-gym
+    tasks (the built-in default), or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
+    d, limit = cfg.data, cfg.get("limit")
+    common = {
+        "instruction": d.get("instruction"),
+        "system_prompt": d.get("system_prompt"),
+        "answer_format": d.get("answer_format", "boxed"),
+        "max_prompt_tokens": d.get("max_prompt_tokens", 4096),
+    }
+    try:
+        if d.source == "reasoning_gym":
+            problems = reasoning_gym_problems(d.tasks, d.val_size, cfg.seed, "validation", d.verifier)
+            name = "reasoning_gym"
+        elif d.source == "benchmark":
+            problems, name = load_benchmark(d), d.name
+        elif d.source == "files":
+            source = d.val or d.train
+            problems = load_problems(
+                source,
+                problem_field=d.problem_field,
+                answer_field=d.answer_field,
+                split=d.val_split if d.val else d.split,
+                id_field=d.id_field,
+            )
+            name = d.get("name") or Path(str(source)).stem
+        else:
+            allowed = ["benchmark", "files", "reasoning_gym"]
+            raise ConfigError(f"data.source={d.source!r} is unknown: allowed {allowed}")
+    except (ValueError, KeyError) as err:
+        raise ConfigError(str(err).strip('"')) from err
+    if limit is not None:
+        problems = problems[: int(limit)]
+    if not problems:
+        raise ConfigError(f"evaluation set {name!r} has no problems")
+    return [EvalSet(name, problems, **common)]
+
+
+def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
+    """The rollout engine of ``engine=<name>`` for an evaluation of ``policy`` (seeded with
+    ``seed``). vLLM loads the model's directory and then receives the policy's weights (which a
+    checkpoint may have changed)."""
+    try:
+        engine = build_engine(
+            cfg.get("engine", "hf"),
+            policy,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            seed=cfg.seed,
+            key="engine",
+            max_prompt_tokens=cfg.data.get("max_prompt_tokens", 4096),
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if engine.needs_sync:
+        engine.sync_weights(full_named_tensors(policy))
+    return engine
+
+
+@contextmanager
+def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
+    """``(engine, rewards)`` for sampling and scoring an evaluation (``ngrpo eval``, ``ngrpo
+    diagnose rollouts``); both are closed on exit (verifier processes, vLLM's memory)."""
+    engine = build_eval_engine(cfg, policy, tokenizer, max_new_tokens)
+    rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+    try:
+        yield engine, rewards
+    finally:
+        rewards.close()
+        engine.close()
+
+
+def eval_backend(cfg) -> Backend:
+    """How the evaluated model computes (``backend.*``, on ``device``), checked."""
+    node = cfg.get("backend") or {}
+    try:
+        dtype = parse_dtype(cfg.model.dtype)
+        choice = node.get("attention", "auto")
+        if choice != "auto":
+            attention.check_attn_implementation(choice, "backend.attention")
+        return select_backend(
+            node.get("name", "auto"),
+            dtype,
+            accelerator=str(cfg.get("device", "cpu")),
+            attention=choice,
+            packing=node.get("packing", "auto"),
+            decode_rows=(cfg.get("batch_size") or 8) * (cfg.get("n") or 1),
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def load_eval_policy(cfg, backend: Backend | None = None):
+    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name) or a
+    trained run's policy: a checkpoint (``.ckpt`` file or distributed folder) or a run's
+    ``output_dir`` (its ``last.ckpt``; ``checkpoint=best`` for ``best.ckpt``), loaded into the base
+    model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``.
+    The backend (default: :func:`eval_backend`) swaps its modules once it is on its device."""
+    backend = backend or eval_backend(cfg)
+    name, ckpt_arg, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
+    which = "best" if ckpt_arg == "best" else "last"
+    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    base = None if source == name else name
+    if source is None:
+        policy, tokenizer = load_policy(
+            name,
+            dtype=dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            attn_implementation=backend.attention,
+        )
+    else:
+        path = find_checkpoint(str(source), which)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        ckpt = read_checkpoint(path)
+        remote = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
+        policy, tokenizer = load_trained_policy(
+            ckpt,
+            base=base,
+            dtype=None if base is None else dtype,
+            attn_implementation=backend.attention,
+            **remote,
+        )
+    device = cfg.get("device", "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return backend.prepare(policy.to(device).eval()), tokenizer
+
+
+def run_eval(cfg) -> dict:
+    """``ngrpo eval``: evaluate, write ``results.json``, ``pass_at_k.md`` and ``pass_at_k.png``
+    into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
+    a ``text`` field."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    try:
+        ks = check_ks(cfg.get("ks"), cfg.n)
+        explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    backend = eval_backend(cfg)
+    sets = build_eval_sets(cfg)  # data errors before minutes of model loading
+    policy, tokenizer = load_eval_policy(cfg, backend)
+    t0 = time.perf_counter()
+    with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
+        results = evaluate_sets(
+            engine,
+            tokenizer,
+            sets,
+            explorer,
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            rewards=rewards,
+            batch_size=cfg.batch_size,
+            ks=ks,
+            prefix="eval",
+        )
+    seconds = time.perf_counter() - t0
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    payload = {"config": config, "seconds": seconds, **results}
+    json_path, table_path, plot_path = out_dir / "results.json", out_dir / "pass_at_k.md", out_dir / "pass_at_k.png"
+    json_path.write_text(json.dumps(payload, indent=1))
+    table = results_table(results)
+    table_path.write_text(table)
+    plot_pass_at_k(results, plot_path, title=f"{cfg.model.name_or_path}: pass@k (n={cfg.n}, T={cfg.temperature:g})")
+    run_id, run_lines = log_report_run(
+        cfg, {**results["metrics"], "eval/seconds": seconds}, [json_path, table_path, plot_path]
+    )
+    lines = [
+        f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
+        f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.",
+        "",
+        table,
+        f"  results: {json_path}",
+        f"  table:   {table_path}",
+        f"  plot:    {plot_path}",
+    ]
+    lines += run_lines
+    return {
+        "results": results,
+        "seconds": seconds,
+        "run_id": run_id,
+        "table": table,
+        "paths": {"json": str(json_path), "table": str(table_path), "plot": str(plot_path)},
+        "text": "\n".join(lines),
+    }

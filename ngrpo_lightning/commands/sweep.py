@@ -1,0 +1,166 @@
+"""Sweeps: ``ngrpo train --multirun experiment=grpo,ngrpo,stht seed=0,1,2`` on Hydra's launchers.
+
+Hydra expands the comma-separated overrides into one job per combination (its basic sweeper)
+and hands the jobs to the launcher chosen by ``hydra/launcher``: ``basic`` runs them one after
+the other, ``joblib`` in local processes (``hydra.launcher.n_jobs=2``), ``submitit_slurm`` on a
+SLURM cluster (extras ``sweep``; see docs/sweeps.md). Each job is one ordinary training run:
+
+* its folder is ``multirun/<sweep>/<job overrides>`` (checkpoints, Hydra's record of the job,
+  ``sweep_job.json``), stable from one invocation of the sweep to the next;
+* its MLflow run is tagged ``ngrpo.sweep`` (the sweep id), ``ngrpo.arm`` (what is compared:
+  the job's values of the swept keys other than the seed, e.g. ``experiment=ngrpo``, or
+  ``<explorer> x <objective>`` when only seeds are swept), ``ngrpo.seed``, ``ngrpo.explorer``,
+  ``ngrpo.objective``;
+* a failure is recorded and reported, and the sweep goes on;
+* re-running the same sweep (``sweep=<id>``) skips the jobs that finished and resumes the
+  others from their last checkpoint (``resume=last``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ngrpo_lightning.config import ConfigError, config_dir, normalize_overrides
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "sweep_job.json"
+TAGS = ("ngrpo.sweep", "ngrpo.arm", "ngrpo.seed", "ngrpo.explorer", "ngrpo.objective")
+_ROOT_KEYS = ("sweep=", "output_dir=", "hydra.", "hydra/")  # sweep-level overrides, not a job's identity
+
+
+def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: str | Path = "multirun") -> dict:
+    """Run every combination of ``overrides`` as its own training run of ``train`` (``ngrpo
+    train``'s function; see the module); returns ``{"sweep", "dir", "jobs": [the records of
+    sweep_job.json], "text"}``. The process's logging is as it was afterwards (Hydra configures
+    it for the jobs: each job also logs to ``<its folder>/<job name>.log``)."""
+    import hydra
+
+    sweep = next((o.split("=", 1)[1] for o in overrides if o.startswith("sweep=")), None)
+    sweep = sweep or time.strftime("sweep-%Y%m%d-%H%M%S")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", sweep):
+        raise ConfigError(f"sweep={sweep!r}: a sweep id is letters, digits, '.', '_' and '-'")
+    sweep_dir = Path(root) / sweep
+    args = [o for o in normalize_overrides(overrides) if not o.startswith("sweep=")]
+    swept = swept_keys(args)
+    args += [
+        f"sweep={sweep}",
+        f"hydra.sweep.dir={sweep_dir}",
+        "hydra.sweep.subdir='${ngrpo_folder:${hydra.job.override_dirname}}'",
+        "hydra.job.config.override_dirname.exclude_keys=[sweep,output_dir,logger.tracking_uri,logger.artifact_location]",
+    ]
+    OmegaConf.register_new_resolver("ngrpo_folder", folder_name, replace=True)
+
+    @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
+    def job(cfg: DictConfig) -> dict:
+        return run_job(cfg, swept, train)
+
+    argv, root_logger = sys.argv, logging.getLogger()
+    handlers, level = list(root_logger.handlers), root_logger.level
+    sys.argv = ["ngrpo-train", "--multirun", *args]
+    try:
+        job()
+    except SystemExit as err:  # Hydra exits on composition errors; say what failed instead
+        if err.code:
+            raise ConfigError(f"the sweep could not start (Hydra's message above); overrides: {overrides}") from err
+    finally:
+        sys.argv = argv
+        root_logger.handlers[:], root_logger.level = handlers, level
+    jobs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{JOB_FILE}"))]
+    return {"sweep": sweep, "dir": str(sweep_dir), "jobs": jobs, "text": sweep_table(sweep, sweep_dir, jobs)}
+
+
+def folder_name(overrides: str) -> str:
+    """A job's folder: its overrides with path separators and odd characters replaced, cut to
+    100 characters plus a checksum of the whole when longer."""
+    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", overrides) or "defaults"
+    return name if len(name) <= 100 else f"{name[:90]}-{zlib.crc32(name.encode()):08x}"
+
+
+def swept_keys(overrides: list[str]) -> set[str]:
+    """The keys an invocation sweeps (``seed=0,1`` -> ``seed``), as Hydra's parser reads them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra's parse errors carry the position
+        raise ConfigError(f"cannot read the sweep's overrides {overrides}: {err}") from err
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def run_job(cfg: DictConfig, swept: set[str], train: Callable[[DictConfig], dict]) -> dict:
+    """One job of a sweep, inside Hydra's launcher: skip it if it finished before, resume it if
+    it has a checkpoint, train it otherwise; never raise (the sweep goes on)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    job_overrides = [o for o in hc.overrides.task if not o.startswith(_ROOT_KEYS)]
+    explorer = str(cfg.explorer.get("name") or cfg.explorer.get("_target_"))
+    objective = str(cfg.objective.get("name") or cfg.objective.get("_target_"))
+    arm = [o for o in job_overrides if o.split("=", 1)[0].lstrip("+~") in swept - {"seed"}]
+    record_path = out / JOB_FILE
+    before = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    record = {"overrides": job_overrides, "arm": ",".join(arm) or f"{explorer} x {objective}", "seed": int(cfg.seed)}
+    if before.get("status") == "finished":
+        log.info("sweep %s: %s already finished (MLflow run %s): skipped", cfg.sweep, record["arm"], before["run_id"])
+        return before
+    OmegaConf.resolve(cfg)
+    resume = (out / "checkpoints" / "last.ckpt").exists()
+    with open_dict(cfg):
+        cfg.output_dir = str(out)
+        cfg.resume = "last" if resume else None
+        if not resume:  # a first attempt that died before its first checkpoint left nothing to keep
+            cfg.overwrite = True
+        cfg.logger.tags = {
+            "ngrpo.sweep": cfg.sweep,
+            "ngrpo.arm": record["arm"],
+            "ngrpo.seed": str(cfg.seed),
+            "ngrpo.explorer": explorer,
+            "ngrpo.objective": objective,
+        }
+    record.update(status="running", resumed=resume, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps(record, indent=1))
+    try:
+        summary = train(cfg)
+        record.update(status="finished", run_id=summary.get("run_id"), steps=summary.get("steps"))
+        for key in ("val_accuracy_before", "val_accuracy_after", "reward_first", "reward_last", "seconds"):
+            if key in summary:
+                record[key] = summary[key]
+    except Exception as err:  # noqa: BLE001 - one failed arm must not stop the sweep
+        log.error("sweep %s: %s (seed %s) failed: %s", cfg.sweep, record["arm"], cfg.seed, err)
+        record.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+    record_path.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict]) -> str:
+    """A markdown table of a sweep's jobs, and what to do about failed ones."""
+    lines = [
+        f"Sweep {sweep} ({len(jobs)} runs) in {sweep_dir}:",
+        "",
+        "| arm | seed | status | val accuracy before -> after | MLflow run |",
+        "|---|---:|---|---|---|",
+    ]
+    for j in sorted(jobs, key=lambda j: (j["arm"], j["seed"])):
+        acc = ""
+        if "val_accuracy_after" in j:
+            acc = f"{j.get('val_accuracy_before', float('nan')):.3f} -> {j['val_accuracy_after']:.3f}"
+        status = j["status"] + (f": {j['error'][:80]}" if j.get("error") else "")
+        lines.append(f"| {j['arm']} | {j['seed']} | {status} | {acc} | {j.get('run_id') or ''} |")
+    failed = [j for j in jobs if j["status"] != "finished"]
+    if failed:
+        lines += ["", f"{len(failed)} run(s) did not finish: run the same command with sweep={sweep} to resume them"]
+    lines += ["", f"compare the arms: ngrpo compare sweep={sweep}"]
+    return "\n".join(lines)

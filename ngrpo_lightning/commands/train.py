@@ -1,0 +1,123 @@
+"""``ngrpo train``: one training job on a composed config (validate, fit, validate again).
+
+Kept apart from :mod:`ngrpo_lightning.commands.cli` so that the command line's cheap paths (``--help``,
+``ngrpo config``, a config that does not compose) answer before torch and Lightning load.
+``from ngrpo_lightning.commands.cli import train`` still works: the name is resolved on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.build.components import build_module, build_pass_at_k, build_trainer, check_config
+from ngrpo_lightning.build.data import build_datamodule, build_problems
+from ngrpo_lightning.checkpoints.export import export_checkpoint, model_card, save_hf_model
+from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
+from ngrpo_lightning.tracking.console import header, quiet_libraries
+from ngrpo_lightning.tracking.logger import build_logger, log_config, summarize_run
+
+# Lightning warnings that are expected here and would only bury the run's own output.
+KNOWN_WARNINGS = (
+    r"Found \d+ module\(s\) in eval mode",  # the frozen reference model, on purpose
+    r"Using ModelCheckpoint with manual optimization",  # checkpoints are taken between steps
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
+    """Run one training job (``ngrpo train``) on a composed config; returns a summary dict.
+
+    ``callbacks``: more Lightning callbacks for the run's Trainer, beside those the config asks
+    for: what a script adds to a run from Python (a recorder of step metrics, an early stop)::
+
+        from ngrpo_lightning.commands.train import train
+        from ngrpo_lightning.config import compose
+        train(compose(["model=tiny", "trainer.max_steps=2"]), callbacks=[MyCallback()])
+    """
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
+    check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
+    if rank_zero_only.rank == 0:
+        print(header(cfg), flush=True)
+    # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
+    ckpt_path = resolve_resume(cfg)
+    meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
+    if ckpt_path:
+        check_resume(cfg, meta)  # a checkpoint of another model or config: a clear error, nothing runs
+    problems = build_problems(cfg.data, cfg.seed)  # data errors first: before minutes of model loading
+    claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
+    logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
+    try:
+        summary = _fit(cfg, logger, problems, ckpt_path, callbacks)
+    except BaseException as err:
+        if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
+            logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
+        raise
+    if logger is not None:
+        logger.close("success")
+    return summary
+
+
+def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = ()) -> dict:
+    """Validate, fit and validate again; the summary of the run."""
+    module = build_module(cfg)
+    if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
+        notes = [module.backend.summary(), *module.backend.startup_notes()]
+        print("\n".join(f"  backend:  {line}" for line in notes), flush=True)
+    datamodule = build_datamodule(cfg, module.tokenizer, problems)
+    trainer = build_trainer(cfg, logger, callbacks=[*build_pass_at_k(cfg, problems[1]), *callbacks])
+    module.run_meta = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "mlflow_run_id": getattr(logger, "run_id", None),
+        "command": command_line(),
+    }
+    if logger is not None and not ckpt_path:
+        log_config(logger, cfg)
+    t0 = time.perf_counter()
+    validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
+    before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    finally:
+        datamodule.close()
+    if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
+        return {"steps": trainer.global_step, "text": "", "run_id": None}
+    summary = summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
+    if cfg.export.final:
+        exported = export_final(cfg, module, trainer, logger, after)
+        summary["text"] += f"\n  exported:   {exported} (a Hugging Face model; docs/checkpoints.md)"
+    return summary
+
+
+def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
+    """``export.final``: the trained policy as a Hugging Face model in ``export.dir`` (default
+    ``<output_dir>/hf_model``), logged to the run's MLflow artifacts (``model/``)."""
+    out = Path(cfg.export.dir or Path(cfg.output_dir) / "hf_model")
+    if module.parallel is not None:  # sharded weights: the checkpoint written at the end of training holds them whole
+        return export_checkpoint(str(cfg.output_dir), out, log_to_mlflow=logger is not None)["out"]
+    metrics = {k: float(v) for k, v in (after[0] if after else {}).items() if k.startswith("val/")}
+    card = model_card(module.run_meta["config"], module.run_meta, trainer.global_step, metrics)
+    save_hf_model(module.policy, module.tokenizer, out, card)
+    if logger is not None:
+        logger.experiment.log_artifacts(logger.run_id, str(out), "model")
+    return out
+
+
+def command_line() -> str:
+    """The command that started this process, as a user would type it again."""
+    program = Path(sys.argv[0]).name
+    return shlex.join(["ngrpo" if program in ("ngrpo", "cli.py", "launch.py") else sys.argv[0], *sys.argv[1:]])

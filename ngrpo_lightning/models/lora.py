@@ -1,0 +1,144 @@
+"""Low-rank adapters (peft's LoRA) on the policy: the base weights frozen, the adapters trained.
+
+With ``model.lora.enabled=true`` the policy is wrapped by :func:`peft.get_peft_model`: every
+adapted linear layer computes ``W x + (alpha / rank) * B A x`` with ``W`` frozen and only ``A``
+and ``B`` trained (``B`` starts at zero, so step 0's policy is the base model). Gradients and
+AdamW's moments then exist for the adapters only.
+
+The KL reference is the base model, which the policy already holds: its log-probs come from
+the policy with its adapters switched off (peft's ``disable_adapter``), so a LoRA run loads
+one model, not two (:class:`~ngrpo_lightning.training.module.RLModule` does this when it is given no
+reference and ``adapters=True``).
+
+``model.lora``: ``enabled`` (false by default), ``rank`` (> 0), ``alpha`` (> 0), ``dropout``
+(in [0, 1)), ``target_modules`` (``all-linear``, peft's choice: every linear layer of the
+decoder, not the LM head; or a list of module names such as ``[q_proj, v_proj]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ngrpo_lightning.checks import check_number
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraSettings:
+    """``model.lora``, checked (see the module's docstring)."""
+
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = ALL_LINEAR
+
+    def __post_init__(self):
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"model.lora.enabled={self.enabled!r} must be true or false")
+        check_number("model.lora.rank", self.rank, 1, integer=True)
+        check_number("model.lora.alpha", self.alpha, 0.0, low_open=True)
+        check_number("model.lora.dropout", self.dropout, 0.0, 1.0)
+        if self.dropout >= 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout} is out of range: allowed [0, 1)")
+        if isinstance(self.target_modules, str):
+            if self.target_modules != ALL_LINEAR:
+                self.target_modules = [self.target_modules]
+        else:
+            self.target_modules = [str(name) for name in self.target_modules]
+            if not self.target_modules:
+                raise ValueError("model.lora.target_modules is empty: name modules, or use all-linear")
+
+    @classmethod
+    def from_config(cls, node) -> LoraSettings:
+        """From ``cfg.model.lora`` (a mapping, or ``None`` for off)."""
+        if node is None:
+            return cls()
+        values = dict(node)
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"model.lora has unknown keys {unknown}: allowed {sorted(cls.__dataclass_fields__)}")
+        return cls(**values)
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The names (last part of the path) of the model's linear layers that peft can adapt,
+    the output layer (LM head) excluded, as ``all-linear`` does."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {
+        path.rsplit(".", 1)[-1]
+        for path, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    return sorted(names)
+
+
+def check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """Refuse target modules the model does not have, listing those it has."""
+    names = linear_names(model)
+    if not names:
+        raise ValueError(
+            f"model.lora: {type(model).__name__} has no linear layers peft can adapt (the LM head is left out)"
+        )
+    if settings.target_modules == ALL_LINEAR:
+        return
+    unknown = [name for name in settings.target_modules if name not in names]
+    if unknown:
+        raise ValueError(
+            f"model.lora.target_modules: {unknown} are not linear layers of {type(model).__name__}; "
+            f"its linear layers are {names} (or use all-linear)"
+        )
+
+
+def apply(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """``model`` wrapped with fresh adapters (:func:`peft.get_peft_model`): only they train."""
+    from peft import LoraConfig, get_peft_model
+
+    check_targets(model, settings)
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model (its adapters can be switched off)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def is_adapter_weight(name: str) -> bool:
+    """Whether a parameter name of a peft model is an adapter's (``lora_A``, ``lora_B``, ...)."""
+    return ".lora_" in name or name.startswith("lora_")
+
+
+def merged_named_tensors(model: torch.nn.Module):
+    """``(name, tensor)`` of the base model's state with every adapted linear layer's weight
+    merged (``W + (alpha / rank) B A``, peft's ``get_delta_weight``), under the base model's own
+    names (``model.layers.0.self_attn.q_proj.weight``): what an engine that loads a plain
+    Hugging Face model (vLLM) needs to decode as the adapted policy. The model is not changed
+    (no merge into ``W``); each merged weight is a new tensor."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        if is_adapter_weight(name):
+            continue
+        owner, sep, rest = name.partition(".base_layer.")
+        if sep:
+            layer = adapted.get(owner)
+            if rest == "weight" and layer is not None and not layer.disable_adapters and not layer.merged:
+                tensor = tensor.detach().clone()
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor += layer.get_delta_weight(adapter).to(tensor.dtype)
+            name = f"{owner}.{rest}"
+        yield name, tensor

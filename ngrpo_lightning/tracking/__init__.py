@@ -1,0 +1,1 @@
+"""What a run reports: the MLflow logger, system metrics, the console."""

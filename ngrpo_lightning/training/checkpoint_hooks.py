@@ -1,0 +1,91 @@
+"""What :class:`~ngrpo_lightning.training.module.RLModule` adds to Lightning's checkpoints, and leaves out.
+
+Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
+(ReplayBuffer) and the datamodule (data position, engine RNG). The module adds the explorer's
+state, the update plan's shuffling, the process RNG states and what identifies the run, and
+leaves out the frozen weights: the KL reference's (and, with LoRA adapters, the base model's),
+recorded by name and SHA-256 instead and checked when a run resumes.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+from ngrpo_lightning.backends import file_weights
+from ngrpo_lightning.checkpoints.run import (
+    check_base_model,
+    config_mismatch,
+    rng_states,
+    set_rng_states,
+    weights_digest,
+)
+from ngrpo_lightning.models import lora
+
+
+class CheckpointHooks:
+    """The checkpoint hooks of ``RLModule`` (a mixin before ``L.LightningModule``); they use its
+    ``policy``, ``reference``, ``adapters``, ``explorer``, ``plan``, ``run_meta`` and ``base_model``."""
+
+    def setup(self, stage: str) -> None:
+        """Record the frozen reference's identity (before any sharding): checkpoints keep it in
+        place of its weights, and a resumed run checks that its reference hashes the same."""
+        if self.reference is not None and not self.base_model:
+            with file_weights.materialized(self.reference):  # a file-backed one is read back for the hash
+                self.base_model = {
+                    "name_or_path": str(getattr(self.reference, "name_or_path", "") or ""),
+                    "weights_sha256": weights_digest(self.reference),
+                }
+        elif self.adapters and not self.base_model:  # the base weights inside the peft policy
+            base = self.policy.get_base_model()
+            self.base_model = {
+                "name_or_path": str(getattr(base, "name_or_path", "") or ""),
+                "weights_sha256": weights_digest(self.policy, keep=lambda name: not lora.is_adapter_weight(name)),
+            }
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The module's state without the frozen reference (see :meth:`setup`); with adapters,
+        without the frozen base weights either (recorded by hash in the same way)."""
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        for key in [k for k in state if k.startswith(f"{prefix}reference.")]:
+            del state[key]
+        if self.adapters:
+            policy = f"{prefix}policy."
+            for key in [k for k in state if k.startswith(policy) and not lora.is_adapter_weight(k[len(policy) :])]:
+                del state[key]
+        return state
+
+    # ---------------------------------------------------------- checkpoints
+    # Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
+    # (ReplayBuffer) and the datamodule (data position, engine RNG); the module adds the
+    # explorer's state, the process RNG states and what identifies the run.
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
+        checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
+        checkpoint["rng"] = rng_states()
+        checkpoint["ngrpo"] = {**self.run_meta, "base_model": dict(self.base_model)}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("ngrpo") or {}
+        if saved.get("config") is not None and self.run_meta.get("config") is not None:
+            problem = config_mismatch(saved["config"], self.run_meta["config"])
+            if problem:
+                raise ValueError(f"cannot resume from this checkpoint: {problem}")
+        if self.adapters or not any(k.startswith("reference.") for k in checkpoint.get("state_dict", {})):
+            check_base_model(saved.get("base_model") or {}, self.base_model)
+        self.explorer.load_state_dict(checkpoint.get("explorer", {}))
+        self.plan.load_state_dict(checkpoint.get("update_plan", {}))
+        if "rng" in checkpoint:
+            set_rng_states(checkpoint["rng"])
+
+
+def reference_not_required(module: L.LightningModule, incompatible) -> None:
+    """``load_state_dict`` post-hook: checkpoints hold no ``reference.*`` weights (the module keeps
+    the base model's, checked by hash), so their absence is not a missing key."""
+    base = "policy."  # with adapters, the frozen base weights are not in checkpoints either
+    incompatible.missing_keys[:] = [
+        k
+        for k in incompatible.missing_keys
+        if not k.startswith("reference.")
+        and not (module.adapters and k.startswith(base) and not lora.is_adapter_weight(k[len(base) :]))
+    ]

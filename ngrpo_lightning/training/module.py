@@ -1,0 +1,461 @@
+"""The LightningModule: policy optimization on rollouts of the current policy.
+
+A run composes an :class:`~ngrpo_lightning.explorers.Explorer` (how rollouts explore;
+used by the rollout DataModule) with a :class:`~ngrpo_lightning.objectives.PolicyObjective`
+(how rollouts become a loss). Each training step receives a :class:`RolloutBatch` of the
+current policy and does::
+
+    rewards -> [replay: mix in stored trajectories] -> [dynamic sampling: drop groups with
+    equal rewards, roll out more] -> group advantages -> old log-probs (policy, no grad)
+    -> reference log-probs -> for each planned update: micro-batched loss -> backward
+    -> clip -> optimizer step -> lr scheduler step
+
+The updates are planned by :class:`~ngrpo_lightning.training.planning.UpdatePlan` (``train.ppo_epochs x
+train.num_mini_batches`` of them, each in ``optim.micro_batch_size`` micro-batches), dynamic
+sampling by :class:`~ngrpo_lightning.training.planning.DynamicSampling`; the module's ``step_hooks``
+(:class:`~ngrpo_lightning.training.updates.StepHook`, e.g. ``ngrpo_lightning.callbacks.ReplayBuffer``)
+take part in every step, and those that are callbacks join the Trainer through
+``configure_callbacks``.
+
+Optimization is manual because one batch of rollouts may serve several optimizer updates
+and because rollouts must see the weights of the last update. Lightning counts
+``trainer.global_step`` in optimizer steps under manual optimization: ``max_steps`` is a
+number of optimizer updates, i.e. ``max_steps / (ppo_epochs * num_mini_batches)`` rollout
+batches. Logged metrics are indexed by rollout batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
+
+from ngrpo_lightning.backends import Backend, backend_for, file_weights
+from ngrpo_lightning.backends.passes import packed_for_pass
+from ngrpo_lightning.backends.recompute import recomputing
+from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
+from ngrpo_lightning.metrics.exploration import exploration_metrics
+from ngrpo_lightning.metrics.training import combine_metrics, rollout_step_metrics
+from ngrpo_lightning.models import lora
+from ngrpo_lightning.objectives import (
+    PolicyObjective,
+    group_advantages,
+    masked_mean,
+    resolve_advantage,
+    rollout_importance_weights,
+)
+from ngrpo_lightning.rewards import MathReward, score_responses
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.padding import pad_to
+from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
+from ngrpo_lightning.training.forward import response_logprobs
+from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
+from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
+from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
+from ngrpo_lightning.training.updates import StepHook, StepRollouts
+
+__all__ = ["RLModule"]
+
+
+class RLModule(CheckpointHooks, L.LightningModule):
+    """Policy optimization of a causal LM with a pluggable explorer and objective.
+
+    Args:
+        policy: the causal LM being trained (a transformers ``PreTrainedModel``).
+        tokenizer: its tokenizer.
+        explorer: how training rollouts explore (the DataModule asks the module for it).
+        objective: the policy loss.
+        reward: maps (responses, gold answers) to scores and statuses.
+        reference: frozen reference model for the KL term; required iff ``objective.kl_coef > 0``.
+        optim: optimizer settings and micro-batching (``optim.*``).
+        train: how rollouts become updates (``train.*``): PPO epochs x mini-batches, DAPO's
+            dynamic sampling (extra rollouts come from the DataModule's ``more_rollouts()``),
+            and ``tis_cap``, truncated importance sampling of the rollout/train mismatch (an
+            engine's log-probs differ from the trainer's, e.g. vLLM in bf16): the policy
+            gradient of every fresh token is weighted by ``min(exp(old_logp - rollout_logp),
+            tis_cap)`` (``tis_level``: per token, which needs an objective with
+            ``token_advantages`` (GRPO), or per sequence; ``tis_mode``: truncated or masked). Under
+            ``max_staleness`` > 0 the rollout log-probs are an older policy's and the same weights
+            correct for it (the DataModule rolls out ahead; ``tis_cap`` defaults to 2.0 then).
+        advantage: group advantage estimator (a name registered with ``register_advantage``).
+        eval_explorer: how validation rollouts sample (plain sampling; never mixing).
+        detach_mixture: stop gradients into the embedding matrix through mixed inputs.
+        parallel: FSDP2 settings (``trainer.parallel``), applied in ``configure_model``.
+        seed: seed of the mini-batch shuffling.
+        step_hooks: what takes part in every step (``ReplayBuffer``), in order; hooks that are
+            Lightning callbacks are attached to the Trainer by ``configure_callbacks``.
+        adapters: the policy is a peft model whose reference is itself with its adapters off.
+        backend: how the models compute on their device (:mod:`ngrpo_lightning.backends`; the
+            run's builder chose it and swapped the models' modules; default: the policy's
+            device's backend, which leaves the models as they are).
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer,
+        explorer: Explorer,
+        objective: PolicyObjective,
+        reward: MathReward,
+        reference: torch.nn.Module | None = None,
+        optim: OptimConfig | None = None,
+        train: TrainConfig | None = None,
+        advantage: str = "grpo",
+        eval_explorer: Explorer | None = None,
+        detach_mixture: bool = False,
+        parallel: ParallelConfig | dict | None = None,
+        seed: int = 0,
+        step_hooks: Sequence[StepHook] = (),
+        adapters: bool = False,
+        backend: Backend | None = None,
+    ):
+        super().__init__()
+        self.backend = backend or backend_for(policy)
+        self.automatic_optimization = False
+        self.policy, self.tokenizer = policy, tokenizer
+        self.explorer, self.objective, self.reward = explorer, objective, reward
+        self.eval_explorer = eval_explorer or TemperatureExplorer(temperature=0.0)
+        self.optim = optim or OptimConfig()
+        self.advantage, self.detach_mixture = advantage, detach_mixture
+        # LoRA (`adapters`): the reference is the policy with its adapters switched off (lora.py)
+        self.adapters = bool(adapters) and lora.has_adapters(policy)
+        if adapters and not self.adapters:
+            raise ValueError("adapters=True needs a peft model as the policy (model.lora.enabled=true)")
+        if objective.needs_reference and reference is None and not self.adapters:
+            raise ValueError(
+                f"objective.kl_coef={objective.kl_coef} > 0 needs a reference model, but none was given "
+                "(set objective.kl_coef=0 to train without one)"
+            )
+        self.reference = reference if objective.needs_reference and not self.adapters else None
+        if self.reference is not None:
+            self.reference.requires_grad_(False).eval()
+        # checkpoints hold no reference weights (they are the base model's): its id and hash instead
+        self.base_model: dict = {}
+        self.register_load_state_dict_post_hook(reference_not_required)
+        resolve_advantage(advantage)  # fail now on an unknown estimator name
+        self.train_config = train = train or TrainConfig()
+        self.tis_level = train.importance_level(objective)
+        self.tis_cap, self.tis_mode = train.importance_cap, train.tis_mode
+        self.plan = UpdatePlan.from_settings(train, self.optim, seed=seed)
+        self.dynamic_sampling = DynamicSampling.from_settings(train) if train.dynamic_sampling else None
+        self.step_hooks: list[StepHook] = list(step_hooks)
+        self.update_metrics: list[dict[str, float]] = []  # per-update metrics of the last step (for inspection)
+        self._fit_start = self._last_step_end = None
+        self.val_accuracy = MeanMetric()
+        self.val_reward = MeanMetric()
+        self.parallel = ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel
+        self.run_meta: dict = {}  # what identifies the run in checkpoints (set by the CLI: config, MLflow run id)
+        self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers by id(model) (outside the module tree)
+        self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
+
+    # --------------------------------------------------------------- sharding
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer, then at
+        the root (a wrapper around the model whose forward rebuilds the inputs), for the
+        policy and the reference. bf16 parameters with fp32 gradient reduction, or fp32;
+        optional activation checkpointing and CPU offload. A no-op without a device mesh."""
+        if self.parallel is None or self._forwards:
+            return
+        try:
+            mesh = self.device_mesh
+        except RuntimeError:
+            mesh = None
+        if mesh is None:
+            return
+        self._forwards = shard_fsdp2(
+            [self.policy, self.reference], self.parallel, mesh["data_parallel"], checkpoint=self.policy
+        )
+
+    def sharded_root(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The FSDP2 root wrapper of ``model`` (the policy or the reference) after
+        ``configure_model`` sharded it; ``None`` when it is not sharded. A rollout engine that
+        decodes with the policy unshards it (and the sharded layers) once per rollout."""
+        return self._forwards.get(id(model))
+
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
+        """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
+        cut to its own longest sequence and padded back to its width, so a micro-batch of short
+        rows costs what its rows cost. The LM head works the backend's ``logprob_chunk_size`` tokens
+        at a time; a group's common prompt runs once (``share_prompts``)."""
+        width = batch.response_ids.shape[1]
+        forward = self.sharded_root(model)
+        trimmed = batch.trim()
+        kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
+        kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
+        kwargs["share_prompts"] = self._shares_prompts(model)
+        if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
+            logp, entropy = forward(trimmed, temperature, **kwargs)
+        else:
+            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
+        return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
+
+    def _shares_prompts(self, model: torch.nn.Module) -> bool:
+        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
+        checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
+        root forward shares as the plain model does."""
+        checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
+            model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
+        )
+        return self.backend.share_prompts and not checkpointed
+
+    @classmethod
+    def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of the policy's initial weights, to serve as the KL reference."""
+        return copy.deepcopy(policy).requires_grad_(False).eval()
+
+    # ------------------------------------------------------------------ optim
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]  # with adapters: theirs only
+        opt, sched = self.optim.build(params, sharded=self.parallel is not None)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ train
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The step hooks that are also Lightning callbacks (``ReplayBuffer`` stores each step's
+        successes after it and keeps its state in checkpoints)."""
+        return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
+
+    def on_fit_start(self) -> None:
+        if self.dynamic_sampling is not None:
+            check_dynamic_sampling_processes(self.trainer.world_size)
+        loose = [
+            type(cb).__name__
+            for cb in self.trainer.callbacks
+            if isinstance(cb, StepHook) and all(cb is not h for h in self.step_hooks)
+        ]
+        if loose:  # a hook among the callbacks only would silently never be called
+            raise ValueError(
+                f"{loose[0]} takes part in training steps: give it to the module, "
+                "RLModule(..., step_hooks=[...]), not only to the Trainer's callbacks"
+            )
+        if self.backend.share_prompts and not self._shares_prompts(self.policy):
+            rank_zero_info(
+                "prompt sharing is off under activation checkpointing (a recomputed layer would extend the "
+                "shared prompt cache twice): each row runs its prompt, same values, more FLOPs"
+            )
+
+    def on_train_start(self) -> None:
+        self._fit_start, self._last_step_end = time.perf_counter(), None
+
+    def score(self, batch: RolloutBatch):
+        """Rewards of a rollout batch (a :class:`~ngrpo_lightning.rewards.RewardResult`)."""
+        return score_responses(self.reward, batch.response_text, batch.answers, batch.verifiers)
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int):
+        t0 = time.perf_counter()
+        scored = self.score(batch)
+        rewards = scored.scores.to(self.device)
+        step = self.collect(batch, rewards)
+        t1 = time.perf_counter()
+        # one on-policy update takes its old log-probs from its own forward, unless a hook must
+        # weigh replayed rows by them first
+        step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
+        for hook in self.step_hooks:
+            step = hook.weigh(step)
+        t2 = time.perf_counter()
+        metrics, old_logp = self.optimize(self.plan.updates(step))
+        if step.old_logp is None:  # the update's forward gave them: the step carries them on (metrics, replay)
+            step = replace(step, old_logp=old_logp)
+        # where a step's time goes (the rollout's own time is rollout/time_s)
+        phases = {"time/reward_s": t1 - t0, "time/logprobs_s": t2 - t1, "time/update_s": time.perf_counter() - t2}
+        self.log_step(batch, scored, rewards, step, metrics, phases)
+        return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
+
+    def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
+        """A scored rollout batch as a step, with the hooks' stored trajectories mixed in."""
+        step = StepRollouts.fresh(batch, rewards, self.tokenizer.pad_token_id or 0)
+        for hook in self.step_hooks:
+            step = hook.mix_in(step)
+        return step
+
+    def collect(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
+        """The rollouts this step trains on: the batch with the hooks' stored trajectories mixed
+        in and, under dynamic sampling, its zero-variance groups replaced by informative groups
+        of extra rollouts (the DataModule's ``more_rollouts()``)."""
+        step = self.mix_in(batch, rewards)
+        if self.dynamic_sampling is None:
+            return step
+
+        def more() -> StepRollouts:
+            extra = self._more_rollouts()
+            return self.mix_in(extra, self.score(extra).scores.to(self.device))
+
+        return self.dynamic_sampling.fill(step, more)
+
+    def _more_rollouts(self) -> RolloutBatch:
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if not hasattr(datamodule, "more_rollouts"):
+            raise RuntimeError(
+                "train.dynamic_sampling=true needs a datamodule with more_rollouts() "
+                "(ngrpo_lightning.rollout.RolloutDataModule), passed as trainer.fit(..., datamodule=...)"
+            )
+        return datamodule.more_rollouts()
+
+    @torch.no_grad()
+    def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> StepRollouts:
+        """The step with its advantages, old (proximal) log-probs and reference log-probs.
+
+        With ``reuse_forward`` (one on-policy update per step) the old log-probs stay ``None``:
+        :meth:`optimize` takes them from the update's own forward, detached, and returns them (the
+        same weights compute the same numbers, so a separate no-grad pass would be pure cost)."""
+        ref_logp = None
+        if self.reference is not None:
+            with file_weights.materialized(self.reference):  # a file-backed reference is in memory only meanwhile
+                with self._packed(self.reference, step.batch):
+                    ref_logp = self._logprobs_no_grad(self.reference, step.batch)
+        elif self.adapters and self.objective.needs_reference:
+            with self.policy.disable_adapter():  # the base model: the policy without its adapters
+                with self._packed(self.policy, step.batch):
+                    ref_logp = self._logprobs_no_grad(self.policy, step.batch)
+        return replace(
+            step,
+            advantages=group_advantages(step.rewards, step.group_size, self.advantage),
+            old_logp=None if reuse_forward else self._policy_logprobs_no_grad(step.batch),
+            ref_logp=ref_logp,
+        )
+
+    def _policy_logprobs_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._logprobs_no_grad(self.policy, batch)  # the same products as the update's forward
+
+    def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
+        """A frozen pass: the linear layers the backend chose to pack once multiply by weights packed
+        for it (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`). A file-backed reference frees
+        each plain weight once it is packed."""
+        rows = self.optim.micro_batch_size or len(batch)
+        return packed_for_pass(model, rows, release=file_weights.weight_releaser(model))
+
+    def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
+        temperature = self.explorer.temperature or 1.0
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for rows, _ in self.plan.micro_batches(batch, token_level=False):
+            part = batch.select(rows) if len(rows) < len(batch) else batch
+            out[rows.to(out.device)] = self._logprobs(model, part, temperature)[0]
+        return out
+
+    def optimize(self, updates: list[StepRollouts]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """One optimizer (and lr scheduler) step per update. Returns the metrics of all updates
+        combined (means; ``*_min``/``*_max`` over updates) and, for a single update prepared
+        without old log-probs (``prepare(reuse_forward=True)``), the old log-probs [N, L] its
+        forward gave (``None`` otherwise)."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        temperature = self.explorer.temperature or 1.0
+        self.update_metrics = []
+        reused = None
+        for update in updates:
+            opt.zero_grad(set_to_none=True)
+            if update.old_logp is None:  # micro-batches may group rows by length: each row's goes back in place
+                assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
+                reused = torch.zeros_like(update.batch.rollout_logprobs)
+            metrics = self._accumulate_gradients(update, temperature, reused)
+            metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
+            sched.step()
+            self.policy_version += 1
+            self.update_metrics.append({k: float(v) for k, v in metrics.items()})
+        out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
+        out["updates"] = len(updates)
+        return out, reused
+
+    def _accumulate_gradients(self, update: StepRollouts, temperature: float, reused: torch.Tensor | None) -> dict:
+        """Forward and backward of ``update``, one micro-batch at a time; returns its metrics. Where
+        the update has no old log-probs, its forward's go into ``reused``."""
+        parts, weights = [], []
+        for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
+            mb = update.select(rows) if len(rows) < len(update) else update
+            with recomputing():  # the policy's cheap activations (backends/recompute.py) are recomputed in backward
+                logp, entropy = self._logprobs(
+                    self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
+                )
+            old_logp = mb.old_logp
+            if old_logp is None:
+                old_logp = logp.detach()
+                reused[rows.to(old_logp.device)] = old_logp
+            advantages, tis = self._tis_advantages(mb, old_logp)
+            loss, m = self.objective(logp, old_logp, mb.ref_logp, advantages, mb.batch.response_mask)
+            self.manual_backward(loss * weight)
+            parts.append({**m, **tis, "loss": loss, "entropy": masked_mean(entropy, mb.batch.response_mask)})
+            weights.append(weight)
+        return combine_metrics(parts, weights)
+
+    def _tis_advantages(self, mb: StepRollouts, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Advantages weighted by the importance ratio ``p_train_old / p_rollout`` of the fresh
+        rows, capped at ``tis_cap`` (``tis_mode``: truncated to it, or 0 above it), per token or per
+        sequence (``tis_level``). The rollout log-probs are those of the policy that generated the
+        rows: the engine's numerics, and under ``max_staleness`` older weights. Replayed rows carry
+        their own correction (weight 1)."""
+        if self.tis_cap is None:
+            return mb.advantages, {}
+        weights, stats = rollout_importance_weights(
+            old_logp, mb.batch.rollout_logprobs, mb.batch.response_mask, ~mb.replayed, self.tis_cap,
+            self.tis_level, self.tis_mode,
+        )  # fmt: skip
+        return (mb.advantages[:, None] * weights if self.tis_level == "token" else mb.advantages * weights), stats
+
+    def log_step(
+        self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict
+    ) -> None:
+        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
+        ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
+        log = {f"train/{k}": v for k, v in metrics.items()}
+        log.update(rollout_step_metrics(batch, rewards, step))
+        log.update(step.stats)  # replay/*, dynamic/*
+        log.update(scored.metrics())  # reward/* status fractions
+        log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
+        log.update(batch.stats)  # rollout/* timings and throughput
+        log.update(phases)  # time/*_s
+        now = time.perf_counter()
+        log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
+        self._last_step_end = now
+        # Under several processes every rank logs its own rollouts' statistics: they are
+        # averaged over ranks (sync_dist; ``*_max``/``*_min`` reduced as such). The loss metrics
+        # are those of each rank's share of the global batch.
+        sync = self._trainer is not None and self._trainer.world_size > 1
+        device = self.device if sync else "cpu"
+        for key, value in log.items():
+            op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+            self.log(
+                key,
+                torch.as_tensor(float(value), device=device),
+                on_step=True,
+                batch_size=len(batch),
+                sync_dist=sync,
+                reduce_fx=op,
+            )
+        self.log_dict(
+            {
+                "reward": float(rewards.mean()),
+                "acc": float(log["train/accuracy"]),
+                "s/step": float(log["time/step_s"]),
+                "tok/s": float(batch.stats.get("rollout/tokens_per_s", math.nan)),
+            },
+            prog_bar=True,
+            logger=False,
+            batch_size=len(batch),
+            sync_dist=sync,
+        )
+
+    # ------------------------------------------------------------- validation
+    def validation_step(self, batch: RolloutBatch, batch_idx: int):
+        scored = self.score(batch)
+        self.val_accuracy.update(scored.correct.float())
+        self.val_reward.update(scored.scores)
+        return {"rewards": scored.scores, "status": scored.status}
+
+    def on_validation_epoch_end(self):
+        sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
+        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
+        self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
+        # fresh states as normal tensors: reset() under inference mode (trainer.validate) would make
+        # them inference tensors, which validation during fit (under no_grad) cannot update in place
+        with torch.inference_mode(False):
+            self.val_accuracy.reset()
+            self.val_reward.reset()

@@ -1,0 +1,136 @@
+"""FSDP2 sharding of the policy and reference models (used by ``RLModule.configure_model``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.training.forward import DEFAULT_KEEP_SOFTMAX_MIB, DEFAULT_LOGPROB_CHUNK, response_logprobs
+
+
+@dataclass
+class ParallelConfig:
+    """How ``configure_model`` shards the models (``trainer.parallel.*`` in configs).
+
+    ``name=fsdp2``: ``fully_shard`` on every decoder layer and at the root of the policy
+    (and of the reference, the same way) over the strategy's data-parallel mesh.
+    """
+
+    name: str = "fsdp2"
+    data_parallel_size: int | str = "auto"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    mixed_precision: str = "bf16"  # bf16 (bf16 params, fp32 gradient reduction) | fp32
+
+    def __post_init__(self):
+        if self.name != "fsdp2":
+            raise ValueError(f"trainer.parallel.name={self.name!r} is unknown: allowed ['fsdp2']")
+        if self.mixed_precision not in ("bf16", "fp32"):
+            raise ValueError(
+                f"trainer.parallel.mixed_precision={self.mixed_precision!r} is unknown: allowed ['bf16', 'fp32']"
+            )
+
+
+class LogprobsForward(torch.nn.Module):
+    """The training forward as one module call, so that under FSDP2 the input embeddings
+    (rebuilt from tokens + records with the embedding matrix) are computed inside the root's
+    forward, where the root's parameters are unsharded and their gradients are reduced."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        batch: RolloutBatch,
+        temperature: float,
+        with_entropy: bool = False,
+        detach_mixture: bool = False,
+        chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+        keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
+        share_prompts: bool = False,
+    ):
+        return response_logprobs(
+            self.model,
+            batch,
+            temperature,
+            with_entropy=with_entropy,
+            detach_mixture=detach_mixture,
+            chunk_size=chunk_size,
+            keep_softmax_mib=keep_softmax_mib,
+            share_prompts=share_prompts,
+        )
+
+
+def shard_fsdp2(
+    models, config: ParallelConfig, mesh, checkpoint: torch.nn.Module | None = None
+) -> dict[int, torch.nn.Module]:
+    """``fully_shard`` every decoder layer, then a root :class:`LogprobsForward` wrapper, of
+    each model (``None`` entries skipped) over ``mesh``; activation checkpointing on the
+    ``checkpoint`` model if configured. Returns the roots by ``id(model)`` (``RLModule.sharded_root``
+    hands the policy's to the rollout engine, which unshards it for a rollout)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if config.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    }
+    roots = {}
+    for model in models:
+        if model is None:
+            continue
+        layers = decoder_layers(model)
+        if config.activation_checkpointing and model is checkpoint:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            kinds = tuple({type(layer) for layer in layers})
+            apply_activation_checkpointing(model, check_fn=lambda m, kinds=kinds: isinstance(m, kinds))
+            layers = decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, **kw)
+        root = LogprobsForward(model)
+        fully_shard(root, **kw)
+        root._get_fsdp_state()._lazy_init()  # the wrapper is the root even if a rollout calls the model first
+        roots[id(model)] = root
+    return roots
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also works on FSDP2's sharded (DTensor) gradients: the total
+    norm is that of the full gradient, the same on every rank."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.item())
+    return total.detach()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like;
+    inside a peft model, its base model's)."""
+    if hasattr(model, "get_base_model"):  # LoRA adapters (model.lora): the layers hold them
+        model = model.get_base_model()
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, torch.nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")

@@ -1,0 +1,183 @@
+"""How one step's rollouts become optimizer updates, each computed in micro-batches.
+
+Two small planners, each one concept, composed by the module in every training step::
+
+    step = DynamicSampling.fill(step, more)   # train.dynamic_sampling: refill zero-variance groups
+    ...advantages, old and reference log-probs...
+    for update in UpdatePlan.updates(step):   # train.ppo_epochs x train.num_mini_batches
+        for rows, weight in UpdatePlan.micro_batches(update.batch, ...):   # optim.micro_batch_size
+            backward(loss(rows) * weight)
+        optimizer step
+
+Replay of past trajectories is a callback (``ngrpo_lightning.callbacks.ReplayBuffer``) that
+hooks into the same step (:class:`~ngrpo_lightning.training.updates.StepHook`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ngrpo_lightning.objectives import zero_variance_groups
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
+from ngrpo_lightning.training.updates import StepRollouts
+
+__all__ = ["DynamicSampling", "UpdatePlan", "check_dynamic_sampling_processes"]
+
+
+def check_dynamic_sampling_processes(processes: int) -> None:
+    """Dynamic sampling runs in one process only: ranks would roll out different numbers of extra
+    batches, and rollouts under FSDP2 are collectives. ``ValueError`` naming the keys otherwise."""
+    if processes > 1:
+        raise ValueError(
+            f"train.dynamic_sampling=true is not supported with several processes yet ({processes}): use one "
+            "process (e.g. trainer=cpu or trainer=gpu), or train.dynamic_sampling=false"
+        )
+
+
+class UpdatePlan:
+    """``ppo_epochs x num_mini_batches`` optimizer updates per step, and the micro-batches of each.
+
+    Each epoch shuffles the rows (seeded) and splits them into ``num_mini_batches``
+    mini-batches; the first update sees ratios of exactly 1, later ones see the policy move.
+
+    Each update is computed in micro-batches, with the micro-batch losses weighted so that
+    their gradients add up to the update's: at most ``micro_batch_size`` rows (0 = no row
+    limit) and, with a token budget ``max_tokens_per_micro_batch`` (verl's dynamic batch
+    size), rows grouped by length so that rows x the micro-batch's longest sequence (prompt +
+    response) stays within the budget. The forward cuts each micro-batch to its own longest
+    sequence (``RolloutBatch.trim``), so short rows are not padded to the batch's longest.
+    """
+
+    def __init__(
+        self,
+        ppo_epochs: int = TrainConfig.ppo_epochs,
+        num_mini_batches: int = TrainConfig.num_mini_batches,
+        micro_batch_size: int = OptimConfig.micro_batch_size,
+        max_tokens_per_micro_batch: int | None = OptimConfig.max_tokens_per_micro_batch,
+        seed: int = 0,
+    ):
+        # the settings' own checks, naming train.* and optim.* keys: the rules live there once
+        TrainConfig(ppo_epochs=ppo_epochs, num_mini_batches=num_mini_batches)
+        OptimConfig(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        self.ppo_epochs, self.num_mini_batches = ppo_epochs, num_mini_batches
+        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_settings(cls, train: TrainConfig, optim: OptimConfig, seed: int = 0) -> UpdatePlan:
+        """The plan of ``train.*`` and ``optim.*``."""
+        return cls(
+            train.ppo_epochs, train.num_mini_batches, optim.micro_batch_size, optim.max_tokens_per_micro_batch, seed
+        )
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per rollout batch (``trainer.max_steps`` counts these)."""
+        return self.ppo_epochs * self.num_mini_batches
+
+    @property
+    def single(self) -> bool:
+        """One update per step: the update's own forward can serve as the old log-probs."""
+        return self.updates_per_step == 1
+
+    def updates(self, step: StepRollouts) -> list[StepRollouts]:
+        """The step's updates, in order (each a row subset of the prepared step)."""
+        n = len(step)
+        splits = min(self.num_mini_batches, n)
+        if self.ppo_epochs == 1 and splits == 1:
+            return [step]
+        updates = []
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(n, generator=self.generator) if splits > 1 else torch.arange(n)
+            updates += [step.select(rows.sort().values) for rows in order.tensor_split(splits)]
+        return updates
+
+    def micro_batches(self, batch: RolloutBatch, token_level: bool) -> Iterator[tuple[torch.Tensor, float]]:
+        """Yield ``(rows, weight)``: each micro-batch's loss is scaled by its share of the
+        batch (of response tokens when the loss is a token mean, ``token_level``; of rows
+        otherwise), so that the micro-batch gradients add up to the whole batch's."""
+        n = len(batch)
+        tokens = batch.response_mask.sum().clamp(min=1)
+        for rows in self._row_groups(batch):
+            share = batch.response_mask[rows].sum() / tokens if token_level else torch.tensor(len(rows) / n)
+            yield rows, share.item()
+
+    def _row_groups(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The rows of each micro-batch: in order, ``micro_batch_size`` at a time, or, with a
+        token budget, longest first, each micro-batch as many rows as fit the budget."""
+        n = len(batch)
+        size = self.micro_batch_size or n
+        if self.max_tokens is None:
+            return [torch.arange(start, min(start + size, n)) for start in range(0, n, size)]
+        lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+        groups, current, longest = [], [], 0
+        for row in sorted(range(n), key=lambda r: -lengths[r]):
+            # padded cost of the micro-batch with this row: rows x its longest (the first, sorted)
+            if current and (len(current) >= size or (len(current) + 1) * max(longest, lengths[row]) > self.max_tokens):
+                groups.append(torch.tensor(sorted(current)))
+                current, longest = [], 0
+            current.append(row)
+            longest = max(longest, lengths[row])
+        if current:
+            groups.append(torch.tensor(sorted(current)))
+        return groups
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no learning signal;
+    they are dropped (``drop="all_correct"``: only the all-correct ones, as NGRPO does) and
+    the step is refilled with informative groups of extra rollouts, at most
+    ``max_extra_rollouts`` prompt batches per step. Surplus groups are discarded; if
+    nothing informative is found within the bound, the step trains on its original batch
+    (whose zero-variance groups then have zero advantages)."""
+
+    def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts, drop: str = TrainConfig.drop_groups):
+        TrainConfig(max_extra_rollouts=max_extra_rollouts, drop_groups=drop)  # checks both, naming their keys
+        self.max_extra_rollouts, self.drop = max_extra_rollouts, drop
+
+    @classmethod
+    def from_settings(cls, train: TrainConfig) -> DynamicSampling:
+        """Dynamic sampling as ``train.*`` sets it (whether it is on is ``train.dynamic_sampling``)."""
+        return cls(train.max_extra_rollouts, train.drop_groups)
+
+    def uninformative(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """[num_groups] bool: the groups to drop."""
+        if self.drop == "all_correct":
+            return (rewards.view(-1, group_size) >= 1.0).all(-1)
+        return zero_variance_groups(rewards, group_size)
+
+    def fill(self, step: StepRollouts, more: Callable[[], StepRollouts]) -> StepRollouts:
+        """The step with its zero-variance groups replaced; ``more()`` rolls out and scores one
+        more prompt batch. Counts go to ``stats`` as ``dynamic/*``."""
+        target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
+        while True:
+            informative = ~self.uninformative(piece.rewards, piece.group_size)
+            dropped += int((~informative).sum())
+            if informative.any():
+                kept.append(piece.select_groups(informative.nonzero().squeeze(-1).cpu()))
+            if sum(k.num_groups for k in kept) >= target or extra >= self.max_extra_rollouts:
+                break
+            piece = more()
+            extra += 1
+        if kept:
+            joined = StepRollouts.concat(kept)
+            filled = joined.select_groups(torch.arange(min(target, joined.num_groups)))
+        else:
+            filled = step
+        filled.stats = {
+            **step.stats,
+            "dynamic/dropped_groups": dropped,
+            "dynamic/extra_rollouts": extra,
+            "dynamic/kept_groups": filled.num_groups if kept else 0,
+        }
+        return filled

@@ -1,0 +1,145 @@
+"""The training settings as validated dataclasses: ``optim.*``, ``train.*`` and ``replay.*``.
+
+Each default lives here once (``conf/config.yaml`` shows the same values to the reader, and a
+test keeps the two equal). A wrong value fails at construction, before any model loads, with
+its full key: ``OptimConfig(lr=-1)`` -> ``optim.lr=-1 is out of range: allowed (0.0, inf]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ngrpo_lightning.checks import check_choice, check_number
+
+__all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, schedule, and the memory of the training forward (``optim.*``).
+
+    ``micro_batch_size`` and ``max_tokens_per_micro_batch`` bound the rows and the tokens of
+    one forward/backward (see :class:`~ngrpo_lightning.training.planning.UpdatePlan`); gradients are
+    the same whatever they are. How the products, the LM head's chunks and the shared prompts
+    compute is the backend's choice, not a setting (:mod:`ngrpo_lightning.backends`).
+    """
+
+    lr: float = 2.0e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0  # in optimizer steps
+    grad_clip: float | None = 1.0  # max global gradient norm (null or 0 = no clipping)
+    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
+    max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
+
+    def __post_init__(self):
+        check_number("optim.lr", self.lr, 0.0, low_open=True)
+        check_number("optim.weight_decay", self.weight_decay, 0.0)
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas={list(self.betas)!r} must be two numbers, e.g. [0.9, 0.999]")
+        for i, beta in enumerate(self.betas):
+            check_number(f"optim.betas[{i}]", beta, 0.0, 1.0)
+        check_number("optim.warmup_steps", self.warmup_steps, 0, integer=True)
+        check_number("optim.grad_clip", self.grad_clip, 0.0, optional=True)
+        check_number("optim.micro_batch_size", self.micro_batch_size, 0, integer=True)
+        check_number(
+            "optim.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, integer=True, optional=True
+        )
+
+    def build(self, params: list[torch.nn.Parameter], sharded: bool = False):
+        """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused
+        (one kernel per tensor rather than ~10 ops and their temporaries) on plain CPU/CUDA
+        tensors; FSDP2's sharded parameters (``sharded``) take its default form."""
+        fused = not sharded and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        opt = torch.optim.AdamW(
+            params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay, fused=fused or None
+        )
+        warmup = max(int(self.warmup_steps), 0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        return opt, sched
+
+
+DROP_GROUPS = ("equal", "all_correct")
+TIS_LEVELS = ("auto", "token", "sequence", "geometric")
+TIS_MODES = ("truncate", "mask")
+DEFAULT_STALE_CAP = 2.0  # the importance weight cap of a run with max_staleness > 0 and no tis_cap
+
+
+@dataclass
+class TrainConfig:
+    """How a step's rollouts become optimizer updates (``train.*``).
+
+    A step makes ``ppo_epochs x num_mini_batches`` optimizer steps (later ones see ratios != 1,
+    so the clip acts); ``trainer.max_steps`` counts optimizer steps. ``dynamic_sampling`` (DAPO)
+    drops groups whose rewards are all equal and rolls out up to ``max_extra_rollouts`` more
+    prompt batches to refill the step; ``drop_groups=all_correct`` drops only the groups whose
+    rewards are all correct and keeps all-wrong ones (NGRPO, whose ``calibrated`` advantage
+    learns from them). ``tis_cap`` weights each fresh token's policy gradient by
+    ``min(p_train_old / p_rollout, tis_cap)`` (truncated importance sampling of the rollout/train
+    mismatch; null = off). ``tis_level`` takes the ratio per token, per sequence (the product of
+    its tokens' ratios) or as the sequence's geometric mean (``auto``: per token for objectives
+    with per-token advantages, GRPO; geometric otherwise, GSPO); ``tis_mode=mask`` gives a weight
+    above the cap 0 instead of the cap. ``max_staleness`` > 0 rolls batches out that many steps
+    ahead of training (see :mod:`ngrpo_lightning.rollout.ahead`); the recorded rollout log-probs
+    are then the stale behaviour policy's, and the weights correct for it (``tis_cap`` defaults
+    to 2.0 then).
+    """
+
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    dynamic_sampling: bool = False
+    max_extra_rollouts: int = 4
+    drop_groups: str = "equal"  # which groups dynamic sampling drops: equal (DAPO) | all_correct (NGRPO)
+    tis_cap: float | None = None
+    tis_level: str = "auto"  # token | sequence | geometric | auto
+    tis_mode: str = "truncate"  # truncate | mask
+    max_staleness: int = 0
+
+    @property
+    def importance_cap(self) -> float | None:
+        """The cap of the importance weights: ``tis_cap``, or 2.0 under ``max_staleness`` > 0."""
+        if self.tis_cap is None and self.max_staleness:
+            return DEFAULT_STALE_CAP
+        return self.tis_cap
+
+    def importance_level(self, objective) -> str:
+        """``tis_level`` for ``objective`` (``auto`` resolved); ``ValueError`` naming the keys when
+        per-token weights meet an objective whose advantages are per sequence."""
+        per_token = getattr(objective, "token_advantages", False)
+        level = self.tis_level if self.tis_level != "auto" else "token" if per_token else "geometric"
+        if self.importance_cap is not None and level == "token" and not per_token:
+            raise ValueError(
+                f"train.tis_level=token needs an objective that takes per-token advantages; "
+                f"{type(objective).__name__} does not (GRPO does): use train.tis_level=sequence or geometric"
+            )
+        return level
+
+    def __post_init__(self):
+        check_number("train.ppo_epochs", self.ppo_epochs, 1, integer=True)
+        check_number("train.num_mini_batches", self.num_mini_batches, 1, integer=True)
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"train.dynamic_sampling={self.dynamic_sampling!r} must be true or false")
+        check_number("train.max_extra_rollouts", self.max_extra_rollouts, 0, integer=True)
+        check_choice("train.drop_groups", self.drop_groups, DROP_GROUPS)
+        check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
+        check_choice("train.tis_level", self.tis_level, TIS_LEVELS)
+        check_choice("train.tis_mode", self.tis_mode, TIS_MODES)
+        check_number("train.max_staleness", self.max_staleness, 0, integer=True)
+
+
+@dataclass
+class ReplayConfig:
+    """Replay of past successes into groups whose fresh rollouts are all wrong (``replay.*``;
+    see ``ngrpo_lightning.callbacks.ReplayBuffer``)."""
+
+    capacity: int = 0  # prompts whose latest success is kept (0 = no replay)
+    max_staleness: int = 4  # a success is replayed at most this many steps after it was sampled
+    is_cap: float = 2.0  # cap of a replayed trajectory's importance weight
+
+    def __post_init__(self):
+        check_number("replay.capacity", self.capacity, 0, integer=True)
+        check_number("replay.max_staleness", self.max_staleness, 1, integer=True)
+        check_number("replay.is_cap", self.is_cap, 1.0)
