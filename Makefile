@@ -57,7 +57,7 @@ setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev $(if $(VLLM_EXTRA),$(VENV)/.$(VLLM_EXTRA))
 
 train: setup
-	env $(RUN_ENV) $(BIN)/ngrpo train $(ARGS)
+	@env $(RUN_ENV) $(BIN)/ngrpo train $(ARGS)
 
 # the launcher's environment, one assignment a line (tests/test_allocator.py runs a process under it)
 run-env:
