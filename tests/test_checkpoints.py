@@ -89,5 +89,5 @@ def test_checkpoints_hold_the_base_models_hash_not_the_reference(base_dir, tmp_p
     with torch.no_grad():
         changed.get_input_embeddings().weight.add_(0.01)
     changed.save_pretrained(base_dir)
-    with pytest.raises(ConfigError, match=r"reference is the base model .* but this run's base model is .*sha256"):
+    with pytest.raises(ConfigError, match=r"reference is the base model .* but the base model loaded now is .*sha256"):
         run(4, "resume=last")

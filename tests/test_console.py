@@ -2,6 +2,7 @@
 (they come back with ``-v``)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ NOISE = [
     "nan before",
     "`Trainer.fit` stopped",
 ]
+LOG_LINE = re.compile(
+    r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING)|Warning:", re.M
+)  # a library's log or warning
 
 
 def run(tmp: Path, *extra: str) -> str:
@@ -49,6 +53,22 @@ def test_the_console_shows_the_run_not_the_libraries(consoles):
     assert "Trained 2 steps in" in quiet and "validation accuracy:" in quiet and "MLflow run:" in quiet
     shown = [line for line in NOISE if line in quiet]
     assert not shown, f"library noise on the console: {shown}"
+    assert not LOG_LINE.search(quiet), LOG_LINE.search(quiet)
+
+
+def test_eval_shows_its_results_not_the_libraries(tmp_path):
+    """``ngrpo eval`` of the defaults' model on a new MLflow store: the results, no store creation,
+    no experiment creation, no weight-loading bar, no library warning."""
+    ngrpo = Path(sys.executable).parent / "ngrpo"
+    cmd = [str(ngrpo), "eval", "model=tiny", "n=1", "limit=2", "max_new_tokens=4", "reward.num_workers=1"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Evaluated tiny on reasoning_gym (2 problems x 1 samples)" in out and "MLflow run:" in out
+    shown = [line for line in NOISE if line in out]
+    assert not shown, f"library noise on the console: {shown}"
+    assert not LOG_LINE.search(out), LOG_LINE.search(out)
 
 
 def test_verbose_brings_the_libraries_back(consoles):
@@ -59,3 +79,16 @@ def test_verbose_brings_the_libraries_back(consoles):
 def test_validation_that_did_not_run_says_so(tmp_path):
     out = run(tmp_path, "validate_before_fit=false", "logger=none")
     assert "validation accuracy: not run before ->" in out
+
+
+def test_the_tests_run_the_configuration_libraries_users_get():
+    """The dev extra's launcher asks for hydra-core >= 1.1.0.dev7, a pre-release specifier that would
+    let pip install Hydra's and OmegaConf's release candidates under `make test` only: the package
+    bounds both to the releases `make train` installs."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    for name, below in (("hydra-core", "1.4"), ("omegaconf", "2.4")):
+        installed = Version(version(name))
+        assert not installed.is_prerelease and installed < Version(below), (name, installed)

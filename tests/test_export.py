@@ -84,6 +84,25 @@ def test_ngrpo_export_of_a_run_equals_the_final_export(trained, capsys):
     assert "is not a checkpoint, a run's output_dir or an MLflow run id" in capsys.readouterr().err
 
 
+def test_export_never_writes_over_a_folder_or_mixes_two_kinds_of_model(trained, capsys):
+    tmp, store, _ = trained
+    mine = tmp / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes\n")
+    assert main(["export", str(tmp / "run"), str(mine), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert f"export: {mine} is not empty (it holds README.md)" in err and "--overwrite" in err
+    assert (mine / "README.md").read_text() == "my notes\n"  # nothing written
+    # a folder holding a LoRA adapter, replaced by a full model: no adapter file is left beside it
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (mine / name).write_text("{}")
+    (mine / "notes.txt").write_text("kept")
+    assert main(["export", str(tmp / "run"), str(mine), "--no-mlflow", "--overwrite"]) == 0
+    held = {p.name for p in mine.iterdir()}
+    assert "model.safetensors" in held and not held & {"adapter_config.json", "adapter_model.safetensors"}
+    assert (mine / "notes.txt").read_text() == "kept" and "ngrpo-lightning" in (mine / "README.md").read_text()
+
+
 @pytest.mark.parametrize("which", ["output_dir", "checkpoint file", "exported model"])
 def test_ngrpo_eval_takes_any_run(trained, which, monkeypatch, capsys):
     tmp, _, _ = trained

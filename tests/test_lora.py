@@ -203,6 +203,14 @@ def test_resume_on_a_changed_base_model_is_refused_naming_both(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "cannot resume: the checkpoint's reference is the base model" in err
     assert err.count("weights sha256") == 2  # the checkpoint's base and this run's, both named
+    # eval and export load the adapters on the base model the same way, and refuse it the same way
+    assert main(["eval", "model=outputs", "n=1", "limit=1", "max_new_tokens=2", "logger=none"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot eval: the checkpoint's reference is the base model" in err and err.count("weights sha256") == 2
+    assert main(["export", "outputs", str(tmp_path / "hf"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot export: the checkpoint's reference is the base model" in err and err.count("weights sha256") == 2
+    assert not (tmp_path / "hf").exists()
 
 
 def test_the_ngrpo_lora_preset_trains_with_neighbor_mixing(tmp_path, monkeypatch):

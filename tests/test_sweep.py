@@ -8,6 +8,7 @@ import pytest
 from conftest import TINY_JOB
 from mlflow import MlflowClient
 
+from ngrpo_lightning.checkpoints.trained_policy import find_checkpoint, read_checkpoint
 from ngrpo_lightning.commands.cli import main
 
 TINY = [*TINY_JOB, "trainer.max_steps=1", "data.val_size=2"]
@@ -44,6 +45,10 @@ def test_basic_sweep_tags_runs_reports_failures_and_skips_finished_jobs(store, t
         assert r.data.params["seed"] == tags["ngrpo.seed"] and r.info.status == "FINISHED"
     folders = {r.data.params["output_dir"] for r in runs}
     assert len(folders) == 2 and all("multirun/s1/" in f for f in folders)
+    for folder in folders:  # each job records the command that retrains it, not Hydra's sweep internals
+        command = read_checkpoint(find_checkpoint(folder)).meta["command"]
+        assert command.startswith("ngrpo train ") and "hydra." not in command and "--multirun" not in command
+        assert "optim.lr=0.01" in command and ("seed=0" in command or "seed=1" in command)
 
     assert main(cmd) == 1  # again: the finished runs are skipped, the failed ones tried again
     assert len(sweep_runs(store, "s1")) == 2

@@ -29,6 +29,7 @@ from ngrpo_lightning.checkpoints.trained_policy import (
     load_trained_policy,
     read_checkpoint,
 )
+from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.models.lora import has_adapters
 
 __all__ = ["export_checkpoint", "model_card", "save_hf_model"]
@@ -36,9 +37,49 @@ __all__ = ["export_checkpoint", "model_card", "save_hf_model"]
 VAL_METRICS = ("val/accuracy", "val/reward")
 
 
-def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str) -> Path:
-    """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md."""
+# The files a Hugging Face model or a peft adapter is read from: a folder must hold one kind only
+# (a loader that finds adapter_config.json reads the folder as an adapter on some other base)
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+MODEL_GLOBS = ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin")
+
+
+def check_target(out_dir: Path, overwrite: bool) -> None:
+    """A non-empty ``out_dir`` is refused unless ``overwrite``; with it, the model files already
+    there are removed first, so the folder never holds two kinds of model (a user's other files stay)."""
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise ConfigError(
+            f"export: {out_dir} is not empty (it holds {shown}): name a new folder, or pass --overwrite "
+            "to replace the model there (other files are kept; README.md becomes the model card)"
+        )
+    for name in held if overwrite else ():
+        path = out_dir / name
+        if path.is_file() and (name in MODEL_FILES or any(path.match(g) for g in MODEL_GLOBS)):
+            path.unlink()
+
+
+def is_own_export(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a model this project exported (its model card says so)."""
+    card = out_dir / "README.md"
+    return card.is_file() and "- ngrpo-lightning\n" in card.read_text(errors="replace")
+
+
+def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, overwrite: bool = False) -> Path:
+    """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md;
+    a non-empty ``out_dir`` only with ``overwrite`` (:func:`check_target`)."""
     out_dir = Path(out_dir)
+    check_target(out_dir, overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -55,18 +96,22 @@ def export_checkpoint(
     dtype: str | None = None,
     log_to_mlflow: bool = True,
     merge: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Export the policy of ``source`` (see :func:`~ngrpo_lightning.checkpoints.trained_policy.find_checkpoint`)
-    to ``out_dir``; with ``log_to_mlflow`` and a reachable store, also to the run's artifacts."""
+    to ``out_dir`` (a non-empty one only with ``overwrite``); with ``log_to_mlflow`` and a reachable
+    store, also to the run's artifacts."""
+    check_target(Path(out_dir), overwrite)  # before minutes of loading
     path = find_checkpoint(source, which, tracking_uri)
     ckpt = read_checkpoint(path)
     uri = tracking_uri or _run_tracking_uri(ckpt)
-    policy, tokenizer = load_trained_policy(ckpt, dtype=dtype)
+    policy, tokenizer = load_trained_policy(ckpt, dtype=dtype, action="export")
     adapters = has_adapters(policy)
     if adapters and merge:  # base + (alpha / rank) B A in every adapted layer: a plain model
         policy, adapters = policy.merge_and_unload(), False
     metrics = _mlflow_metrics(ckpt.meta.get("mlflow_run_id"), uri)
-    out = save_hf_model(policy, tokenizer, Path(out_dir), model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics))
+    card = model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics)
+    out = save_hf_model(policy, tokenizer, Path(out_dir), card, overwrite=overwrite)
     logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out)
     load = f"AutoModelForCausalLM.from_pretrained({str(out)!r})"
     if adapters:

@@ -34,15 +34,16 @@ def weights_digest(model: torch.nn.Module, keep=None) -> str:
     return digest.hexdigest()
 
 
-def check_base_model(saved: dict, current: dict) -> None:
-    """A run resumes only on the base model it started from: its reference (the base weights,
-    not stored in checkpoints) is loaded again and must hash to what the checkpoint recorded."""
+def check_base_model(saved: dict, current: dict, action: str = "resume") -> None:
+    """A checkpoint is used only on the base model it started from: the base weights (not stored in
+    checkpoints: the reference, or a LoRA policy's frozen weights) are loaded again and must hash to
+    what the checkpoint recorded. ``action`` names what is refused (resume, eval, export)."""
     if not saved or not current or saved.get("weights_sha256") == current.get("weights_sha256"):
         return
     describe = lambda m: f"{m.get('name_or_path')!r} (weights sha256 {str(m.get('weights_sha256'))[:16]}...)"  # noqa: E731
     raise ConfigError(
-        f"cannot resume: the checkpoint's reference is the base model {describe(saved)}, but this run's base "
-        f"model is {describe(current)}; its weights changed since the run started. Resume with the original "
+        f"cannot {action}: the checkpoint's reference is the base model {describe(saved)}, but the base "
+        f"model loaded now is {describe(current)}; its weights changed since the run started. Use the original "
         "base model (model.name_or_path)"
     )
 

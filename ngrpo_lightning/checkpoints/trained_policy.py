@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.backends import attention
+from ngrpo_lightning.checkpoints.run import check_base_model, weights_digest
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
@@ -115,9 +116,14 @@ def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def load_trained_policy(ckpt: TrainedCheckpoint, base: str | None = None, dtype: str | None = None, **load_kwargs):
+def load_trained_policy(
+    ckpt: TrainedCheckpoint, base: str | None = None, dtype: str | None = None, action: str = "load", **load_kwargs
+):
     """``(policy, tokenizer)``: the base model (``base``, or the one the run recorded) with the
-    checkpoint's policy weights, in ``dtype`` (default: the run's ``model.dtype``)."""
+    checkpoint's policy weights, in ``dtype`` (default: the run's ``model.dtype``). Where the base
+    weights come from outside the checkpoint (a LoRA run's), they must hash to what the run
+    recorded, as resume checks (:func:`~ngrpo_lightning.checkpoints.run.check_base_model`;
+    ``action`` names the refused use)."""
     base = base or ckpt.base_model
     if not base:
         raise ConfigError(
@@ -132,6 +138,10 @@ def load_trained_policy(ckpt: TrainedCheckpoint, base: str | None = None, dtype:
     adapters = lora.LoraSettings.from_config(model_cfg.get("lora"))
     if adapters.enabled:  # a LoRA run's checkpoint holds the adapters only: put them on the base model
         policy = lora.apply(policy, adapters)
+        saved = ckpt.meta.get("base_model") or {}
+        if saved.get("weights_sha256") and dtype == model_cfg.get("dtype", dtype):  # hashes compare in one dtype
+            digest = weights_digest(policy, keep=lambda name: not lora.is_adapter_weight(name))
+            check_base_model(saved, {"name_or_path": base, "weights_sha256": digest}, action)
     weights = _distributed_policy_weights(ckpt.path, policy) if ckpt.distributed else _policy_weights(ckpt)
     missing, unexpected = policy.load_state_dict(weights, strict=False)
     tied = set(getattr(policy, "_tied_weights_keys", None) or [])

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
     p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the model in a non-empty out_dir (other files are kept)"
+    )
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
@@ -173,6 +176,7 @@ def _export(args) -> int:
             dtype=args.dtype,
             log_to_mlflow=not args.no_mlflow,
             merge=args.merge,
+            overwrite=args.overwrite,
         )
     except (ConfigError, FileNotFoundError) as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)

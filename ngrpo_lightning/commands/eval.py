@@ -36,6 +36,7 @@ from ngrpo_lightning.metrics.evaluate import (
 from ngrpo_lightning.models.loading import load_policy, parse_dtype
 from ngrpo_lightning.rollout import build_engine
 from ngrpo_lightning.rollout.engine import full_named_tensors
+from ngrpo_lightning.tracking.console import quiet_libraries
 from ngrpo_lightning.tracking.logger import log_report_run
 
 
@@ -166,6 +167,7 @@ def load_eval_policy(cfg, backend: Backend | None = None):
             dtype=None if base is None else dtype,
             attn_implementation=backend.attention,
             **remote,
+            action="eval",
         )
     device = cfg.get("device", "cpu")
     if device == "auto":
@@ -178,6 +180,7 @@ def run_eval(cfg) -> dict:
     into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
     a ``text`` field."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    quiet_libraries(verbose=bool((cfg.get("logger") or {}).get("verbose", False)))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)

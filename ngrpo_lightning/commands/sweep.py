@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
 import sys
 import time
 import traceback
@@ -98,7 +99,7 @@ def swept_keys(overrides: list[str]) -> set[str]:
     return {o.key_or_group for o in parsed if o.is_sweep_override()}
 
 
-def run_job(cfg: DictConfig, swept: set[str], train: Callable[[DictConfig], dict]) -> dict:
+def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dict:
     """One job of a sweep, inside Hydra's launcher: skip it if it finished before, resume it if
     it has a checkpoint, train it otherwise; never raise (the sweep goes on)."""
     from hydra.core.hydra_config import HydraConfig
@@ -133,7 +134,7 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[[DictConfig], dict
     out.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(record, indent=1))
     try:
-        summary = train(cfg)
+        summary = train(cfg, command=shlex.join(["ngrpo", "train", *job_overrides]))  # what retrains this job
         record.update(status="finished", run_id=summary.get("run_id"), steps=summary.get("steps"))
         for key in ("val_accuracy_before", "val_accuracy_after", "reward_first", "reward_last", "seconds"):
             if key in summary:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.build.components import build_module, build_pass_at_k, build_trainer, check_config
 from ngrpo_lightning.build.data import build_datamodule, build_problems
-from ngrpo_lightning.checkpoints.export import export_checkpoint, model_card, save_hf_model
+from ngrpo_lightning.checkpoints.export import export_checkpoint, is_own_export, model_card, save_hf_model
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.tracking.console import header, quiet_libraries
 from ngrpo_lightning.tracking.logger import build_logger, log_config, summarize_run
@@ -34,9 +34,11 @@ KNOWN_WARNINGS = (
 )
 
 
-def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
+def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | None = None) -> dict:
     """Run one training job (``ngrpo train``) on a composed config; returns a summary dict.
 
+    ``command``: the command that retrains this run, as the checkpoints and the model card record
+    it (default: this process's command line; a sweep gives each job its own ``ngrpo train ...``).
     ``callbacks``: more Lightning callbacks for the run's Trainer, beside those the config asks
     for: what a script adds to a run from Python (a recorder of step metrics, an early stop)::
 
@@ -61,7 +63,7 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
     claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
     logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
     try:
-        summary = _fit(cfg, logger, problems, ckpt_path, callbacks)
+        summary = _fit(cfg, logger, problems, ckpt_path, callbacks, command or command_line())
     except BaseException as err:
         if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
             logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
@@ -71,7 +73,9 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> dict:
     return summary
 
 
-def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = ()) -> dict:
+def _fit(
+    cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = (), command: str = ""
+) -> dict:
     """Validate, fit and validate again; the summary of the run."""
     module = build_module(cfg)
     if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
@@ -82,7 +86,7 @@ def _fit(cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Se
     module.run_meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "mlflow_run_id": getattr(logger, "run_id", None),
-        "command": command_line(),
+        "command": command,
     }
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)
@@ -107,11 +111,12 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     """``export.final``: the trained policy as a Hugging Face model in ``export.dir`` (default
     ``<output_dir>/hf_model``), logged to the run's MLflow artifacts (``model/``)."""
     out = Path(cfg.export.dir or Path(cfg.output_dir) / "hf_model")
+    again = is_own_export(out)  # a resumed run replaces its own export; anything else is refused
     if module.parallel is not None:  # sharded weights: the checkpoint written at the end of training holds them whole
-        return export_checkpoint(str(cfg.output_dir), out, log_to_mlflow=logger is not None)["out"]
+        return export_checkpoint(str(cfg.output_dir), out, log_to_mlflow=logger is not None, overwrite=again)["out"]
     metrics = {k: float(v) for k, v in (after[0] if after else {}).items() if k.startswith("val/")}
     card = model_card(module.run_meta["config"], module.run_meta, trainer.global_step, metrics)
-    save_hf_model(module.policy, module.tokenizer, out, card)
+    save_hf_model(module.policy, module.tokenizer, out, card, overwrite=again)
     if logger is not None:
         logger.experiment.log_artifacts(logger.run_id, str(out), "model")
     return out

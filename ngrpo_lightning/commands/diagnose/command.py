@@ -22,6 +22,7 @@ from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.data import PromptDataset
 from ngrpo_lightning.rollout import HFEngine
 from ngrpo_lightning.rollout.engine import special_token_ids
+from ngrpo_lightning.tracking.console import quiet_libraries
 from ngrpo_lightning.tracking.logger import log_report_run
 
 MODES = ("drift", "rollouts")
@@ -241,6 +242,7 @@ def run_diagnose(mode: str, overrides: list[str]) -> dict:
     if mode not in MODES:
         raise ConfigError(f"diagnose mode {mode!r} is unknown: allowed {list(MODES)}")
     cfg = compose_diagnose(overrides)
+    quiet_libraries(verbose=bool((cfg.get("logger") or {}).get("verbose", False)))
     torch.manual_seed(cfg.seed)
     return run_drift_command(cfg) if mode == "drift" else run_rollouts_command(cfg)
 
