@@ -55,8 +55,17 @@ def test_each_batch_uses_weights_exactly_as_old_as_the_bound(tmp_path, explorer,
     assert versions == [UPDATES * max(0, b - k) for b in range(5)]
     assert staleness == [UPDATES * b - UPDATES * max(0, b - k) for b in range(5)]
     assert max(staleness) <= UPDATES * k
-    for key in ("async/trainer_wait_s", "async/generator_wait_s", "train/tis_clipped_frac", "train/tis_weight_mean"):
-        assert all(v >= 0 for v in values(tmp_path, summary["run_id"], key)), key
+    got = {
+        key: values(tmp_path, summary["run_id"], key)
+        for key in ("async/trainer_wait_s", "async/generator_wait_s", "train/tis_clipped_frac", "train/tis_weight_mean")
+    }
+    step_s = values(tmp_path, summary["run_id"], "time/step_s")
+    assert all(w >= 0 for w in got["async/trainer_wait_s"] + got["async/generator_wait_s"])
+    assert sum(got["async/trainer_wait_s"]) < sum(step_s)  # the trainer waits inside its steps
+    assert all(0 <= f <= 1 for f in got["train/tis_clipped_frac"])
+    assert all(0 < w <= 2.0 for w in got["train/tis_weight_mean"])  # capped at 2.0 under max_staleness
+    # the batches rolled out by older weights are reweighted: their mean weight is not 1
+    assert any(abs(w - 1) > 1e-6 for w in got["train/tis_weight_mean"][k:])
 
 
 def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
