@@ -37,7 +37,8 @@ def select_backend(name: str = "auto", dtype: torch.dtype = torch.float32, accel
 
 def backend_for(model: torch.nn.Module) -> Backend:
     """The backend of the device ``model`` is on, for what a rollout asks of it (its KV cache's
-    dtype) where no run built one: nothing is measured or swapped."""
+    dtype) where no run built one. Nothing is measured or swapped until ``prepare(model)`` is called
+    (a script or benchmark that loads a model itself may call it, as a run does)."""
     param = next(model.parameters())
     config = getattr(model, "config", None)
     attn = getattr(config, "_attn_implementation", None) or "auto"

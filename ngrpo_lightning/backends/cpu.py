@@ -3,11 +3,12 @@
 Whether a product on a packed weight pays depends on the CPU (its vector units, its oneDNN
 kernels) and on the shape: on an AMX machine the packaged model's update ran 1.5x faster
 packed, on an AVX2-only one it ran slower. So nothing is assumed: when a run is built, every
-distinct linear shape of the model is timed both ways, once at the decoding batch's rows
-(``pack_once``: one packed copy per rollout or frozen pass, :mod:`.linear`) and once at a
-training forward's rows, forward and backward (``pack_per_product``), and the faster way is
-taken where it is faster by at least :data:`MARGIN`. The answers are kept per machine
-(:mod:`.probe`), so a second run on the same machine and model does not measure again.
+distinct linear shape of the model is timed both ways at three kinds of product
+(:class:`~.linear.BackendLinear`): a decoding step's rows (``pack_once``: one packed copy per
+rollout), a frozen pass's rows (``pack_frozen``: the reference's log-probs) and a training
+forward and backward (``pack_per_product``); the packed way is taken where it is faster by at
+least :data:`MARGIN`. The answers are kept per machine (:mod:`.probe`), so a second run on the
+same machine and model does not measure again.
 
 Also chosen here, each giving the same values:
 
@@ -24,8 +25,6 @@ against about 100 in float32).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -95,7 +94,6 @@ class CPUBackend(Backend):
 
     device_type = "cpu"
     default_attention = attention.NAME
-
     chooses_packing = True
 
     def __init__(self, *args, measurements: Measurements | None = None, **kwargs):
@@ -105,8 +103,7 @@ class CPUBackend(Backend):
         self.measurements = measurements
         if self.attention == attention.NAME:
             attention.register()
-        self._notes: list[str] = []
-        self._chosen: dict[str, tuple[bool, bool]] = {}
+        self._chosen: dict[str, tuple[bool, bool, bool]] = {}  # shape -> what was chosen, for the header
 
     def _answers(self) -> Measurements:
         if self.measurements is None:
@@ -181,7 +178,3 @@ class CPUBackend(Backend):
 
     def summary(self) -> str:
         return f"cpu backend ({torch.backends.cpu.get_cpu_capability()}), attention {self.attention}"
-
-
-def on_linux() -> bool:
-    return sys.platform.startswith("linux")
