@@ -191,6 +191,20 @@ def test_the_architecture_doc_names_every_layer_of_the_test():
         assert f"`{short}/`" in doc or f"`{short}.py`" in doc, short
 
 
+def test_package_modules_import_the_package_by_its_name():
+    """``callbacks/`` installs as ``ngrpo_lightning.callbacks``: an import of a top-level ``callbacks``
+    (or ``conf``) works in a checkout's folder only, and is an ImportError everywhere else."""
+    wrong = [
+        f"{path}:{node.lineno}"
+        for path in modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom | ast.Import)
+        for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+        if name.split(".")[0] in ("callbacks", "conf") and not getattr(node, "level", 0)
+    ]
+    assert not wrong, wrong
+
+
 def test_callbacks_are_part_of_the_package():
     assert "ngrpo_lightning.callbacks.replay_buffer" in modules()
     assert CALLBACKS == REPO / "callbacks"
