@@ -14,14 +14,13 @@ The updates are planned by :class:`~ngrpo_lightning.training.planning.UpdatePlan
 train.num_mini_batches`` of them, each in ``optim.micro_batch_size`` micro-batches), dynamic
 sampling by :class:`~ngrpo_lightning.training.planning.DynamicSampling`; the module's ``step_hooks``
 (:class:`~ngrpo_lightning.training.updates.StepHook`, e.g. ``ngrpo_lightning.callbacks.ReplayBuffer``)
-take part in every step, and those that are callbacks join the Trainer through
-``configure_callbacks``.
+take part in every step, and those that are callbacks join the Trainer through ``configure_callbacks``.
 
 Optimization is manual because one batch of rollouts may serve several optimizer updates
 and because rollouts must see the weights of the last update. Lightning counts
 ``trainer.global_step`` in optimizer steps under manual optimization: ``max_steps`` is a
 number of optimizer updates, i.e. ``max_steps / (ppo_epochs * num_mini_batches)`` rollout
-batches. Logged metrics are indexed by rollout batch.
+batches. Logged metrics are indexed by rollout batch (:mod:`~ngrpo_lightning.training.reports`).
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ from ngrpo_lightning.backends import Backend, backend_for, file_weights
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.backends.recompute import recomputing
 from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
-from ngrpo_lightning.metrics.exploration import exploration_metrics
-from ngrpo_lightning.metrics.training import combine_metrics, rollout_step_metrics
+from ngrpo_lightning.metrics.training import combine_metrics
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.objectives import (
     PolicyObjective,
@@ -58,13 +56,14 @@ from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference
 from ngrpo_lightning.training.forward import response_logprobs
 from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
+from ngrpo_lightning.training.reports import StepReports
 from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
 from ngrpo_lightning.training.updates import StepHook, StepRollouts
 
 __all__ = ["RLModule"]
 
 
-class RLModule(CheckpointHooks, L.LightningModule):
+class RLModule(CheckpointHooks, StepReports, L.LightningModule):
     """Policy optimization of a causal LM with a pluggable explorer and objective.
 
     Args:
@@ -399,63 +398,3 @@ class RLModule(CheckpointHooks, L.LightningModule):
             self.tis_level, self.tis_mode,
         )  # fmt: skip
         return (mb.advantages[:, None] * weights if self.tis_level == "token" else mb.advantages * weights), stats
-
-    def log_step(
-        self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict
-    ) -> None:
-        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
-        ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
-        log = {f"train/{k}": v for k, v in metrics.items()}
-        log.update(rollout_step_metrics(batch, rewards, step))
-        log.update(step.stats)  # replay/*, dynamic/*
-        log.update(scored.metrics())  # reward/* status fractions
-        log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
-        log.update(batch.stats)  # rollout/* timings and throughput
-        log.update(phases)  # time/*_s
-        now = time.perf_counter()
-        log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
-        self._last_step_end = now
-        # Under several processes every rank logs its own rollouts' statistics: they are
-        # averaged over ranks (sync_dist; ``*_max``/``*_min`` reduced as such). The loss metrics
-        # are those of each rank's share of the global batch.
-        sync = self._trainer is not None and self._trainer.world_size > 1
-        device = self.device if sync else "cpu"
-        for key, value in log.items():
-            op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
-            self.log(
-                key,
-                torch.as_tensor(float(value), device=device),
-                on_step=True,
-                batch_size=len(batch),
-                sync_dist=sync,
-                reduce_fx=op,
-            )
-        self.log_dict(
-            {
-                "reward": float(rewards.mean()),
-                "acc": float(log["train/accuracy"]),
-                "s/step": float(log["time/step_s"]),
-                "tok/s": float(batch.stats.get("rollout/tokens_per_s", math.nan)),
-            },
-            prog_bar=True,
-            logger=False,
-            batch_size=len(batch),
-            sync_dist=sync,
-        )
-
-    # ------------------------------------------------------------- validation
-    def validation_step(self, batch: RolloutBatch, batch_idx: int):
-        scored = self.score(batch)
-        self.val_accuracy.update(scored.correct.float())
-        self.val_reward.update(scored.scores)
-        return {"rewards": scored.scores, "status": scored.status}
-
-    def on_validation_epoch_end(self):
-        sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
-        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
-        self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
-        # fresh states as normal tensors: reset() under inference mode (trainer.validate) would make
-        # them inference tensors, which validation during fit (under no_grad) cannot update in place
-        with torch.inference_mode(False):
-            self.val_accuracy.reset()
-            self.val_reward.reset()

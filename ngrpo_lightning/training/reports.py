@@ -1,0 +1,83 @@
+"""What the training module reports: a step's metrics to the logger and the progress bar, and
+validation's accuracy and reward.
+
+:class:`StepReports` is a mixin of :class:`~ngrpo_lightning.training.module.RLModule` (before
+``L.LightningModule``); it uses the module's ``score``, ``val_accuracy``, ``val_reward``,
+``_fit_start`` and ``_last_step_end``, and Lightning's ``log`` and ``log_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ngrpo_lightning.metrics.exploration import exploration_metrics
+from ngrpo_lightning.metrics.training import rollout_step_metrics
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.training.updates import StepRollouts
+
+
+class StepReports:
+    """A step's metrics and validation's, as the module logs them (see the module docstring)."""
+
+    def log_step(
+        self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict
+    ) -> None:
+        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
+        ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
+        log = {f"train/{k}": v for k, v in metrics.items()}
+        log.update(rollout_step_metrics(batch, rewards, step))
+        log.update(step.stats)  # replay/*, dynamic/*
+        log.update(scored.metrics())  # reward/* status fractions
+        log.update(exploration_metrics(batch, scored.answers))  # explore/*, on the answers the reward extracted
+        log.update(batch.stats)  # rollout/* timings and throughput
+        log.update(phases)  # time/*_s
+        now = time.perf_counter()
+        log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
+        self._last_step_end = now
+        # Under several processes every rank logs its own rollouts' statistics: they are
+        # averaged over ranks (sync_dist; ``*_max``/``*_min`` reduced as such). The loss metrics
+        # are those of each rank's share of the global batch.
+        sync = self._trainer is not None and self._trainer.world_size > 1
+        device = self.device if sync else "cpu"
+        for key, value in log.items():
+            op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+            self.log(
+                key,
+                torch.as_tensor(float(value), device=device),
+                on_step=True,
+                batch_size=len(batch),
+                sync_dist=sync,
+                reduce_fx=op,
+            )
+        self.log_dict(
+            {
+                "reward": float(rewards.mean()),
+                "acc": float(log["train/accuracy"]),
+                "s/step": float(log["time/step_s"]),
+                "tok/s": float(batch.stats.get("rollout/tokens_per_s", math.nan)),
+            },
+            prog_bar=True,
+            logger=False,
+            batch_size=len(batch),
+            sync_dist=sync,
+        )
+
+    # ------------------------------------------------------------- validation
+    def validation_step(self, batch: RolloutBatch, batch_idx: int):
+        scored = self.score(batch)
+        self.val_accuracy.update(scored.correct.float())
+        self.val_reward.update(scored.scores)
+        return {"rewards": scored.scores, "status": scored.status}
+
+    def on_validation_epoch_end(self):
+        sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
+        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
+        self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
+        # fresh states as normal tensors: reset() under inference mode (trainer.validate) would make
+        # them inference tensors, which validation during fit (under no_grad) cannot update in place
+        with torch.inference_mode(False):
+            self.val_accuracy.reset()
+            self.val_reward.reset()
