@@ -44,22 +44,30 @@ def check_backend_settings(cfg: DictConfig) -> None:
 def build_backend(cfg: DictConfig) -> Backend:
     """The run's backend: ``backend.name`` (``auto``: from ``trainer.accelerator``), for the
     model's dtype and the run's usual shapes (a decoding step's rows, a training forward's tokens)."""
-    check_backend_settings(cfg)
-    node, d, r = cfg.get("backend") or {}, cfg.data, cfg.rollout
+    d, r = cfg.data, cfg.rollout
     rows = d.prompts_per_step * r.group_size
     optim = cfg.get("optim") or {}
     micro_rows = optim.get("micro_batch_size") or rows
     tokens = micro_rows * (min(d.max_prompt_tokens, 256) + r.max_new_tokens)  # prompts are rarely near their cap
     budget = optim.get("max_tokens_per_micro_batch")
+    train_rows = min(tokens, budget) if budget else tokens
+    return backend_for_config(cfg, str(cfg.trainer.get("accelerator", "auto")), decode_rows=rows, train_rows=train_rows)
+
+
+def backend_for_config(cfg: DictConfig, accelerator: str, **shapes) -> Backend:
+    """The backend ``backend.*`` asks for, for ``model.dtype`` on ``accelerator``, checked (every
+    command that loads a model: ``ngrpo train``, ``eval``, ``diagnose``); ``shapes``: the usual
+    rows of its products (``decode_rows``, ``train_rows``)."""
+    check_backend_settings(cfg)
+    node = cfg.get("backend") or {}
     try:
         return select_backend(
             node.get("name", "auto"),
             parse_dtype(cfg.model.dtype),
-            str(cfg.trainer.get("accelerator", "auto")),
+            accelerator,
             attention=node.get("attention", "auto"),
             packing=node.get("packing", "auto"),
-            decode_rows=rows,
-            train_rows=min(tokens, budget) if budget else tokens,
+            **shapes,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -14,7 +14,8 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.backends import Backend, attention, select_backend
+from ngrpo_lightning.backends import Backend
+from ngrpo_lightning.build.models import backend_for_config
 from ngrpo_lightning.checkpoints.trained_policy import (
     find_checkpoint,
     is_run_checkpoint,
@@ -33,7 +34,7 @@ from ngrpo_lightning.metrics.evaluate import (
     plot_pass_at_k,
     results_table,
 )
-from ngrpo_lightning.models.loading import load_policy, parse_dtype
+from ngrpo_lightning.models.loading import load_policy
 from ngrpo_lightning.rollout import build_engine
 from ngrpo_lightning.rollout.engine import full_named_tensors
 from ngrpo_lightning.tracking.console import quiet_libraries
@@ -119,22 +120,8 @@ def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
 
 def eval_backend(cfg) -> Backend:
     """How the evaluated model computes (``backend.*``, on ``device``), checked."""
-    node = cfg.get("backend") or {}
-    try:
-        dtype = parse_dtype(cfg.model.dtype)
-        choice = node.get("attention", "auto")
-        if choice != "auto":
-            attention.check_attn_implementation(choice, "backend.attention")
-        return select_backend(
-            node.get("name", "auto"),
-            dtype,
-            accelerator=str(cfg.get("device", "cpu")),
-            attention=choice,
-            packing=node.get("packing", "auto"),
-            decode_rows=(cfg.get("batch_size") or 8) * (cfg.get("n") or 1),
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    rows = (cfg.get("batch_size") or 8) * (cfg.get("n") or 1)
+    return backend_for_config(cfg, str(cfg.get("device", "cpu")), decode_rows=rows)
 
 
 def load_eval_policy(cfg, backend: Backend | None = None):
