@@ -69,7 +69,7 @@ run-env:
 #   ngrpo compare sweep=reference-v1
 STUDY_SEEDS ?= 0 1 2 3 4 5 6 7 8 9
 STUDY_ARMS ?= grpo,ngrpo,stht
-STUDY = sweep=reference-v1 pass_at_k.n=16 data.val_size=64 trainer.val_check_interval=5 \
+STUDY = sweep=reference-v1 pass_at_k.n=16 data.val_size=64 trainer.val_check_interval=3 \
 	trainer.enable_checkpointing=false 'data.instruction="Give the final answer within \\boxed{}."'
 study: setup
 	@for seed in $(STUDY_SEEDS); do env $(RUN_ENV) $(BIN)/ngrpo train -m experiment=$(STUDY_ARMS) seed=$$seed $(STUDY) $(ARGS); done
