@@ -92,7 +92,7 @@ def test_help_lists_groups(capsys):
     "command, groups, keys",
     [
         ("eval", ["model", "data", "logger"], ["n:", "ks:", "checkpoint:"]),
-        ("compare", ["logger"], ["sweep:", "n_boot:"]),
+        ("compare", ["logger"], ["sweep:", "detect:"]),
     ],
 )
 def test_a_commands_help_describes_its_own_config(capsys, command, groups, keys):

@@ -8,7 +8,14 @@ from ngrpo_lightning.metrics.exploration import (
     mixture_entropy,
     pairwise_edit_distance,
 )
-from ngrpo_lightning.metrics.pass_at_k import PassAtK, maj_at_k, mean_at_k, pass_at_k, powers_of_two
+from ngrpo_lightning.metrics.pass_at_k import (
+    PassAtK,
+    maj_at_k,
+    mean_at_k,
+    pass_at_k,
+    posterior_pass_at_k,
+    powers_of_two,
+)
 from ngrpo_lightning.metrics.training import combine_metrics, rollout_step_metrics
 
 __all__ = [
@@ -22,6 +29,7 @@ __all__ = [
     "mixture_entropy",
     "pairwise_edit_distance",
     "pass_at_k",
+    "posterior_pass_at_k",
     "powers_of_two",
     "rollout_step_metrics",
 ]

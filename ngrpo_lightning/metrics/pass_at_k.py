@@ -50,6 +50,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
+def posterior_pass_at_k(n: int, c: int, k: int, prior: tuple[float, float] = (1.0, 1.0)) -> float:
+    """Posterior mean of pass@k of one problem: its success rate ``p`` given ``c`` correct of ``n``
+    samples has the Beta posterior ``Beta(a + c, b + n - c)`` (``prior = (a, b)``, uniform by
+    default), and pass@k is ``1 - (1 - p)^k``, whose posterior mean is::
+
+        1 - prod_{i=0}^{k-1} (b + n - c + i) / (a + b + n + i)
+
+    Unlike :func:`pass_at_k` it is defined for any ``k`` (also ``k > n``), never exactly 0 or 1,
+    and it shrinks toward the prior when ``n`` is small, which ranks arms more stably from few
+    samples (Bayes@N, arXiv 2510.04265). The two agree as ``n`` grows.
+    """
+    n, c, k = _check_int("n", n, 1), _check_int("c", c, 0), _check_int("k", k, 1)
+    if c > n:
+        raise ValueError(f"c={c} correct samples is more than n={n} samples")
+    a, b = (float(x) for x in prior)
+    if a <= 0 or b <= 0:
+        raise ValueError(f"prior={prior} must be two positive numbers (Beta(a, b))")
+    prob_all_wrong = 1.0
+    for i in range(k):
+        prob_all_wrong *= (b + n - c + i) / (a + b + n + i)
+    return 1.0 - prob_all_wrong
+
+
 def powers_of_two(n: int) -> list[int]:
     """``[1, 2, 4, ...]`` up to ``n`` (the k of a pass@k curve)."""
     n = _check_int("n", n, 1)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
 from ngrpo_lightning.commands.compare.runs import budget_mismatches, load_run, select_runs
 from ngrpo_lightning.config import ConfigError, compose
@@ -22,10 +23,27 @@ def compose_compare(overrides: list[str]) -> DictConfig:
     return compose(overrides, "compare")
 
 
+def check_compare_settings(cfg: DictConfig) -> None:
+    """``level`` and ``power`` lie in (0, 1), ``detect`` in (0, 1] (a fraction: 0.05 = 5 points),
+    ``draws`` and ``resamples`` are positive integers."""
+    for key, low, high in (("level", 0, 1), ("power", 0, 1), ("detect", 0, 1)):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high + (key == "detect"):
+            closed = "]" if key == "detect" else ")"
+            raise ConfigError(
+                f"{key}={value!r} must be a number in ({low}, {high}{closed} (a fraction, 0.05 = 5 points)"
+            )
+    for key in ("draws", "resamples"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r} must be a positive integer")
+
+
 def run_compare(cfg: DictConfig) -> dict:
     """The comparison of the runs ``cfg`` names; returns ``{"tables", "text", "files"}``."""
     from mlflow import MlflowClient
 
+    check_compare_settings(cfg)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     t0 = time.perf_counter()
     store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_STORE
@@ -41,18 +59,24 @@ def run_compare(cfg: DictConfig) -> dict:
             "Name more runs, experiments or a sweep with several arms"
         )
     warnings = budget_mismatches(runs)
-    tables = arm_tables(runs, cfg.n_boot, cfg.seed)
+    tables = arm_tables(runs, cfg)
     what = f"sweep {cfg.sweep}" if cfg.sweep else ", ".join([*cfg.experiments, *cfg.runs])
     header = f"# Comparison: {what} ({len(runs)} runs, {len(arms)} arms)"
     text = markdown(tables, runs, warnings, header)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = [out / "compare.md", out / "compare.json", out / "curves_step.png", out / "curves_time.png"]
+    files = [out / n for n in ("compare.md", "compare.json", "curves_step.png", "curves_time.png", "compute.png")]
     files[0].write_text(text)
-    record = {"tables": tables, "warnings": warnings, "runs": [vars(r) | {"pass_at_k": None} for r in runs]}
+    fits = {axis: {arm: f and f.as_dict() for arm, f in per_arm.items()} for axis, per_arm in tables["fits"].items()}
+    record = {
+        "tables": tables | {"fits": fits},
+        "warnings": warnings,
+        "runs": [vars(r) | {"pass_at_k": None} for r in runs],
+    }
     files[1].write_text(json.dumps(record, indent=1, default=str))
     plot_curves(runs, files[2], x="step")
     plot_curves(runs, files[3], x="minutes")
+    plot_compute(runs, tables["fits"], files[4])
     if tables["ks"]:
         files.append(out / "pass_at_k.png")
         plot_pass_at_k(tables, files[-1])

@@ -1,5 +1,6 @@
-"""The comparison report: per-arm tables (final Pass@k with intervals, paired differences,
-exploration, speed) and figures (learning curves against steps and wall time, Pass@k)."""
+"""The comparison report: verdicts first, then what the sweep detects, per-arm tables (final
+Pass@k with intervals over seeds, posterior Pass@k, exploration, speed), the curve fits, and
+figures (learning curves against steps and wall time, Pass@k)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,24 @@ from pathlib import Path
 
 import numpy as np
 
+from ngrpo_lightning.commands.compare.curves import AXES, arm_fits, contrast
+from ngrpo_lightning.commands.compare.posterior import per_problem_counts, posterior_interval, ranking_changes
+from ngrpo_lightning.commands.compare.power import detection, plan_text, verdict
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
-from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, two_level_bootstrap
+from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
 
 
-def arm_tables(runs: list[RunData], n_boot: int, seed: int) -> dict:
-    """Everything the report shows, as plain data (also written as JSON)."""
+def arm_tables(runs: list[RunData], cfg) -> dict:
+    """Everything the report shows, as plain data (also written as JSON). ``cfg`` gives ``level``,
+    ``power``, ``detect`` (the difference a plan aims at), ``draws``, ``resamples`` and ``seed``."""
     arms = sorted({r.arm for r in runs})
     by_arm = {a: [r for r in runs if r.arm == a] for a in arms}
-    out = {"arms": {}, "paired": [], "ks": []}
+    out = {"arms": {}, "paired": [], "ks": [], "detect": float(cfg.detect)}
     ns = {p["n"] for r in runs if r.pass_at_k for s in r.pass_at_k["sets"].values() for p in s["problems"]}
     n = min(ns) if ns else 0
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, n) if 1 <= k <= n})
     out["ks"], out["n"] = ks, n
-    scores = {}  # arm -> metric -> seed -> {problem: value}
+    scores = {}  # arm -> seed -> {problem: {metric: value}}
     for arm, members in by_arm.items():
         info = {"runs": [r.run_id for r in members], "seeds": sorted(r.seed for r in members), "final": {}}
         per_seed = {r.seed: _all_scores(r, ks) for r in members if r.pass_at_k}
@@ -30,28 +35,36 @@ def arm_tables(runs: list[RunData], n_boot: int, seed: int) -> dict:
         metrics = [f"pass@{k}" for k in ks] + ([f"mean@{n}", f"maj@{n}"] if n else [])
         for m in metrics:
             groups = [[v[m] for v in per_seed[s].values()] for s in sorted(per_seed)]
-            info["final"][m] = two_level_bootstrap(groups, n_boot, seed)
+            info["final"][m] = list(seed_interval(groups, cfg.level))
+        counts = [per_problem_counts(r.pass_at_k) for r in members if r.pass_at_k]
+        info["posterior"] = {f"pass@{k}": list(posterior_interval(counts, k, cfg.draws, cfg.seed)) for k in ks}
         info["problems"] = sum(len(v) for v in per_seed.values())
         for key in (*EXPLORATION, *SPEED):
             values = [_run_mean(r, key) for r in members]
             values = [v for v in values if not math.isnan(v)]
             info.setdefault("means", {})[key] = (float(np.mean(values)), float(np.std(values))) if values else None
         out["arms"][arm] = info
-    main = f"pass@{ks[0]}" if ks else None
     for a, b in itertools.combinations(arms, 2):
-        if not main:
-            break
-        for m in (main, f"pass@{ks[-1]}"):
-            diffs = paired_differences(scores[a], scores[b], m)
+        for m in [f"pass@{k}" for k in sorted({ks[0], ks[-1]})] if ks else []:
+            found = detection(paired_differences(scores[a], scores[b], m), cfg.level, cfg.power)
             out["paired"].append(
                 {
                     "a": a,
                     "b": b,
                     "metric": m,
-                    "pairs": sum(map(len, diffs)),
-                    "diff": two_level_bootstrap(diffs, n_boot, seed),
+                    "pairs": sum(len(scores[a][s]) for s in set(scores[a]) & set(scores[b])),
+                    "detection": found.as_dict(),
+                    "verdict": verdict(a, b, found, cfg.detect),
+                    "plan": plan_text(found, cfg.detect),
                 }
             )
+    out["ranking_changes"] = {}
+    for k in ks:
+        unbiased = {a: out["arms"][a]["final"][f"pass@{k}"][0] for a in arms}
+        posterior = {a: out["arms"][a]["posterior"][f"pass@{k}"][0] for a in arms}
+        if changed := ranking_changes(unbiased, posterior):
+            out["ranking_changes"][f"pass@{k}"] = changed
+    out["fits"] = arm_fits(runs, n_boot=cfg.resamples, seed=cfg.seed)
     return out
 
 
@@ -69,36 +82,58 @@ def _run_mean(run: RunData, key: str) -> float:
 
 
 def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str) -> str:
-    """The report as markdown."""
-    ks, n = tables["ks"], tables["n"]
+    """The report as markdown: the verdicts first, then the plan, the tables and the fits."""
+    ks, n, target = tables["ks"], tables["n"], 100 * tables["detect"]
     lines = [header, ""]
     if warnings:
-        lines += ["**Not comparable as they stand** (settings differ between runs):", ""]
+        lines += ["**Not comparable as they stand** (settings differ between runs; the verdicts below mix them):", ""]
         lines += [f"- {w}" for w in warnings] + [""]
-    lines += ["| arm | seeds | runs | problems (x seeds) |", "|---|---|---:|---:|"]
+    if paired := tables["paired"]:
+        lines += ["## Verdicts", ""]
+        lines += [f"- **{p['metric'].capitalize()}**, {p['a']} vs {p['b']}: {p['verdict']['text']}" for p in paired]
+        lines += ["", "Differences in percentage points with their 95% t interval over seeds (the runs' paired"]
+        lines += [
+            f'problems averaged per seed); "no difference larger than X" needs the interval inside ±{target:.1f}.'
+        ]
+        lines += ["", f"## What this sweep can detect, and what {target:.1f} points would take", ""]
+        lines += [
+            "| a | b | metric | seeds | problems / seed | a - b | detects (80% power) | to detect "
+            f"{target:.1f} points |",
+            "|---|---|---|---:|---:|---:|---:|---|",
+        ]
+        for p in paired:
+            d = p["detection"]
+            diff = _ci((d["diff"], d["low"], d["high"]), signed=True)
+            mdd = f"{100 * d['mdd']:.1f}" if not math.isnan(d["mdd"]) else ""
+            design = f"{d['seeds']} | {d['problems']:.0f}"
+            lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {design} | {diff} | {mdd} | {p['plan']} |")
+        lines += ["", "`ngrpo compare ... detect=0.03` plans for another difference (a fraction: 0.03 = 3 points)."]
+    lines += ["", "## Arms", "", "| arm | seeds | runs | problems (x seeds) |", "|---|---|---:|---:|"]
     for arm, info in tables["arms"].items():
         lines.append(f"| {arm} | {', '.join(info['seeds'])} | {len(info['runs'])} | {info['problems']} |")
     if ks:
         metrics = [f"pass@{k}" for k in ks] + [f"mean@{n}", f"maj@{n}"]
-        lines += [
-            "",
-            f"Final evaluation (n = {n} samples per problem), %: mean [95% bootstrap interval over problems"
-            " and seeds]:",
-            "",
-        ]
+        lines += ["", f"Final evaluation (n = {n} samples per problem), %: mean [95% t interval over seeds]:", ""]
         lines += ["| arm | " + " | ".join(m.capitalize() for m in metrics) + " |", "|---|" + "---:|" * len(metrics)]
         for arm, info in tables["arms"].items():
             cells = [_ci(info["final"].get(m)) for m in metrics]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-        if tables["paired"]:
-            lines += ["", "Paired differences (a - b, same seed and problem), percentage points [95% interval]:", ""]
-            lines += ["| a | b | metric | pairs | a - b |", "|---|---|---|---:|---:|"]
-            for p in tables["paired"]:
-                lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {p['pairs']} | {_ci(p['diff'], signed=True)} |")
+        lines += ["", "Posterior Pass@k (Beta(1, 1) prior per problem), %: posterior mean [95% credible interval]:", ""]
+        lines += ["| arm | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+        for arm, info in tables["arms"].items():
+            lines.append(f"| {arm} | " + " | ".join(_ci(info["posterior"][f"pass@{k}"]) for k in ks) + " |")
+        changes = tables["ranking_changes"]
+        lines += [""]
+        lines += [
+            f"- at {m.capitalize()} the unbiased estimator ranks {a} above {b}, the posterior {b} above {a}"
+            for m, pairs in changes.items()
+            for a, b in pairs
+        ] or ["The posterior ranks the arms as the unbiased estimator does at every k."]
     else:
         lines += ["", "No run has Pass@k results (train with `pass_at_k.n=16` or more to get them)."]
+    lines += _fit_lines(tables["fits"])
     keys = (*EXPLORATION, *SPEED)
-    lines += ["", "Exploration and speed, mean over each run's steps, then mean ± sd over runs:", ""]
+    lines += ["", "## Exploration and speed", "", "Mean over each run's steps, then mean ± sd over runs:", ""]
     lines += ["| arm | " + " | ".join(k.split("/", 1)[1] for k in keys) + " |", "|---|" + "---:|" * len(keys)]
     for arm, info in tables["arms"].items():
         cells = [f"{m[0]:.3g} ± {m[1]:.2g}" if m else "" for m in (info["means"][k] for k in keys)]
@@ -109,6 +144,47 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     for arm, (run, value, path) in best_checkpoints(runs).items():
         lines.append(f"| {arm} | {run.seed} | {value:.3f} | `{path}` |")
     return "\n".join(lines) + "\n"
+
+
+def _fit_lines(fits: dict) -> list[str]:
+    """The curve fits per axis, and what they tell apart for each pair of arms."""
+    if not any(f for per_arm in fits.values() for f in per_arm.values()):
+        return [
+            "",
+            "## Curves against compute",
+            "",
+            "Too few validations per run to fit a curve (set trainer.val_check_interval).",
+        ]
+    lines = ["", "## Curves against compute", ""]
+    lines += ["val/accuracy fitted per arm with R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) (figure: compute.png);"]
+    lines += ["[95% interval, seeds resampled]. A ceiling counts as reached only when C_mid lies within the runs.", ""]
+    lines += [
+        "| compute | arm | R0 | asymptote A | midpoint C_mid | slope B | rmse |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for axis, per_arm in fits.items():
+        for arm, f in per_arm.items():
+            if f is None:
+                lines.append(f"| {AXES[axis]} | {arm} | | no fit: too few points, or no change | | | |")
+                continue
+            ceiling = _cell(f, "asymptote", "{:.3f}") + ("" if f.ceiling_identified else " (not reached)")
+            lines.append(
+                f"| {AXES[axis]} | {arm} | {f.r0:.3f} | {ceiling} | {_cell(f, 'midpoint', '{:.3g}')} | "
+                f"{_cell(f, 'slope', '{:.2f}')} | {f.rmse:.3f} |"
+            )
+    lines += [""]
+    for axis, per_arm in fits.items():
+        for a, b in itertools.combinations(sorted(per_arm), 2):
+            lines.append(f"- {AXES[axis]}, {a} vs {b}: {contrast(a, b, per_arm[a], per_arm[b], axis)}")
+    return lines
+
+
+def _cell(fit, param: str, fmt: str) -> str:
+    value = fmt.format(getattr(fit, param))
+    if param not in fit.intervals:
+        return value
+    low, high = fit.intervals[param]
+    return f"{value} [{fmt.format(low)}, {fmt.format(high)}]"
 
 
 def best_checkpoints(runs: list[RunData]) -> dict[str, tuple[RunData, float, str]]:

@@ -94,7 +94,8 @@ def load_run(client, run) -> RunData:
         params=params,
         start_ms=run.info.start_time,
     )
-    for key in (*CURVES, *SPEED, *EXPLORATION):
+    along = [k for k in run.data.metrics if k.startswith("val/") and "/pass_at_" in k]  # PassAtK every N steps
+    for key in (*CURVES, *SPEED, *EXPLORATION, "rollout/tokens", *along):
         history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
         if history:
             data.curves[key] = [(m.step, (m.timestamp - data.start_ms) / 60_000, m.value) for m in history]

@@ -1,17 +1,24 @@
-"""Bootstrap confidence intervals over problems and seeds, and the paired comparison of two arms.
+"""Intervals over seeds, and the paired comparison of two arms.
 
 A final score of an arm is the mean over its seeds of the mean over that seed's problems (each
-seed may hold different validation problems). Its interval resamples both levels: seeds with
-replacement, then the problems of each drawn seed with replacement (a two-level bootstrap), so
-seed-to-seed spread widens it as it should. The paired comparison applies the same to the
-per-problem *differences* between two arms on the same seed and problem.
+seed may hold different validation problems). The seeds are the independent units of a sweep,
+so intervals are t intervals over the seeds' means (:func:`seed_interval`): the spread between
+seeds, problems included, widens them as it should. The paired comparison applies the same to
+the per-problem *differences* between two arms on the same seed and problem.
+
+(A two-level bootstrap, seeds then problems, was used before: in simulation it counts the
+problems' spread twice and the seeds' spread (S - 1) / S times, and with 2-4 seeds of
+different means its 95% interval excluded a true difference of 0 in 21-30% of sweeps.)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import t as t_dist
 
 from ngrpo_lightning.metrics import maj_at_k, pass_at_k
 
@@ -31,23 +38,44 @@ def per_problem_scores(results: dict, k: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def two_level_bootstrap(
-    groups: Sequence[Sequence[float]], n_boot: int = 2000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float, float]:
-    """(mean, low, high): the mean over groups (seeds) of the mean within each group (problems),
-    and its percentile interval from resampling groups, then items within each drawn group."""
+@dataclass(frozen=True)
+class Interval:
+    """A mean over seeds of the means over each seed's problems, with its t interval."""
+
+    mean: float
+    low: float
+    high: float
+    se: float  # standard error of ``mean``
+    dof: int  # degrees of freedom of its t quantile
+    unit: str  # "seeds", or "problems" when there is one seed
+
+    def __iter__(self):  # (mean, low, high), as the tables print it
+        return iter((self.mean, self.low, self.high))
+
+
+NAN_INTERVAL = Interval(math.nan, math.nan, math.nan, math.nan, 0, "seeds")
+
+
+def seed_interval(groups: Sequence[Sequence[float]], level: float = 0.95) -> Interval:
+    """The mean over groups (seeds) of the mean within each (problems), and its ``level`` t
+    interval with the seeds as the units: ``t_{S-1} * sd(seed means) / sqrt(S)``.
+
+    Seeds are the independent draws of a sweep (each trains on its own order and is validated
+    on its own problems), so their means carry every source of spread, problems included. With
+    one seed the problems are the units instead, and the interval says nothing of seeds.
+    Empty groups are left out."""
     groups = [np.asarray(g, dtype=float) for g in groups if len(g)]
     if not groups:
-        return float("nan"), float("nan"), float("nan")
-    point = float(np.mean([g.mean() for g in groups]))
-    rng = np.random.default_rng(seed)
-    stats = np.empty(n_boot)
-    for b in range(n_boot):
-        drawn = rng.integers(0, len(groups), len(groups))
-        stats[b] = np.mean([groups[i][rng.integers(0, len(groups[i]), len(groups[i]))].mean() for i in drawn])
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(stats, [tail, 100 - tail])
-    return point, float(low), float(high)
+        return NAN_INTERVAL
+    means = np.array([g.mean() for g in groups])
+    units, unit = (means, "seeds") if len(groups) > 1 else (groups[0], "problems")
+    if len(units) < 2:
+        return Interval(float(means.mean()), math.nan, math.nan, math.nan, 0, unit)
+    se = float(units.std(ddof=1) / math.sqrt(len(units)))
+    dof = len(units) - 1
+    half = float(t_dist.ppf(1 - (1 - level) / 2, dof)) * se
+    mean = float(means.mean())
+    return Interval(mean, mean - half, mean + half, se, dof, unit)
 
 
 def paired_differences(a: dict[str, dict], b: dict[str, dict], metric: str) -> list[list[float]]:

@@ -1,0 +1,159 @@
+"""What a sweep can conclude about two arms: the smallest difference it detects, a verdict, and
+the seeds or problems a wanted difference needs.
+
+The paired differences of two arms (per seed, per problem: :func:`.stats.paired_differences`)
+get a t interval over the seeds' means (:func:`.stats.seed_interval`); a difference is *seen*
+when that interval excludes 0. For planning, the spread of the mean difference over S seeds of
+M problems each is written with a one-way random-effects model::
+
+    SE^2(S, M) = (v_seed + v_problem / M) / S
+
+``v_problem`` is the pooled variance of the differences within a seed, ``v_seed`` how much more
+the seeds' means vary than their problems explain. A true difference D is seen with
+probability ``power`` (80%) at level ``alpha`` (5%) when::
+
+    D = (t_{S-1}(1 - alpha/2) + t_{S-1}(power)) * SE(S, M)
+
+the *minimum detectable difference* (MDD). The sweep's own MDD uses its measured SE; a plan
+solves the same equation for the seeds (at these problems) or the problems per seed (at these
+seeds) that bring it down to a wanted difference. Past a point only seeds help: ``v_seed / S``
+stays whatever the problems. With one seed ``v_seed`` is unknown, taken as 0, and said so.
+Checked by simulation in tests/test_compare_power.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.stats import t as t_dist
+
+from ngrpo_lightning.commands.compare.stats import seed_interval
+
+MAX_PLAN = 10_000  # seeds or problems beyond this are reported as "more than"
+
+
+@dataclass
+class Detection:
+    """A paired comparison's estimate, interval and what its design can detect (fractions, not %)."""
+
+    diff: float
+    low: float
+    high: float
+    se: float
+    mdd: float  # minimum detectable difference at ``power`` and ``level``
+    seeds: int
+    problems: float  # per seed (harmonic mean when seeds differ)
+    var_seed: float
+    var_problem: float
+    level: float
+    power: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _quantiles(dof: float, level: float, power: float) -> float:
+    """``t(1 - alpha/2) + t(power)``, the MDD in standard errors (2.80 for many dof at 95%, 80%)."""
+    return float(t_dist.ppf(1 - (1 - level) / 2, dof) + t_dist.ppf(power, dof))
+
+
+def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: float = 0.8) -> Detection:
+    """The paired differences ``groups`` (one list per seed) summarised: mean, interval, MDD and
+    the variance components that plan a larger sweep."""
+    groups = [np.asarray(g, dtype=float) for g in groups if len(g)]
+    interval = seed_interval(groups, level)
+    nan = float("nan")
+    if not groups:
+        return Detection(nan, nan, nan, nan, nan, 0, 0.0, nan, nan, level, power)
+    sizes = np.array([len(g) for g in groups], dtype=float)
+    problems = float(len(sizes) / np.sum(1 / sizes))
+    dof = float(np.sum(sizes - 1))
+    var_problem = float(sum(((g - g.mean()) ** 2).sum() for g in groups) / dof) if dof > 0 else 0.0
+    means = np.array([g.mean() for g in groups])
+    var_seed = max(float(means.var(ddof=1)) - var_problem / problems, 0.0) if len(groups) > 1 else 0.0
+    mdd_now = _quantiles(interval.dof, level, power) * interval.se if interval.dof else nan
+    return Detection(
+        interval.mean,
+        interval.low,
+        interval.high,
+        interval.se,
+        mdd_now,
+        len(groups),
+        problems,
+        var_seed,
+        var_problem,
+        level,
+        power,
+    )
+
+
+def mdd(d: Detection, seeds: int, problems: float) -> float:
+    """The minimum detectable difference of a sweep of ``seeds`` seeds of ``problems`` problems."""
+    se = math.sqrt((d.var_seed + d.var_problem / problems) / seeds)
+    return _quantiles(max(seeds - 1, 1), d.level, d.power) * se
+
+
+def seeds_needed(d: Detection, wanted: float) -> int | None:
+    """The fewest seeds (at this sweep's problems per seed, at least 2) whose MDD is at most
+    ``wanted``; None: more than :data:`MAX_PLAN`."""
+    return _smallest(lambda s: mdd(d, s, d.problems) <= wanted, 2)
+
+
+def problems_needed(d: Detection, wanted: float) -> int | None:
+    """The fewest problems per seed (at this sweep's seeds) whose MDD is at most ``wanted``; None
+    when the seeds' own spread keeps it above (more problems cannot help) or past :data:`MAX_PLAN`."""
+    return _smallest(lambda m: mdd(d, max(d.seeds, 2), m) <= wanted, 1)
+
+
+def _smallest(ok, low: int) -> int | None:
+    """The smallest integer in [low, MAX_PLAN] where the monotone ``ok`` holds (bisection)."""
+    if not ok(MAX_PLAN):
+        return None
+    high = MAX_PLAN
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if ok(mid) else (mid + 1, high)
+    return low
+
+
+def plan_text(d: Detection, wanted: float) -> str:
+    """``about N seeds (or M validation problems per seed)``: what detects ``wanted``."""
+    seeds, problems = seeds_needed(d, wanted), problems_needed(d, wanted)
+    more_seeds = f"about {seeds} seeds" if seeds else f"more than {MAX_PLAN} seeds"
+    at = max(d.seeds, 2)
+    more_problems = (
+        f"{problems} validation problems per seed at {at} seeds"
+        if problems
+        else f"no number of problems at {at} seeds: their spread alone is too large"
+    )
+    one_seed = "; one seed, so the seeds' spread is unknown and taken as 0" if d.seeds < 2 else ""
+    return f"{more_seeds} (or {more_problems}){one_seed}"
+
+
+def verdict(a: str, b: str, d: Detection, target: float) -> dict:
+    """One line on ``a - b``: a difference the interval shows, a bound on it, or what is missing.
+
+    * ``greater``: the interval excludes 0 (``a > b by X points``);
+    * ``bounded``: it holds 0 and no value beyond ``target``: no difference larger than its
+      widest end;
+    * ``inconclusive``: it holds 0 and values beyond ``target``, or it cannot be computed (one
+      seed with one problem); the plan says what would detect ``target`` at 80% power."""
+    pts = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    interval = f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+    if math.isnan(d.diff):
+        return {"kind": "none", "text": "no problem evaluated by both arms"}
+    if d.low > 0 or d.high < 0:
+        hi, lo, (low, high) = (a, b, (d.low, d.high)) if d.low > 0 else (b, a, (-d.high, -d.low))
+        text = f"{hi} > {lo} by {pts(abs(d.diff))} points [{100 * low:+.1f}, {100 * high:+.1f}]"
+        return {"kind": "greater", "winner": hi, "text": text}
+    bound = max(abs(d.low), abs(d.high))
+    if bound <= target:
+        return {"kind": "bounded", "text": f"no difference larger than {pts(bound)} points {interval}"}
+    now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
+    return {
+        "kind": "inconclusive",
+        "text": f"inconclusive {interval}, {now}: {plan_text(d, target)} would detect {pts(target)}",
+    }

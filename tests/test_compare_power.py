@@ -1,0 +1,142 @@
+"""What `ngrpo compare` concludes, checked against sweeps simulated from known per-problem success
+rates: the intervals' error rate, the minimum detectable difference, the plans, the verdicts, the
+curve fits on curves of known parameters, and the posterior Pass@k."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from ngrpo_lightning.commands.compare.curves import contrast, fit_arm, saturating
+from ngrpo_lightning.commands.compare.posterior import posterior_interval, ranking_changes
+from ngrpo_lightning.commands.compare.power import detection, mdd, problems_needed, seeds_needed, verdict
+from ngrpo_lightning.commands.compare.stats import seed_interval
+from ngrpo_lightning.metrics import pass_at_k, posterior_pass_at_k
+
+
+def simulated_sweep(rng, delta: float, seeds: int, problems: int, n: int = 16, seed_sd: float = 0.04):
+    """Per seed, the per-problem Pass@1 differences a - b of two arms: each seed draws its own
+    problems (success rates from Beta(2, 5)), each arm a seed effect of sd ``seed_sd``, and arm a
+    is ``delta`` better on every problem; n samples per problem and arm."""
+    out = []
+    for _ in range(seeds):
+        rates = rng.beta(2, 5, problems)
+        effect_a, effect_b = rng.normal(0, seed_sd, 2)
+        a = rng.binomial(n, np.clip(rates + delta + effect_a, 0, 1)) / n
+        b = rng.binomial(n, np.clip(rates + effect_b, 0, 1)) / n
+        out.append(a - b)
+    return out
+
+
+def seen(d) -> bool:
+    return d.low > 0 or d.high < 0
+
+
+def pooled(found):
+    """One detection whose variance components average many simulated sweeps' (the expected plan)."""
+    return dataclasses.replace(
+        found[0],
+        var_seed=float(np.mean([d.var_seed for d in found])),
+        var_problem=float(np.mean([d.var_problem for d in found])),
+    )
+
+
+@pytest.mark.parametrize("seeds, problems, seed_sd", [(3, 64, 0.04), (6, 64, 0.04), (10, 16, 0.04), (8, 64, 0.0)])
+def test_the_stated_minimum_difference_is_detected_at_80_percent(seeds, problems, seed_sd):
+    rng = np.random.default_rng(seeds * 100 + problems)
+    # the difference a sweep of this design states, as the root mean square over 100 such sweeps
+    stated = [detection(simulated_sweep(rng, 0.0, seeds, problems, seed_sd=seed_sd)).mdd for _ in range(100)]
+    minimum = math.sqrt(np.mean(np.square(stated)))
+    hits = [seen(detection(simulated_sweep(rng, minimum, seeds, problems, seed_sd=seed_sd))) for _ in range(400)]
+    false = [seen(detection(simulated_sweep(rng, 0.0, seeds, problems, seed_sd=seed_sd))) for _ in range(400)]
+    assert 0.72 <= np.mean(hits) <= 0.88  # 80% power, +- 4 binomial sd of 400 sweeps
+    assert np.mean(false) <= 0.08  # the 95% interval excludes a true 0 about 5% of the time
+
+
+def test_plans_reach_80_percent_with_the_seeds_or_problems_they_name():
+    rng = np.random.default_rng(7)
+    pilot = pooled([detection(simulated_sweep(rng, 0.0, 3, 64)) for _ in range(100)])
+    seeds = seeds_needed(pilot, 0.06)
+    assert 5 <= seeds <= 20 and mdd(pilot, seeds, 64) <= 0.06 < mdd(pilot, seeds - 1, 64)
+    assert 0.72 <= np.mean([seen(detection(simulated_sweep(rng, 0.06, seeds, 64))) for _ in range(400)]) <= 0.88
+    # little seed spread: more problems per seed do it at a fixed number of seeds ...
+    pilot = pooled([detection(simulated_sweep(rng, 0.0, 8, 32, seed_sd=0.01)) for _ in range(100)])
+    problems = problems_needed(pilot, 0.03)
+    assert 32 < problems < 400
+    hits = [seen(detection(simulated_sweep(rng, 0.03, 8, problems, seed_sd=0.01))) for _ in range(400)]
+    assert 0.72 <= np.mean(hits) <= 0.92
+    # ... a large one cannot be averaged away by problems
+    pilot = pooled([detection(simulated_sweep(rng, 0.0, 3, 64, seed_sd=0.08)) for _ in range(50)])
+    assert problems_needed(pilot, 0.03) is None and seeds_needed(pilot, 0.03) > 20
+
+
+def test_seed_interval_uses_the_seeds_as_units():
+    assert tuple(seed_interval([[0.5] * 10, [0.5] * 4])) == (0.5, 0.5, 0.5)  # no spread, no width
+    means = [0.2, 0.4, 0.3]
+    interval = seed_interval([[m - 0.1, m + 0.1] for m in means])
+    assert interval.mean == pytest.approx(0.3) and interval.dof == 2 and interval.unit == "seeds"
+    assert interval.se == pytest.approx(np.std(means, ddof=1) / math.sqrt(3))
+    assert interval.high - interval.mean == pytest.approx(4.303 * interval.se, rel=1e-3)  # t(0.975, 2 dof)
+    one = seed_interval([[0.0, 1.0, 0.0, 1.0]])  # one seed: its problems are the units
+    assert one.unit == "problems" and one.dof == 3 and one.low < 0.5 < one.high
+    assert math.isnan(seed_interval([]).mean)
+
+
+def test_verdicts_name_the_winner_bound_the_difference_or_say_what_is_missing():
+    rng = np.random.default_rng(3)
+    clear = detection(simulated_sweep(rng, 0.15, 8, 64))
+    found = verdict("grpo", "ngrpo", clear, 0.05)
+    assert found["kind"] == "greater" and found["text"].startswith("grpo > ngrpo by ")
+    flipped = dataclasses.replace(clear, diff=-clear.diff, low=-clear.high, high=-clear.low)
+    assert verdict("ngrpo", "grpo", flipped, 0.05)["text"] == found["text"]  # the winner first, whichever side
+    tight = detection(simulated_sweep(rng, 0.0, 20, 400, seed_sd=0.0))
+    assert verdict("a", "b", tight, 0.05)["kind"] == "bounded"
+    assert verdict("a", "b", tight, 0.05)["text"].startswith("no difference larger than ")
+    loose = detection(simulated_sweep(rng, 0.0, 3, 16))
+    text = verdict("a", "b", loose, 0.05)["text"]
+    assert text.startswith("inconclusive [") and "seeds (or " in text and "would detect 5.0" in text
+
+
+def test_a_saturating_fit_recovers_known_curves_and_tells_pace_from_ceiling():
+    rng = np.random.default_rng(0)
+    x = np.arange(0, 61, 3.0)
+
+    def arm(midpoint, asymptote=0.6, seeds=6, upto=60):
+        curve = lambda c: saturating(c, 0.2, asymptote, midpoint, 2.0)  # noqa: E731
+        return [[(c, float(curve(c) + rng.normal(0, 0.02) * (c > 0))) for c in x if c <= upto] for _ in range(seeds)]
+
+    fast, slow, low = fit_arm(arm(5)), fit_arm(arm(15)), fit_arm(arm(15, asymptote=0.45))
+    covered = []
+    for fit, truth in ((fast, (0.6, 5)), (slow, (0.6, 15)), (low, (0.45, 15))):
+        for name, value in zip(("asymptote", "midpoint"), truth):
+            assert getattr(fit, name) == pytest.approx(value, rel=0.1)
+            covered.append(fit.intervals[name][0] <= value <= fit.intervals[name][1])
+        assert fit.r0 == pytest.approx(0.2) and fit.ceiling_identified and fit.rmse < 0.03
+    assert sum(covered) >= 5  # 95% intervals: one miss in six is allowed
+    said = contrast("A", "B", fast, slow, "step")  # same ceiling, A three times faster
+    assert said.startswith("ceilings not told apart; A reaches half its gain ") and said.endswith(
+        "x sooner in optimizer steps"
+    )
+    assert 2.5 <= float(said.split("gain ")[1].split("x")[0]) <= 3.6
+    assert contrast("B", "C", slow, low, "step") == "B has the higher ceiling; pace not told apart"
+    short = fit_arm(arm(15, upto=6))  # the curve has not bent yet: pace only
+    assert not short.ceiling_identified
+    assert "a ceiling not reached within the runs" in contrast("A", "S", fast, short, "step")
+    assert fit_arm([[(0, 0.2), (3, 0.3)]]) is None  # too few points
+
+
+def test_posterior_pass_at_k():
+    assert posterior_pass_at_k(16, 0, 1) == pytest.approx(1 / 18)  # Beta(1, 17): mean 1/18
+    assert posterior_pass_at_k(4, 2, 2) == pytest.approx(1 - (3 / 6) * (4 / 7))
+    assert posterior_pass_at_k(8, 8, 8) < 1.0 and posterior_pass_at_k(8, 0, 8) > 0.0  # never exactly 0 or 1
+    assert posterior_pass_at_k(4, 1, 16) > 0  # defined for k > n
+    assert abs(posterior_pass_at_k(4000, 1000, 4) - pass_at_k(4000, 1000, 4)) < 1e-3  # agree as n grows
+    with pytest.raises(ValueError, match="prior"):
+        posterior_pass_at_k(4, 1, 1, prior=(0, 1))
+    mean, low, high = posterior_interval([[(16, 4), (16, 8)], [(16, 2)]], k=2, draws=20000)
+    first = np.mean([posterior_pass_at_k(16, 4, 2), posterior_pass_at_k(16, 8, 2)])
+    expected = np.mean([first, posterior_pass_at_k(16, 2, 2)])
+    assert mean == pytest.approx(expected) and low < mean < high
+    assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.3, "b": 0.35}) == [("a", "b")]
+    assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.5, "b": 0.4}) == []
