@@ -57,8 +57,9 @@ def main() -> None:
     torch.manual_seed(0)
     full, tok = load_policy(args.model)
     adapted = lora_policy(args.model, args.rank)
+    backends = {id(m): backend_for(m) for m in (full, adapted)}
     for model in (full, adapted):  # the products the run's backend would choose
-        backend_for(model).prepare(model)
+        backends[id(model)].prepare(model)
     greedy = TemperatureExplorer(temperature=0.0)
 
     def unmerged(engine, prompts):
@@ -70,7 +71,7 @@ def main() -> None:
         prompts = arithmetic_prompt_ids(tok, batch)
         for new in args.new_tokens:
             engines = {
-                name: HFEngine(model, tok, max_new_tokens=new, ignore_eos=True)
+                name: HFEngine(model, tok, max_new_tokens=new, ignore_eos=True, backend=backends[id(model)])
                 for name, model in (("full", full), ("lora", adapted))
             }
             times, outs = best_of_each(

@@ -9,6 +9,7 @@ from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.explorers import TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import RewardCache, as_eval_sets, check_ks, evaluate_sets, log_artifacts
 from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.rollout.context import run_context
 from ngrpo_lightning.tracking.logger import mlflow_key
 
 
@@ -123,9 +124,14 @@ class PassAtK(L.Callback):
         if engine is not None and getattr(engine, "needs_sync", False):
             datamodule.sync_engine()  # an engine with its own weights copy (vLLM): the latest optimizer step's
             return engine
-        if self._engine is None or self._engine.model is not pl_module.policy:
+        context = run_context(trainer)
+        if self._engine is None or self._engine.model is not context.policy:
             self._engine = HFEngine(
-                pl_module.policy, pl_module.tokenizer, max_new_tokens=self._max_new(trainer), seed=self.seed
+                context.policy,
+                context.tokenizer,
+                max_new_tokens=self._max_new(trainer),
+                seed=self.seed,
+                backend=context.backend,
             )
         return self._engine
 
@@ -134,14 +140,13 @@ class PassAtK(L.Callback):
 
     def evaluate(self, trainer: L.Trainer, pl_module, log_to_module: bool = True) -> dict:
         """Evaluate now and log; returns the results (see :func:`~ngrpo_lightning.metrics.evaluate.evaluate_sets`)."""
+        context = run_context(trainer)
         if self._rewards is None:
-            self._rewards = RewardCache(
-                default=self.reward if self.reward is not None else getattr(pl_module, "reward", None)
-            )
+            self._rewards = RewardCache(default=self.reward if self.reward is not None else context.reward)
         datamodule = getattr(trainer, "datamodule", None)
         results = evaluate_sets(
             self._engine_for(trainer, pl_module),
-            pl_module.tokenizer,
+            context.tokenizer,
             self.sets,
             self.explorer,
             n=self.n,
@@ -153,7 +158,7 @@ class PassAtK(L.Callback):
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             prompt_defaults=getattr(datamodule, "prompt_kwargs", None),
-            device=pl_module.device,
+            device=context.device,
         )
         step = trainer.global_step
         metrics = results["metrics"]

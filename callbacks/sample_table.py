@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
 
+from ngrpo_lightning.rollout.context import run_context
+
 
 class RolloutSamplesLogger(L.Callback):
     """Every ``every_n_steps`` training steps, log ``num_samples`` rollouts of the step's
@@ -35,7 +37,7 @@ class RolloutSamplesLogger(L.Callback):
         if trainer.global_rank != 0:
             return
         rows = list(range(min(self.num_samples, len(batch))))
-        prompts = pl_module.tokenizer.batch_decode(batch.prompt_ids[rows].cpu(), skip_special_tokens=True)
+        prompts = run_context(trainer).tokenizer.batch_decode(batch.prompt_ids[rows].cpu(), skip_special_tokens=True)
         table = {
             "step": [step] * len(rows),
             "problem_id": [batch.problem_ids[i] if batch.problem_ids else "" for i in rows],

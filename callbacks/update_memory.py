@@ -11,10 +11,8 @@ books, the model's own weights not counted), adds 40% for backward's own tensors
 multiplies by the response tokens of the largest micro-batch the settings allow (prompts left
 out: they are short beside long responses, and shared by a group), adds the kept LM-head
 softmax, the gradients and the AdamW moments not yet allocated, and compares the sum with the
-memory this device has available (a run fits within 90% of it). On the packaged model the
-forward keeps 499 KiB per token, and each response token of a micro-batch raised the
-command's peak by 620-695 KiB (measured at 256 and 1,024 tokens): 32 rows of 1,024 tokens
-need about 23 GiB (killed on a 23 GiB machine), 4 rows about 4.2 (the command peaked at 6.1).
+memory this device has available (a run fits within 90% of it); how the estimate compared
+with measured peaks is in docs/performance.md ("Measurements behind the code").
 When it does not fit, it warns with the numbers and a token budget that would
 (``optim.max_tokens_per_micro_batch``; rows per micro-batch, ``optim.micro_batch_size``, when
 that budget would be below the longest possible prompt + response). One process only (under
@@ -32,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ngrpo_lightning.backends.recompute import tallying_kept
 from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.context import RunContext, run_context
 from ngrpo_lightning.training.forward import response_logprobs
 
 GIB = 1024**3
@@ -71,10 +70,10 @@ class UpdateMemory:
         return max(0, int(room / self.per_token) // 256 * 256)
 
 
-def kept_bytes_per_token(module, probe_tokens: int = 128) -> float:
+def kept_bytes_per_token(context: RunContext, probe_tokens: int = 128) -> float:
     """Bytes the policy's training forward keeps for backward per token: one row of
     ``probe_tokens - 1`` prompt tokens and one response token, parameters not counted."""
-    policy, backend = module.policy, module.backend
+    policy, backend = context.policy, context.backend
     vocab = policy.get_input_embeddings().weight.shape[0]
     device = next(policy.parameters()).device
     ids = (torch.arange(probe_tokens, device=device) % (vocab - 3) + 3).unsqueeze(0)
@@ -118,24 +117,25 @@ class UpdateMemoryCheck(L.Callback):
         self.estimate: UpdateMemory | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
-        if trainer.world_size > 1 or getattr(pl_module, "parallel", None) is not None:
+        context = run_context(trainer)
+        if trainer.world_size > 1 or context.sharded:
             return
-        self.estimate = self.measure(trainer, pl_module)
+        self.estimate = self.measure(trainer, context)
         if not self.estimate.fits:
             rank_zero_warn(self.advice(self.estimate))
 
-    def measure(self, trainer: L.Trainer, pl_module) -> UpdateMemory:
-        plan, backend = pl_module.plan, pl_module.backend
+    def measure(self, trainer: L.Trainer, context: RunContext) -> UpdateMemory:
+        plan, backend, policy = context.update, context.backend, context.policy
         rows = math.ceil(self.rows_per_step / plan.num_mini_batches)
         rows = min(plan.micro_batch_size or rows, rows)
         tokens = rows * self.max_new_tokens
         if plan.max_tokens is not None:
             tokens = min(tokens, plan.max_tokens)
-        vocab = pl_module.policy.get_input_embeddings().weight.shape[0]
+        vocab = policy.get_input_embeddings().weight.shape[0]
         softmax = tokens * vocab * 4  # float32 probabilities
         if backend.logprob_chunk_size is not None and softmax > backend.keep_softmax_mib * 2**20:
             softmax = 0  # recomputed chunk by chunk in backward instead
-        trainable = sum(p.numel() * p.element_size() for p in pl_module.policy.parameters() if p.requires_grad)
+        trainable = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
         allocated = sum(
             t.numel() * t.element_size()
             for opt in trainer.optimizers
@@ -144,13 +144,13 @@ class UpdateMemoryCheck(L.Callback):
             if torch.is_tensor(t) and t.dim() > 0
         )
         with torch.enable_grad():  # the probe keeps what a training forward keeps
-            per_token = kept_bytes_per_token(pl_module)
+            per_token = kept_bytes_per_token(context)
         return UpdateMemory(
             kept_per_token=per_token,
             tokens=tokens,
             softmax=softmax,
             optimizer=trainable + max(0, 2 * trainable - allocated),
-            available=self.available_bytes if self.available_bytes is not None else available_memory(pl_module.device),
+            available=self.available_bytes if self.available_bytes is not None else available_memory(context.device),
         )
 
     def advice(self, est: UpdateMemory) -> str:

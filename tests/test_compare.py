@@ -36,7 +36,7 @@ def test_per_problem_scores_and_paired_differences():
     assert diffs == [[-0.5]]  # only seed 0 and problem a are in both
 
 
-TINY = [*TINY_JOB, "data.val_size=3", "pass_at_k.n=4", "pass_at_k.max_new_tokens=4"]
+TINY = [*TINY_JOB, "data.val_size=3", "pass_at_k.n=4", "pass_at_k.max_new_tokens=4", "pass_at_k.every_n_steps=1"]
 
 
 def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
@@ -53,6 +53,15 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "- **Pass@1**, experiment=grpo vs experiment=stht: " in text
     assert "| experiment=grpo | experiment=stht | pass@1 | 2 | 3 |" in text  # seeds, problems per seed
     assert "## Curves against compute" in text and "Posterior Pass@k" in text
+    from ngrpo_lightning.commands.compare.curves import along_run_keys, compute_points
+    from ngrpo_lightning.commands.compare.runs import load_run
+
+    client = MlflowClient(store)
+    run = load_run(client, client.get_run(json.loads((out / "compare.json").read_text())["runs"][0]["run_id"]))
+    assert along_run_keys([run]) == ["val/reasoning_gym/pass_at_1", "val/reasoning_gym/pass_at_4"]
+    steps = [c["step"] for c, _ in compute_points(run, "val/reasoning_gym/pass_at_1")]
+    assert steps == [1.0, 2.0]  # evaluated after each of the 2 optimizer steps
+    assert [c["step"] for c, _ in compute_points(run, "val/accuracy")] == [0.0, 2.0]  # before training and at the end
     assert "Not comparable" not in text
     best = [line for line in text.splitlines() if line.startswith("| experiment=") and line.endswith(".ckpt` |")]
     assert len(best) == 2 and all(Path(line.rsplit("`", 2)[1]).exists() for line in best)  # each arm's checkpoint

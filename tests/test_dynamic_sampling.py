@@ -1,6 +1,7 @@
 """Dynamic sampling (DAPO): groups with equal rewards are dropped and the batch refilled."""
 
 import pytest
+import torch
 from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
 
 from ngrpo_lightning.rollout import RolloutBatch
@@ -58,6 +59,19 @@ def test_bad_max_extra_rollouts_names_the_key(tiny):
         tiny_rl(tiny, ScriptedReward([0]), max_extra_rollouts=-1)
 
 
+def fake_trainer():
+    """A trainer whose module gives the run context the DataModule reads (nothing else)."""
+    from ngrpo_lightning.backends import CPUBackend
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
+
+    context = RunContext(
+        torch.nn.Linear(1, 1), None, TemperatureExplorer(), TemperatureExplorer(0.0), None, CPUBackend(),
+        PolicyVersion(), None, lambda model: None,
+    )  # fmt: skip
+    return type("T", (), {"lightning_module": type("M", (), {"context": context})()})()
+
+
 def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
     from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
@@ -71,10 +85,7 @@ def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
     drawn = []
     for _ in range(2):
         dm = RolloutDataModule(tokenizer, problems, prompts_per_step=2, group_size=1, seed=3)
-        dm.engine, dm.trainer = (
-            Recorder(),
-            type("T", (), {"lightning_module": type("M", (), {"explorer": None, "policy_version": 0})()})(),
-        )
+        dm.engines.engine, dm.trainer = Recorder(), fake_trainer()
         ids = []
         for _ in range(5):  # 10 prompts: two passes over the 5
             dm.more_rollouts()
@@ -93,3 +104,11 @@ def test_step_rollouts_concat_and_select_groups_keep_rows_aligned():
     assert picked.batch.problem_ids == ["a", "a", "c", "c"] and picked.rewards.tolist() == [0, 1, 1, 0]
     assert picked.batch.records.row.tolist() == [0, 1, 2, 3]
     assert picked.batch.response_ids[2].tolist() == [100, 101, 102]  # row 0 of b
+
+
+def test_the_datamodule_reads_the_run_through_its_context():
+    from ngrpo_lightning.rollout.context import run_context
+
+    assert run_context(fake_trainer()).version.value == 0
+    with pytest.raises(TypeError, match="object gives no RunContext .*RLModule provides one"):
+        run_context(type("T", (), {"lightning_module": object()})())

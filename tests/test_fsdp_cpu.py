@@ -233,19 +233,37 @@ def test_fsdp_on_gpus_trains(tmp_path):  # pragma: no cover - no GPU in CI
 
 
 def test_prompts_are_split_by_rank_evenly_and_resume_mid_pass():
-    from ngrpo_lightning.rollout.prompt_order import PromptSampler
+    from ngrpo_lightning.rollout.prompt_order import PromptStream
 
-    shares = [list(PromptSampler(10, seed=1, shuffle=True, rank=r, world_size=2, batch_size=2)) for r in (0, 1)]
+    def rows(stream):  # one pass, each batch trained on
+        out = []
+        for batch in stream:
+            out += [row for row, _ in batch]
+            stream.consumed(batch[0][1])
+        return out
+
+    shares = [rows(PromptStream(10, seed=1, shuffle=True, batch_size=2, rank=r, world_size=2)) for r in (0, 1)]
     assert len(shares[0]) == len(shares[1]) == 4  # whole batches, the same number on every rank
     assert not set(shares[0]) & set(shares[1])  # a prompt (and so its G samples) is on one rank
-    whole = PromptSampler(10, seed=1, shuffle=True, batch_size=4)
-    passes = [list(whole), list(whole)]
-    assert passes[0] != passes[1] and all(
-        len(set(p)) == 8 for p in passes
-    )  # a new seeded shuffle per pass, whole batches
-    seen = []
-    resumed = PromptSampler(
-        10, seed=1, shuffle=True, batch_size=4, epoch=1, skip=4, on_pass=lambda e, b: seen.append((e, b))
-    )
-    assert list(resumed) == passes[1][4:] and seen == [(1, 1)]
-    assert list(resumed) == list(PromptSampler(10, seed=1, shuffle=True, batch_size=4, epoch=2))
+    whole = PromptStream(10, seed=1, shuffle=True, batch_size=4)
+    passes = [rows(whole), rows(whole)]
+    assert passes[0] != passes[1] and all(len(set(p)) == 8 for p in passes)  # a new shuffle per pass, whole batches
+    assert whole.following((0, 1), 3) == [(1, 0), (1, 1), (2, 0)]  # what rollouts ahead queue: the same order
+    assert whole.rows((1, 1)) == passes[1][4:]
+    resumed = PromptStream(10, seed=1, shuffle=True, batch_size=4)
+    resumed.load_state_dict({"epoch": 1, "batches_in_epoch": 1})
+    assert next(iter(resumed))[0][1] == (1, 1) and list(resumed) == list(resumed)  # reading does not move it
+    assert rows(resumed) == passes[1][4:]
+    assert resumed.state_dict() == {"epoch": 2, "batches_in_epoch": 0}  # the next pass starts fresh
+
+
+def test_the_process_count_is_computed_once_with_lightnings_meaning_of_devices():
+    from ngrpo_lightning.build.components import process_count
+
+    assert process_count(compose(["trainer=fsdp_cpu"])) == 2
+    assert process_count(compose(["trainer=fsdp_cpu", "trainer.num_nodes=2"])) == 4  # a key of its own now
+    assert process_count(compose(["trainer=cpu", "trainer.devices=auto"])) == 1  # a CPU accelerator: one process
+    gpus = torch.cuda.device_count()
+    assert process_count(compose(["trainer=gpu", "trainer.devices=auto"])) == gpus  # every GPU, 0 here without one
+    assert process_count(compose(["trainer=gpu", "trainer.devices='0,1'"])) == 2
+    assert process_count(compose(["trainer=gpu", "trainer.devices=[0,1,2]"])) == 3

@@ -92,7 +92,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     first = run(tmp_path, "out", "trainer.max_steps=6", "checkpoint.every_n_steps=4", "checkpoint.keep=-1")
     last = tmp_path / "out/checkpoints/last.ckpt"
     assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 6 and saved["policy_version"] == {"value": 6}  # one clock, saved with the run
     resumed = run(
         tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1", "resume=last"
     )
@@ -107,6 +108,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     ckpt = torch.load(tmp_path / "out/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
     assert {"explorer", "rng", "ngrpo", "RolloutDataModule", "optimizer_states", "lr_schedulers", "loops"} <= set(ckpt)
     assert "generator" in ckpt["RolloutDataModule"]["engine"][0]
+    assert ckpt["policy_version"] == {"value": STEPS}  # the resumed run continued the count
     assert any("ReplayBuffer" in k for k in ckpt["callbacks"])
     assert ckpt["ngrpo"]["mlflow_run_id"] == first["run_id"]
 

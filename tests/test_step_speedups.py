@@ -21,9 +21,9 @@ QUESTIONS = [
 
 
 # ------------------------------------------------------------------ ReservedLayer
-def rollouts(model, tokenizer, explorer, cache_factory, monkeypatch, n=3, max_new_tokens=12):
+def rollouts(model, tokenizer, explorer, cache_factory, monkeypatch, n=3, max_new_tokens=12, backend=None):
     monkeypatch.setattr(hf_engine, "reserved_cache", cache_factory)
-    engine = HFEngine(model, tokenizer, max_new_tokens=max_new_tokens, seed=5)
+    engine = HFEngine(model, tokenizer, max_new_tokens=max_new_tokens, seed=5, backend=backend)
     return engine.generate(chat_prompt_ids(tokenizer, QUESTIONS), explorer, n=n)
 
 
@@ -133,17 +133,16 @@ def test_checkpoints_from_before_these_settings_still_resume():
 def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monkeypatch):
     """A bfloat16 model decoding on CPU with sdpa_gqa keeps keys and values in float32: each is
     widened once when written, and the rollout equals one over transformers' bfloat16 cache."""
-    from ngrpo_lightning.backends import CPUBackend, backend_for
+    from ngrpo_lightning.backends import CPUBackend
     from ngrpo_lightning.models.loading import load_policy
     from ngrpo_lightning.rollout.kv_cache import reserved_cache
 
     model, tok = load_policy("tiny", dtype="bfloat16")
-    assert CPUBackend(torch.bfloat16).kv_cache_dtype(model) == torch.float32
-    assert backend_for(model).kv_cache_dtype(model) == torch.float32  # what HFEngine uses by default
+    backend = CPUBackend(torch.bfloat16)  # its attention, sdpa_gqa, reads a float32 cache as it is
+    assert backend.kv_cache_dtype(model) == torch.float32
     assert CPUBackend(torch.bfloat16, attention="sdpa").kv_cache_dtype(model) is None  # others read the model's dtype
     assert CPUBackend(torch.float32).kv_cache_dtype(load_policy("tiny")[0]) is None
-    model.set_attn_implementation("sdpa")
-    assert backend_for(model).kv_cache_dtype(model) is None
+    # stated by the backend, never read off the model: an engine without one keeps the model's dtype
     model.set_attn_implementation("sdpa_gqa")
     caches = []
 
@@ -152,14 +151,18 @@ def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monk
         return caches[-1]
 
     explorer = TemperatureExplorer(1.0)
-    wide = rollouts(model, tok, explorer, ours, monkeypatch)
+    narrow = rollouts(model, tok, explorer, ours, monkeypatch)
+    assert caches[0].layers[0].key_buffer.dtype == torch.bfloat16
+    wide = rollouts(model, tok, explorer, ours, monkeypatch, backend=backend)
     plain = rollouts(model, tok, explorer, lambda cap, store: DynamicCache(), monkeypatch)
-    assert caches[0].layers[0].key_buffer.dtype == torch.float32
+    assert caches[1].layers[0].key_buffer.dtype == torch.float32
+    assert narrow.response_ids.shape == wide.response_ids.shape
     assert torch.equal(wide.response_ids, plain.response_ids)
     assert torch.equal(wide.rollout_logprobs, plain.rollout_logprobs)
     # one prompt: no padding, so no mask at all (transformers passes None)
     monkeypatch.setattr(hf_engine, "reserved_cache", ours)
-    alone = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer, n=1)
+    one = HFEngine(model, tok, max_new_tokens=6, seed=5, backend=backend)
+    alone = one.generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer, n=1)
     monkeypatch.setattr(hf_engine, "reserved_cache", lambda cap, store: DynamicCache())
     alone_plain = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer)
     assert caches[-1].layers[0].key_buffer.dtype == torch.float32

@@ -36,11 +36,10 @@ def select_backend(name: str = "auto", dtype: torch.dtype = torch.float32, accel
 
 
 def backend_for(model: torch.nn.Module) -> Backend:
-    """The backend of the device ``model`` is on, for what a rollout asks of it (its KV cache's
-    dtype) where no run built one. Nothing is measured or swapped until ``prepare(model)`` is called
-    (a script or benchmark that loads a model itself may call it, as a run does)."""
+    """The default backend of ``model``'s device and dtype, for a model no run built a backend
+    for (a script, a benchmark, a module constructed by hand): only the model's device and dtype
+    are read. Nothing is measured or swapped until ``prepare(model)`` is called; an engine
+    decoding such a model is given the backend that prepared it, or keeps the model's dtype."""
     param = next(model.parameters())
-    config = getattr(model, "config", None)
-    attn = getattr(config, "_attn_implementation", None) or "auto"
     cls = CUDABackend if param.device.type == "cuda" else CPUBackend
-    return cls(param.dtype, attention=attn)
+    return cls(param.dtype)

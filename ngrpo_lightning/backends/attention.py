@@ -14,15 +14,14 @@ unchanged.
 A decoding step (one query per row) on CPU is two batched matmuls with the query heads of a
 group stacked in one product (:func:`grouped_attention`): each key and value is read once
 per group and in order, where the attention kernel reads them once per query head, and at long
-contexts decoding is bound by reading the KV cache (all of it for every new token). A whole
-decoding step of the packaged model, 32 rows, 1,000 cached positions: 117 -> 100 ms (500: 79
--> 72). Half-precision steps compute in float32: PyTorch's CPU bfloat16 attention kernel was
-2.7x slower than the float32 one at one query, and the rollout's KV cache keeps half-precision
+contexts decoding is bound by reading the KV cache (all of it for every new token).
+Half-precision steps compute in float32: PyTorch's CPU bfloat16 attention kernel was slower
+than the float32 one at one query, and the rollout's KV cache keeps half-precision
 keys and values in float32 for this function (:mod:`ngrpo_lightning.rollout.kv_cache`), so
 nothing is cast per step. Short half-precision passes (log-probs and training at short
 lengths, :func:`half_precision_products_pay`) take the same matmuls with the precision of a
 flash kernel (float32 scores, :class:`HalfPrecisionAttention`): there PyTorch's bfloat16
-kernel's backward was two to three times slower than the matmuls.
+kernel's backward was slower than the matmuls.
 
 Long passes whose mask is plain causal attention over padded rows (log-prob passes and
 training forwards of long responses) run PyTorch's causal kernel (:func:`causal_attention`).
@@ -30,9 +29,9 @@ Given a mask, the kernel computes every query-key pair and discards the masked o
 of a causal pass's; with ``is_causal`` it skips them, but only in whole blocks of 512 keys, so
 below about 600 keys per row the causal kernel does more work, not less. The mask and the
 lengths are checked once per forward (:func:`causal_starts`); anything else (holes in a row,
-shorter rows, a long cached prefix before a few queries) keeps the masked kernel. Attention of
-a 4-row micro-batch of 1,024-token responses after a shared 80-token prompt, forward and
-backward over 30 layers: 6.10 -> 4.58 s.
+shorter rows, a long cached prefix before a few queries) keeps the masked kernel. The
+thresholds below come from timings kept in docs/performance.md ("Measurements behind the
+code"), dated, with the machine.
 
 The CPU backend registers it with transformers (``AttentionInterface``, with ``sdpa``'s mask
 builder) as ``sdpa_gqa`` when it chooses it (:func:`register`, never at import) and loads models
@@ -76,9 +75,8 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
 
 
 # Half-precision passes take the matmuls while a row's [H, Lq, Lk] is at most this many pairs
-# (at 256 queries x 340 keys PyTorch's kernel was as fast), in chunks of rows of about
-# CHUNK_PAIRS pairs (2 MiB of float32 scores: 2^19 was the fastest of 2^17 to 2^23 at every
-# short shape measured, by 10-30% over 2^20).
+# (where PyTorch's kernel stopped being slower), in chunks of rows of about CHUNK_PAIRS pairs
+# (2 MiB of float32 scores: the fastest chunk at every short shape timed; docs/performance.md).
 HALF_PRECISION_ROW_PAIRS_MAX = 2**18
 CHUNK_PAIRS = 2**19
 HALF_PRECISION = (torch.bfloat16, torch.float16)
@@ -86,9 +84,8 @@ HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 def half_precision_products_pay(query, key) -> bool:
     """Whether a half-precision pass computes attention as matmuls (:func:`grouped_attention`)
-    rather than with PyTorch's kernel: on CPU the kernel's bfloat16 backward ran at a third to
-    a half of the matmuls' speed at short lengths (32 rows x 40 queries x 106 keys: 19.8 against
-    8.0 ms; 8 rows x 128 x 212: 11.6 against 6.9), and as fast at 256 queries x 340 keys."""
+    rather than with PyTorch's kernel: on CPU the kernel's bfloat16 backward was slower than the
+    matmuls at short lengths, and as fast from about 256 queries x 340 keys."""
     if query.dtype not in HALF_PRECISION:
         return False
     return query.shape[1] * query.shape[2] * key.shape[2] <= HALF_PRECISION_ROW_PAIRS_MAX
@@ -262,9 +259,8 @@ def causal_kernel_pays(starts: torch.Tensor, queries: int, keys: int) -> bool:
     The causal kernel gives each shifted position (zero queries included) the keys up to the end
     of its block of ``CAUSAL_KEY_BLOCK``: below one block it computes every pair, more than the
     masked kernel. Rows of different starts also pay for gathering the shifted rows, so they
-    need a larger saving. Measured (float32, 9 heads): 256 queries x 340 keys took 51.7 against
-    32.9 ms per layer's forward and backward (causal against masked); 1,024 x 1,104 took 165 against
-    206 ms (152 against 204 with one start)."""
+    need a larger saving (the timings behind it: docs/performance.md, "Measurements behind the
+    code")."""
     block = CAUSAL_KEY_BLOCK
     lengths = keys - starts.double()
     full = torch.div(lengths, block, rounding_mode="floor")

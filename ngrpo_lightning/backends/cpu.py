@@ -1,8 +1,9 @@
 """The CPU backend: products on oneDNN-packed weights where this machine runs them faster.
 
 Whether a product on a packed weight pays depends on the CPU (its vector units, its oneDNN
-kernels) and on the shape: on an AMX machine the packaged model's update ran 1.5x faster
-packed, on an AVX2-only one it ran slower. So nothing is assumed: when a run is built, every
+kernels) and on the shape: packing sped the packaged model's update up on an AMX machine and
+slowed it on an AVX2-only one (docs/performance.md, "Measurements behind the code"). So nothing
+is assumed: when a run is built, every
 distinct linear shape of the model is timed both ways at three kinds of product
 (:class:`~.linear.BackendLinear`): a decoding step's rows (``pack_once``: one packed copy per
 rollout), a frozen pass's rows (``pack_frozen``: the reference's log-probs) and a training
@@ -20,8 +21,8 @@ Also chosen here, each giving the same values:
   whose ``output_dir`` is on a disk (:mod:`ngrpo_lightning.backends.file_weights`).
 
 A half-precision model on a CPU without native bfloat16 products is warned about at start-up,
-with the rates measured here (on an AVX2-only EPYC, bfloat16 products ran at about 1 GFLOP/s
-against about 100 in float32).
+with both rates as this machine measures them (there bfloat16 products can be tens of times
+slower than float32's).
 """
 
 from __future__ import annotations

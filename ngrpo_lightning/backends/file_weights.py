@@ -5,8 +5,8 @@ model). A step reads it once, for the reference log-probs, and then holds it thr
 update, whose activations make the step's peak. On a CPU run the reference's weights can live
 in a file instead: :func:`frozen_copy_to_file` writes them once into the run's folder, keeps the
 file open and unlinks it at once (nothing is left on disk once the process ends), and
-:func:`materialized` reads them back into memory for the duration of a pass (0.54 GB from the
-page cache: about 0.1 s on a laptop) and frees them after. The freed blocks are what the
+:func:`materialized` reads them back into memory for the duration of a pass (from the page
+cache: a fraction of a second for the packaged model) and frees them after. The freed blocks are what the
 update's activations then use (the allocator keeps them in the process), so the
 reference and the activations share memory in turn instead of adding up. The bytes are the
 weights', so the reference log-probs are unchanged. Under memory pressure the OS may drop the

@@ -5,12 +5,12 @@ class, :mod:`.swap`); peft still sees its own layer. Two things change, both exa
 
 - the training forward computes peft's ``base(x) + B(A(dropout(x))) * scale`` op for op, with
   the scaling and the sum done in place on tensors nothing else holds: two full-width temporaries
-  fewer per adapted layer (on the packaged model the update's peak drops by about 0.8 GiB), the
+  fewer per adapted layer (the update's peak drops: docs/lora.md), the
   same bits forward and backward;
 - inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
   once per token by a merged copy ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), packed
-  for oneDNN where its base layer packs, instead of three products (measured on a GPU: unmerged,
-  decoding ran at 0.37x-0.47x of full fine-tuning's speed). The model is not merged; the copy is
+  for oneDNN where its base layer packs, instead of three products (unmerged, decoding ran at
+  well under full fine-tuning's speed: docs/lora.md). The model is not merged; the copy is
   dropped when the rollout ends. Layers whose adapters are off, already merged, or a variant
   (DoRA, adapter biases, several active adapters) keep peft's forward.
 """

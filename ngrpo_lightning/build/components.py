@@ -267,6 +267,27 @@ def build_pass_at_k(cfg: DictConfig, val_problems) -> list[L.Callback]:
 
 
 # ------------------------------------------------------------------- trainer
+def process_count(cfg: DictConfig) -> int:
+    """The processes the Trainer will start: ``trainer.devices`` x ``trainer.num_nodes``, with
+    Lightning's meanings of ``devices`` (a list or "0,1": its length; ``auto`` or -1: every GPU
+    on a GPU accelerator, one process on a CPU one); FSDP2 shards over at least two."""
+    trainer = cfg.trainer
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
+    gpu = str(trainer.get("accelerator", "auto")) in ("gpu", "cuda") or (
+        str(trainer.get("accelerator", "auto")) == "auto" and torch.cuda.is_available()
+    )
+    if isinstance(devices, str) and devices not in ("auto", "-1"):
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        count = len(devices)
+    elif devices in ("auto", "-1", -1):
+        count = torch.cuda.device_count() if gpu else 1
+    else:
+        count = int(devices)
+    processes = count * nodes
+    return max(processes, 2) if parallel_config(cfg) is not None else processes
+
+
 def check_trainer(cfg: DictConfig) -> None:
     """Fail early (before model loading) on a trainer the machine cannot run."""
     trainer = cfg.trainer
@@ -280,10 +301,7 @@ def check_trainer(cfg: DictConfig) -> None:
             )
             raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
     parallel = parallel_config(cfg)
-    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
-    processes = (devices if isinstance(devices, int) else 1) * nodes
-    if parallel is not None:
-        processes = max(processes, 2)  # FSDP2 shards over several processes
+    processes = process_count(cfg)
     if (cfg.get("train") or {}).get("dynamic_sampling", False):
         try:
             check_dynamic_sampling_processes(processes)
@@ -310,7 +328,7 @@ def check_staleness(cfg: DictConfig) -> None:
             "weights cannot run them yet. Use rollout.engine=hf or train.max_staleness=0"
         )
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
-    if parallel_config(cfg) is not None or not isinstance(devices, int) or devices * nodes != 1:
+    if process_count(cfg) != 1:
         raise ConfigError(
             f"train.max_staleness={staleness} runs in one process; trainer.devices={devices}, "
             f"trainer.num_nodes={nodes}{', trainer.parallel (FSDP2)' if parallel_config(cfg) is not None else ''} "

@@ -13,11 +13,11 @@ import sys
 # How long an idle OpenMP thread (torch's CPU kernels, GNU OpenMP) spins before it sleeps.
 # libgomp's default, 300,000 spins, keeps a waiting thread on its core for up to a few
 # milliseconds between kernels: on a quiet machine that is free, but when other processes
-# want the cores it takes their time slices and the step slowed 7x beside two CPU-bound
-# processes on 2 cores. 1,000 spins (what libgomp itself uses once its own threads outnumber
-# the cores) cost nothing measurable on a quiet machine and gave 2.1x its quiet time there
-# (docs/performance.md, "A busy machine"). Read when libgomp loads, so it is set here, before
-# torch is imported; a value the user exported (or OMP_WAIT_POLICY) wins.
+# want the cores it takes their time slices and the step slows several times over. 1,000 spins
+# (what libgomp itself uses once its own threads outnumber the cores) cost nothing measurable on
+# a quiet machine and win most of the loss back on a busy one (docs/performance.md, "A busy
+# machine"). Read when libgomp loads, so it is set here, before torch is imported; a value the
+# user exported (or OMP_WAIT_POLICY) wins.
 GOMP_SPINCOUNT = "1000"
 
 

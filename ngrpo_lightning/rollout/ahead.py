@@ -86,6 +86,26 @@ class RolloutsAhead:
         batch.stats.update({"async/weights_version": float(version), "async/generator_wait_s": idle})
         return batch
 
+    def rollouts_for(
+        self,
+        key: Key,
+        upcoming: list[Key],
+        job: Callable[[Key], Callable[[RolloutEngine], RolloutBatch]],
+        weights: Callable[[], dict],
+        version: int,
+    ) -> RolloutBatch:
+        """The rollouts of batch ``key`` (waiting for them), after queueing it and ``upcoming`` where
+        not queued yet: ``job(k)`` rolls batch k out, all on one copy of the current ``weights()``
+        (policy ``version``). Their staleness is ``version`` minus the version they were made with."""
+        snapshot = None
+        for k in [key, *upcoming]:
+            if not self.queued(k):
+                snapshot = snapshot if snapshot is not None else weights()
+                self.submit(k, job(k), snapshot, version)
+        batch = self.take(key)
+        batch.stats["async/staleness"] = float(version - batch.stats["async/weights_version"])
+        return batch
+
     def run_now(self, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> RolloutBatch:
         """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
         ones: the worker owns the engine's generator, so its draws stay in one order."""

@@ -13,6 +13,12 @@ a batch that lost its zero-variance groups.
 With ``max_staleness = k > 0`` training batches are rolled out ``k`` steps ahead, on a worker
 thread with its own copy of the policy (:mod:`.ahead`): the rollouts of step ``b`` come from
 the weights after step ``b - k`` while steps ``b - k .. b - 1`` train.
+
+The DataModule composes three parts, each in its own module: the order of the training
+prompts (:class:`~.prompt_order.PromptStream`, which the loader reads and rollouts ahead peek
+into), the engine and its weight syncs (:class:`~.policy_engine.PolicyEngine`) and the worker
+of rollouts ahead (:class:`~.ahead.RolloutsAhead`). What it needs of the run it reads from the
+trainer's :class:`~.context.RunContext`.
 """
 
 from __future__ import annotations
@@ -28,18 +34,18 @@ from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.data import PromptDataset, collate_prompts
 from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
 from ngrpo_lightning.rollout.batch import RolloutBatch
-from ngrpo_lightning.rollout.engine import RolloutEngine, full_named_tensors
-from ngrpo_lightning.rollout.engines import build_engine, engine_class
-from ngrpo_lightning.rollout.prompt_order import PromptLoader, PromptSampler
+from ngrpo_lightning.rollout.context import run_context
+from ngrpo_lightning.rollout.engine import RolloutEngine
+from ngrpo_lightning.rollout.policy_engine import PolicyEngine
+from ngrpo_lightning.rollout.prompt_order import Key, PromptLoader, PromptStream, RankShare
 
 
 class RolloutDataModule(L.LightningDataModule):
     """Prompts in, rollouts of the current policy out.
 
-    What it reads from the trainer's LightningModule (``RLModule`` provides each): ``policy``
-    and ``tokenizer`` (the engine is built for them), ``explorer`` and ``eval_explorer`` (training
-    and validation rollouts), ``policy_version`` (optimizer steps taken: an engine with its own
-    weights syncs when it changes) and ``sharded_root(policy)`` (the FSDP2 root, or None).
+    What it reads of the run comes from the module's :class:`~.context.RunContext`: the policy,
+    tokenizer and backend (the engine is built for them), the explorers (training and validation
+    rollouts), the policy version (weight syncs, staleness) and the update's shape.
 
     Args:
         tokenizer: renders and tokenizes prompts.
@@ -82,7 +88,6 @@ class RolloutDataModule(L.LightningDataModule):
         ahead_threads: int | None = None,
     ):
         super().__init__()
-        engine_class(engine)  # an unknown engine fails here, naming rollout.engine and the allowed names
         check_number("ahead_threads", ahead_threads, 1, integer=True, optional=True)
         if group_size < 1 or prompts_per_step < 1:
             raise ValueError(
@@ -93,22 +98,20 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.val_samples, self.val_batch_size = val_samples, val_batch_size
-        self.engine_name, self.engine_kwargs, self.ignore_eos = engine, engine_kwargs or {}, ignore_eos
+        settings = {**(engine_kwargs or {}), "ignore_eos": ignore_eos, "max_prompt_tokens": max_prompt_tokens}
+        self.engines = PolicyEngine(engine, settings, max_new_tokens, seed, self._rank)
         self.prompt_kwargs = {
             k: v for k, v in {"instruction": instruction, "system_prompt": system_prompt}.items() if v is not None
         }
         self.seed, self.shuffle = seed, shuffle
         self.max_staleness = int(max_staleness)
-        self.engine: RolloutEngine | None = None
         self.ahead: RolloutsAhead | None = None  # the worker of max_staleness > 0
         self._ahead_state: dict | None = None
         self.ahead_threads = ahead_threads
-        self._sampler: PromptSampler | None = None
+        self.stream: PromptStream | None = None  # the training prompts' order (train_dataloader)
+        self._position: dict | None = None  # a checkpoint's data position, until the stream exists
         self.train_set = self.val_set = None
         self.extra_prompts_drawn = 0  # position in the stream of more_rollouts()
-        self.epoch, self.batches_in_epoch = 0, 0  # data position: training batches rolled out in the current epoch
-        self._resume_position: tuple[int, int] | None = None
-        self._engine_state: dict | None = None
 
     # ------------------------------------------------------------- datasets
     def setup(self, stage: str | None = None) -> None:
@@ -124,104 +127,80 @@ class RolloutDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return int(getattr(trainer, "global_rank", 0)), int(getattr(trainer, "world_size", 1))
 
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The engine of this process's rollouts (None until the first)."""
+        return self.engines.engine
+
     def train_dataloader(self) -> DataLoader:
         """This rank's prompts, ``prompts_per_step`` per batch (the global batch is
-        ``prompts_per_step x world_size`` prompts). The order is a shuffle seeded by
-        ``seed + epoch``; a resumed run continues at its saved position."""
+        ``prompts_per_step x world_size`` prompts), from the :class:`PromptStream`: a shuffle
+        seeded by ``seed + pass``; a resumed run continues at its saved position."""
         rank, world = self._rank()
-        epoch, batches = self._resume_position or (0, 0)
-        self._resume_position = None
-        sampler = PromptSampler(
-            len(self.train_set),
-            self.seed,
-            self.shuffle,
-            rank,
-            world,
-            self.prompts_per_step,
-            epoch=epoch,
-            skip=batches * self.prompts_per_step,
-            on_pass=self._start_pass,
-        )
-        self._sampler = sampler
-        return PromptLoader(
-            self.train_set,
-            batch_size=self.prompts_per_step,
-            sampler=sampler,
-            drop_last=len(sampler) >= self.prompts_per_step,
-            collate_fn=collate_prompts,
-        )
-
-    def _start_pass(self, epoch: int, batches_skipped: int) -> None:
-        self.epoch, self.batches_in_epoch = epoch, batches_skipped
+        self.stream = PromptStream(len(self.train_set), self.seed, self.shuffle, self.prompts_per_step, rank, world)
+        if self._position is not None:
+            self.stream.load_state_dict(self._position)
+            self._position = None
+        return PromptLoader(self.train_set, self.stream)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None or len(self.val_set) == 0:
             return []
-        rank, world = self._rank()
-        sampler = PromptSampler(len(self.val_set), self.seed, False, rank, world, 1)
-        sampler.per_rank = math.ceil(len(self.val_set) / world)  # all prompts (a few twice when uneven)
+        sampler = RankShare(len(self.val_set), *self._rank())
         return DataLoader(self.val_set, batch_size=self.val_batch_size, sampler=sampler, collate_fn=collate_prompts)
 
     # ------------------------------------------------------------- rollouts
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, RolloutBatch):
             return batch
-        module = self.trainer.lightning_module
+        context = run_context(self.trainer)
         if self.trainer.training:
-            key = (self.epoch, self.batches_in_epoch)
-            self.batches_in_epoch += 1  # the data position saved in checkpoints
-            if self.max_staleness:
+            key = batch.pop("key", None)
+            if key is not None and self.stream is not None:
+                self.stream.consumed(key)  # the data position saved in checkpoints
+            if self.max_staleness and key is not None:
                 return self.rollout_ahead(key, batch)
-            return self.rollout(batch, module.explorer, self.group_size)
-        return self.rollout(batch, module.eval_explorer, self.val_samples)
+            return self.rollout(batch, context.explorer, self.group_size)
+        return self.rollout(batch, context.eval_explorer, self.val_samples)
 
     # ------------------------------------------------ rollouts ahead (max_staleness > 0)
-    def rollout_ahead(self, key: tuple[int, int], prompts: dict) -> RolloutBatch:
-        """The rollouts of training batch ``key`` = (pass, index), rolled out ahead; queues the
-        batches of the next ``max_staleness`` steps with the current weights first."""
-        module, ahead = self.trainer.lightning_module, self.ensure_ahead()
-        version, weights = self.trainer.global_step, None  # optimizer steps of the run (a resumed one too)
-        for k, p in [(key, prompts), *self._upcoming(key)]:
-            if not ahead.queued(k):  # jobs queued together share one copy of the weights
-                weights = weights if weights is not None else trainable_snapshot(module.policy)
-                ahead.submit(k, self._generation(p, module.explorer, self.group_size), weights, version)
-        batch = ahead.take(key)
-        if batch.problem_ids != [i for i in prompts["id"] for _ in range(self.group_size)]:
+    def rollout_ahead(self, key: Key, prompts: dict) -> RolloutBatch:
+        """The rollouts of training batch ``key``, rolled out ahead; queues the batches of the next
+        ``max_staleness`` steps (within the run's ``trainer.max_steps``) with the current weights."""
+        context, ahead = run_context(self.trainer), self.ensure_ahead()
+        upcoming = self.stream.following(key, self._steps_ahead(context))
+
+        def job(k: Key):
+            batch = prompts if k == key else collate_prompts([self.train_set[i] for i in self.stream.rows(k)])
+            return self._generation(batch, context.explorer, self.group_size)
+
+        batch = ahead.rollouts_for(
+            key, upcoming, job, lambda: trainable_snapshot(context.policy), context.version.value
+        )
+        if batch.problem_ids != [i for i in prompts["id"] for _ in range(self.group_size)]:  # restored ones
             raise RuntimeError(
                 f"the rollouts restored for training batch {key} are of other prompts: the checkpoint's "
                 "data settings (data.*, seed) differ from this run's"
             )
-        batch.stats["async/staleness"] = float(version - batch.stats["async/weights_version"])
         return batch
 
-    def _upcoming(self, key: tuple[int, int]) -> list[tuple[tuple[int, int], dict]]:
-        """The next ``max_staleness`` training batches after ``key``, by (pass, index), within
-        the run's steps (``trainer.max_steps``)."""
-        if self._sampler is None:  # a loader not made by train_dataloader(): nothing to look ahead in
-            return []
-        per_pass = len(self._sampler) // self.prompts_per_step if len(self._sampler) >= self.prompts_per_step else 1
-        ahead = self.max_staleness
-        max_steps, module = self.trainer.max_steps, self.trainer.lightning_module
+    def _steps_ahead(self, context) -> int:
+        """``max_staleness``, or fewer near the end of the run (``trainer.max_steps``)."""
+        ahead, max_steps = self.max_staleness, self.trainer.max_steps
         if max_steps is not None and max_steps > 0:
-            updates = module.plan.updates_per_step
-            ahead = min(ahead, math.ceil(max_steps / updates) - self.trainer.global_step // updates - 1)
-        out = []
-        epoch, index = key
-        for _ in range(max(ahead, 0)):
-            epoch, index = (epoch, index + 1) if index + 1 < per_pass else (epoch + 1, 0)
-            rows = self._sampler.order(epoch)[index * self.prompts_per_step : (index + 1) * self.prompts_per_step]
-            out.append(((epoch, index), collate_prompts([self.train_set[i] for i in rows])))
-        return out
+            updates = context.update.updates_per_step
+            ahead = min(ahead, math.ceil(max_steps / updates) - context.version.value // updates - 1)
+        return max(ahead, 0)
 
     def ensure_ahead(self) -> RolloutsAhead:
         """The rollout worker (built at the first training batch): a copy of the policy, an engine
         of the configured kind on it, and ``ahead_threads`` intra-op threads of its own (the
-        training thread keeps its own: measured on 2 cores, halving them slowed the step 1.2-1.35x
-        while the worker idled, docs/async.md)."""
+        training thread keeps its own: halving them slowed the step while the worker idled,
+        docs/async.md)."""
         if self.ahead is None:
-            module = self.trainer.lightning_module
-            threads = self.ahead_threads or getattr(getattr(module, "backend", None), "ahead_threads", 1)
-            self.ahead = RolloutsAhead(module.policy, lambda model: self._build_engine(model, module), threads)
+            context = run_context(self.trainer)
+            threads = self.ahead_threads or context.backend.ahead_threads
+            self.ahead = RolloutsAhead(context.policy, lambda model: self.engines.build(model, context), threads)
             if self._ahead_state is not None:
                 self.ahead.load_state_dict(self._ahead_state)
                 self._ahead_state = None
@@ -234,29 +213,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.ahead = None
 
     def ensure_engine(self) -> RolloutEngine:
-        """The rollout engine, built at the first rollout for the trainer's module (its
-        ``policy``, ``tokenizer`` and, under FSDP2, ``sharded_root(policy)``), with the sampling
-        state of a resumed checkpoint."""
-        if self.engine is None:
-            module = self.trainer.lightning_module
-            self.engine = self._build_engine(module.policy, module, module.sharded_root(module.policy))
-            if self._engine_state is not None:
-                self.engine.load_state_dict(self._engine_state)
-            self._engine_state = None
-        return self.engine
-
-    def _build_engine(self, model, module, sharded_root=None) -> RolloutEngine:
-        return build_engine(
-            self.engine_name,
-            model,
-            module.tokenizer,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.seed + self._rank()[0],
-            ignore_eos=self.ignore_eos,
-            max_prompt_tokens=self.max_prompt_tokens,
-            sharded_root=sharded_root,
-            **self.engine_kwargs,
-        )
+        """The rollout engine, built at the first rollout and synced to the policy version
+        (:meth:`PolicyEngine.ready`)."""
+        return self.engines.ready(run_context(self.trainer))
 
     def more_rollouts(self) -> RolloutBatch:
         """Roll out one more batch of ``prompts_per_step`` training prompts with the training
@@ -266,7 +225,7 @@ class RolloutDataModule(L.LightningDataModule):
         pass, independent of the dataloader's order. Its position (``extra_prompts_drawn``)
         is saved in checkpoints, so a resumed run draws the same prompts.
         """
-        module = self.trainer.lightning_module
+        context = run_context(self.trainer)
         self.setup("fit")
         size, count = len(self.train_set), self.prompts_per_step
         rows: list[int] = []
@@ -279,19 +238,17 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = collate_prompts([self.train_set[i] for i in rows])
         if self.max_staleness:  # the worker owns the training explorer and its generator: it rolls out, now
             batch = self.ensure_ahead().run_now(
-                self._generation(prompts, module.explorer, self.group_size),
-                trainable_snapshot(module.policy),
-                self.trainer.global_step,
+                self._generation(prompts, context.explorer, self.group_size),
+                trainable_snapshot(context.policy),
+                context.version.value,
             )
             batch.stats["async/staleness"] = 0.0
             return batch
-        return self.rollout(prompts, module.explorer, self.group_size)
+        return self.rollout(prompts, context.explorer, self.group_size)
 
     def rollout(self, prompts: dict, explorer, n: int) -> RolloutBatch:
         """Roll out a collated prompt batch ``n`` times each and attach gold answers and ids."""
-        self.ensure_engine()
-        self.sync_engine()
-        return self._generation(prompts, explorer, n)(self.engine)
+        return self._generation(prompts, explorer, n)(self.ensure_engine())
 
     def _generation(self, prompts: dict, explorer, n: int) -> Callable[[RolloutEngine], RolloutBatch]:
         """The rollout of a collated prompt batch (``n`` samples each, with gold answers and ids)
@@ -307,14 +264,9 @@ class RolloutDataModule(L.LightningDataModule):
         return generate
 
     def sync_engine(self) -> None:
-        """Give an engine with its own weights (vLLM) the policy's current weights if the
-        policy took optimizer steps since the last sync: every rollout sees the weights of
-        the latest optimizer step. Under FSDP2 the full tensors are gathered (a collective:
-        every rank rolls out, so every rank syncs)."""
-        module = self.trainer.lightning_module
-        version = module.policy_version
-        if self.engine.needs_sync and self.engine.weights_version != version:
-            self.engine.sync_weights(full_named_tensors(module.policy), version=version)
+        """Give an engine with its own weights (vLLM) the policy's current weights if the policy
+        version moved since its last sync (the Pass@k callback calls it before evaluating)."""
+        self.ensure_engine()
 
     def teardown(self, stage: str | None = None) -> None:
         """The engine outlives ``fit``: a validation after training (``ngrpo train`` runs one)
@@ -326,30 +278,21 @@ class RolloutDataModule(L.LightningDataModule):
     def close(self) -> None:
         """Release the rollout engine (vLLM's memory and threads)."""
         self.close_ahead()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        self.engines.close()
 
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        """Seed, data position (epoch and batches rolled out in it), the extra-prompt stream's
-        position and the engine's sampling RNG; with ``max_staleness`` the rollouts in flight
-        (waited for) and the worker engine's RNG after them, so that a resumed run trains on them.
-        Under several processes each rank's engine has its own RNG: the states of all ranks are
-        saved (gathered), each rank restores its own."""
-        engine = self.engine.state_dict() if self.engine is not None else self._engine_state
-        rank, world = self._rank()
-        engines = [engine]
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            engines = [None] * world
-            torch.distributed.all_gather_object(engines, engine)
+        """Seed, data position (the next training batch: pass and index), the extra-prompt
+        stream's position and the engine's sampling RNG (every rank's, gathered); with
+        ``max_staleness`` the rollouts in flight (waited for) and the worker engine's RNG after
+        them, so that a resumed run trains on them."""
+        position = self.stream.state_dict() if self.stream is not None else self._position
         return {
             "seed": self.seed,
             "extra_prompts_drawn": self.extra_prompts_drawn,
-            "epoch": self.epoch,
-            "batches_in_epoch": self.batches_in_epoch,
-            "engine": engines,
-            "world_size": world,
+            **(position or {"epoch": 0, "batches_in_epoch": 0}),
+            "engine": self.engines.state_dict(),
+            "world_size": self._rank()[1],
             "ahead": self.ahead.state_dict() if self.ahead is not None else self._ahead_state,
         }
 
@@ -357,10 +300,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.seed = state.get("seed", self.seed)
         self.extra_prompts_drawn = state.get("extra_prompts_drawn", 0)
         if "epoch" in state:
-            self._resume_position = (int(state["epoch"]), int(state["batches_in_epoch"]))
-            self.epoch, self.batches_in_epoch = self._resume_position
-        rank, world = self._rank()
-        saved_world = state.get("world_size", 1)
+            self._position = {"epoch": int(state["epoch"]), "batches_in_epoch": int(state["batches_in_epoch"])}
+            if self.stream is not None:
+                self.stream.load_state_dict(self._position)
+                self._position = None
+        saved_world, world = state.get("world_size", 1), self._rank()[1]
         if saved_world != world:
             raise ValueError(
                 f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
@@ -370,8 +314,4 @@ class RolloutDataModule(L.LightningDataModule):
         if self.ahead is not None and self._ahead_state is not None:
             self.ahead.load_state_dict(self._ahead_state)
             self._ahead_state = None
-        engines = state.get("engine") or [None]
-        self._engine_state = engines[rank] if rank < len(engines) else None
-        if self.engine is not None and self._engine_state is not None:
-            self.engine.load_state_dict(self._engine_state)
-            self._engine_state = None
+        self.engines.load_state_dict(state.get("engine") or [None])

@@ -151,11 +151,14 @@ class RolloutEngine(ABC):
         ignore_eos: bool = False,
         max_prompt_tokens: int | None = None,
         sharded_root: torch.nn.Module | None = None,
+        backend=None,
         **settings,
     ) -> RolloutEngine:
         """The engine for a live policy. ``max_prompt_tokens`` bounds the prompts (engines that
         size buffers from it use it); ``sharded_root`` is the policy's FSDP2 root module when it is
-        sharded (engines that decode with the policy unshard it); ``settings`` are the engine's own."""
+        sharded (engines that decode with the policy unshard it); ``backend`` is the run's
+        (:mod:`ngrpo_lightning.backends`: engines that compute with the policy follow it);
+        ``settings`` are the engine's own."""
         return cls(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=ignore_eos, **settings)
 
     # ------------------------------------------------------------ rollouts

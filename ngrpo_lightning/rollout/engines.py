@@ -53,10 +53,10 @@ def build_engine(
     name: str, policy, tokenizer, *, max_new_tokens: int, seed: int, key: str = "rollout.engine", **context_and_settings
 ) -> RolloutEngine:
     """The engine ``name`` for ``policy`` (see :meth:`RolloutEngine.from_policy` for the common
-    arguments: ``ignore_eos``, ``max_prompt_tokens``, ``sharded_root``; the rest are the engine's
+    arguments: ``ignore_eos``, ``max_prompt_tokens``, ``sharded_root``, ``backend``; the rest are the engine's
     settings). ``hf`` decodes with the policy module itself; ``vllm`` loads the policy's directory
     and must be given the policy's weights with ``sync_weights`` whenever they differ from it."""
-    common = ("ignore_eos", "max_prompt_tokens", "sharded_root")
+    common = ("ignore_eos", "max_prompt_tokens", "sharded_root", "backend")
     context = {k: context_and_settings.pop(k) for k in common if k in context_and_settings}
     cls = check_engine(name, context_and_settings, key)
     return cls.from_policy(

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ngrpo_lightning.backends import Backend, backend_for
+from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.explorers import Explorer
@@ -64,9 +64,9 @@ class HFEngine(RolloutEngine):
         drop_min_frac: ended rows leave together, once they make up at least this fraction of
             the decoding batch (0: each step's ended rows at once). Until then they decode
             padding: a small batch saves more by compacting less often.
-        backend: how the model computes (:mod:`ngrpo_lightning.backends`): a rollout multiplies by
-            the weights its layers were chosen to pack once, and keeps its KV cache in the
-            backend's dtype (default: the backend of the model's device).
+        backend: the backend that prepared the model (:mod:`ngrpo_lightning.backends`): it states
+            the KV cache's dtype (``Backend.kv_cache_dtype``). None: the cache keeps the model's
+            dtype (a model no backend prepared).
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -92,7 +92,7 @@ class HFEngine(RolloutEngine):
         self.model, self.tokenizer, self.sharded_root = model, tokenizer, sharded_root
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
-        self.backend = backend or backend_for(model)
+        self.backend = backend
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -104,7 +104,9 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"{prefix}.drop_finished_rows={settings['drop_finished_rows']!r} must be true or false")
 
     @classmethod
-    def from_policy(cls, policy, tokenizer, *, max_new_tokens, seed, ignore_eos=False, sharded_root=None, **settings):
+    def from_policy(
+        cls, policy, tokenizer, *, max_new_tokens, seed, ignore_eos=False, sharded_root=None, backend=None, **settings
+    ):
         """The engine decodes with ``policy`` itself (under FSDP2, unsharding ``sharded_root`` and
         the policy's sharded layers once per rollout); ``max_prompt_tokens`` is not needed."""
         settings.pop("max_prompt_tokens", None)
@@ -115,6 +117,7 @@ class HFEngine(RolloutEngine):
             seed=seed,
             ignore_eos=ignore_eos,
             sharded_root=sharded_root,
+            backend=backend,
             **settings,
         )
 
@@ -191,7 +194,7 @@ class HFEngine(RolloutEngine):
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         cache = reserved_cache(
-            width + max_new, self.backend.kv_cache_dtype(model)
+            width + max_new, self.backend.kv_cache_dtype(model) if self.backend is not None else None
         )  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row

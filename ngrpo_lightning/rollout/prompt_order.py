@@ -1,86 +1,151 @@
-"""The order of a run's training prompts: a seeded shuffle per pass, split by rank, with a
-resume position (:class:`PromptSampler`), and the training DataLoader that Lightning resumes
-mid-epoch (:class:`PromptLoader`). The :class:`~.datamodule.RolloutDataModule` builds both and
-reads the same order to look ahead (``train.max_staleness``)."""
+"""The order of a run's training prompts: one stream of batches that the training DataLoader
+reads, rollouts ahead peek into, and checkpoints save.
+
+A batch is known by its key ``(pass, index)``: pass p over the training set is a shuffle seeded
+by ``seed + p``, cut into this rank's share and into batches of ``prompts_per_step``. The
+:class:`PromptStream` is the loader's batch sampler; every batch it yields carries its key
+(:func:`keyed_collate`), so whoever consumes the batch knows where it stands in the stream,
+and :meth:`PromptStream.following` names the batches after it (rollouts ahead queue those)
+from the same order. Its position is the next batch to train; a resumed run starts there.
+
+Validation prompts use :class:`RankShare`: every prompt once, split by rank.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["PromptLoader", "PromptSampler"]
+from ngrpo_lightning.data import collate_prompts
+
+__all__ = ["Key", "PromptLoader", "PromptStream", "RankShare", "keyed_collate"]
+
+Key = tuple[int, int]  # (pass over the training set, batch index in it)
 
 
-class PromptSampler(Sampler[int]):
-    """Prompt order of the training set: a seeded shuffle per pass (``seed + pass``), this
-    rank's share of it, and a resume position.
+def rank_share(order: list[int], per_rank: int, rank: int, world_size: int) -> list[int]:
+    """This rank's ``per_rank`` items of ``order``, padded by repeating it (``DistributedSampler``'s
+    way) so every rank gets as many: rollouts under FSDP are collectives."""
+    total = per_rank * world_size
+    order = (order * math.ceil(total / max(len(order), 1)))[:total] if total > len(order) else order[:total]
+    return order[rank:total:world_size]
+
+
+class PromptStream(Sampler[list[tuple[int, Key]]]):
+    """Training prompt batches in order, from a position, for one rank.
 
     Distributed runs split *prompts* by rank (every rank rolls out its prompts G times, so a
-    group never spans ranks), padded like ``DistributedSampler`` so that every rank gets the
-    same number of batches (rollouts under FSDP are collectives).
-
-    The sampler counts its passes itself (``set_epoch`` is ignored): Lightning's epoch
-    counter and the data's position disagree after resuming from a checkpoint written at the
-    end of training (Lightning then starts a new epoch, the data continues the old pass).
-    A pass starting at ``epoch`` skips its first ``skip`` prompts once (resume);
-    ``on_pass(epoch, batches_skipped)`` is told where each pass starts.
+    group never spans ranks), with the same number of whole batches on every rank. Iterating
+    yields the batches from the position to the end of its pass, as lists of ``(dataset index,
+    key)``; Lightning's epoch is one pass. The position moves when a batch is
+    :meth:`consumed`. The stream counts its
+    passes itself: after resuming from a checkpoint written at the end of training, Lightning
+    starts a new epoch while the data continues the old pass.
     """
 
-    def __init__(
-        self,
-        size: int,
-        seed: int,
-        shuffle: bool,
-        rank: int = 0,
-        world_size: int = 1,
-        batch_size: int = 1,
-        epoch: int = 0,
-        skip: int = 0,
-        on_pass: Callable[[int, int], None] | None = None,
-    ):
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
-        self.per_rank = math.ceil(size / world_size)
-        if size >= batch_size * world_size:  # drop_last semantics: whole batches on every rank
-            self.per_rank = (size // world_size) // batch_size * batch_size
-        self.epoch, self.next_epoch, self.skip, self.on_pass = epoch, epoch, skip, on_pass
-
-    def set_epoch(self, epoch: int) -> None:
-        """Ignored: passes are counted by the sampler (see the class docstring)."""
+    def __init__(self, size: int, seed: int, shuffle: bool, batch_size: int, rank: int = 0, world_size: int = 1):
+        self.size, self.seed, self.shuffle, self.batch_size = size, seed, shuffle, batch_size
+        self.rank, self.world_size = rank, world_size
+        per_rank = math.ceil(size / world_size)
+        if size >= batch_size * world_size:  # whole batches on every rank
+            per_rank = (size // world_size) // batch_size * batch_size
+        self.per_rank = per_rank
+        self.batches_per_pass = max(per_rank // batch_size, 1)
+        self.position: Key = (0, 0)  # the next batch to yield
 
     def order(self, epoch: int) -> list[int]:
+        """This rank's dataset indices in pass ``epoch``."""
         if self.shuffle:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         else:
             order = list(range(self.size))
-        total = self.per_rank * self.world_size
-        order = (order * math.ceil(total / max(len(order), 1)))[:total] if total > len(order) else order[:total]
-        return order[self.rank : total : self.world_size]
+        return rank_share(order, self.per_rank, self.rank, self.world_size)
 
-    def __iter__(self):
-        while self.per_rank and self.skip >= self.per_rank:  # the saved position ended a pass
-            self.skip -= self.per_rank
-            self.next_epoch += 1
-        self.epoch, skip = self.next_epoch, self.skip
-        self.next_epoch, self.skip = self.epoch + 1, 0
-        if self.on_pass is not None:
-            self.on_pass(self.epoch, skip // max(self.batch_size, 1))
-        return iter(self.order(self.epoch)[skip:])
+    def rows(self, key: Key) -> list[int]:
+        """The dataset indices of batch ``key``."""
+        epoch, index = key
+        return self.order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def next_key(self, key: Key) -> Key:
+        epoch, index = key
+        return (epoch, index + 1) if index + 1 < self.batches_per_pass else (epoch + 1, 0)
+
+    def following(self, key: Key, count: int) -> list[Key]:
+        """The ``count`` batches after ``key``, in order."""
+        out = []
+        for _ in range(max(count, 0)):
+            key = self.next_key(key)
+            out.append(key)
+        return out
+
+    def consumed(self, key: Key) -> None:
+        """Batch ``key`` was trained on: the position moves past it (the loader reads ahead of
+        training, so the one who consumes the batch says so, not the iterator)."""
+        self.position = self.next_key(key)
+
+    def __iter__(self) -> Iterator[list[tuple[int, Key]]]:
+        epoch, index = self.position
+        if index >= self.batches_per_pass:  # a saved position at the end of a pass
+            epoch, index = epoch + 1, 0
+        for i in range(index, self.batches_per_pass):
+            yield [(row, (epoch, i)) for row in self.rows((epoch, i))]
 
     def __len__(self) -> int:
-        return self.per_rank
+        return self.batches_per_pass
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.position[0], "batches_in_epoch": self.position[1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = (int(state["epoch"]), int(state["batches_in_epoch"]))
+
+
+class KeyedDataset(torch.utils.data.Dataset):
+    """A prompt dataset read by ``(index, key)``: each item carries the key of its batch."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, item: tuple[int, Key]) -> dict:
+        index, key = item
+        return {**self.dataset[index], "key": key}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def keyed_collate(items: list[dict]) -> dict:
+    """:func:`~ngrpo_lightning.data.collate_prompts`, plus the batch's ``key``."""
+    return {**collate_prompts(items), "key": items[0]["key"]}
 
 
 class PromptLoader(DataLoader):
-    """The training DataLoader. Its position is saved and restored by the DataModule
-    (``epoch``, ``batches_in_epoch``) through the :class:`PromptSampler`; these two methods
-    tell Lightning that the loader resumes mid-epoch correctly."""
+    """The training DataLoader over a :class:`PromptStream`. The stream's position is saved and
+    restored by the DataModule; these two methods tell Lightning that the loader resumes
+    mid-epoch correctly."""
+
+    def __init__(self, dataset, stream: PromptStream):
+        super().__init__(KeyedDataset(dataset), batch_sampler=stream, collate_fn=keyed_collate)
+        self.stream = stream
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to do: see :meth:`RolloutDataModule.load_state_dict`."""
+
+
+class RankShare(Sampler[int]):
+    """Every index of a set once, in order, this rank's share (a few twice when uneven)."""
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1):
+        self.items = rank_share(list(range(size)), math.ceil(size / world_size), rank, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)

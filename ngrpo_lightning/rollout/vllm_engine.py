@@ -160,6 +160,7 @@ class VLLMEngine(RolloutEngine):
         ignore_eos: bool = False,
         max_prompt_tokens: int | None = None,
         sharded_root: torch.nn.Module | None = None,
+        backend=None,
         **settings,
     ) -> VLLMEngine:
         """An engine for a live policy model and its tokenizer: vLLM loads the directory the

@@ -62,6 +62,7 @@ class CheckpointHooks:
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
         checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
+        checkpoint["policy_version"] = self.policy_version.state_dict()
         checkpoint["rng"] = rng_states()
         checkpoint["ngrpo"] = {**self.run_meta, "base_model": dict(self.base_model)}
 
@@ -75,6 +76,10 @@ class CheckpointHooks:
             check_base_model(saved.get("base_model") or {}, self.base_model)
         self.explorer.load_state_dict(checkpoint.get("explorer", {}))
         self.plan.load_state_dict(checkpoint.get("update_plan", {}))
+        # checkpoints from before the version was saved: one optimizer step per global step
+        self.policy_version.load_state_dict(
+            checkpoint.get("policy_version") or {"value": checkpoint.get("global_step", 0)}
+        )
         if "rng" in checkpoint:
             set_rng_states(checkpoint["rng"])
 

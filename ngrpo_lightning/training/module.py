@@ -51,6 +51,7 @@ from ngrpo_lightning.objectives import (
 )
 from ngrpo_lightning.rewards import MathReward, score_responses
 from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
 from ngrpo_lightning.rollout.padding import pad_to
 from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
 from ngrpo_lightning.training.forward import response_logprobs
@@ -152,7 +153,7 @@ class RLModule(CheckpointHooks, StepReports, L.LightningModule):
         self.parallel = ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel
         self.run_meta: dict = {}  # what identifies the run in checkpoints (set by the CLI: config, MLflow run id)
         self._forwards: dict[int, torch.nn.Module] = {}  # FSDP2 root wrappers by id(model) (outside the module tree)
-        self.policy_version = 0  # optimizer steps taken by this process: engines with their own weights sync on change
+        self.policy_version = PolicyVersion()  # optimizer steps taken: weight syncs and staleness (rollout/context.py)
 
     # --------------------------------------------------------------- sharding
     def configure_model(self) -> None:
@@ -177,6 +178,22 @@ class RLModule(CheckpointHooks, StepReports, L.LightningModule):
         ``configure_model`` sharded it; ``None`` when it is not sharded. A rollout engine that
         decodes with the policy unshards it (and the sharded layers) once per rollout."""
         return self._forwards.get(id(model))
+
+    @property
+    def context(self) -> RunContext:
+        """The run as the DataModule and callbacks see it (:class:`~ngrpo_lightning.rollout.context.RunContext`)."""
+        return RunContext(
+            policy=self.policy,
+            tokenizer=self.tokenizer,
+            explorer=self.explorer,
+            eval_explorer=self.eval_explorer,
+            reward=self.reward,
+            backend=self.backend,
+            version=self.policy_version,
+            update=self.plan,
+            sharded_root=self.sharded_root,
+            sharded=self.parallel is not None,
+        )
 
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
         """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
@@ -358,7 +375,7 @@ class RLModule(CheckpointHooks, StepReports, L.LightningModule):
             opt.step()
             opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
             sched.step()
-            self.policy_version += 1
+            self.policy_version.advance()
             self.update_metrics.append({k: float(v) for k, v in metrics.items()})
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)

@@ -17,7 +17,7 @@ where it ends.
 
 from __future__ import annotations
 
-import math
+import bisect
 import warnings
 from dataclasses import dataclass, field
 
@@ -40,19 +40,23 @@ def saturating(c, r0: float, asymptote: float, midpoint: float, slope: float) ->
 def compute_points(run: RunData, key: str = "val/accuracy") -> list[tuple[dict[str, float], float]]:
     """``key``'s points of one run, each as ({"step", "tokens", "minutes"}, value).
 
-    A validation logged at step s follows s + 1 optimizer steps, except the one before training
-    (step 0, earlier than any training metric), which follows none. Tokens are the generated
-    rollout tokens up to that step (``rollout/tokens``, 0 where the run did not log them); wall
-    time counts from that first validation (model loading left out). A later point at the same
-    step replaces an earlier one."""
+    A validation follows the optimizer steps whose training metrics were logged before it
+    (Lightning logs validations inside an epoch at the last step's index and the one after
+    training at the step count, so the index alone is ambiguous); a Pass@k evaluation along
+    the run (``val/<set>/pass_at_k``) is logged at the steps done. Tokens are the generated
+    rollout tokens up to that step (``rollout/tokens``, 0 where the run did not log them);
+    wall time counts from the first validation (model loading left out). A later point at the
+    same step replaces an earlier one."""
     points = run.curves.get(key) or []
     train = run.curves.get("train/reward") or run.curves.get("rollout/tokens") or []
-    first_train = min((m for _, m, _ in train), default=math.inf)
+    train_times = sorted(m for _, m, _ in train)
     tokens = sorted((s, v) for s, _, v in run.curves.get("rollout/tokens") or [])
-    start = next((m for s, m, _ in points if s == 0 and m <= first_train), 0.0)  # wall time counts from here
+    first = run.curves.get("val/accuracy") or points
+    start = min((m for _, m, _ in first), default=0.0)
+    logged_after = "/pass_at_" in key
     out = {}
     for step, minutes, value in points:
-        done = 0 if (step == 0 and minutes <= first_train) else step + 1
+        done = step if logged_after else bisect.bisect_right(train_times, minutes)
         spent = float(sum(v for s, v in tokens if s < done))
         out[done] = ({"step": float(done), "tokens": spent, "minutes": float(minutes - start)}, float(value))
     return [out[s] for s in sorted(out)]
@@ -177,40 +181,60 @@ def contrast(a: str, b: str, fa: CurveFit | None, fb: CurveFit | None, axis: str
     return "; ".join(said)
 
 
-def plot_compute(runs: list[RunData], fits: dict, path, key: str = "val/accuracy") -> None:
-    """``key`` against each axis of :data:`AXES`: per arm the mean over seeds at each evaluation,
-    a band from the lowest to the highest seed, and the fitted curve (dashed)."""
+def along_run_keys(runs: list[RunData]) -> list[str]:
+    """Pass@k metrics evaluated along the runs (``pass_at_k.every_n_steps``): Pass@1 and the
+    largest k of each set, where some run has two evaluations or more."""
+    keys = {k for r in runs for k, points in r.curves.items() if "/pass_at_" in k and len(points) > 1}
+    prefixes = sorted({k.rsplit("/", 1)[0] for k in keys})
+    if len(prefixes) == 2 and "val/avg" in prefixes:  # one set: its average is itself
+        prefixes.remove("val/avg")
+    out = []
+    for prefix in prefixes:
+        ks = sorted(int(k.rsplit("_", 1)[1]) for k in keys if k.rsplit("/", 1)[0] == prefix)
+        out += [f"{prefix}/pass_at_{k}" for k in sorted({ks[0], ks[-1]})]
+    return out
+
+
+def plot_compute(runs: list[RunData], fits: dict, path, keys: list[str] | None = None) -> None:
+    """Each of ``keys`` (default ``val/accuracy`` and the Pass@k evaluated along the runs) against
+    each axis of :data:`AXES`: per arm the mean over seeds at each evaluation, a band from the
+    lowest to the highest seed, and for ``val/accuracy`` the fitted curve (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(AXES), figsize=(4.4 * len(AXES), 3.5), squeeze=False)
-    for ax, axis in zip(axes[0], AXES):
-        for arm in sorted({r.arm for r in runs}):
-            by_step: dict[float, list[tuple[float, float]]] = {}
-            for r in runs:
-                if r.arm == arm:
-                    for c, v in compute_points(r, key):
-                        by_step.setdefault(c["step"], []).append((c[axis], v))
-            if not by_step:
-                continue
-            steps = sorted(by_step)
-            xs = np.array([np.mean([c for c, _ in by_step[s]]) for s in steps])
-            vals = [[v for _, v in by_step[s]] for s in steps]
-            line = ax.plot(xs, [np.mean(v) for v in vals], marker=".", label=arm)[0]
-            ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
-            fit = fits.get(axis, {}).get(arm)
-            if fit is not None:
-                grid = np.linspace(0, xs.max(), 100)
-                ax.plot(
-                    grid, saturating(grid, fit.r0, fit.asymptote, fit.midpoint, fit.slope), "--", color=line.get_color()
-                )
-        ax.set_xlabel(AXES[axis])
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
+    keys = keys or ["val/accuracy", *along_run_keys(runs)]
+    fig, axes = plt.subplots(len(keys), len(AXES), figsize=(4.4 * len(AXES), 3.3 * len(keys)), squeeze=False)
+    for row, key in zip(axes, keys):
+        for ax, axis in zip(row, AXES):
+            _plot_key(ax, runs, fits if key == "val/accuracy" else {}, key, axis)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{key}: mean over seeds, band lowest to highest, fitted saturating curve (dashed)", fontsize=9)
+    fig.suptitle("mean over seeds, band lowest to highest seed, fitted saturating curve (dashed)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_key(ax, runs: list[RunData], fits: dict, key: str, axis: str) -> None:
+    for arm in sorted({r.arm for r in runs}):
+        by_step: dict[float, list[tuple[float, float]]] = {}
+        for r in runs:
+            if r.arm == arm:
+                for c, v in compute_points(r, key):
+                    by_step.setdefault(c["step"], []).append((c[axis], v))
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        xs = np.array([np.mean([c for c, _ in by_step[s]]) for s in steps])
+        vals = [[v for _, v in by_step[s]] for s in steps]
+        line = ax.plot(xs, [np.mean(v) for v in vals], marker=".", label=arm)[0]
+        ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+        fit = fits.get(axis, {}).get(arm)
+        if fit is not None:
+            grid = np.linspace(0, xs.max(), 100)
+            fitted = saturating(grid, fit.r0, fit.asymptote, fit.midpoint, fit.slope)
+            ax.plot(grid, fitted, "--", color=line.get_color())
+    ax.set_xlabel(AXES[axis])
+    ax.set_ylabel(key.replace("pass_at_", "pass@"))
+    ax.grid(alpha=0.3)

@@ -1,0 +1,91 @@
+"""The rollout engine of a run's policy: built at its first rollout, given the policy's weights
+when the policy version moved, its sampling state saved and restored per rank.
+
+The DataModule keeps one for the rollouts of each step and validation; the rollouts-ahead
+worker builds its own engine with :meth:`PolicyEngine.build` on its copy of the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ngrpo_lightning.rollout.context import RunContext
+from ngrpo_lightning.rollout.engine import RolloutEngine, full_named_tensors
+from ngrpo_lightning.rollout.engines import build_engine, engine_class
+
+__all__ = ["PolicyEngine"]
+
+
+class PolicyEngine:
+    """Builds, syncs and checkpoints the engine ``name`` (``rollout.engine``).
+
+    Args:
+        name: a registered engine or an engine's class path.
+        settings: its own settings (``rollout.vllm.*``) and the common ones (``ignore_eos``,
+            ``max_prompt_tokens``).
+        max_new_tokens: the response length limit.
+        seed: of the sampling generator (each rank adds its rank).
+        rank: this process's rank (a function: the trainer tells it once attached).
+    """
+
+    def __init__(self, name: str, settings: dict, max_new_tokens: int, seed: int, rank: Callable[[], tuple[int, int]]):
+        engine_class(name)  # an unknown engine fails here, naming rollout.engine and the allowed names
+        self.name, self.settings, self.max_new_tokens, self.seed = name, dict(settings), max_new_tokens, seed
+        self.rank = rank
+        self.engine: RolloutEngine | None = None
+        self._state: dict | None = None  # a checkpoint's sampling state, until the engine exists
+
+    def build(self, model: torch.nn.Module, context: RunContext, sharded_root=None) -> RolloutEngine:
+        """An engine of this kind for ``model`` (the policy, or a copy of it), computing as the run's
+        backend says (it also states the KV cache's dtype)."""
+        return build_engine(
+            self.name,
+            model,
+            context.tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed + self.rank()[0],
+            sharded_root=sharded_root,
+            backend=context.backend,
+            **self.settings,
+        )
+
+    def ready(self, context: RunContext) -> RolloutEngine:
+        """The engine, built at the first call for the context's policy (under FSDP2 its root),
+        with a resumed checkpoint's sampling state, and synced: an engine with its own copy of
+        the weights (vLLM) gets the policy's when the policy version moved since its last sync.
+        Under FSDP2 the full tensors are gathered (a collective: every rank rolls out, so every
+        rank syncs)."""
+        if self.engine is None:
+            self.engine = self.build(context.policy, context, context.sharded_root(context.policy))
+            if self._state is not None:
+                self.engine.load_state_dict(self._state)
+            self._state = None
+        version = context.version.value
+        if self.engine.needs_sync and self.engine.weights_version != version:
+            self.engine.sync_weights(full_named_tensors(context.policy), version=version)
+        return self.engine
+
+    def close(self) -> None:
+        """Release the engine (vLLM's memory and threads)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def state_dict(self) -> list:
+        """Every rank's sampling state (gathered when several processes run)."""
+        state = self.engine.state_dict() if self.engine is not None else self._state
+        _, world = self.rank()
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            states = [None] * world
+            torch.distributed.all_gather_object(states, state)
+            return states
+        return [state]
+
+    def load_state_dict(self, states: list) -> None:
+        rank = self.rank()[0]
+        self._state = states[rank] if rank < len(states) else None
+        if self.engine is not None and self._state is not None:
+            self.engine.load_state_dict(self._state)
+            self._state = None
