@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["check_choice", "check_number"]
+__all__ = ["check_bool", "check_choice", "check_number"]
 
 
 def check_number(
@@ -41,6 +41,14 @@ def check_number(
         hi = "inf" if high is None else f"{high}"
         suffix = " (an integer)" if integer else ""
         raise ValueError(f"{key}={value!r} is out of range: allowed {'(' if low_open else '['}{lo}, {hi}]{suffix}")
+    return value
+
+
+def check_bool(key: str, value, error: type[ValueError] = ValueError) -> bool:
+    """Return ``value`` if it is ``true`` or ``false``; otherwise raise ``error`` (a ``ValueError``
+    or a subclass) naming ``key`` and the value."""
+    if not isinstance(value, bool):
+        raise error(f"{key}={value!r} must be true or false")
     return value
 
 

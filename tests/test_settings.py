@@ -79,7 +79,7 @@ def test_checks_name_the_key_once(make, message):
         ),
         (["trainer.max_steps=0"], "trainer.max_steps=0 is out of range"),
         (["data.prompts_per_step=0"], "data.prompts_per_step=0 is out of range"),
-        (["overwrite=maybe"], "overwrite='maybe': allowed true or false"),
+        (["overwrite=maybe"], "overwrite='maybe' must be true or false"),
     ],
 )
 def test_bad_values_fail_before_the_model_loads(overrides, message, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from ngrpo_lightning.build.models import build_backend, check_model_settings, pa
 from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer, RolloutSamplesLogger, UpdateMemoryCheck
 from ngrpo_lightning.checkpoints.io import AtomicModelParallelStrategy, checkpoint_io
 from ngrpo_lightning.checkpoints.run import build_checkpointing
-from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
@@ -172,10 +172,8 @@ def check_run_settings(cfg: DictConfig) -> None:
         for key, value, low in checks:
             check_number(key, value, low, integer=True)
         check_number("rollout.val_temperature", r.val_temperature, 0.0)
-        if not isinstance(r.get("ignore_eos", False), bool):
-            raise ValueError(f"rollout.ignore_eos={r.ignore_eos!r} must be true or false")
-        if not isinstance(cfg.get("overwrite", False), bool):
-            raise ValueError(f"overwrite={cfg.overwrite!r}: allowed true or false")
+        check_bool("rollout.ignore_eos", r.get("ignore_eos", False))
+        check_bool("overwrite", cfg.get("overwrite", False))
         max_steps = cfg.trainer.get("max_steps", -1)
         if max_steps != -1:  # Lightning's "no step limit" (then trainer.max_epochs bounds the run)
             check_number("trainer.max_steps", max_steps, 1, integer=True)
@@ -339,8 +337,7 @@ def check_staleness(cfg: DictConfig) -> None:
 def check_export(cfg: DictConfig) -> None:
     """``export.final`` is true or false; under FSDP2 it exports the last checkpoint, so it needs one."""
     node = cfg.get("export") or {}
-    if not isinstance(node.get("final", False), bool):
-        raise ConfigError(f"export.final={node.final!r} must be true or false")
+    check_bool("export.final", node.get("final", False), ConfigError)
     if node.get("final") and parallel_config(cfg) is not None and not cfg.trainer.get("enable_checkpointing", True):
         raise ConfigError(
             "export.final=true under FSDP2 exports the last checkpoint, but trainer.enable_checkpointing=false: "
@@ -351,9 +348,7 @@ def check_export(cfg: DictConfig) -> None:
 def check_async_save(cfg: DictConfig) -> bool:
     """``checkpoint.async_save``: write checkpoints in a background thread (true or false)."""
     value = (cfg.get("checkpoint") or {}).get("async_save", False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"checkpoint.async_save={value!r} must be true or false")
-    return value
+    return check_bool("checkpoint.async_save", value, ConfigError)
 
 
 def build_strategy(cfg: DictConfig):

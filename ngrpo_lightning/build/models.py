@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.backends import BACKENDS, Backend, attention, file_weights, select_backend
-from ngrpo_lightning.checks import check_choice
+from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import parse_dtype
@@ -114,8 +114,7 @@ def check_memory_settings(cfg: DictConfig) -> None:
             f"raise it to at least {longest}, or set it to null"
         )
     checkpointing = cfg.model.get("gradient_checkpointing", False)
-    if not isinstance(checkpointing, bool):
-        raise ConfigError(f"model.gradient_checkpointing={checkpointing!r} must be true or false")
+    check_bool("model.gradient_checkpointing", checkpointing, ConfigError)
     if checkpointing and parallel_config(cfg) is not None:
         raise ConfigError(
             "model.gradient_checkpointing=true is for one device; under FSDP2 (trainer.parallel) set "

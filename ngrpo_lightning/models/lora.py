@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.checks import check_bool, check_number
 
 ALL_LINEAR = "all-linear"
 
@@ -37,8 +37,7 @@ class LoraSettings:
     target_modules: str | list[str] = ALL_LINEAR
 
     def __post_init__(self):
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"model.lora.enabled={self.enabled!r} must be true or false")
+        check_bool("model.lora.enabled", self.enabled)
         check_number("model.lora.rank", self.rank, 1, integer=True)
         check_number("model.lora.alpha", self.alpha, 0.0, low_open=True)
         check_number("model.lora.dropout", self.dropout, 0.0, 1.0)

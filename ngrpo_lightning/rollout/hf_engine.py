@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.backends.passes import packed_for_pass
-from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.explorers import Explorer
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
@@ -100,8 +100,7 @@ class HFEngine(RolloutEngine):
     def check_settings(cls, settings: dict, prefix: str) -> None:
         super().check_settings(settings, prefix)
         check_number(f"{prefix}.drop_min_frac", settings.get("drop_min_frac", 0.0), 0.0, 1.0)
-        if not isinstance(settings.get("drop_finished_rows", True), bool):
-            raise ValueError(f"{prefix}.drop_finished_rows={settings['drop_finished_rows']!r} must be true or false")
+        check_bool(f"{prefix}.drop_finished_rows", settings.get("drop_finished_rows", True))
 
     @classmethod
     def from_policy(

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.checks import check_number
+from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.system_metrics import start_system_metrics
 
@@ -132,8 +132,7 @@ def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = 
         raise ConfigError(f"logger.name={cfg.logger.name!r} is unknown: allowed ['mlflow', 'none']")
     system_metrics = cfg.logger.get("system_metrics", False)
     interval = cfg.logger.get("system_metrics_interval_s", 10.0)
-    if not isinstance(system_metrics, bool):
-        raise ConfigError(f"logger.system_metrics={system_metrics!r}: allowed true or false")
+    check_bool("logger.system_metrics", system_metrics, ConfigError)
     try:
         check_number("logger.system_metrics_interval_s", interval, 0.0, low_open=True)
     except ValueError as err:

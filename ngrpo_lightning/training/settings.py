@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.checks import check_bool, check_choice, check_number
 
 __all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
 
@@ -120,8 +120,7 @@ class TrainConfig:
     def __post_init__(self):
         check_number("train.ppo_epochs", self.ppo_epochs, 1, integer=True)
         check_number("train.num_mini_batches", self.num_mini_batches, 1, integer=True)
-        if not isinstance(self.dynamic_sampling, bool):
-            raise ValueError(f"train.dynamic_sampling={self.dynamic_sampling!r} must be true or false")
+        check_bool("train.dynamic_sampling", self.dynamic_sampling)
         check_number("train.max_extra_rollouts", self.max_extra_rollouts, 0, integer=True)
         check_choice("train.drop_groups", self.drop_groups, DROP_GROUPS)
         check_number("train.tis_cap", self.tis_cap, 0.0, low_open=True, optional=True)
