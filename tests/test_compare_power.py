@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ngrpo_lightning.commands.compare.curves import contrast, fit_arm, saturating
-from ngrpo_lightning.commands.compare.posterior import posterior_interval, ranking_changes
+from ngrpo_lightning.commands.compare.posterior import fit_beta_prior, posterior_interval, ranking_changes
 from ngrpo_lightning.commands.compare.power import detection, mdd, problems_needed, seeds_needed, verdict
 from ngrpo_lightning.commands.compare.stats import seed_interval
 from ngrpo_lightning.metrics import pass_at_k, posterior_pass_at_k
@@ -126,6 +126,17 @@ def test_a_saturating_fit_recovers_known_curves_and_tells_pace_from_ceiling():
     assert fit_arm([[(0, 0.2), (3, 0.3)]]) is None  # too few points
 
 
+def test_holm_adjusts_a_family_and_the_t_test_p_value_matches_the_interval():
+    from ngrpo_lightning.commands.compare.power import holm
+
+    assert holm([0.01, 0.04, 0.03, float("nan")])[:3] == pytest.approx([0.03, 0.06, 0.06])
+    assert math.isnan(holm([float("nan")])[0])
+    rng = np.random.default_rng(5)
+    for delta in (0.0, 0.05, 0.2):
+        d = detection(simulated_sweep(rng, delta, 6, 64))
+        assert (d.p_value < 0.05) == seen(d) and d.dof == 5  # p < 0.05 exactly when the 95% interval excludes 0
+
+
 def test_posterior_pass_at_k():
     assert posterior_pass_at_k(16, 0, 1) == pytest.approx(1 / 18)  # Beta(1, 17): mean 1/18
     assert posterior_pass_at_k(4, 2, 2) == pytest.approx(1 - (3 / 6) * (4 / 7))
@@ -139,4 +150,13 @@ def test_posterior_pass_at_k():
     expected = np.mean([first, posterior_pass_at_k(16, 2, 2)])
     assert mean == pytest.approx(expected) and low < mean < high
     assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.3, "b": 0.35}) == [("a", "b")]
+    # the prior fitted to the problems: Beta(2, 5) rates, 16 samples each
+    rng = np.random.default_rng(0)
+    rates = rng.beta(2, 5, 4000)
+    a, b = fit_beta_prior([(16, int(c)) for c in rng.binomial(16, rates)])
+    assert a == pytest.approx(2, rel=0.2) and b == pytest.approx(5, rel=0.2)
+    assert fit_beta_prior([(16, 4)] * 10) == (1.0, 1.0)  # no spread beyond the binomial noise: uniform
+    # with the fitted prior, 0 of 16 right on a task of hard problems is near 0 at Pass@16, not 48%
+    hard = fit_beta_prior([(16, 0)] * 90 + [(16, 16)] * 10)
+    assert posterior_pass_at_k(16, 0, 16, hard) < 0.1 < 0.48 < posterior_pass_at_k(16, 0, 16)
     assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.5, "b": 0.4}) == []

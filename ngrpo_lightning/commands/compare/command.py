@@ -45,6 +45,7 @@ def run_compare(cfg: DictConfig) -> dict:
 
     check_compare_settings(cfg)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per run
     t0 = time.perf_counter()
     store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_STORE
     client = MlflowClient(resolve_tracking_uri(store))

@@ -132,9 +132,13 @@ def fit_arm(seed_points: list[list[tuple[float, float]]], n_boot: int = 200, see
         if draws:
             low, high = np.percentile(np.array(draws), [2.5, 97.5], axis=0)
             fit.intervals = {p: (float(lo), float(hi)) for p, lo, hi in zip(PARAMS, low, high)}
-    elif cov is not None:
+    elif cov is not None:  # one seed: the fit's own covariance, cut to each parameter's range
         half = 1.96 * np.sqrt(np.diag(cov))
-        fit.intervals = {p: (float(v - h), float(v + h)) for p, v, h in zip(PARAMS, params, half)}
+        span = (x[x > 0].min() / 10, x.max() * 10)
+        ranges = ((0.0, 1.0), span, SLOPE_RANGE)
+        fit.intervals = {
+            p: (float(max(v - h, lo)), float(min(v + h, hi))) for p, v, h, (lo, hi) in zip(PARAMS, params, half, ranges)
+        }
     # a ceiling is read from the data only when the curve passed its midpoint within the runs
     upper = fit.intervals.get("midpoint", (fit.midpoint, fit.midpoint))[1]
     fit.ceiling_identified = fit.intervals.get("asymptote", (0, 1.0))[1] < 0.999 and upper <= x.max()

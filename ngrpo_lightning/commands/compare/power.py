@@ -50,6 +50,8 @@ class Detection:
     var_problem: float
     level: float
     power: float
+    p_value: float = float("nan")  # two-sided t test of a difference of 0
+    dof: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +77,11 @@ def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: flo
     means = np.array([g.mean() for g in groups])
     var_seed = max(float(means.var(ddof=1)) - var_problem / problems, 0.0) if len(groups) > 1 else 0.0
     mdd_now = _quantiles(interval.dof, level, power) * interval.se if interval.dof else nan
+    p_value = nan
+    if interval.dof:
+        p_value = 1.0 if interval.se == 0 and interval.mean == 0 else 0.0 if interval.se == 0 else None
+        if p_value is None:
+            p_value = float(2 * t_dist.sf(abs(interval.mean) / interval.se, interval.dof))
     return Detection(
         interval.mean,
         interval.low,
@@ -87,7 +94,20 @@ def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: flo
         var_problem,
         level,
         power,
+        p_value,
+        interval.dof,
     )
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``p_values`` (NaN left as it is): a family of comparisons
+    keeps its error rate at the level when each adjusted p is compared with it."""
+    order = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    out, running = list(p_values), 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p))
+        out[i] = running
+    return out
 
 
 def mdd(d: Detection, seeds: int, problems: float) -> float:
@@ -120,7 +140,7 @@ def _smallest(ok, low: int) -> int | None:
 
 
 def plan_text(d: Detection, wanted: float) -> str:
-    """``about N seeds (or M validation problems per seed)``: what detects ``wanted``."""
+    """``about N seeds (or M validation problems per seed at S seeds)``: what detects ``wanted``."""
     seeds, problems = seeds_needed(d, wanted), problems_needed(d, wanted)
     more_seeds = f"about {seeds} seeds" if seeds else f"more than {MAX_PLAN} seeds"
     at = max(d.seeds, 2)
@@ -129,8 +149,10 @@ def plan_text(d: Detection, wanted: float) -> str:
         if problems
         else f"no number of problems at {at} seeds: their spread alone is too large"
     )
-    one_seed = "; one seed, so the seeds' spread is unknown and taken as 0" if d.seeds < 2 else ""
-    return f"{more_seeds} (or {more_problems}){one_seed}"
+    return f"{more_seeds} (or {more_problems})"
+
+
+ONE_SEED = " (one seed: its problems are the units, and the seeds' spread is unknown, taken as 0)"
 
 
 def verdict(a: str, b: str, d: Detection, target: float) -> dict:
@@ -148,12 +170,14 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     if d.low > 0 or d.high < 0:
         hi, lo, (low, high) = (a, b, (d.low, d.high)) if d.low > 0 else (b, a, (-d.high, -d.low))
         text = f"{hi} > {lo} by {pts(abs(d.diff))} points [{100 * low:+.1f}, {100 * high:+.1f}]"
-        return {"kind": "greater", "winner": hi, "text": text}
+        return {"kind": "greater", "winner": hi, "text": text + (ONE_SEED if d.seeds < 2 else "")}
     bound = max(abs(d.low), abs(d.high))
     if bound <= target:
-        return {"kind": "bounded", "text": f"no difference larger than {pts(bound)} points {interval}"}
+        text = f"no difference larger than {pts(bound)} points {interval}"
+        return {"kind": "bounded", "text": text + (ONE_SEED if d.seeds < 2 else "")}
     now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
     return {
         "kind": "inconclusive",
-        "text": f"inconclusive {interval}, {now}: {plan_text(d, target)} would detect {pts(target)}",
+        "text": f"inconclusive {interval}, {now}: {plan_text(d, target)} would detect {pts(target)}"
+        + (ONE_SEED if d.seeds < 2 else ""),
     }

@@ -11,8 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from ngrpo_lightning.commands.compare.curves import AXES, arm_fits, contrast
-from ngrpo_lightning.commands.compare.posterior import per_problem_counts, posterior_interval, ranking_changes
-from ngrpo_lightning.commands.compare.power import detection, plan_text, verdict
+from ngrpo_lightning.commands.compare.posterior import (
+    fit_beta_prior,
+    per_problem_counts,
+    posterior_interval,
+    ranking_changes,
+)
+from ngrpo_lightning.commands.compare.power import detection, holm, plan_text, verdict
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
 from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
 
@@ -28,6 +33,8 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, n) if 1 <= k <= n})
     out["ks"], out["n"] = ks, n
     scores = {}  # arm -> seed -> {problem: {metric: value}}
+    prior = fit_beta_prior([c for r in runs if r.pass_at_k for c in per_problem_counts(r.pass_at_k)])
+    out["prior"] = prior
     for arm, members in by_arm.items():
         info = {"runs": [r.run_id for r in members], "seeds": sorted(r.seed for r in members), "final": {}}
         per_seed = {r.seed: _all_scores(r, ks) for r in members if r.pass_at_k}
@@ -37,8 +44,14 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
             groups = [[v[m] for v in per_seed[s].values()] for s in sorted(per_seed)]
             info["final"][m] = list(seed_interval(groups, cfg.level))
         counts = [per_problem_counts(r.pass_at_k) for r in members if r.pass_at_k]
-        info["posterior"] = {f"pass@{k}": list(posterior_interval(counts, k, cfg.draws, cfg.seed)) for k in ks}
+        info["posterior"] = {
+            f"pass@{k}": list(posterior_interval(counts, k, cfg.draws, cfg.seed, prior=prior)) for k in ks
+        }
         info["problems"] = sum(len(v) for v in per_seed.values())
+        info["per_seed"] = {
+            seed: {m: float(np.mean([v[m] for v in values.values()])) for m in metrics}
+            for seed, values in per_seed.items()
+        }
         for key in (*EXPLORATION, *SPEED):
             values = [_run_mean(r, key) for r in members]
             values = [v for v in values if not math.isnan(v)]
@@ -58,6 +71,15 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "plan": plan_text(found, cfg.detect),
                 }
             )
+    adjusted = holm([p["detection"]["p_value"] for p in out["paired"]])
+    alpha = 1 - cfg.level
+    for p, p_holm in zip(out["paired"], adjusted):
+        p["p_holm"] = p_holm
+        if p["verdict"]["kind"] == "greater" and not p_holm <= alpha:
+            p["verdict"]["text"] += (
+                f"; not after Holm's correction for the {len(adjusted)} comparisons of this report (p = {p_holm:.2g})"
+            )
+            p["verdict"]["kind"] = "greater, uncorrected"
     out["ranking_changes"] = {}
     for k in ks:
         unbiased = {a: out["arms"][a]["final"][f"pass@{k}"][0] for a in arms}
@@ -95,6 +117,8 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         lines += [
             f'problems averaged per seed); "no difference larger than X" needs the interval inside ±{target:.1f}.'
         ]
+        lines += ["A difference is also checked with Holm's correction over all the comparisons listed, which"]
+        lines += ["keeps the chance of any false difference among them at 5%."]
         lines += ["", f"## What this sweep can detect, and what {target:.1f} points would take", ""]
         lines += [
             "| a | b | metric | seeds | problems / seed | a - b | detects (80% power) | to detect "
@@ -118,7 +142,24 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         for arm, info in tables["arms"].items():
             cells = [_ci(info["final"].get(m)) for m in metrics]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-        lines += ["", "Posterior Pass@k (Beta(1, 1) prior per problem), %: posterior mean [95% credible interval]:", ""]
+        first, last = f"pass@{ks[0]}", f"pass@{ks[-1]}"
+        lines += ["", f"Per seed, %: {first.capitalize()} / {last.capitalize()} (the spread the intervals carry):", ""]
+        seeds = sorted({s for info in tables["arms"].values() for s in info["per_seed"]}, key=_seed_order)
+        lines += ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
+        for arm, info in tables["arms"].items():
+            cells = [
+                f"{100 * info['per_seed'][s][first]:.1f} / {100 * info['per_seed'][s][last]:.1f}"
+                if s in info["per_seed"]
+                else ""
+                for s in seeds
+            ]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        a, b = tables["prior"]
+        lines += [
+            "",
+            "Posterior Pass@k, %: posterior mean [95% credible interval]; each problem's success rate with the",
+        ]
+        lines += [f"prior Beta({a:.2f}, {b:.2f}), fitted to the problems of every run here:", ""]
         lines += ["| arm | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
         for arm, info in tables["arms"].items():
             lines.append(f"| {arm} | " + " | ".join(_ci(info["posterior"][f"pass@{k}"]) for k in ks) + " |")
@@ -144,6 +185,10 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     for arm, (run, value, path) in best_checkpoints(runs).items():
         lines.append(f"| {arm} | {run.seed} | {value:.3f} | `{path}` |")
     return "\n".join(lines) + "\n"
+
+
+def _seed_order(seed: str):
+    return (0, int(seed), "") if str(seed).isdigit() else (1, 0, str(seed))
 
 
 def _fit_lines(fits: dict) -> list[str]:
