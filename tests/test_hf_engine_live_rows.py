@@ -158,3 +158,58 @@ def test_greedy_with_eos_equals_generate_on_the_packaged_model(smollm2):
     with torch.no_grad():
         logp, _ = response_logprobs(model, batch, 1.0)
     assert (logp - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_the_host_looking_every_few_steps_gives_the_same_rollouts_for_every_built_in_explorer(tiny, drop):
+    """``checks_every`` (the CUDA backend's ``decode_checks_every``): ended rows are marked on the
+    device and the host looks every few steps; rows leave and the loop ends later, the rollout
+    (tokens, log-probs, lengths, records) is the same, for every built-in explorer."""
+    from ngrpo_lightning.explorers import (
+        GaussianEmbedNoiseExplorer,
+        GaussianNoiseExplorer,
+        GumbelSoftExplorer,
+        OrthogonalNoiseExplorer,
+        TopKGumbelMixExplorer,
+        TopKMixExplorer,
+    )
+
+    model, tok = tiny
+    explorers = {
+        "temperature": lambda: TemperatureExplorer(temperature=1.0, top_p=0.9),
+        "greedy": lambda: TemperatureExplorer(temperature=0.0),
+        "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
+        "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5),
+        "gumbel": lambda: GumbelSoftExplorer(top_k=4, tau=0.5),
+        "topk": lambda: TopKMixExplorer(k=3, rho=0.5),
+        "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5),
+        "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=3, rho=0.5),
+        "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5),
+    }
+    ends = [0, 5, 2, 9, 8, 3]  # every row ends: the loop's last step is row 3's
+    for name, make in explorers.items():
+        each, _, each_sizes = rollout(model, tok, make, ends, drop=drop)
+        engine = HFEngine(model, tok, max_new_tokens=12, seed=0, drop_finished_rows=drop, checks_every=4)
+        explorer = EndAtStep(make(), ends, engine.eos_ids[0])
+        sizes, handle = count_batch_rows(model)
+        try:
+            every4 = engine.generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2)
+        finally:
+            handle.remove()
+        assert_same_rollouts(every4, each)
+        assert torch.equal(every4.rollout_logprobs, each.rollout_logprobs) or drop, name
+        assert every4.response_ids.shape[1] == 10 and not every4.truncated.any(), name  # trimmed to the last end
+        assert len(sizes) == 12 and len(each_sizes) == 10, name  # looked at step 4, 8, 12: ran 2 steps past the end
+        if drop:
+            assert sum(sizes) > sum(each_sizes), name  # ended rows left later
+    from ngrpo_lightning.backends import CPUBackend, CUDABackend
+
+    assert CPUBackend().decode_checks_every == 1 and CUDABackend().decode_checks_every == 8  # the backend's choice
+    engine = HFEngine(model, tok, max_new_tokens=12, seed=0, drop_finished_rows=drop, backend=CUDABackend())
+    make = explorers["neighbor"]
+    assert_same_rollouts(
+        engine.generate(chat_prompt_ids(tok, QUESTIONS), EndAtStep(make(), ends, engine.eos_ids[0]), n=2),
+        rollout(model, tok, make, ends, drop=drop)[0],
+    )
+    with pytest.raises(ValueError, match="checks_every=0 is out of range"):
+        HFEngine(model, tok, checks_every=0)

@@ -74,6 +74,9 @@ class Backend:
     keep_softmax_mib: float = 512
     share_prompts = True  # a group's prompt runs once per log-prob pass (exact)
     drop_min_frac = 0.0  # finished rows leave the decoding batch at once
+    # decoding steps between the host's looks at which rows ended (each look waits for the device:
+    # free on a CPU, a stall of the launch queue on a GPU); the rollout is the same whatever it is
+    decode_checks_every = 1
     ahead_threads = 1  # intra-op threads of the rollouts-ahead worker
     chooses_packing = False  # whether backend.packing means anything here
 

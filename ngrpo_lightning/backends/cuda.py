@@ -1,4 +1,5 @@
-"""The CUDA backend: eager decoding and plain products for now.
+"""The CUDA backend: eager decoding, plain products, and the host looking at ended rows every few
+steps (``decode_checks_every``), not at every token.
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
 merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here:
@@ -15,3 +16,4 @@ from ngrpo_lightning.backends.base import BACKENDS, Backend
 class CUDABackend(Backend):
     device_type = "cuda"
     default_attention = "sdpa"
+    decode_checks_every = 8  # one host look per 8 decoding steps: the launch queue keeps running between

@@ -53,7 +53,8 @@ ENGINES = Registry("engine", key="rollout.engine")
 register_engine = ENGINES.register  # class decorator: selectable as ``rollout.engine=<name>``
 
 # Constructor arguments every engine is given by the framework (not settings of its own).
-# ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting.
+# ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting;
+# ``checks_every``: HFEngine's host looks at ended rows, the backend's choice (benchmarks may pass it).
 CONTEXT_ARGS = (
     "self",
     "model",
@@ -64,6 +65,7 @@ CONTEXT_ARGS = (
     "policy",
     "sharded_root",
     "backend",
+    "checks_every",
 )
 
 

@@ -67,6 +67,10 @@ class HFEngine(RolloutEngine):
         backend: the backend that prepared the model (:mod:`ngrpo_lightning.backends`): it states
             the KV cache's dtype (``Backend.kv_cache_dtype``). None: the cache keeps the model's
             dtype (a model no backend prepared).
+        checks_every: decoding steps between the host's looks at which rows ended (default: the
+            backend's ``decode_checks_every``; 1 without a backend). Ended rows' bookkeeping stays
+            on the device in between; a row that ended keeps decoding padding until the next look,
+            and the rollout is the same, only its leaving and the loop's end come later.
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -84,14 +88,17 @@ class HFEngine(RolloutEngine):
         drop_min_frac: float = 0.0,
         sharded_root: torch.nn.Module | None = None,
         backend: Backend | None = None,
+        checks_every: int | None = None,
     ):
         settings = {"drop_finished_rows": drop_finished_rows, "drop_min_frac": drop_min_frac}
+        check_number("checks_every", checks_every, 1, integer=True, optional=True)
         self.check_settings(settings, "rollout.hf")
         if tokenizer.pad_token_id is None:
             raise ValueError("HFEngine needs a tokenizer with a pad token")
         self.model, self.tokenizer, self.sharded_root = model, tokenizer, sharded_root
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
+        self.checks_every = checks_every
         self.backend = backend
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
@@ -197,6 +204,7 @@ class HFEngine(RolloutEngine):
         )  # no per-step concatenation of the whole cache
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
+        checks_every = self.checks_every or (self.backend.decode_checks_every if self.backend is not None else 1)
         steps = 0
         for t in range(max_new):
             steps = t + 1
@@ -231,14 +239,14 @@ class HFEngine(RolloutEngine):
                 inputs = inputs.index_put((slot[rec.row],), mixture_embeddings(embedding, rec))
                 step_records.append(rec)
             ended = torch.isin(token, eos) & running
-            if ended.any():
-                finished[live[ended]] = True
-                lengths[live[ended]] = t + 1
+            # the ended rows' bookkeeping stays on the device; the host looks every checks_every steps
+            finished.index_copy_(0, live, finished[live] | ended)
+            lengths.index_copy_(0, live, torch.where(ended, t + 1, lengths[live]))
+            if (t + 1) % checks_every == 0:
                 if bool(finished.all()):
                     break
-            if self.drop_finished_rows and ended.any():
                 stale = finished[live]
-                if int(stale.sum()) >= max(1, self.drop_min_frac * len(live)):
+                if self.drop_finished_rows and int(stale.sum()) >= max(1, self.drop_min_frac * len(live)):
                     keep = (~stale).nonzero().squeeze(-1)
                     if explorer_logits is None:
                         explorer_logits = logits.clone()  # the batch still had every row
@@ -250,6 +258,8 @@ class HFEngine(RolloutEngine):
 
         if was_training:
             model.train()
+        if bool(finished.all()):  # the loop may have run up to checks_every - 1 steps past the last end
+            steps = int(lengths.max())
         lengths.clamp_(max=steps)
         response_ids, logprobs = tokens[:, :steps], logprobs[:, :steps]
         response_mask = (torch.arange(steps, device=device)[None] < lengths[:, None]).long()
