@@ -77,6 +77,9 @@ class Backend:
     # decoding steps between the host's looks at which rows ended (each look waits for the device:
     # free on a CPU, a stall of the launch queue on a GPU); the rollout is the same whatever it is
     decode_checks_every = 1
+    # decode on a static KV cache (full-width mask, batch in buckets: fixed shapes a CUDA graph can
+    # replay); the same tokens, log-probs up to float rounding
+    static_decoding = False
     ahead_threads = 1  # intra-op threads of the rollouts-ahead worker
     chooses_packing = False  # whether backend.packing means anything here
 

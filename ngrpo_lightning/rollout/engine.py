@@ -54,7 +54,7 @@ register_engine = ENGINES.register  # class decorator: selectable as ``rollout.e
 
 # Constructor arguments every engine is given by the framework (not settings of its own).
 # ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting;
-# ``checks_every``: HFEngine's host looks at ended rows, the backend's choice (benchmarks may pass it).
+# ``checks_every``, ``static_cache``: how HFEngine decodes, the backend's choices (benchmarks may pass them).
 CONTEXT_ARGS = (
     "self",
     "model",
@@ -66,6 +66,7 @@ CONTEXT_ARGS = (
     "sharded_root",
     "backend",
     "checks_every",
+    "static_cache",
 )
 
 

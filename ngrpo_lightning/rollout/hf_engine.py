@@ -25,6 +25,7 @@ from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
 from ngrpo_lightning.rollout.reconstruction import mixture_embeddings
 from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.rollout.static_cache import batch_buckets, rows_static_cache
 
 
 @register_engine("hf")
@@ -71,6 +72,9 @@ class HFEngine(RolloutEngine):
             backend's ``decode_checks_every``; 1 without a backend). Ended rows' bookkeeping stays
             on the device in between; a row that ended keeps decoding padding until the next look,
             and the rollout is the same, only its leaving and the loop's end come later.
+        static_cache: decode on a static KV cache with a full-width mask (:mod:`.static_cache`:
+            fixed shapes, the batch in :func:`~.static_cache.batch_buckets`), the decoding step a
+            CUDA graph can replay (default: the backend's ``static_decoding``; off without one).
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -89,6 +93,7 @@ class HFEngine(RolloutEngine):
         sharded_root: torch.nn.Module | None = None,
         backend: Backend | None = None,
         checks_every: int | None = None,
+        static_cache: bool | None = None,
     ):
         settings = {"drop_finished_rows": drop_finished_rows, "drop_min_frac": drop_min_frac}
         check_number("checks_every", checks_every, 1, integer=True, optional=True)
@@ -99,6 +104,7 @@ class HFEngine(RolloutEngine):
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
         self.checks_every = checks_every
+        self.static_cache = static_cache
         self.backend = backend
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
@@ -199,24 +205,37 @@ class HFEngine(RolloutEngine):
         slot = live.clone()
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = reserved_cache(
-            width + max_new, self.backend.kv_cache_dtype(model) if self.backend is not None else None
-        )  # no per-step concatenation of the whole cache
+        static = self.static_cache
+        if static is None:
+            static = self.backend.static_decoding if self.backend is not None else False
+        if static:  # fixed shapes: the whole rollout's width, the batch in buckets
+            cache = rows_static_cache(model, width + max_new, rows)
+            buckets = batch_buckets(rows)
+        else:  # no per-step concatenation of the whole cache
+            store = self.backend.kv_cache_dtype(model) if self.backend is not None else None
+            cache = reserved_cache(width + max_new, store)
         inputs = embedding[prompt_ids]
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
+        written = torch.full((1,), width, dtype=torch.long, device=device)  # the static cache's first decoding slot
         checks_every = self.checks_every or (self.backend.decode_checks_every if self.backend is not None else 1)
         steps = 0
         for t in range(max_new):
             steps = t + 1
             # the n samples of a prompt share its prefill: each prompt runs once, its cache rows repeated
             first = slice(None, None, n) if t == 0 and n > 1 else slice(None)
+            if static:  # the mask's full width, and where this step writes
+                fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
+                step_mask = mask[first]
+            else:
+                fixed, step_mask = {}, mask[first, : width + t]
             out = model(
                 inputs_embeds=inputs[first],
-                attention_mask=mask[first, : width + t],
+                attention_mask=step_mask,
                 position_ids=position[first],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **fixed,
             )
             logits = out.logits[:, -1].float()
             if first.step:
@@ -245,9 +264,13 @@ class HFEngine(RolloutEngine):
             if (t + 1) % checks_every == 0:
                 if bool(finished.all()):
                     break
-                stale = finished[live]
+                stale, keep = finished[live], None
                 if self.drop_finished_rows and int(stale.sum()) >= max(1, self.drop_min_frac * len(live)):
                     keep = (~stale).nonzero().squeeze(-1)
+                    if static:  # to the smallest bucket that holds the live rows, topped up with ended ones
+                        size = next(b for b in buckets if b >= len(keep))
+                        keep = torch.cat([keep, stale.nonzero().squeeze(-1)])[:size]
+                if keep is not None and len(keep) < len(live):
                     if explorer_logits is None:
                         explorer_logits = logits.clone()  # the batch still had every row
                     live, inputs, mask, position = live[keep], inputs[keep], mask[keep], position[keep]

@@ -1,0 +1,77 @@
+"""A static KV cache whose rows can be compacted in place: the decoding step of fixed shapes a
+CUDA graph can replay.
+
+transformers' ``StaticLayer`` keeps every layer's keys and values in buffers of the rollout's
+whole length, written in place at a position held in a tensor, and the model attends over the
+whole buffer under a mask of that fixed width: the step's shapes never change, which is what
+CUDA graphs (and ``torch.compile``) need. :class:`RowsStaticLayer` adds what a rollout needs on
+top: buffers for ``capacity`` rows allocated once, of which the first ``batch`` rows are the
+decoding batch, and :meth:`RowsStaticLayer.select_rows`, which moves the rows that go on to the
+front of the same buffers (a group's prefill repeated to its n samples, ended rows leaving).
+The batch only takes the sizes of :func:`batch_buckets`, so a graph per bucket covers a rollout.
+
+The attention over the full-width buffer gives the values of the growing cache up to float
+rounding (masked positions add zeros); ``tests/test_static_decoding.py`` checks tokens and
+log-probs against it for every built-in explorer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+__all__ = ["RowsStaticLayer", "batch_buckets", "rows_static_cache"]
+
+
+def batch_buckets(rows: int) -> list[int]:
+    """The batch sizes a static decoding batch takes: powers of two below ``rows``, and ``rows``."""
+    out, size = [], 1
+    while size < rows:
+        out.append(size)
+        size *= 2
+    return [*out, rows]
+
+
+class RowsStaticLayer(StaticLayer):
+    """A ``StaticLayer`` over buffers of ``capacity`` rows; its ``keys`` and ``values`` are views of
+    the first ``batch`` rows."""
+
+    def __init__(self, max_cache_len: int, capacity: int):
+        super().__init__(max_cache_len)
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        rows = max(self.capacity, self.batch_size)
+        shape = (rows, self.num_heads, self.max_cache_len)
+        self.key_buffer = key_states.new_zeros((*shape, self.k_head_dim))
+        self.value_buffer = value_states.new_zeros((*shape, self.v_head_dim))
+        self.keys, self.values = self.key_buffer[: self.batch_size], self.value_buffer[: self.batch_size]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """The batch becomes ``rows`` of the current one, in that order (gathered first, so a row may
+        move to a place another row leaves)."""
+        if not self.is_initialized:
+            return
+        rows = torch.as_tensor(rows, device=self.device)
+        count = len(rows)
+        self.key_buffer[:count] = self.keys[rows]
+        self.value_buffer[:count] = self.values[rows]
+        self.keys, self.values = self.key_buffer[:count], self.value_buffer[:count]
+        self.batch_size = count
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(indices)
+
+
+def rows_static_cache(model, max_cache_len: int, capacity: int) -> Cache:
+    """A cache of :class:`RowsStaticLayer` for every decoder layer of ``model``."""
+    config = model.config.get_text_config(decoder=True)
+    return Cache(layers=[RowsStaticLayer(max_cache_len, capacity) for _ in range(config.num_hidden_layers)])

@@ -1,0 +1,84 @@
+"""Decoding on a static KV cache (the CUDA backend's fixed-shape step, rollout/static_cache.py)
+against the growing cache: the same tokens, log-probs and records, and rows that end leave the
+batch in buckets, for every built-in explorer."""
+
+import pytest
+import torch
+from conftest import chat_prompt_ids
+from test_hf_engine_live_rows import QUESTIONS, EndAtStep, assert_same_rollouts, count_batch_rows
+
+from ngrpo_lightning.explorers import (
+    GaussianEmbedNoiseExplorer,
+    GaussianNoiseExplorer,
+    GumbelSoftExplorer,
+    NeighborMixingExplorer,
+    OrthogonalNoiseExplorer,
+    TemperatureExplorer,
+    TopKGumbelMixExplorer,
+    TopKMixExplorer,
+)
+from ngrpo_lightning.rollout import HFEngine
+from ngrpo_lightning.rollout.static_cache import RowsStaticLayer, batch_buckets
+from ngrpo_lightning.training.forward import response_logprobs
+
+EXPLORERS = {
+    "temperature": lambda: TemperatureExplorer(temperature=1.0, top_p=0.9),
+    "greedy": lambda: TemperatureExplorer(temperature=0.0),
+    "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
+    "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5),
+    "gumbel": lambda: GumbelSoftExplorer(top_k=4, tau=0.5),
+    "topk": lambda: TopKMixExplorer(k=3, rho=0.5),
+    "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5),
+    "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=3, rho=0.5),
+    "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5),
+}
+ENDS = [0, 5, 2, 9, 8, 3]
+
+
+def decode(model, tok, make, static: bool, **kwargs):
+    engine = HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=static, **kwargs)
+    explorer = EndAtStep(make(), ENDS, engine.eos_ids[0])
+    sizes, handle = count_batch_rows(model)
+    try:
+        return engine.generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2), sizes
+    finally:
+        handle.remove()
+
+
+def test_batch_buckets():
+    assert batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(1) == [1]
+
+
+@pytest.mark.parametrize("name", sorted(EXPLORERS))
+def test_static_decoding_gives_the_rollouts_of_the_growing_cache(tiny, name):
+    model, tok = tiny
+    grown, grown_sizes = decode(model, tok, EXPLORERS[name], static=False)
+    fixed, sizes = decode(model, tok, EXPLORERS[name], static=True)
+    assert_same_rollouts(fixed, grown)
+    # the prefill once per prompt, then the batch in buckets of 6, 4, 2, 1 rows (ended rows top them up)
+    assert sizes[0] == 3 and set(sizes[1:]) <= {6, 4, 2, 1} and sizes[1:] == sorted(sizes[1:], reverse=True)
+    assert sum(sizes) >= sum(grown_sizes) and min(sizes) < 6
+    m = fixed.response_mask.bool()
+    with torch.no_grad():  # training rebuilds the inputs the static batch saw
+        logp, _ = response_logprobs(model, fixed, 1.0)
+    assert (logp - fixed.rollout_logprobs)[m].abs().max() < 1e-4
+
+
+def test_static_decoding_with_the_host_looking_every_few_steps(tiny):
+    model, tok = tiny
+    grown, _ = decode(model, tok, EXPLORERS["neighbor"], static=False)
+    fixed, sizes = decode(model, tok, EXPLORERS["neighbor"], static=True, checks_every=4)
+    assert_same_rollouts(fixed, grown)
+    assert set(sizes[1:]) <= {6, 4, 2, 1}
+
+
+def test_a_static_layer_moves_rows_in_place():
+    layer = RowsStaticLayer(max_cache_len=5, capacity=4)
+    keys = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 1, 3, 2)
+    layer.update(keys, keys + 100)
+    buffer = layer.key_buffer
+    layer.select_rows(torch.tensor([0, 0, 1, 1]))  # a group's prefill repeated to its samples
+    assert layer.keys.shape[0] == 4 and layer.key_buffer is buffer  # the same storage: a graph's addresses hold
+    assert torch.equal(layer.keys[:, :, :3], keys.repeat_interleave(2, 0))
+    layer.select_rows(torch.tensor([3, 0]))  # a row moves to where another leaves
+    assert torch.equal(layer.keys[:, :, :3], keys[[1, 0]]) and torch.equal(layer.values[:, :, :3], keys[[1, 0]] + 100)
