@@ -82,3 +82,39 @@ def test_a_static_layer_moves_rows_in_place():
     assert torch.equal(layer.keys[:, :, :3], keys.repeat_interleave(2, 0))
     layer.select_rows(torch.tensor([3, 0]))  # a row moves to where another leaves
     assert torch.equal(layer.keys[:, :, :3], keys[[1, 0]]) and torch.equal(layer.values[:, :, :3], keys[[1, 0]] + 100)
+
+
+@pytest.mark.parametrize("name", ["greedy", "neighbor", "gaussian"])
+def test_the_graphs_buffers_carry_every_input_of_the_step(tiny, name):
+    """``graphs="rerun"`` runs each decoding step on the buffers a CUDA graph would replay from
+    (copied in before each step): the same rollout as the plain static path, buckets included."""
+    model, tok = tiny
+    plain, _ = decode(model, tok, EXPLORERS[name], static=True)
+    replayed, sizes = decode(model, tok, EXPLORERS[name], static=True, graphs="rerun")
+    assert_same_rollouts(replayed, plain)
+    assert torch.equal(replayed.rollout_logprobs, plain.rollout_logprobs)  # the same kernels on the same values
+    assert set(sizes[1:]) <= {6, 4, 2, 1} and "rollout/graph_warmup_s" in replayed.stats
+    with pytest.raises(ValueError, match="replay='cpu': allowed 'cuda' or 'rerun'"):
+        from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
+
+        DecodeGraphs(model, None, "cpu")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (benchmarks/gpu_checks.sh runs this)"
+)
+def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no cover - no GPU in CI
+    model, tok = tiny
+    model = model.cuda()
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    try:
+        for name in sorted(EXPLORERS):
+            runs = [
+                HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs).generate(
+                    prompts, EXPLORERS[name](), n=2
+                )
+                for graphs in (None, "cuda")
+            ]
+            assert_same_rollouts(runs[1], runs[0])
+    finally:
+        model.cpu()

@@ -80,6 +80,7 @@ class Backend:
     # decode on a static KV cache (full-width mask, batch in buckets: fixed shapes a CUDA graph can
     # replay); the same tokens, log-probs up to float rounding
     static_decoding = False
+    decode_graphs: str | None = None  # with static_decoding: "cuda" replays each step from a CUDA graph
     ahead_threads = 1  # intra-op threads of the rollouts-ahead worker
     chooses_packing = False  # whether backend.packing means anything here
 

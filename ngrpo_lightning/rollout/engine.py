@@ -54,7 +54,8 @@ register_engine = ENGINES.register  # class decorator: selectable as ``rollout.e
 
 # Constructor arguments every engine is given by the framework (not settings of its own).
 # ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting;
-# ``checks_every``, ``static_cache``: how HFEngine decodes, the backend's choices (benchmarks may pass them).
+# ``checks_every``, ``static_cache``, ``graphs``: how HFEngine decodes, the backend's choices (benchmarks
+# may pass them).
 CONTEXT_ARGS = (
     "self",
     "model",
@@ -67,6 +68,7 @@ CONTEXT_ARGS = (
     "backend",
     "checks_every",
     "static_cache",
+    "graphs",
 )
 
 

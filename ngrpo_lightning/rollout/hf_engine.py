@@ -20,6 +20,7 @@ from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.explorers import Explorer
 from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
 from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
@@ -75,6 +76,9 @@ class HFEngine(RolloutEngine):
         static_cache: decode on a static KV cache with a full-width mask (:mod:`.static_cache`:
             fixed shapes, the batch in :func:`~.static_cache.batch_buckets`), the decoding step a
             CUDA graph can replay (default: the backend's ``static_decoding``; off without one).
+        graphs: with the static cache, replay each decoding step from a CUDA graph per batch
+            bucket (``"cuda"``, :mod:`.decode_graphs`; ``"rerun"`` runs the step on the graphs'
+            buffers, the CPU's check); default: the backend's ``decode_graphs``.
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -94,6 +98,7 @@ class HFEngine(RolloutEngine):
         backend: Backend | None = None,
         checks_every: int | None = None,
         static_cache: bool | None = None,
+        graphs: str | None = None,
     ):
         settings = {"drop_finished_rows": drop_finished_rows, "drop_min_frac": drop_min_frac}
         check_number("checks_every", checks_every, 1, integer=True, optional=True)
@@ -104,7 +109,7 @@ class HFEngine(RolloutEngine):
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.drop_finished_rows, self.drop_min_frac = drop_finished_rows, float(drop_min_frac)
         self.checks_every = checks_every
-        self.static_cache = static_cache
+        self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
@@ -208,9 +213,13 @@ class HFEngine(RolloutEngine):
         static = self.static_cache
         if static is None:
             static = self.backend.static_decoding if self.backend is not None else False
+        graphs = None
         if static:  # fixed shapes: the whole rollout's width, the batch in buckets
             cache = rows_static_cache(model, width + max_new, rows)
             buckets = batch_buckets(rows)
+            replay = self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
+            graphs = DecodeGraphs(model, cache, replay) if replay else None
+            columns = torch.arange(width + max_new, device=device)
         else:  # no per-step concatenation of the whole cache
             store = self.backend.kv_cache_dtype(model) if self.backend is not None else None
             cache = reserved_cache(width + max_new, store)
@@ -223,21 +232,26 @@ class HFEngine(RolloutEngine):
             steps = t + 1
             # the n samples of a prompt share its prefill: each prompt runs once, its cache rows repeated
             first = slice(None, None, n) if t == 0 and n > 1 else slice(None)
-            if static:  # the mask's full width, and where this step writes
-                fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
-                step_mask = mask[first]
+            if graphs is not None and t > 0:  # a replayed step: the mask built here, causal up to this step
+                step_mask = (mask.bool() & (columns <= width + t - 1))[:, None, None, :]
+                step_logits = graphs(inputs, position, step_mask, written + (t - 1))
+                logits = step_logits.float().clone()  # the graph's buffer is overwritten by the next step
             else:
-                fixed, step_mask = {}, mask[first, : width + t]
-            out = model(
-                inputs_embeds=inputs[first],
-                attention_mask=step_mask,
-                position_ids=position[first],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **fixed,
-            )
-            logits = out.logits[:, -1].float()
+                if static:  # the mask's full width, and where this step writes
+                    fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
+                    step_mask = mask[first]
+                else:
+                    fixed, step_mask = {}, mask[first, : width + t]
+                out = model(
+                    inputs_embeds=inputs[first],
+                    attention_mask=step_mask,
+                    position_ids=position[first],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **fixed,
+                )
+                logits = out.logits[:, -1].float()
             if first.step:
                 logits = logits.repeat_interleave(n, 0)
                 cache.reorder_cache(torch.arange(rows, device=device) // n)
@@ -298,5 +312,8 @@ class HFEngine(RolloutEngine):
             group_size=n,
             response_text=texts,
             truncated=~finished,
-            stats=self.rollout_stats(elapsed, int(lengths.sum())),
+            stats={
+                **self.rollout_stats(elapsed, int(lengths.sum())),
+                **({"rollout/graph_warmup_s": graphs.warmup_s} if graphs is not None else {}),
+            },
         )
