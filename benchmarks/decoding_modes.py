@@ -1,0 +1,109 @@
+"""Decoding modes of HFEngine side by side: the growing KV cache, the static cache, and the static
+cache with each step replayed from a CUDA graph (on a GPU), against the bandwidth floor.
+
+Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
+suppressed), fastest of ``--repeats`` runs, interleaved; the first run of each mode (and its
+graph recording) is a warm-up and is reported apart. Tokens must equal the growing cache's,
+log-probs agree up to float rounding. The floor of a decoding step is the bytes it must read
+(every weight once, and each row's keys and values so far) over the memory bandwidth
+(``--bandwidth-gbs``; the H100 SXM's is 3,350 GB/s).
+
+    python benchmarks/decoding_modes.py --device cuda --dtype bfloat16 --bandwidth-gbs 3350
+    python benchmarks/decoding_modes.py --model /tmp/large-shapes/qwen2.5-1.5b-bfloat16 --device cuda \\
+        --dtype bfloat16 --new-tokens 256 --bandwidth-gbs 3350
+    python benchmarks/decoding_modes.py            # CPU: growing against static (no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # noqa: E402
+
+from ngrpo_lightning.backends import backend_for  # noqa: E402
+from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
+from ngrpo_lightning.models.loading import load_policy  # noqa: E402
+from ngrpo_lightning.rollout import HFEngine  # noqa: E402
+
+
+def floor_ms(model, rows: int, prompt: int, new: int, bandwidth_gbs: float) -> float:
+    """Mean bytes a decoding step reads (weights + keys and values so far) / bandwidth, in ms."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    mean_length = prompt + new / 2
+    return (weights + rows * mean_length * per_token) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bandwidth-gbs", type=float, default=None)
+    ap.add_argument("--out", default=str(RESULTS / "decoding_modes.json"))
+    args = ap.parse_args()
+    model, tok = load_policy(args.model, dtype=args.dtype)
+    model = model.to(args.device)
+    backend = backend_for(model)
+    backend.prepare(model)
+    prompts = arithmetic_prompt_ids(tok, args.batch_size)
+    modes = {"growing": {"static_cache": False}, "static": {"static_cache": True}}
+    if args.device.startswith("cuda"):
+        modes["static + graphs"] = {"static_cache": True, "graphs": "cuda"}
+    greedy = TemperatureExplorer(temperature=0.0)
+
+    def run(kwargs):
+        engine = HFEngine(model, tok, max_new_tokens=args.new_tokens, ignore_eos=True, backend=backend, **kwargs)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch = engine.generate(prompts, greedy)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, batch
+
+    first = {name: run(kwargs) for name, kwargs in modes.items()}  # warm-up (and graph recording)
+    best = {name: (float("inf"), None) for name in modes}
+    for _ in range(args.repeats):
+        for name, kwargs in modes.items():
+            seconds, batch = run(kwargs)
+            if seconds < best[name][0]:
+                best[name] = (seconds, batch)
+    reference = best["growing"][1]
+    width = max(len(p) for p in prompts)
+    floor = floor_ms(model, args.batch_size, width, args.new_tokens, args.bandwidth_gbs) if args.bandwidth_gbs else None
+    rows = []
+    for name, (seconds, batch) in best.items():
+        step_ms = 1e3 * seconds / args.new_tokens
+        rows.append(
+            {
+                "mode": name,
+                "rollout_s": seconds,
+                "first_run_s": first[name][0],
+                "graph_warmup_s": first[name][1].stats.get("rollout/graph_warmup_s", 0.0),
+                "ms_per_step": step_ms,
+                "floor_ms": floor,
+                "x_floor": step_ms / floor if floor else None,
+                "same_tokens": bool(torch.equal(batch.response_ids, reference.response_ids)),
+                "max_logprob_diff": float((batch.rollout_logprobs - reference.rollout_logprobs).abs().max()),
+            }
+        )
+    print(f"{args.model} on {args.device} ({args.dtype}), {args.batch_size} rows x {args.new_tokens} tokens")
+    print_table(rows, list(rows[0]))
+    write_json("decoding_modes", rows, args.out, model=args.model, device=args.device, dtype=args.dtype)
+
+
+if __name__ == "__main__":
+    main()
