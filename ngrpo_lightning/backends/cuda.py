@@ -7,9 +7,8 @@ the CPU (:mod:`ngrpo_lightning.rollout.static_cache`, :mod:`ngrpo_lightning.roll
 ``decode_graphs = "cuda"``) once measured on a GPU (``benchmarks/gpu_checks.sh``, step 5).
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
-merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here:
-decoding replayed from CUDA graphs on a static KV cache is the next step (docs/performance.md,
-"On one GPU"); its choices will be made here, not as config keys.
+merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here,
+never in config keys.
 """
 
 from __future__ import annotations
