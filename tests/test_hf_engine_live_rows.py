@@ -5,11 +5,32 @@ import pytest
 import torch
 from conftest import chat_prompt_ids
 
-from ngrpo_lightning.explorers import Explorer, NeighborMixingExplorer, TemperatureExplorer
+from ngrpo_lightning.explorers import (
+    Explorer,
+    GaussianEmbedNoiseExplorer,
+    GaussianNoiseExplorer,
+    GumbelSoftExplorer,
+    NeighborMixingExplorer,
+    OrthogonalNoiseExplorer,
+    TemperatureExplorer,
+    TopKGumbelMixExplorer,
+    TopKMixExplorer,
+)
 from ngrpo_lightning.rollout import HFEngine
 from ngrpo_lightning.training.forward import response_logprobs
 
 QUESTIONS = ["What is 7 + 5?", "What is 3 * 4?", "What is 12 - 9?"]
+BUILT_IN = {  # every built-in explorer, as its config files set it up (mixing often, to exercise the records)
+    "temperature": lambda: TemperatureExplorer(temperature=1.0, top_p=0.9),
+    "greedy": lambda: TemperatureExplorer(temperature=0.0),
+    "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
+    "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5),
+    "gumbel": lambda: GumbelSoftExplorer(top_k=4, tau=0.5),
+    "topk": lambda: TopKMixExplorer(k=3, rho=0.5),
+    "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5),
+    "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=3, rho=0.5),
+    "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5),
+}
 
 
 class EndAtStep(Explorer):
@@ -165,27 +186,8 @@ def test_the_host_looking_every_few_steps_gives_the_same_rollouts_for_every_buil
     """``checks_every`` (the CUDA backend's ``decode_checks_every``): ended rows are marked on the
     device and the host looks every few steps; rows leave and the loop ends later, the rollout
     (tokens, log-probs, lengths, records) is the same, for every built-in explorer."""
-    from ngrpo_lightning.explorers import (
-        GaussianEmbedNoiseExplorer,
-        GaussianNoiseExplorer,
-        GumbelSoftExplorer,
-        OrthogonalNoiseExplorer,
-        TopKGumbelMixExplorer,
-        TopKMixExplorer,
-    )
-
     model, tok = tiny
-    explorers = {
-        "temperature": lambda: TemperatureExplorer(temperature=1.0, top_p=0.9),
-        "greedy": lambda: TemperatureExplorer(temperature=0.0),
-        "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
-        "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5),
-        "gumbel": lambda: GumbelSoftExplorer(top_k=4, tau=0.5),
-        "topk": lambda: TopKMixExplorer(k=3, rho=0.5),
-        "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5),
-        "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=3, rho=0.5),
-        "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5),
-    }
+    explorers = BUILT_IN
     ends = [0, 5, 2, 9, 8, 3]  # every row ends: the loop's last step is row 3's
     for name, make in explorers.items():
         each, _, each_sizes = rollout(model, tok, make, ends, drop=drop)

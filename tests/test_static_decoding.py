@@ -5,33 +5,13 @@ batch in buckets, for every built-in explorer."""
 import pytest
 import torch
 from conftest import chat_prompt_ids
-from test_hf_engine_live_rows import QUESTIONS, EndAtStep, assert_same_rollouts, count_batch_rows
+from test_hf_engine_live_rows import BUILT_IN, QUESTIONS, EndAtStep, assert_same_rollouts, count_batch_rows
 
-from ngrpo_lightning.explorers import (
-    GaussianEmbedNoiseExplorer,
-    GaussianNoiseExplorer,
-    GumbelSoftExplorer,
-    NeighborMixingExplorer,
-    OrthogonalNoiseExplorer,
-    TemperatureExplorer,
-    TopKGumbelMixExplorer,
-    TopKMixExplorer,
-)
 from ngrpo_lightning.rollout import HFEngine
 from ngrpo_lightning.rollout.static_cache import RowsStaticLayer, batch_buckets
 from ngrpo_lightning.training.forward import response_logprobs
 
-EXPLORERS = {
-    "temperature": lambda: TemperatureExplorer(temperature=1.0, top_p=0.9),
-    "greedy": lambda: TemperatureExplorer(temperature=0.0),
-    "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5),
-    "gaussian": lambda: GaussianNoiseExplorer(sigma=0.5),
-    "gumbel": lambda: GumbelSoftExplorer(top_k=4, tau=0.5),
-    "topk": lambda: TopKMixExplorer(k=3, rho=0.5),
-    "topk_gumbel": lambda: TopKGumbelMixExplorer(k=3, rho=0.5),
-    "gaussian_embed_noise": lambda: GaussianEmbedNoiseExplorer(k=3, rho=0.5),
-    "orthogonal_noise": lambda: OrthogonalNoiseExplorer(k=3, rho=0.5),
-}
+EXPLORERS = BUILT_IN
 ENDS = [0, 5, 2, 9, 8, 3]
 
 
