@@ -183,10 +183,10 @@ def weight_releaser(model: torch.nn.Module | None):
     weights = _files.get(model) if model is not None else None
     if weights is None:
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def release(module: torch.nn.Module) -> None:
-        if module is not head:  # the chunked log-probs read the head's weight itself
+        # a layer packed for decoding only (the LM head) says that passes read its weight outside its forward
+        if not getattr(module, "decode_only", False):
             weights.drop_one(module, "weight")
 
     return release

@@ -100,7 +100,9 @@ class BackendLinear(torch.nn.Linear):
     pack_once: bool = False
     pack_frozen: bool = False
     pack_per_product: bool = False
-    decode_only: bool = False  # the LM head: packed for rollouts only (log-prob passes read its weight)
+    # the LM head: packed for rollouts only, since log-prob passes read its weight outside its forward
+    # (so a file-backed model never releases it, backends/file_weights.py)
+    decode_only: bool = False
     why: str = ""
     _pass_weight: torch.Tensor | None = None  # the packed copy, inside a pass
     _in_pass: bool = False
