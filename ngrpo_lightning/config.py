@@ -24,6 +24,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ngrpo_lightning import schema
+
 __all__ = ["GROUPS", "ConfigError", "compose", "config_dir", "group_options"]
 
 GROUPS = ("model", "data", "explorer", "objective", "trainer", "logger", "experiment")
@@ -85,6 +87,7 @@ def compose(
 
 
 def _hydra_compose(config_name: str, overrides: list[str]) -> DictConfig:
+    schema.register()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         return hydra_compose(config_name=config_name, overrides=overrides)
 
@@ -124,8 +127,18 @@ def quote_path_value(override: str) -> str:
 
 
 def explain_compose_error(err: Exception, overrides: list[str], config_name: str = "config") -> str:
-    """Hydra's message, plus the keys that *are* valid where an unknown key was given."""
+    """Hydra's message, plus the keys that *are* valid where an unknown key was given, and the
+    expected type where a value does not fit the schema's (:mod:`ngrpo_lightning.schema`)."""
     msg = str(err).strip()
+    cause = err.__cause__
+    typed = re.match(
+        r"Value '(.*)' (?:of type '\w+' could not be converted to (\w+)|is not a valid (bool))", str(cause or "")
+    )
+    key = re.search(r"full_key: (\S+)", str(cause or ""))
+    if typed and key:
+        expected = typed[2] or typed[3]
+        kind = {"Float": "a number", "Integer": "an integer", "bool": "true or false"}.get(expected, expected)
+        return f"{key[1]}={typed[1]!r} must be {kind}"
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if m:
         key = m.group(1)

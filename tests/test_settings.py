@@ -1,5 +1,5 @@
-"""Settings: each default in one place (the dataclasses; conf/config.yaml shows the same values),
-and every bad value refused with its full key, once, before any model loads."""
+"""Settings: each default in one place (ngrpo_lightning/schema.py, placed by conf/config.yaml), and
+every bad value refused with its full key, once, before any model loads."""
 
 import dataclasses
 
@@ -14,7 +14,7 @@ from ngrpo_lightning.training.settings import OptimConfig, ReplayConfig, TrainCo
 
 
 @pytest.mark.parametrize("key, cls", [("optim", OptimConfig), ("train", TrainConfig), ("replay", ReplayConfig)])
-def test_config_yaml_shows_the_dataclass_defaults(key, cls):
+def test_the_composed_config_is_the_schemas_defaults(key, cls):
     node = compose([])[key]
     assert set(node.keys()) == {f.name for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
@@ -61,7 +61,10 @@ def test_checks_name_the_key_once(make, message):
     [
         (["advantage=ppo"], "advantage='ppo' is unknown: allowed ['batch_std', 'calibrated', 'dr_grpo', 'grpo']"),
         (["objective.clip_low=-1"], "objective.clip_low=-1 is out of range"),
-        (["optim.lr=-1"], "optim.lr=-1 is out of range"),
+        (["optim.lr=-1"], "optim.lr=-1.0 is out of range"),  # the schema made it a float
+        (["optim.lr=fast"], "optim.lr='fast' must be a number"),  # types: the schema's, at composition
+        (["train.ppo_epochs=1.5"], "train.ppo_epochs='1.5' must be an integer"),
+        (["train.dynamic_sampling=maybe"], "train.dynamic_sampling='maybe' must be true or false"),
         (["train.ppo_epochs=0"], "train.ppo_epochs=0 is out of range"),
         (["replay.is_cap=0.5"], "replay.is_cap=0.5 is out of range"),
         (

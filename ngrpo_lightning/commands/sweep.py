@@ -31,6 +31,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ngrpo_lightning import schema
 from ngrpo_lightning.config import ConfigError, config_dir, normalize_overrides
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
         "hydra.job.config.override_dirname.exclude_keys=[sweep,output_dir,logger.tracking_uri,logger.artifact_location]",
     ]
     OmegaConf.register_new_resolver("ngrpo_folder", folder_name, replace=True)
+
+    schema.register()  # the typed nodes conf/config.yaml places
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
     def job(cfg: DictConfig) -> dict:

@@ -1,8 +1,9 @@
 """The training settings as validated dataclasses: ``optim.*``, ``train.*`` and ``replay.*``.
 
-Each default lives here once (``conf/config.yaml`` shows the same values to the reader, and a
-test keeps the two equal). A wrong value fails at construction, before any model loads, with
-its full key: ``OptimConfig(lr=-1)`` -> ``optim.lr=-1 is out of range: allowed (0.0, inf]``.
+Their fields, types and defaults are the schema's (:mod:`ngrpo_lightning.schema`, where each
+default lives once); these classes add the ranges and the behaviour. A wrong value fails at
+construction, before any model loads, with its full key: ``OptimConfig(lr=-1)`` ->
+``optim.lr=-1 is out of range: allowed (0.0, inf]``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ngrpo_lightning.checks import check_bool, check_choice, check_number
+from ngrpo_lightning.schema import OptimSchema, ReplaySchema, TrainSchema
 
 __all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(OptimSchema):
     """Optimizer, schedule, and the memory of the training forward (``optim.*``).
 
     ``micro_batch_size`` and ``max_tokens_per_micro_batch`` bound the rows and the tokens of
@@ -25,14 +27,6 @@ class OptimConfig:
     the same whatever they are. How the products, the LM head's chunks and the shared prompts
     compute is the backend's choice, not a setting (:mod:`ngrpo_lightning.backends`).
     """
-
-    lr: float = 2.0e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0  # in optimizer steps
-    grad_clip: float | None = 1.0  # max global gradient norm (null or 0 = no clipping)
-    micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
-    max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward (null = no budget)
 
     def __post_init__(self):
         check_number("optim.lr", self.lr, 0.0, low_open=True)
@@ -69,7 +63,7 @@ DEFAULT_STALE_CAP = 2.0  # the importance weight cap of a run with max_staleness
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(TrainSchema):
     """How a step's rollouts become optimizer updates (``train.*``).
 
     A step makes ``ppo_epochs x num_mini_batches`` optimizer steps (later ones see ratios != 1,
@@ -87,16 +81,6 @@ class TrainConfig:
     are then the stale behaviour policy's, and the weights correct for it (``tis_cap`` defaults
     to 2.0 then).
     """
-
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
-    dynamic_sampling: bool = False
-    max_extra_rollouts: int = 4
-    drop_groups: str = "equal"  # which groups dynamic sampling drops: equal (DAPO) | all_correct (NGRPO)
-    tis_cap: float | None = None
-    tis_level: str = "auto"  # token | sequence | geometric | auto
-    tis_mode: str = "truncate"  # truncate | mask
-    max_staleness: int = 0
 
     @property
     def importance_cap(self) -> float | None:
@@ -130,13 +114,9 @@ class TrainConfig:
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(ReplaySchema):
     """Replay of past successes into groups whose fresh rollouts are all wrong (``replay.*``;
     see ``ngrpo_lightning.callbacks.ReplayBuffer``)."""
-
-    capacity: int = 0  # prompts whose latest success is kept (0 = no replay)
-    max_staleness: int = 4  # a success is replayed at most this many steps after it was sampled
-    is_cap: float = 2.0  # cap of a replayed trajectory's importance weight
 
     def __post_init__(self):
         check_number("replay.capacity", self.capacity, 0, integer=True)
