@@ -138,7 +138,8 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
     if typed and key:
         expected = typed[2] or typed[3]
         kind = {"Float": "a number", "Integer": "an integer", "bool": "true or false"}.get(expected, expected)
-        return f"{key[1]}={typed[1]!r} must be {kind}"
+        value = typed[1] if re.fullmatch(r"-?\d+(\.\d*)?(e-?\d+)?", typed[1]) else repr(typed[1])  # 2, 'abc'
+        return f"{key[1]}={value} must be {kind}"
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Key '([^']+)' is not in struct", msg)
     if m:
         key = m.group(1)

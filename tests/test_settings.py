@@ -63,7 +63,7 @@ def test_checks_name_the_key_once(make, message):
         (["objective.clip_low=-1"], "objective.clip_low=-1 is out of range"),
         (["optim.lr=-1"], "optim.lr=-1.0 is out of range"),  # the schema made it a float
         (["optim.lr=fast"], "optim.lr='fast' must be a number"),  # types: the schema's, at composition
-        (["train.ppo_epochs=1.5"], "train.ppo_epochs='1.5' must be an integer"),
+        (["train.ppo_epochs=1.5"], "train.ppo_epochs=1.5 must be an integer"),
         (["train.dynamic_sampling=maybe"], "train.dynamic_sampling='maybe' must be true or false"),
         (["train.ppo_epochs=0"], "train.ppo_epochs=0 is out of range"),
         (["replay.is_cap=0.5"], "replay.is_cap=0.5 is out of range"),
