@@ -160,3 +160,22 @@ def test_posterior_pass_at_k():
     hard = fit_beta_prior([(16, 0)] * 90 + [(16, 16)] * 10)
     assert posterior_pass_at_k(16, 0, 16, hard) < 0.1 < 0.48 < posterior_pass_at_k(16, 0, 16)
     assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.5, "b": 0.4}) == []
+
+
+def test_runs_whose_verifier_failed_are_left_out():
+    from ngrpo_lightning.commands.compare.runs import RunData, broken_verifier_runs
+
+    def run(errors):
+        return RunData(
+            "r",
+            "arm",
+            "0",
+            "e",
+            "FINISHED",
+            {},
+            0,
+            curves={"reward/error_frac": [(i, 0.0, e) for i, e in enumerate(errors)]},
+        )
+
+    broken, fine = run([0.8, 0.9, 0.85]), run([0.0, 0.05, 0.0])
+    assert broken_verifier_runs([broken, fine]) == [(broken, pytest.approx(0.85))]

@@ -363,3 +363,23 @@ def test_workers_do_not_import_the_parents_script(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     worker, parent = map(int, out.stdout.split())
     assert worker < 0.3 * 2**30 and worker < parent, (worker, parent)
+
+
+def test_a_batch_the_verifier_mostly_failed_on_is_refused_not_trained_on():
+    """Status 'error' is a broken check, not a wrong answer: a batch where most answers got it
+    stops the run with what to fix (a sweep once trained a whole run on such zeros)."""
+    import torch
+
+    from ngrpo_lightning.rewards.reward import RewardResult, score_responses
+
+    def broken(completions, golds):
+        status = ["error"] * 3 + ["correct", "no_answer"]
+        return RewardResult(torch.zeros(5), status[: len(completions)])
+
+    with pytest.raises(RuntimeError, match=r"the verifier failed on 3 of 4 answers .*resume=last"):
+        score_responses(broken, ["a"] * 5, ["1"] * 5)
+
+    def one_error(completions, golds):
+        return RewardResult(torch.zeros(4), ["error", "wrong", "correct", "wrong"])
+
+    assert score_responses(one_error, ["a"] * 4, ["1"] * 4).status[0] == "error"  # one failure: the step goes on

@@ -191,13 +191,36 @@ class MathReward:
         )
 
 
+# Above this share of the answers failing inside the verifier (status "error": not wrong answers,
+# a check that raised or a worker that died) the rewards say nothing about the policy.
+BROKEN_VERIFIER_FRAC = 0.5
+
+
 def score_responses(reward, completions: list[str], golds: list[str], verifiers=None) -> RewardResult:
     """``reward(completions, golds)``, plus the rows' task verifier specs when any row has one and
     the reward takes a third argument: a reward written with two arguments keeps working (and
-    judges task problems by their gold answers)."""
+    judges task problems by their gold answers). A batch whose answers mostly failed in the
+    verifier itself is refused (:func:`check_verifier`): training on those zeros would be
+    training on a broken check."""
     if verifiers is not None and any(v is not None for v in verifiers) and _takes_verifiers(reward):
-        return reward(completions, golds, list(verifiers))
-    return reward(completions, golds)
+        result = reward(completions, golds, list(verifiers))
+    else:
+        result = reward(completions, golds)
+    check_verifier(result)
+    return result
+
+
+def check_verifier(result: RewardResult) -> None:
+    """``RuntimeError`` when more than :data:`BROKEN_VERIFIER_FRAC` of at least 4 answers got the
+    status ``error``."""
+    errors = sum(s == "error" for s in result.status)
+    answered = sum(s != "no_answer" for s in result.status)
+    if answered >= 4 and errors > BROKEN_VERIFIER_FRAC * answered:
+        raise RuntimeError(
+            f"the verifier failed on {errors} of {answered} answers (status 'error': the check itself raised or its "
+            "worker process died, these are not wrong answers); the rewards would be zeros of a broken check. Fix the "
+            "verifier (data.verifier, reward.*) or what kills its workers (memory), then continue with resume=last"
+        )
 
 
 def _takes_verifiers(reward) -> bool:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
-from ngrpo_lightning.commands.compare.runs import budget_mismatches, load_run, select_runs
+from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.tracking.logger import log_report_run, resolve_tracking_uri
 
@@ -53,13 +53,19 @@ def run_compare(cfg: DictConfig) -> dict:
     if cfg.finished_only:
         found = [r for r in found if r.info.status == "FINISHED"]
     runs = [load_run(client, r) for r in found]
+    broken = broken_verifier_runs(runs)
+    runs = [r for r in runs if all(r is not b for b, _ in broken)]
     arms = sorted({r.arm for r in runs})
     if len(arms) < 2:
         raise ConfigError(
             f"a comparison needs two arms; the runs named ({len(runs)} finished) form {len(arms)}: {arms}. "
             "Name more runs, experiments or a sweep with several arms"
         )
-    warnings = budget_mismatches(runs)
+    warnings = budget_mismatches(runs) + [
+        f"left out: {r.arm} seed {r.seed} (MLflow run {r.run_id}): {100 * share:.0f}% of its answers failed in the "
+        "verifier itself (reward/error_frac), a broken check rather than a result; run it again"
+        for r, share in broken
+    ]
     tables = arm_tables(runs, cfg)
     what = f"sweep {cfg.sweep}" if cfg.sweep else ", ".join([*cfg.experiments, *cfg.runs])
     header = f"# Comparison: {what} ({len(runs)} runs, {len(arms)} arms)"

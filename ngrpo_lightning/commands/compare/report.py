@@ -107,9 +107,13 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     """The report as markdown: the verdicts first, then the plan, the tables and the fits."""
     ks, n, target = tables["ks"], tables["n"], 100 * tables["detect"]
     lines = [header, ""]
-    if warnings:
+    left_out = [w for w in warnings if w.startswith("left out:")]
+    differ = [w for w in warnings if not w.startswith("left out:")]
+    if differ:
         lines += ["**Not comparable as they stand** (settings differ between runs; the verdicts below mix them):", ""]
-        lines += [f"- {w}" for w in warnings] + [""]
+        lines += [f"- {w}" for w in differ] + [""]
+    if left_out:
+        lines += ["**Runs left out**:", ""] + [f"- {w.removeprefix('left out: ')}" for w in left_out] + [""]
     if paired := tables["paired"]:
         lines += ["## Verdicts", ""]
         lines += [f"- **{p['metric'].capitalize()}**, {p['a']} vs {p['b']}: {p['verdict']['text']}" for p in paired]
@@ -244,7 +248,13 @@ def best_checkpoints(runs: list[RunData]) -> dict[str, tuple[RunData, float, str
     for arm, (run, value, _) in out.items():
         folder = Path(str(run.params.get("output_dir", ""))) / "checkpoints"
         found = [folder / name for name in ("best.ckpt", "last.ckpt") if (folder / name).exists()]
-        out[arm] = (run, value, str(found[0]) if found else f"{folder / 'last.ckpt'} (not on this machine)")
+        if found:
+            where = str(found[0])
+        elif str(run.params.get("trainer.enable_checkpointing", "True")).lower() == "false":
+            where = "none: the run kept no checkpoint (trainer.enable_checkpointing=false)"
+        else:
+            where = f"{folder / 'last.ckpt'} (not on this machine)"
+        out[arm] = (run, value, where)
     return out
 
 

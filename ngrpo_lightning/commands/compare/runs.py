@@ -95,7 +95,7 @@ def load_run(client, run) -> RunData:
         start_ms=run.info.start_time,
     )
     along = [k for k in run.data.metrics if k.startswith("val/") and "/pass_at_" in k]  # PassAtK every N steps
-    for key in (*CURVES, *SPEED, *EXPLORATION, "rollout/tokens", *along):
+    for key in (*CURVES, *SPEED, *EXPLORATION, "rollout/tokens", "reward/error_frac", *along):
         history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
         if history:
             data.curves[key] = [(m.step, (m.timestamp - data.start_ms) / 60_000, m.value) for m in history]
@@ -106,6 +106,21 @@ def load_run(client, run) -> RunData:
             data.pass_at_k = json.load(f)
         data.pass_at_k_step = int(last.rsplit("_", 1)[1])
     return data
+
+
+BROKEN_VERIFIER_FRAC = 0.2  # a run whose answers failed in the verifier this often measured its verifier
+
+
+def broken_verifier_runs(runs: list[RunData]) -> list[tuple[RunData, float]]:
+    """Runs whose answers got the status ``error`` (the check itself failed, not a wrong answer)
+    in more than :data:`BROKEN_VERIFIER_FRAC` of them on average, with that share: their zeros
+    say nothing of the arm."""
+    out = []
+    for run in runs:
+        points = [v for _, _, v in run.curves.get("reward/error_frac") or []]
+        if points and sum(points) / len(points) > BROKEN_VERIFIER_FRAC:
+            out.append((run, sum(points) / len(points)))
+    return out
 
 
 def budget_mismatches(runs: list[RunData]) -> list[str]:
