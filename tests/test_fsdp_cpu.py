@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ngrpo_lightning.build.components import check_trainer
+from ngrpo_lightning.build.trainer import check_trainer
 from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.explorers import ExplorerStep, TemperatureExplorer
@@ -258,7 +258,7 @@ def test_prompts_are_split_by_rank_evenly_and_resume_mid_pass():
 
 
 def test_the_process_count_is_computed_once_with_lightnings_meaning_of_devices():
-    from ngrpo_lightning.build.components import process_count
+    from ngrpo_lightning.build.trainer import process_count
 
     assert process_count(compose(["trainer=fsdp_cpu"])) == 2
     assert process_count(compose(["trainer=fsdp_cpu", "trainer.num_nodes=2"])) == 4  # a key of its own now

@@ -187,7 +187,7 @@ def test_the_reference_pass_runs_on_packed_weights(tiny, monkeypatch, adapters):
     from ngrpo_lightning.backends import CPUBackend
     from ngrpo_lightning.models import lora
     from ngrpo_lightning.objectives import GRPO
-    from ngrpo_lightning.training import module as module_file
+    from ngrpo_lightning.training import logprob_passes as module_file  # where the frozen passes pack
     from ngrpo_lightning.training.module import RLModule
 
     packed_layers = []

@@ -67,7 +67,7 @@ def test_a_run_that_fits_says_nothing(tiny, recwarn):
 
 
 def test_ngrpo_train_checks_its_update(tmp_path):
-    from ngrpo_lightning.build.components import build_trainer
+    from ngrpo_lightning.build.trainer import build_trainer
     from ngrpo_lightning.config import compose
 
     cfg = compose([f"output_dir={tmp_path}", "logger=none"])

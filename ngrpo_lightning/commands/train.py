@@ -19,8 +19,9 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.build.components import build_module, build_pass_at_k, build_trainer, check_config
+from ngrpo_lightning.build.components import build_module, build_pass_at_k, check_config
 from ngrpo_lightning.build.data import build_datamodule, build_problems
+from ngrpo_lightning.build.trainer import build_trainer
 from ngrpo_lightning.checkpoints.export import export_checkpoint, is_own_export, model_card, save_hf_model
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.tracking.console import header, quiet_libraries

@@ -37,7 +37,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from ngrpo_lightning.backends import Backend, backend_for, file_weights
-from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.backends.recompute import recomputing
 from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.training import combine_metrics
@@ -52,9 +51,8 @@ from ngrpo_lightning.objectives import (
 from ngrpo_lightning.rewards import MathReward, score_responses
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
-from ngrpo_lightning.rollout.padding import pad_to
 from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
-from ngrpo_lightning.training.forward import response_logprobs
+from ngrpo_lightning.training.logprob_passes import LogprobPasses
 from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
 from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
 from ngrpo_lightning.training.reports import StepReports
@@ -64,7 +62,7 @@ from ngrpo_lightning.training.updates import StepHook, StepRollouts
 __all__ = ["RLModule"]
 
 
-class RLModule(CheckpointHooks, StepReports, L.LightningModule):
+class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
     """Policy optimization of a causal LM with a pluggable explorer and objective.
 
     Args:
@@ -195,32 +193,6 @@ class RLModule(CheckpointHooks, StepReports, L.LightningModule):
             sharded=self.parallel is not None,
         )
 
-    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
-        """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
-        cut to its own longest sequence and padded back to its width, so a micro-batch of short
-        rows costs what its rows cost. The LM head works the backend's ``logprob_chunk_size`` tokens
-        at a time; a group's common prompt runs once (``share_prompts``)."""
-        width = batch.response_ids.shape[1]
-        forward = self.sharded_root(model)
-        trimmed = batch.trim()
-        kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
-        kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
-        kwargs["share_prompts"] = self._shares_prompts(model)
-        if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
-            logp, entropy = forward(trimmed, temperature, **kwargs)
-        else:
-            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
-        return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
-
-    def _shares_prompts(self, model: torch.nn.Module) -> bool:
-        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
-        checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
-        root forward shares as the plain model does."""
-        checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
-            model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
-        )
-        return self.backend.share_prompts and not checkpointed
-
     @classmethod
     def reference_from(cls, policy: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy of the policy's initial weights, to serve as the KL reference."""
@@ -336,25 +308,6 @@ class RLModule(CheckpointHooks, StepReports, L.LightningModule):
             old_logp=None if reuse_forward else self._policy_logprobs_no_grad(step.batch),
             ref_logp=ref_logp,
         )
-
-    def _policy_logprobs_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
-        return self._logprobs_no_grad(self.policy, batch)  # the same products as the update's forward
-
-    def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
-        """A frozen pass: the linear layers the backend chose to pack once multiply by weights packed
-        for it (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`). A file-backed reference frees
-        each plain weight once it is packed."""
-        rows = self.optim.micro_batch_size or len(batch)
-        return packed_for_pass(model, rows, release=file_weights.weight_releaser(model))
-
-    def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
-        temperature = self.explorer.temperature or 1.0
-        out = torch.zeros_like(batch.rollout_logprobs)
-        for rows, _ in self.plan.micro_batches(batch, token_level=False):
-            part = batch.select(rows) if len(rows) < len(batch) else batch
-            out[rows.to(out.device)] = self._logprobs(model, part, temperature)[0]
-        return out
 
     def optimize(self, updates: list[StepRollouts]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """One optimizer (and lr scheduler) step per update. Returns the metrics of all updates

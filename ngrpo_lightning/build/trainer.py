@@ -1,0 +1,158 @@
+"""The Trainer of a run: how many processes it starts, the checks of ``trainer.*`` and of the
+settings that depend on it (rollouts ahead, export, async checkpoints), the FSDP2 strategy, and
+the Trainer with the run's callbacks."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from ngrpo_lightning.build.models import parallel_config
+from ngrpo_lightning.callbacks import RolloutSamplesLogger, UpdateMemoryCheck
+from ngrpo_lightning.checkpoints.io import AtomicModelParallelStrategy, checkpoint_io
+from ngrpo_lightning.checkpoints.run import build_checkpointing
+from ngrpo_lightning.checks import check_bool
+from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.rollout import engine_class
+from ngrpo_lightning.tracking.console import StepProgressBar
+from ngrpo_lightning.training.planning import check_dynamic_sampling_processes
+
+__all__ = ["build_trainer", "check_trainer", "process_count"]
+
+
+def process_count(cfg: DictConfig) -> int:
+    """The processes the Trainer will start: ``trainer.devices`` x ``trainer.num_nodes``, with
+    Lightning's meanings of ``devices`` (a list or "0,1": its length; ``auto`` or -1: every GPU
+    on a GPU accelerator, one process on a CPU one); FSDP2 shards over at least two."""
+    trainer = cfg.trainer
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
+    gpu = str(trainer.get("accelerator", "auto")) in ("gpu", "cuda") or (
+        str(trainer.get("accelerator", "auto")) == "auto" and torch.cuda.is_available()
+    )
+    if isinstance(devices, str) and devices not in ("auto", "-1"):
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        count = len(devices)
+    elif devices in ("auto", "-1", -1):
+        count = torch.cuda.device_count() if gpu else 1
+    else:
+        count = int(devices)
+    processes = count * nodes
+    return max(processes, 2) if parallel_config(cfg) is not None else processes
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """Fail early (before model loading) on a trainer the machine cannot run."""
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            hint = (
+                "trainer=fsdp_cpu runs FSDP2 with 2 processes on CPU (gloo)"
+                if trainer.get("parallel")
+                else "use trainer=cpu"
+            )
+            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
+    parallel = parallel_config(cfg)
+    processes = process_count(cfg)
+    if (cfg.get("train") or {}).get("dynamic_sampling", False):
+        try:
+            check_dynamic_sampling_processes(processes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
+        raise ConfigError(
+            "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
+            "everything is in host memory already: set trainer.parallel.cpu_offload=false"
+        )
+
+
+def check_staleness(cfg: DictConfig) -> None:
+    """``train.max_staleness`` > 0 rolls out on a worker thread with its own copy of the policy:
+    one process, an engine that decodes with the model it is given (not one with its own
+    weights, such as vLLM's)."""
+    staleness = (cfg.get("train") or {}).get("max_staleness", 0)
+    if not staleness:
+        return
+    if engine_class(cfg.rollout.engine).needs_sync:
+        raise ConfigError(
+            f"train.max_staleness={staleness} with rollout.engine={cfg.rollout.engine}: rollouts ahead of training "
+            "run on an engine that decodes with a copy of the policy (rollout.engine=hf); an engine with its own "
+            "weights cannot run them yet. Use rollout.engine=hf or train.max_staleness=0"
+        )
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    if process_count(cfg) != 1:
+        raise ConfigError(
+            f"train.max_staleness={staleness} runs in one process; trainer.devices={devices}, "
+            f"trainer.num_nodes={nodes}{', trainer.parallel (FSDP2)' if parallel_config(cfg) is not None else ''} "
+            "ask for several: use trainer=cpu or trainer=gpu with one device, or train.max_staleness=0"
+        )
+
+
+def check_export(cfg: DictConfig) -> None:
+    """``export.final`` is true or false; under FSDP2 it exports the last checkpoint, so it needs one."""
+    node = cfg.get("export") or {}
+    check_bool("export.final", node.get("final", False), ConfigError)
+    if node.get("final") and parallel_config(cfg) is not None and not cfg.trainer.get("enable_checkpointing", True):
+        raise ConfigError(
+            "export.final=true under FSDP2 exports the last checkpoint, but trainer.enable_checkpointing=false: "
+            "turn checkpointing on, or export.final=false"
+        )
+
+
+def check_async_save(cfg: DictConfig) -> bool:
+    """``checkpoint.async_save``: write checkpoints in a background thread (true or false)."""
+    value = (cfg.get("checkpoint") or {}).get("async_save", False)
+    return check_bool("checkpoint.async_save", value, ConfigError)
+
+
+def build_strategy(cfg: DictConfig):
+    """``ModelParallelStrategy`` (FSDP2; the module's ``configure_model`` shards) for a
+    ``trainer.parallel`` block, else ``None`` (Lightning's default for ``trainer.strategy``)."""
+    parallel = parallel_config(cfg)
+    if parallel is None:
+        return None
+    return AtomicModelParallelStrategy(
+        data_parallel_size=parallel.data_parallel_size, tensor_parallel_size=1, save_distributed_checkpoint=True
+    )
+
+
+def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
+    check_trainer(cfg)
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.pop("parallel", None)
+    strategy = build_strategy(cfg)
+    io = checkpoint_io(async_save=check_async_save(cfg))  # streamed to disk, atomic (checkpoint_io.py)
+    if strategy is not None:
+        strategy.checkpoint_io = io
+        kwargs["strategy"] = strategy
+    else:
+        kwargs["plugins"] = [*(kwargs.get("plugins") or []), io]
+    kwargs.setdefault("use_distributed_sampler", False)  # the datamodule splits prompts by rank itself
+    verbose = bool((cfg.get("logger") or {}).get("verbose", False))
+    kwargs.setdefault("enable_model_summary", verbose)  # a table of parameter counts: for those who ask
+    cbs = list(callbacks)
+    if kwargs.get("enable_progress_bar", True) and not any(isinstance(cb, ProgressBar) for cb in cbs):
+        cbs.append(StepProgressBar())
+    if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
+        cbs += build_checkpointing(cfg)
+    if "data" in cfg and not any(isinstance(cb, UpdateMemoryCheck) for cb in cbs):
+        new_tokens = cfg.rollout.max_new_tokens
+        rows, longest = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.data.max_prompt_tokens + new_tokens
+        cbs.append(UpdateMemoryCheck(rows, new_tokens, longest))
+    if logger is not None:
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+        if cfg.logger.log_samples_every:
+            cbs.append(
+                RolloutSamplesLogger(every_n_steps=cfg.logger.log_samples_every, num_samples=cfg.logger.num_samples)
+            )
+    try:
+        return L.Trainer(
+            logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=cfg.output_dir, **kwargs
+        )
+    except TypeError as err:
+        raise ConfigError(
+            f"trainer: {err} (trainer.* keys are lightning.Trainer arguments, plus trainer.parallel)"
+        ) from err

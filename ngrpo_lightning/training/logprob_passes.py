@@ -1,0 +1,64 @@
+"""How the training module computes response log-probs: each pass cut to its rows' longest
+sequence, through the FSDP2 root when sharded, the LM head in the backend's chunks, a group's
+prompt once, and frozen passes on weights the backend packed for them. A mixin of
+:class:`~ngrpo_lightning.training.module.RLModule`, which provides ``policy``, ``backend``,
+``parallel``, ``optim``, ``plan``, ``explorer`` and ``sharded_root``."""
+
+from __future__ import annotations
+
+import torch
+
+from ngrpo_lightning.backends import file_weights
+from ngrpo_lightning.backends.passes import packed_for_pass
+from ngrpo_lightning.rollout.batch import RolloutBatch
+from ngrpo_lightning.rollout.padding import pad_to
+from ngrpo_lightning.training.forward import response_logprobs
+
+
+class LogprobPasses:
+    """The log-prob passes of :class:`~ngrpo_lightning.training.module.RLModule`."""
+
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
+        """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
+        cut to its own longest sequence and padded back to its width, so a micro-batch of short
+        rows costs what its rows cost. The LM head works the backend's ``logprob_chunk_size`` tokens
+        at a time; a group's common prompt runs once (``share_prompts``)."""
+        width = batch.response_ids.shape[1]
+        forward = self.sharded_root(model)
+        trimmed = batch.trim()
+        kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
+        kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
+        kwargs["share_prompts"] = self._shares_prompts(model)
+        if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
+            logp, entropy = forward(trimmed, temperature, **kwargs)
+        else:
+            logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
+        return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
+
+    def _shares_prompts(self, model: torch.nn.Module) -> bool:
+        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
+        checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
+        root forward shares as the plain model does."""
+        checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
+            model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
+        )
+        return self.backend.share_prompts and not checkpointed
+
+    def _policy_logprobs_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._logprobs_no_grad(self.policy, batch)  # the same products as the update's forward
+
+    def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
+        """A frozen pass: the linear layers the backend chose to pack once multiply by weights packed
+        for it (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`). A file-backed reference frees
+        each plain weight once it is packed."""
+        rows = self.optim.micro_batch_size or len(batch)
+        return packed_for_pass(model, rows, release=file_weights.weight_releaser(model))
+
+    def _logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """Response log-probs [N, L] of ``model``, computed one micro-batch at a time."""
+        temperature = self.explorer.temperature or 1.0
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for rows, _ in self.plan.micro_batches(batch, token_level=False):
+            part = batch.select(rows) if len(rows) < len(batch) else batch
+            out[rows.to(out.device)] = self._logprobs(model, part, temperature)[0]
+        return out
