@@ -48,5 +48,5 @@ timeout -s INT "$(left 60)" $PY benchmarks/decoding_modes.py --model $MODELS/smo
   --dtype bfloat16 --new-tokens "$TOK" --repeats 2 --bandwidth-gbs $BW --out "$OUT/decoding_small.json"
 timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device $DEV \
   --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --out "$OUT/decoding_1.5b.json"
-[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $PY -m pytest -q tests/test_static_decoding.py -k cuda_graph
+[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $PY -m pytest -q tests/test_static_decoding.py tests/test_host_syncs.py -k cuda_graph
 echo "== done ($SECONDS s)"

@@ -9,6 +9,8 @@ class TopTwoBlend(Explorer):
     """Mixed rows emit the likeliest token and feed softmax-weighted E[top1], E[top2];
     the other rows sample as plain temperature sampling does."""
 
+    sync_free = True  # step() never makes the host wait for a GPU (no .item(), bool(t), nonzero)
+
     def __init__(self, rho: float = 0.2, temperature: float = 1.0):
         check_range("rho", rho, 0.0, 1.0)  # a bad value fails at build time, naming explorer.rho
         check_range("temperature", temperature, 0.0, low_open=True)

@@ -82,6 +82,12 @@ class Explorer(ABC):
         The policy's sampling temperature. Engines compute the rollout log-probs of the
         emitted tokens as ``log_softmax(logits / temperature)`` and training uses the same
         temperature, so every explorer must define it (1.0 if it does not sample).
+    sync_free:
+        True when :meth:`step` never makes the host wait for the device: no ``.item()``,
+        ``bool(t)``, ``nonzero``, boolean-mask indexing or shape that depends on the data. On a
+        GPU the decoding loop then queues step after step without waiting; an explorer that does
+        not declare it still works, and the engine says once at the start that it may wait per
+        token. Check a claim with :class:`ngrpo_lightning.rollout.host_syncs.HostSyncs`.
     answer_start:
         A marker text (e.g. ``"</think>"``): once a sequence has emitted its tokens, the engine
         clears ``mixed`` for that sequence's steps (the one completing the marker included), so
@@ -89,6 +95,7 @@ class Explorer(ABC):
     """
 
     temperature: float = 1.0
+    sync_free: bool = False
     answer_start: str | None = None  # engines stop mixing a sequence once it has emitted this text
     registered_name: str = ""
     _special_ids: tuple[int, ...] = ()

@@ -40,6 +40,8 @@ class GaussianNoiseExplorer(Explorer):
         temperature, top_k, top_p, min_p: the token sampling (see :class:`TemperatureExplorer`).
     """
 
+    sync_free = True
+
     def __init__(
         self,
         sigma: float = 0.5,

@@ -28,6 +28,8 @@ class GumbelSoftExplorer(Explorer):
         temperature: T of the logits before the top-k and the noise (> 0).
     """
 
+    sync_free = True
+
     def __init__(self, top_k: int = 5, tau: float = 0.5, temperature: float = 1.0):
         check_range("top_k", top_k, 1, integer=True)
         check_range("tau", tau, 0.0, low_open=True)

@@ -64,7 +64,8 @@ class NeighborMixingExplorer(Explorer):
         exclude_ids: further token ids never used as neighbors.
         refresh_every: rebuild the index every N rollouts as E trains (0 = static, as in the paper).
         precompute: fill the neighbor table for the whole vocabulary when the index is
-            built (V x V work in blocks: worth it on a GPU); otherwise it fills lazily.
+            built (V x V work in blocks), rather than lazily as anchors come. Always on a GPU:
+            with a full table a step looks up every row's neighbors without waiting for the host.
         chunk_size: vocabulary columns per similarity block of the search.
     """
 
@@ -126,9 +127,15 @@ class NeighborMixingExplorer(Explorer):
             raise ValueError(f"explorer.exclude_ids contains {bad[0]}, not a token id: allowed [0, {vocab - 1}]")
         check_range("k", self.k, 1, vocab - len(excluded))  # enough candidates for every anchor
         index = NeighborIndex(embeddings, self.k - 1, self.metric, excluded, chunk_size=self.chunk_size)
-        if self.precompute:
+        if self.precompute or embeddings.device.type != "cpu":  # a full table: a step looks up without the host
             index.precompute()
         return index
+
+    @property
+    def sync_free(self) -> bool:
+        """With a full neighbor table (always on a GPU) a step never waits for the host; a lazily
+        filled one looks at which anchors are new."""
+        return self._index is not None and self._index.complete
 
     @property
     def index(self) -> NeighborIndex:
@@ -151,21 +158,33 @@ class NeighborMixingExplorer(Explorer):
         else:
             mixed = torch.rand(b, generator=generator, device=device) < self.rho
             tokens = self._sampler.sample(logits, generator)
+        if self.index.complete:  # every row's set, the mixed rows' kept: the step never waits for the host
+            anchor, ids, weights = self.members(logits, warped)
+            if self.emit == "anchor":
+                tokens = torch.where(mixed, anchor, tokens)
+            ids = torch.where(mixed[:, None], ids, tokens[:, None])  # unmixed rows: ignored by the engine
+            weights = torch.where(mixed[:, None], weights, 1.0 / self.k)
+            return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
+        # a lazily filled index (the CPU's): only the mixed rows' anchors are looked up
         rows = mixed.nonzero().squeeze(-1)
-        anchor = logits[rows].argmax(-1)  # argmax z~ = argmax z (T > 0); the first maximum on ties
-        if self.emit == "anchor":
-            tokens[rows] = anchor  # a mixed row emits its anchor
         ids = tokens[:, None].repeat(1, self.k)  # unmixed rows: ignored by the engine
-        ids[rows, 0] = anchor
-        if self.k > 1 and rows.numel():  # only the mixed rows' anchors are looked up (cached per id)
-            ids[rows, 1:] = self.index.query(anchor).to(ids.device)
-        # the warped probabilities of the members, renormalised over the set (softmax(z~[C]) unwarped);
-        # unmixed rows' weights are ignored by the engine: uniform
         weights = torch.full(ids.shape, 1.0 / self.k, device=device)
         if rows.numel():
-            mixed_warped = warped[rows] if warped is not None else self.warp(logits[rows])
-            weights[rows] = mixed_warped.gather(-1, ids[rows]).softmax(-1)
+            anchor, ids[rows], weights[rows] = self.members(logits[rows], None if warped is None else warped[rows])
+            if self.emit == "anchor":
+                tokens[rows] = anchor  # a mixed row emits its anchor
         return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
+
+    def members(self, logits: torch.Tensor, warped: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The anchors ``argmax z~`` (= argmax z, T > 0; the first maximum on ties), the mixed sets
+        (the anchor, then its neighbors, nearest first) and their weights: the warped probabilities
+        of the members renormalised over the set (``softmax(z~[C])`` unwarped)."""
+        anchor = logits.argmax(-1)
+        ids = anchor[:, None]
+        if self.k > 1:
+            ids = torch.cat([ids, self.index.query(anchor).to(ids.device)], 1)
+        warped = warped if warped is not None else self.warp(logits)
+        return anchor, ids, warped.gather(-1, ids).softmax(-1)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """``filter(logits / T)``: the distribution the sampling draws from, in logits."""

@@ -84,13 +84,20 @@ class NeighborIndex:
         # the CPU cosine search runs in two stages (see the module docstring); other devices in one
         self.two_stage = metric == "cosine" and emb.device.type == "cpu"
         self.half_keys = self.keys.half() if self.two_stage else None
+        self._complete = False
 
     # ---------------------------------------------------------------- public
+    @property
+    def complete(self) -> bool:
+        """Whether every id's neighbors are in the table (after :meth:`precompute`): a query is
+        then a lookup, with no search and no look at which ids are missing."""
+        return self._complete
+
     def query(self, anchors: torch.Tensor) -> torch.Tensor:
         """Neighbors [B, n] of ``anchors`` [B], nearest first; searched once per distinct id."""
         anchors = anchors.to(self.table.device)
         found = self.table[anchors]
-        if self.num_neighbors == 0:
+        if self.num_neighbors == 0 or self._complete:
             return found
         missing = found[:, 0] < 0
         if bool(missing.any()):
@@ -100,17 +107,28 @@ class NeighborIndex:
         return found
 
     def precompute(self) -> None:
-        """Fill the whole table now (V x V work in blocks; seconds on a GPU)."""
+        """Fill the whole table now (V x V work; seconds on a GPU, where blocks of anchors are
+        large: about 2**26 similarities at a time)."""
         if self.num_neighbors:
             todo = (self.table[:, 0] < 0).nonzero().squeeze(-1)
-            self.table[todo] = self.search(todo)
+            block = (
+                self.anchor_block
+                if self.table.device.type == "cpu"
+                else max(self.anchor_block, 2**26 // self.chunk_size)
+            )
+            self.table[todo] = self.search(todo, block)
+        self._complete = True
 
-    def search(self, anchors: torch.Tensor) -> torch.Tensor:
-        """Exact neighbors [B, n] of ``anchors`` [B], bypassing the cache."""
+    def search(self, anchors: torch.Tensor, anchor_block: int | None = None) -> torch.Tensor:
+        """Exact neighbors [B, n] of ``anchors`` [B], bypassing the cache, ``anchor_block`` anchors
+        at a time (default: the index's)."""
         if self.num_neighbors == 0:
             return self.table[anchors]
-        block = self._search_two_stage if self.two_stage else self._search_block
-        out = [block(anchors[i : i + self.anchor_block]) for i in range(0, len(anchors), self.anchor_block)]
+        search, size = (
+            self._search_two_stage if self.two_stage else self._search_block,
+            anchor_block or self.anchor_block,
+        )
+        out = [search(anchors[i : i + size]) for i in range(0, len(anchors), size)]
         return torch.cat(out) if out else self.table[:0]
 
     # -------------------------------------------------------------- internals

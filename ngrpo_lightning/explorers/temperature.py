@@ -19,6 +19,8 @@ class TemperatureExplorer(Explorer):
         min_p: drop tokens below ``min_p * max prob`` (0 = off).
     """
 
+    sync_free = True
+
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
         check_range("temperature", temperature, 0.0)
         check_range("top_k", top_k, 0, integer=True)

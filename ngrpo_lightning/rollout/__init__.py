@@ -5,7 +5,7 @@ from ngrpo_lightning.rollout.datamodule import RolloutDataModule  # noqa: E402  
 from ngrpo_lightning.rollout.engine import ENGINES, RolloutEngine, RolloutStart, register_engine
 from ngrpo_lightning.rollout.engines import build_engine, check_engine, engine_class
 from ngrpo_lightning.rollout.hf_engine import HFEngine
-from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds, mixture_embeddings
+from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds, mixture_embeddings, mixture_vectors
 from ngrpo_lightning.rollout.records import InputRecords
 from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
 
@@ -23,5 +23,6 @@ __all__ = [
     "check_engine",
     "engine_class",
     "mixture_embeddings",
+    "mixture_vectors",
     "register_engine",
 ]

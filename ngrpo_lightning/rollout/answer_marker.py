@@ -4,8 +4,10 @@ The N-GRPO release explores only while the model thinks: after ``</think>`` a se
 steps are plain. The marker is matched on token ids (so a marker of several tokens works),
 over each row's emitted tokens; the step that completes it is not mixed either, nor any later
 one. Engines keep one :class:`AnswerMarker` per rollout and pass every step through
-:meth:`AnswerMarker.unmix`, keyed by something that names a sequence across steps (HFEngine:
-its row; vLLM: the request id, since a request's row changes between steps).
+:meth:`AnswerMarker.unmix`, keyed by something that names a sequence across steps (vLLM: the
+request id, since a request's row changes between steps). An engine whose rows keep their
+index for the whole rollout (HFEngine) uses :meth:`AnswerMarker.rows`, the same rule on the
+device, so that no step waits for the host.
 """
 
 from __future__ import annotations
@@ -50,3 +52,26 @@ class AnswerMarker:
             done.append(key in self.answered)
         if step.mixed is not None and any(done):
             step.mixed = step.mixed & ~torch.tensor(done, device=step.mixed.device)
+
+    def rows(self, count: int, device) -> RowAnswerMarker:
+        """The same rule for ``count`` rows that keep their index all rollout long, on ``device``."""
+        return RowAnswerMarker(self.marker, count, device)
+
+
+class RowAnswerMarker:
+    """:class:`AnswerMarker` for rows 0..R-1, kept on the device: each row's last ``len(marker)``
+    counted tokens and whether it has answered, updated without a look from the host."""
+
+    def __init__(self, marker: Sequence[int], rows: int, device):
+        self.marker = torch.tensor(marker, dtype=torch.long, device=device)
+        self.recent = torch.full((rows, len(marker)), -1, dtype=torch.long, device=device)  # -1: no token yet
+        self.answered = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def unmix(self, step: ExplorerStep, emitted: torch.Tensor) -> None:
+        """Record the tokens of the ``emitted`` rows and clear ``step.mixed`` for every row that has
+        completed the marker, now or before."""
+        shifted = torch.cat([self.recent[:, 1:], step.tokens[:, None]], 1)
+        self.recent = torch.where(emitted[:, None], shifted, self.recent)
+        self.answered |= emitted & (self.recent == self.marker).all(-1)
+        if step.mixed is not None:
+            step.mixed = step.mixed & ~self.answered

@@ -10,6 +10,7 @@ lengths rather than its longest length times its rows.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -24,9 +25,11 @@ from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
 from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
-from ngrpo_lightning.rollout.reconstruction import mixture_embeddings
-from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.rollout.reconstruction import mixture_vectors
+from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords
 from ngrpo_lightning.rollout.static_cache import batch_buckets, rows_static_cache
+
+log = logging.getLogger(__name__)
 
 
 @register_engine("hf")
@@ -111,6 +114,7 @@ class HFEngine(RolloutEngine):
         self.checks_every = checks_every
         self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
+        self._told: set[type] = set()
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -193,21 +197,21 @@ class HFEngine(RolloutEngine):
         embedding = model.get_input_embeddings().weight
         device = embedding.device
         start = self.start(explorer, embedding)
-        gen, temperature, marker = start.generator, start.temperature, start.marker
+        gen, temperature = start.generator, start.temperature
 
         prompt_ids, prompt_mask = pad_rows([p for p in prompts for _ in range(n)], pad_id, left=True)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         rows, width = prompt_ids.shape
+        marker = start.marker.rows(rows, device) if start.marker is not None else None  # on the device
         eos = torch.tensor(self.eos_ids, device=device, dtype=torch.long)
         # Outputs, by original row: pad / 0 wherever a row emitted nothing.
         tokens = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, max_new), device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), max_new, dtype=torch.long, device=device)  # set when a row ends
-        step_records = []
-        # The decoding batch: row i of the model's inputs is original row live[i] (slot is the inverse map).
+        step_records = []  # (position, step, mixed rows): dense until the rollout ends
+        # The decoding batch: row i of the model's inputs is original row live[i].
         live = torch.arange(rows, device=device)
-        slot = live.clone()
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         static = self.static_cache
@@ -227,6 +231,13 @@ class HFEngine(RolloutEngine):
         explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
         written = torch.full((1,), width, dtype=torch.long, device=device)  # the static cache's first decoding slot
         checks_every = self.checks_every or (self.backend.decode_checks_every if self.backend is not None else 1)
+        if checks_every > 1 and not explorer.sync_free and type(explorer) not in self._told:
+            self._told.add(type(explorer))  # one line per engine and explorer class
+            log.info(
+                "explorer %s does not declare sync_free: its steps may make the host wait for the device at "
+                "every token (docs/explorers.md, 'On a GPU, never wait for the host')",
+                type(explorer).__name__,
+            )
         steps = 0
         for t in range(max_new):
             steps = t + 1
@@ -259,7 +270,7 @@ class HFEngine(RolloutEngine):
                 explorer_logits.index_copy_(0, live, logits)
             step = explorer.step(logits if explorer_logits is None else explorer_logits, generator=gen)
             if marker is not None:  # no mixing after a row's answer marker
-                marker.unmix(step, range(rows), ~finished)
+                marker.unmix(step, ~finished)
             running = ~finished[live]  # all true unless finished rows are kept decoding padding
             token = torch.where(running, step.tokens[live], pad_id)
             scaled = logits if temperature == 1.0 else logits / temperature
@@ -267,10 +278,10 @@ class HFEngine(RolloutEngine):
             tokens[live, t] = token
             logprobs[live, t] = torch.where(running, logprob, 0.0)
             inputs = embedding[token]
-            if step.mixed is not None and (mixed := step.mixed & ~finished).any():
-                rec = InputRecords.from_step(step, mixed, t)  # original rows, response position t
-                inputs = inputs.index_put((slot[rec.row],), mixture_embeddings(embedding, rec))
-                step_records.append(rec)
+            if step.mixed is not None:  # every live row's mixture, the mixed ones kept: no look at which rows mixed
+                mixed = step.mixed & ~finished
+                step_records.append((t, step, mixed))
+                inputs = torch.where(mixed[live, None], mixed_inputs(embedding, step, mixed, live), inputs)
             ended = torch.isin(token, eos) & running
             # the ended rows' bookkeeping stays on the device; the host looks every checks_every steps
             finished.index_copy_(0, live, finished[live] | ended)
@@ -288,7 +299,6 @@ class HFEngine(RolloutEngine):
                     if explorer_logits is None:
                         explorer_logits = logits.clone()  # the batch still had every row
                     live, inputs, mask, position = live[keep], inputs[keep], mask[keep], position[keep]
-                    slot[live] = torch.arange(len(live), device=device)
                     cache.batch_select_indices(keep)
             inputs = inputs[:, None]
             position = position[:, -1:] + 1
@@ -308,7 +318,7 @@ class HFEngine(RolloutEngine):
             response_ids=response_ids,
             response_mask=response_mask,
             rollout_logprobs=logprobs,
-            records=InputRecords.concat(step_records),
+            records=InputRecords.from_steps(step_records),
             group_size=n,
             response_text=texts,
             truncated=~finished,
@@ -317,3 +327,15 @@ class HFEngine(RolloutEngine):
                 **({"rollout/graph_warmup_s": graphs.warmup_s} if graphs is not None else {}),
             },
         )
+
+
+def mixed_inputs(embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The mixture of every live row of ``step`` ([live, d]); only the ``mixed`` rows' are used, so an
+    unmixed row's fields are ignored whatever they hold (its ids are read as 0, its noise seed as none)."""
+    here = mixed[live]
+    ids = torch.where(here[:, None], step.ids[live], 0)
+    seed = scale = None
+    if step.noise_seed is not None:
+        seed = torch.where(here, step.noise_seed[live], NO_NOISE)
+        scale = step.noise_scale[live] if step.noise_scale is not None else torch.zeros_like(seed, dtype=torch.float32)
+    return mixture_vectors(embedding, ids, step.weights[live], seed, scale)

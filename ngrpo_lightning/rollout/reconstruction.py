@@ -12,16 +12,34 @@ import torch
 from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords, noise_vectors
 
 
-def mixture_embeddings(embedding: torch.Tensor, records: InputRecords) -> torch.Tensor:
-    """The M mixed input vectors ``sum_j w_j E[ids_j] + scale * noise(seed)`` ([M, d])."""
-    weights = records.weights.to(device=embedding.device, dtype=torch.float32)
-    mix = torch.einsum("mk,mkd->md", weights, embedding[records.ids.to(embedding.device)].float())
-    noisy = records.noise_seed != NO_NOISE
-    if noisy.any():
-        noise = torch.zeros_like(mix)
-        noise[noisy.to(mix.device)] = noise_vectors(records.noise_seed[noisy].cpu(), mix.shape[-1]).to(mix.device)
-        mix = mix + records.noise_scale.to(mix.device, torch.float32)[:, None] * noise
+def mixture_vectors(
+    embedding: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    noise_seed: torch.Tensor | None = None,
+    noise_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mixed input vectors ``sum_j w_j E[ids_j] + scale * noise(seed)`` ([M, d]) of M rows.
+
+    Each row's vector depends on that row alone, in the same order of operations whatever M is,
+    so a decoding loop that mixes every row of its batch (keeping the mixed ones) and training
+    that rebuilds only the recorded rows get the same bits. A row whose seed is ``NO_NOISE``
+    gets no noise."""
+    weights = weights.to(device=embedding.device, dtype=torch.float32)
+    mix = (weights[..., None] * embedding[ids.to(embedding.device)].float()).sum(1)
+    if noise_seed is not None:
+        seed = noise_seed.to(mix.device)
+        noise = noise_vectors(seed.clamp(min=0), mix.shape[-1])
+        scale = noise_scale.to(mix.device, torch.float32)[:, None]
+        mix = torch.where((seed != NO_NOISE)[:, None], mix + scale * noise, mix)
     return mix.to(embedding.dtype)
+
+
+def mixture_embeddings(embedding: torch.Tensor, records: InputRecords) -> torch.Tensor:
+    """The M mixed input vectors of ``records`` ([M, d]): :func:`mixture_vectors` of its fields."""
+    noisy = bool((records.noise_seed != NO_NOISE).any())
+    seed, scale = (records.noise_seed, records.noise_scale) if noisy else (None, None)
+    return mixture_vectors(embedding, records.ids, records.weights, seed, scale)
 
 
 def build_inputs_embeds(

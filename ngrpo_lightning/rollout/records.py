@@ -8,6 +8,7 @@ that replaced ``E[token]`` as the input embedding of that position. Discrete ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,21 +55,33 @@ class InputRecords:
     def from_step(cls, step, mixed: torch.Tensor, pos: int) -> InputRecords:
         """The records of one decoding step's ``mixed`` rows (an :class:`ExplorerStep`), at
         response position ``pos``."""
-        rows = mixed.nonzero().squeeze(-1)
-        m = rows.numel()
-        seed = (
-            step.noise_seed[rows]
-            if step.noise_seed is not None
-            else torch.full((m,), NO_NOISE, dtype=torch.long, device=rows.device)
-        )
-        scale = step.noise_scale[rows].float() if step.noise_scale is not None else torch.zeros(m, device=rows.device)
+        return cls.from_steps([(pos, step, mixed)])
+
+    @classmethod
+    def from_steps(cls, steps: list) -> InputRecords:
+        """The records of a rollout's decoding steps, kept dense until now: ``steps`` holds
+        ``(pos, step, mixed)`` per step, each :class:`ExplorerStep` and ``mixed`` mask over the
+        same R rows. One look at the masks for the whole rollout (a decoding loop that builds
+        records step by step would wait on the device at every token). Step-major, then row."""
+        if not steps:
+            return cls()
+        k = max(s.ids.shape[1] for _, s, _ in steps)
+        mixed = torch.stack([m for _, _, m in steps])  # [S, R]
+        rows, device = mixed.shape[1], mixed.device
+        at, row = mixed.nonzero().unbind(1)
+
+        def stacked(field: str, fill, dtype) -> torch.Tensor:
+            parts = [getattr(s, field) for _, s, _ in steps]
+            parts = [torch.full((rows,), fill, dtype=dtype, device=device) if p is None else p.to(dtype) for p in parts]
+            return torch.stack(parts)[at, row]
+
         return cls(
-            row=rows,
-            pos=torch.full((m,), pos, dtype=torch.long, device=rows.device),
-            ids=step.ids[rows],
-            weights=step.weights[rows].float(),
-            noise_seed=seed,
-            noise_scale=scale,
+            row=row,
+            pos=torch.tensor([p for p, _, _ in steps], dtype=torch.long, device=device)[at],
+            ids=torch.stack([pad_to(s.ids, k, 0) for _, s, _ in steps])[at, row],
+            weights=torch.stack([pad_to(s.weights.float(), k, 0.0) for _, s, _ in steps])[at, row],
+            noise_seed=stacked("noise_seed", NO_NOISE, torch.long),
+            noise_scale=stacked("noise_scale", 0.0, torch.float32),
         )
 
     def select_rows(self, rows: torch.Tensor) -> InputRecords:
@@ -88,14 +101,37 @@ class InputRecords:
         return InputRecords(**{k: v.to(device) for k, v in vars(self).items()})
 
 
-def noise_vectors(seeds: torch.Tensor, dim: int) -> torch.Tensor:
-    """Standard normal vectors [M, dim], one per seed, identical on every device and engine.
+MASK32 = 0xFFFFFFFF
 
-    Generated on CPU in float32 from ``torch.Generator().manual_seed(seed)`` so that rollout
-    and training (and different engines) draw the same noise."""
-    out = torch.empty(len(seeds), dim)
-    gen = torch.Generator()
-    for i, s in enumerate(seeds.tolist()):
-        gen.manual_seed(int(s))
-        out[i] = torch.randn(dim, generator=gen)
-    return out
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``x < 2**32``, in 16-bit halves of ``c`` so that no int64 product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash whose every output bit depends on every input bit (the "lowbias32"
+    xor-shift-multiply constants), on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def noise_vectors(seeds: torch.Tensor, dim: int) -> torch.Tensor:
+    """Standard normal vectors [M, dim] (float32), one per seed, computed on the seeds' device.
+
+    A counter-based generator: every component is a pure function of (seed, component), pairs of
+    32-bit hashes turned into pairs of normals by the Box-Muller transform (in float64). So a rollout
+    makes its noise on the device without a host round trip per step, and training rebuilds the
+    same vectors from the recorded seeds; the integer part is exact on every device and the
+    transform agrees across devices to float32 rounding."""
+    seeds = seeds.long()
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    key = _hash32(lo ^ _hash32(hi ^ 0x9E3779B9))[:, None]
+    pairs = (dim + 1) // 2  # a pair of uniforms gives a pair of normals
+    bits = _hash32(key ^ _hash32(torch.arange(2 * pairs, device=seeds.device))[None])  # [M, 2 pairs]
+    radius = torch.sqrt(-2.0 * torch.log((bits[:, 0::2].double() + 1.0) / 2.0**32))  # u in (0, 1]: a finite log
+    angle = (2.0 * math.pi / 2.0**32) * bits[:, 1::2].double()
+    return torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], -1).flatten(1)[:, :dim].float()
