@@ -98,3 +98,39 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no
             assert_same_rollouts(runs[1], runs[0])
     finally:
         model.cpu()
+
+
+def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
+    """Rollouts of other prompt widths reuse the kept cache (the same storage, restarted) and the
+    graphs recorded on it; a longer rollout gets a longer cache; a weight that moves (a new tensor,
+    not an in-place update) gets its graphs recorded again. The rollouts are those of the growing
+    cache, one after another from the same engine."""
+    model, tok = tiny
+    short, long = chat_prompt_ids(tok, QUESTIONS), chat_prompt_ids(tok, [q + " Explain." * 40 for q in QUESTIONS])
+    assert max(map(len, long)) > max(map(len, short)) + 64
+    grown = HFEngine(model, tok, max_new_tokens=12, seed=0)
+    kept = HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs="rerun")
+    storages, graphs = [], []
+    for prompts, max_new in ((short, 12), (short, 8), (long, 12)):
+        make = EXPLORERS["gaussian"]
+        assert_same_rollouts(
+            kept.generate(prompts, make(), n=2, max_new_tokens=max_new),
+            grown.generate(prompts, make(), n=2, max_new_tokens=max_new),
+        )
+        cache = kept._caches.kept[6]
+        storages.append(cache.layers[0].key_buffer.data_ptr())
+        graphs.append(kept._graphs[6])
+        assert cache.layers[0].max_cache_len % 64 == 0
+    assert storages[0] == storages[1] and graphs[0] is graphs[1]  # the second rollout fit the kept cache
+    assert storages[2] != storages[1] and graphs[2] is not graphs[1]  # the third needed a longer one
+    assert kept._caches.kept[6].layers[0].max_cache_len >= max(map(len, long)) + 12
+    head = model.get_output_embeddings()
+    original = head.weight
+    try:
+        head.weight = torch.nn.Parameter(original.detach().clone())  # the same values at a new address
+        assert_same_rollouts(
+            kept.generate(short, EXPLORERS["greedy"](), n=2), grown.generate(short, EXPLORERS["greedy"](), n=2)
+        )
+        assert kept._graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
+    finally:
+        head.weight = original

@@ -12,6 +12,13 @@ A graph is recorded the first time its bucket decodes (:attr:`DecodeGraphs.warmu
 the time), after two warm-up runs on a side stream; the warm-up writes the step's keys and
 values where the replay writes them again, and the cache's positions are put back after it.
 
+A graph reads the weights where they were when it was recorded. The engine keeps its graphs
+from one rollout to the next (on the cache it keeps, :class:`~.static_cache.StaticCaches`) while
+:meth:`DecodeGraphs.current` holds: every tensor the model reads during the rollout (its
+parameters and buffers, and copies a backend makes for decoding such as LoRA's merged weights)
+still has the address it had. Training updates weights in place, so they keep it; a copy made
+anew may not, and then the graphs are recorded again.
+
 ``replay="rerun"`` runs the step on the same buffers instead of a graph: the CPU's check that
 every input goes through them (``tests/test_static_decoding.py``).
 """
@@ -40,9 +47,15 @@ class DecodeGraphs:
         if replay not in ("cuda", "rerun"):
             raise ValueError(f"replay={replay!r}: allowed 'cuda' or 'rerun'")
         self.model, self.cache, self.replay = model, cache, replay
+        self.addresses = tensor_addresses(model)
         self.recorded: dict[int, _Recorded] = {}
         self.pool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         self.warmup_s = 0.0
+
+    def current(self, model: torch.nn.Module, cache) -> bool:
+        """Whether these graphs still replay ``model`` on ``cache``: the same cache, and every tensor
+        the model reads where it was when they were made."""
+        return model is self.model and cache is self.cache and tensor_addresses(model) == self.addresses
 
     def __call__(self, inputs_embeds, position_ids, attention_mask, cache_position) -> torch.Tensor:
         """The step's last-position logits [b, V] (a buffer the next call overwrites)."""
@@ -87,3 +100,22 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
         return _Recorded(inputs, logits, graph)
+
+
+def tensor_addresses(model: torch.nn.Module) -> tuple:
+    """Where every tensor ``model``'s forward reads lies: its parameters and buffers, and tensors a
+    backend's layer holds for the pass (a merged copy), with their shapes and dtypes."""
+
+    def held(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, tuple | list):
+            for item in value:
+                yield from held(item)
+
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_parameters") and not name.startswith("_buffers"):
+                tensors.extend(held(value))
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)

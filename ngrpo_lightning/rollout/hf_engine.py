@@ -27,7 +27,7 @@ from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
 from ngrpo_lightning.rollout.reconstruction import mixture_vectors
 from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords
-from ngrpo_lightning.rollout.static_cache import batch_buckets, rows_static_cache
+from ngrpo_lightning.rollout.static_cache import StaticCaches, batch_buckets
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class HFEngine(RolloutEngine):
         self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
         self._told: set[type] = set()
+        self._caches, self._graphs = StaticCaches(), {}  # kept across rollouts (static decoding)
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -189,6 +190,18 @@ class HFEngine(RolloutEngine):
         with packed_for_pass(self.model, rows=len(prompts) * n, decoding=True):
             return self._decode(prompts, explorer, n, max_new_tokens, t0)
 
+    def _static_decoding(self, model, length: int, rows: int):
+        """The kept static cache for ``rows`` rows (restarted) and its graphs, recorded again only
+        when the cache is new or the model's tensors moved (:meth:`DecodeGraphs.current`)."""
+        cache, kept = self._caches.get(model, length, rows)
+        replay = self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
+        if not replay:
+            return cache, None
+        graphs = self._graphs.get(rows)
+        if not (kept and graphs is not None and graphs.replay == replay and graphs.current(model, cache)):
+            graphs = self._graphs[rows] = DecodeGraphs(model, cache, replay)
+        return cache, graphs
+
     def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
         model, pad_id = self.model, self.tokenizer.pad_token_id
         max_new = max_new_tokens or self.max_new_tokens
@@ -217,13 +230,13 @@ class HFEngine(RolloutEngine):
         static = self.static_cache
         if static is None:
             static = self.backend.static_decoding if self.backend is not None else False
-        graphs = None
-        if static:  # fixed shapes: the whole rollout's width, the batch in buckets
-            cache = rows_static_cache(model, width + max_new, rows)
-            buckets = batch_buckets(rows)
-            replay = self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
-            graphs = DecodeGraphs(model, cache, replay) if replay else None
-            columns = torch.arange(width + max_new, device=device)
+        graphs, warmup_s = None, 0.0
+        if static:  # fixed shapes: a kept cache at least as long as the rollout, the batch in buckets
+            cache, graphs = self._static_decoding(model, width + max_new, rows)
+            buckets, warmup_s = batch_buckets(rows), graphs.warmup_s if graphs is not None else 0.0
+            length = cache.layers[0].max_cache_len
+            mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]))  # columns past the rollout: masked
+            columns = torch.arange(length, device=device)
         else:  # no per-step concatenation of the whole cache
             store = self.backend.kv_cache_dtype(model) if self.backend is not None else None
             cache = reserved_cache(width + max_new, store)
@@ -324,7 +337,7 @@ class HFEngine(RolloutEngine):
             truncated=~finished,
             stats={
                 **self.rollout_stats(elapsed, int(lengths.sum())),
-                **({"rollout/graph_warmup_s": graphs.warmup_s} if graphs is not None else {}),
+                **({"rollout/graph_warmup_s": graphs.warmup_s - warmup_s} if graphs is not None else {}),
             },
         )
 

@@ -10,6 +10,10 @@ decoding batch, and :meth:`RowsStaticLayer.select_rows`, which moves the rows th
 front of the same buffers (a group's prefill repeated to its n samples, ended rows leaving).
 The batch only takes the sizes of :func:`batch_buckets`, so a graph per bucket covers a rollout.
 
+An engine keeps its caches from one rollout to the next (:class:`StaticCaches`: one per batch
+size, its length rounded up to :data:`LENGTH_STEP`), so the buffers, and the graphs recorded on
+them, keep their addresses: a graph is recorded once per run, not once per rollout.
+
 The attention over the full-width buffer gives the values of the growing cache up to float
 rounding (masked positions add zeros); ``tests/test_static_decoding.py`` checks tokens and
 log-probs against it for every built-in explorer.
@@ -20,7 +24,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-__all__ = ["RowsStaticLayer", "batch_buckets", "rows_static_cache"]
+__all__ = ["LENGTH_STEP", "RowsStaticLayer", "StaticCaches", "batch_buckets", "rows_static_cache"]
+
+LENGTH_STEP = 64  # a kept cache's length in multiples of this: prompts of other widths reuse it
 
 
 def batch_buckets(rows: int) -> list[int]:
@@ -40,14 +46,22 @@ class RowsStaticLayer(StaticLayer):
         super().__init__(max_cache_len)
         self.capacity = capacity
 
+    key_buffer: torch.Tensor | None = None
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         rows = max(self.capacity, self.batch_size)
         shape = (rows, self.num_heads, self.max_cache_len)
-        self.key_buffer = key_states.new_zeros((*shape, self.k_head_dim))
-        self.value_buffer = value_states.new_zeros((*shape, self.v_head_dim))
+        k_shape, v_shape = (*shape, self.k_head_dim), (*shape, self.v_head_dim)
+        kept = self.key_buffer is not None and self.key_buffer.shape == k_shape and self.key_buffer.dtype == self.dtype
+        if kept and self.key_buffer.device == self.device and self.value_buffer.shape == v_shape:
+            self.key_buffer.zero_()  # a restarted cache: the same storage, nothing of the last rollout
+            self.value_buffer.zero_()
+        else:
+            self.key_buffer = key_states.new_zeros(k_shape)
+            self.value_buffer = value_states.new_zeros(v_shape)
         self.keys, self.values = self.key_buffer[: self.batch_size], self.value_buffer[: self.batch_size]
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
@@ -64,6 +78,12 @@ class RowsStaticLayer(StaticLayer):
         self.keys, self.values = self.key_buffer[:count], self.value_buffer[:count]
         self.batch_size = count
 
+    def restart(self) -> None:
+        """Empty for the next rollout, keeping the buffers (and their addresses): the next prefill
+        writes from position 0 into the first rows of the same storage."""
+        self.is_initialized = False
+        self.cumulative_length.zero_()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
 
@@ -75,3 +95,23 @@ def rows_static_cache(model, max_cache_len: int, capacity: int) -> Cache:
     """A cache of :class:`RowsStaticLayer` for every decoder layer of ``model``."""
     config = model.config.get_text_config(decoder=True)
     return Cache(layers=[RowsStaticLayer(max_cache_len, capacity) for _ in range(config.num_hidden_layers)])
+
+
+class StaticCaches:
+    """An engine's static caches, kept across rollouts: one per batch size (training's and
+    validation's rollouts differ), as long as the longest rollout asked for so far, rounded up to
+    :data:`LENGTH_STEP`. A rollout that fits restarts the kept cache; a longer one replaces it."""
+
+    def __init__(self):
+        self.kept: dict[int, Cache] = {}
+
+    def get(self, model, length: int, rows: int) -> tuple[Cache, bool]:
+        """A cache of at least ``length`` positions for ``rows`` rows, and whether it is the kept one."""
+        cache = self.kept.get(rows)
+        if cache is not None and cache.layers[0].max_cache_len >= length:
+            for layer in cache.layers:
+                layer.restart()
+            return cache, True
+        length = -(-length // LENGTH_STEP) * LENGTH_STEP
+        self.kept[rows] = cache = rows_static_cache(model, length, rows)
+        return cache, False
