@@ -80,6 +80,66 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
     assert lean_grads.keys() == peft_grads.keys() and all(torch.equal(lean_grads[k], peft_grads[k]) for k in lean_grads)
 
 
+def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casting_activations():
+    """peft keeps adapters in float32 on a bfloat16 model and casts every adapted layer's input to
+    float32 and its sum back; the lean layer casts the small adapter weights instead (as autocast
+    would). Those activation-sized casts are gone (the model's own, its norms', remain), and the
+    outputs and the adapters' gradients are as close to the float64 model's as peft's are: the
+    bfloat16 base model, not the adapter's rounding, sets the error."""
+    import copy
+
+    from peft.tuners.lora.layer import Linear
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ngrpo_lightning.backends.lora import lean_lora_layers
+    from ngrpo_lightning.backends.swap import original_class
+
+    policy = lora.apply(load_policy("tiny", dtype="bfloat16")[0], lora.LoraSettings(enabled=True, rank=16))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3, generator=torch.Generator().manual_seed(0))
+    assert {p.dtype for n, p in policy.named_parameters() if p.requires_grad} == {torch.float32}  # peft's default
+    ids = torch.randint(0, policy.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy:
+                self.sizes.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    def forward_backward(model):
+        model.zero_grad(set_to_none=True)
+        with Casts() as casts:
+            logits = model(input_ids=ids).logits
+        logits.float().log_softmax(-1).mean().backward()
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach().double(), grads, casts.sizes
+
+    truth, truth_grads, _ = forward_backward(copy.deepcopy(policy).double())
+    layers = [m for m in policy.modules() if isinstance(m, Linear)]
+    peft_out, peft_grads, peft_casts = forward_backward(policy)
+    lean_lora_layers(policy)
+    assert all(type(m) is not original_class(m) for m in layers)
+    lean, lean_grads, lean_casts = forward_backward(policy)
+    activation = ids.numel() * policy.config.hidden_size
+    wide = [sum(size >= activation for size in casts) for casts in (lean_casts, peft_casts)]
+    assert wide[1] - wide[0] >= len(layers)  # peft cast each adapted layer's input to float32 (and most sums back)
+
+    def error(value, reference):
+        return float((value - reference).norm() / reference.norm())
+
+    assert error(lean, truth) <= 1.5 * error(peft_out, truth)
+    assert lean_grads.keys() == peft_grads.keys() == truth_grads.keys()
+    lean_errors = [error(lean_grads[k], truth_grads[k]) for k in truth_grads]
+    peft_errors = [error(peft_grads[k], truth_grads[k]) for k in truth_grads]
+    assert max(lean_errors) <= 1.5 * max(peft_errors) and sum(lean_errors) <= 1.5 * sum(peft_errors)
+
+
 def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
     policy = trained_lora()
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))

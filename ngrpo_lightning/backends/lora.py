@@ -1,12 +1,19 @@
 """peft's LoRA linear layer as a backend runs it: the same values, fewer temporaries, merged decoding.
 
 :class:`LeanLoraLinear` is swapped in for peft's ``lora.Linear`` (the mixin in front of peft's
-class, :mod:`.swap`); peft still sees its own layer. Two things change, both exact:
+class, :mod:`.swap`); peft still sees its own layer. What changes:
 
 - the training forward computes peft's ``base(x) + B(A(dropout(x))) * scale`` op for op, with
   the scaling and the sum done in place on tensors nothing else holds: two full-width temporaries
   fewer per adapted layer (the update's peak drops: docs/lora.md), the
   same bits forward and backward;
+- adapters kept in float32 on a bfloat16 (or float16) model, peft's default, multiply in the
+  model's dtype with their weights cast (``r x d``, small), as autocast would, rather than casting
+  every activation to float32 and the sum back: peft's path made six full-width casts per adapted
+  layer, the update 1.8x the operations of full fine-tuning's (about as many kernels, where a GPU
+  step of a small model is launch-bound). The weights and their gradients stay float32; the
+  adapter's output is rounded to the model's dtype before the sum, a rounding of the size of
+  the sum's own (``tests/test_backends.py`` bounds it against peft's);
 - inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
   once per token by a merged copy ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), packed
   for oneDNN where its base layer packs, instead of three products (unmerged, decoding ran at
@@ -38,12 +45,19 @@ class LeanLoraLinear:
         if args or kwargs or self.disable_adapters or self.merged:
             return peft_forward(x, *args, **kwargs)
         active = [a for a in self.active_adapters if a in self.lora_A]
-        if any(a in self.lora_variant or self.lora_A[a].weight.dtype != x.dtype for a in active):
+        if any(a in self.lora_variant or not self._casts_to(self.lora_A[a].weight.dtype, x.dtype) for a in active):
             return peft_forward(x, *args, **kwargs)
         result = self.base_layer(x)
         for a in active:  # linear keeps its input, not its output: both may change in place
-            result = result.add_(self.lora_B[a](self.lora_A[a](self.lora_dropout[a](x))).mul_(self.scaling[a]))
+            down = torch.nn.functional.linear(self.lora_dropout[a](x), self.lora_A[a].weight.to(x.dtype))
+            up = torch.nn.functional.linear(down, self.lora_B[a].weight.to(x.dtype))
+            result = result.add_(up.mul_(self.scaling[a]))
         return result
+
+    @staticmethod
+    def _casts_to(weights: torch.dtype, inputs: torch.dtype) -> bool:
+        """Whether the adapter runs in the inputs' dtype: the same, or float32 weights on half inputs."""
+        return weights == inputs or (weights == torch.float32 and inputs in (torch.bfloat16, torch.float16))
 
     def merge_adapter_name(self) -> str | None:
         """The one plain active adapter that can run merged, else ``None``."""
