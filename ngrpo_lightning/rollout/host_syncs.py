@@ -46,11 +46,13 @@ class HostSyncs(TorchDispatchMode):
 
     Attributes:
         ops: the names of the operations seen, in order, one entry per call.
+        ignored_ops: the same, of the operations inside the ``ignore`` modules' forwards.
     """
 
     def __init__(self, ignore=()):
         super().__init__()
         self.ops: list[str] = []
+        self.ignored_ops: list[str] = []
         self._inside = 0
         self._hooks = []
         for module in ignore:
@@ -70,8 +72,8 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._inside and self._waits(func, args, kwargs):
-            self.ops.append(str(func.overloadpacket).replace("aten::", "aten."))
+        if self._waits(func, args, kwargs):
+            (self.ignored_ops if self._inside else self.ops).append(str(func.overloadpacket))
         return func(*args, **kwargs)
 
     @staticmethod
