@@ -1,10 +1,14 @@
 """The CUDA backend: plain products, and the host looking at ended rows every few decoding steps
 (``decode_checks_every``), not at every token.
 
-Decoding on a static KV cache with each step replayed from a CUDA graph is built and checked on
-the CPU (:mod:`ngrpo_lightning.rollout.static_cache`, :mod:`ngrpo_lightning.rollout.decode_graphs`,
-``benchmarks/decoding_modes.py``); it becomes this backend's choice (``static_decoding = True``,
-``decode_graphs = "cuda"``) once measured on a GPU (``benchmarks/gpu_checks.sh``, step 5).
+Between those looks nothing in the decoding loop waits for the host: the built-in explorers,
+the records and the answer marker stay on the device (``benchmarks/host_syncs.py``), and
+neighbor mixing fills its whole table when its index is built. Decoding on a static KV cache,
+each step replayed from a CUDA graph kept across rollouts, is built and checked on the CPU
+(:mod:`ngrpo_lightning.rollout.static_cache`, :mod:`ngrpo_lightning.rollout.decode_graphs`); it
+becomes this backend's choice (``static_decoding = True``, ``decode_graphs = "cuda"``) once
+measured on a GPU (``benchmarks/gpu_checks.sh``, step 5). The growing cache's forward waits once
+per token inside transformers (its mask), the static cache's does not.
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
 merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here,
