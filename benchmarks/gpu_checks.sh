@@ -5,6 +5,8 @@
 #   3. the Qwen2.5-1.5B shape at 256 tokens, full fine-tuning and LoRA
 #   4. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 #   5. decoding modes (growing cache, static cache, static + CUDA graphs) at both shapes, against the floor
+#   1b, 3b: steps 1 and 3 (full fine-tuning) on backend.name=cuda_graphs, the CUDA backend decoding from
+#      kept CUDA graphs (what the default CUDA backend becomes once these figures say it is faster)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -28,6 +30,11 @@ G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+
 echo "== 1. the packaged model's shape, $TOK tokens, full and LoRA ($SECONDS s)"
 timeout -s INT "$(left 150)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 --out "$OUT/small.json"
 if [ "$ACC" = gpu ]; then
+  echo "== 1b. the same, full fine-tuning, decoding from CUDA graphs ($SECONDS s)"
+  timeout -s INT "$(left 90)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
+    --extra backend.name=cuda_graphs --out "$OUT/small_graphs.json"
+fi
+if [ "$ACC" = gpu ]; then
   echo "== 2. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens ($SECONDS s)"
   timeout -s INT "$(left 240)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 3 --micro-batch 8 \
     --extra model.gradient_checkpointing=true --out "$OUT/7b.json"
@@ -35,6 +42,11 @@ fi
 echo "== 3. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA ($SECONDS s)"
 timeout -s INT "$(left 170)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
   --out "$OUT/1.5b.json"
+if [ "$ACC" = gpu ]; then
+  echo "== 3b. the same, full fine-tuning, decoding from CUDA graphs ($SECONDS s)"
+  timeout -s INT "$(left 110)" $G --shapes qwen2.5-1.5b --modes full --tokens "$LONG" --steps 3 --micro-batch 8 \
+    --extra backend.name=cuda_graphs --out "$OUT/1.5b_graphs.json"
+fi
 echo "== 4. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
 DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
 CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16

@@ -15,7 +15,16 @@ from ngrpo_lightning.backends.cpu import CPUBackend
 from ngrpo_lightning.backends.cuda import CUDABackend
 from ngrpo_lightning.backends.swap import describe
 
-__all__ = ["BACKENDS", "Backend", "CPUBackend", "CUDABackend", "backend_for", "describe", "select_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CPUBackend",
+    "CUDABackend",
+    "backend_class",
+    "backend_for",
+    "describe",
+    "select_backend",
+]
 
 
 def device_type(accelerator: str) -> str:
@@ -30,9 +39,21 @@ def device_type(accelerator: str) -> str:
 
 def select_backend(name: str = "auto", dtype: torch.dtype = torch.float32, accelerator: str = "auto", **kwargs):
     """The backend ``backend.name`` asks for (``auto``: the one for ``accelerator``'s device)."""
-    if name in (None, "auto"):
-        name = device_type(accelerator)
-    return BACKENDS.resolve(name)(dtype, **kwargs)
+    return backend_class(name, accelerator)(dtype, **kwargs)
+
+
+def backend_class(name: str = "auto", accelerator: str = "auto") -> type[Backend]:
+    """The class ``backend.name`` names (``auto``: the one for ``accelerator``'s device); one made
+    for another device than the run's is refused, naming those of the run's device."""
+    device = device_type(accelerator)
+    cls = BACKENDS.resolve(device if name in (None, "auto") else name)
+    if cls.device_type != device:
+        fitting = sorted(n for n, c in BACKENDS.items() if c.device_type == device)
+        raise ValueError(
+            f"backend.name={name!r} computes on {cls.device_type}, and this run on {device} "
+            f"(trainer.accelerator={accelerator}): allowed auto or {fitting}"
+        )
+    return cls
 
 
 def backend_for(model: torch.nn.Module) -> Backend:

@@ -25,3 +25,13 @@ class CUDABackend(Backend):
     device_type = "cuda"
     default_attention = "sdpa"
     decode_checks_every = 8  # one host look per 8 decoding steps: the launch queue keeps running between
+
+
+@BACKENDS.register("cuda_graphs")
+class CUDAGraphsBackend(CUDABackend):
+    """The CUDA backend decoding on kept static caches, each step replayed from a CUDA graph: what
+    :class:`CUDABackend` becomes once a GPU has measured it faster (``backend.name=cuda_graphs``
+    selects it for that measurement; the same rollouts, tested on the CPU up to the graphs)."""
+
+    static_decoding = True
+    decode_graphs = "cuda"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.backends import BACKENDS, Backend, attention, file_weights, select_backend
+from ngrpo_lightning.backends import Backend, attention, backend_class, file_weights, select_backend
 from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.models import lora
@@ -31,7 +31,7 @@ def check_backend_settings(cfg: DictConfig) -> None:
     try:
         name = node.get("name", "auto")
         if name != "auto":
-            BACKENDS.resolve(name)
+            backend_class(name, str((cfg.get("trainer") or {}).get("accelerator", "auto")))
         choice = node.get("attention", "auto")
         if choice != "auto":
             attention.check_attn_implementation(choice, "backend.attention")
