@@ -163,7 +163,12 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
             "",
             "Posterior Pass@k, %: posterior mean [95% credible interval]; each problem's success rate with the",
         ]
-        lines += [f"prior Beta({a:.2f}, {b:.2f}), fitted to the problems of every run here:", ""]
+        lines += [
+            f"prior Beta({a:.2f}, {b:.2f}), fitted to the problems of every run here. The interval is the",
+            "uncertainty of these runs' problems given their samples; the spread between seeds, which a",
+            "ranking must survive, is in the t intervals above:",
+            "",
+        ]
         lines += ["| arm | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
         for arm, info in tables["arms"].items():
             lines.append(f"| {arm} | " + " | ".join(_ci(info["posterior"][f"pass@{k}"]) for k in ks) + " |")
