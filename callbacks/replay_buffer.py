@@ -22,6 +22,7 @@ restored from Lightning checkpoints. Several updates per step (``train.ppo_epoch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import lightning as L
@@ -30,9 +31,11 @@ import torch
 from ngrpo_lightning.objectives import sequence_importance_weight
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.padding import pad_rows
-from ngrpo_lightning.rollout.records import RECORD_FIELDS, InputRecords
+from ngrpo_lightning.rollout.records import NO_NOISE, NOISE_GENERATOR, RECORD_FIELDS, InputRecords
 from ngrpo_lightning.training.settings import ReplayConfig
 from ngrpo_lightning.training.updates import StepHook, StepRollouts
+
+log = logging.getLogger(__name__)
 
 
 class ReplayBuffer(L.Callback, StepHook):
@@ -107,11 +110,25 @@ class ReplayBuffer(L.Callback, StepHook):
             del self.entries[next(iter(self.entries))]
 
     def state_dict(self) -> dict:
-        return {"steps_seen": self.steps_seen, "entries": [dict(e) for e in self.entries.values()]}
+        entries = [dict(e) for e in self.entries.values()]
+        return {"steps_seen": self.steps_seen, "entries": entries, "noise_generator": NOISE_GENERATOR}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.steps_seen = int(state_dict["steps_seen"])
         self.entries = {e["problem_id"]: dict(e) for e in state_dict["entries"]}
+        generator = state_dict.get("noise_generator")
+        if generator != NOISE_GENERATOR:  # noise made another way cannot be rebuilt as its rollout saw it
+            stale = [p for p, e in self.entries.items() if (e["records"]["noise_seed"] != NO_NOISE).any()]
+            for pid in stale:
+                del self.entries[pid]
+            if stale:
+                log.warning(
+                    "replay buffer: %d saved successes with noisy inputs dropped: saved with noise generator %r, "
+                    "this version's is %r",
+                    len(stale),
+                    generator,
+                    NOISE_GENERATOR,
+                )
 
     # -------------------------------------------------------------- storage
     def _store(self, step: StepRollouts) -> None:

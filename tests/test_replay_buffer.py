@@ -185,3 +185,31 @@ def test_a_step_hook_given_only_to_the_trainer_is_refused(tiny):
     trainer = tiny_trainer(max_steps=1, callbacks=[ReplayBuffer(capacity=4)])
     with pytest.raises(ValueError, match=r"ReplayBuffer takes part in training steps: give it to the module"):
         trainer.fit(module, datamodule=dm)
+
+
+def test_saved_noise_of_another_generator_is_dropped_not_rebuilt_wrong():
+    """Records whose noise an earlier version made (another generator) cannot be rebuilt as their
+    rollout saw them: a restored buffer drops those entries, rollouts in flight are refused (and
+    made again), and records without noise are kept."""
+    from ngrpo_lightning.rollout.batch import RolloutBatch
+
+    buf = ReplayBuffer(capacity=4, max_staleness=2)
+    step = fake_step(["a", "a", "b", "b"], [1, 0, 1, 0], lengths=[2, 3, 3, 1])
+    step.batch.records.noise_seed[step.batch.records.row == 2] = 7  # b's success was noisy
+    buf.on_train_batch_end(None, None, {"rollouts": step}, None, 0)
+    saved = buf.state_dict()
+    restored = ReplayBuffer(capacity=4, max_staleness=2)
+    restored.load_state_dict(saved)
+    assert list(restored.entries) == ["a", "b"]  # this version's: both kept
+    old = {k: v for k, v in saved.items() if k != "noise_generator"}  # as an earlier version saved it
+    restored.load_state_dict(old)
+    assert list(restored.entries) == ["a"]
+
+    state = step.batch.state_dict()
+    assert RolloutBatch.from_state_dict(state).records.has_noise()
+    state.pop("noise_generator")
+    with pytest.raises(ValueError, match="noise generator None"):
+        RolloutBatch.from_state_dict(state)
+    clean = step.batch.select([0, 1]).state_dict()
+    clean.pop("noise_generator")
+    assert not RolloutBatch.from_state_dict(clean).records.has_noise()  # nothing to rebuild: kept

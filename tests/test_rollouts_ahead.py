@@ -187,3 +187,32 @@ def test_worker_of_a_lora_policy_shares_its_base_and_decodes_what_it_does(tokeni
             assert not torch.equal(worker[adapter], dict(policy.named_parameters())[adapter])
     finally:
         ahead.close()
+
+
+def test_a_rollout_in_flight_saved_with_other_noise_is_made_again(tiny, caplog):
+    """A checkpoint's rollout in flight whose noise an earlier version made (another generator)
+    is dropped on restore, said in the log, and made again when its step asks for it."""
+    from conftest import chat_prompt_ids
+
+    from ngrpo_lightning.explorers import GaussianNoiseExplorer
+    from ngrpo_lightning.rollout import HFEngine
+    from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
+
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, ["What is 2 + 3?"])
+    ahead = RolloutsAhead(model, lambda m: HFEngine(m, tok, max_new_tokens=4, seed=0), threads=1)
+    try:
+        job = lambda engine: engine.generate(prompts, GaussianNoiseExplorer(), n=2)  # noqa: E731
+        ahead.submit((0, 0), job, trainable_snapshot(model), 0)
+        saved = ahead.state_dict()
+        assert saved["ready"][(0, 0)]["records"]["noise_seed"].ge(0).any()
+        ahead.load_state_dict(saved)
+        assert ahead.queued((0, 0))  # this version's: kept
+        del saved["ready"][(0, 0)]["noise_generator"]  # as an earlier version saved it
+        with caplog.at_level("WARNING", logger="ngrpo_lightning.rollout.ahead"):
+            ahead.load_state_dict(saved)
+        assert not ahead.queued((0, 0)) and "made again" in caplog.text
+        batch = ahead.rollouts_for((0, 0), [], lambda key: job, lambda: trainable_snapshot(model), 0)
+        assert batch.records.has_noise()
+    finally:
+        ahead.close()

@@ -22,6 +22,7 @@ waits for them) so that ``resume=last`` continues exactly.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,8 @@ from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.engine import RolloutEngine
 
 __all__ = ["RolloutsAhead", "trainable_snapshot"]
+
+log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (pass over the data, batch index in it)
 
@@ -140,7 +143,12 @@ class RolloutsAhead:
         return {"ready": ready, "engine": self.engine.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ready = {key: RolloutBatch.from_state_dict(batch) for key, batch in (state.get("ready") or {}).items()}
+        self.ready = {}
+        for key, batch in (state.get("ready") or {}).items():
+            try:
+                self.ready[key] = RolloutBatch.from_state_dict(batch)
+            except ValueError as err:  # made again when its step comes
+                log.warning("a rollout in flight is dropped from the checkpoint and made again: %s", err)
         if state.get("engine") is not None:
             self.engine.load_state_dict(state["engine"])
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ngrpo_lightning.rollout.padding import pad_to
-from ngrpo_lightning.rollout.records import InputRecords
+from ngrpo_lightning.rollout.records import NOISE_GENERATOR, InputRecords
 
 
 @dataclass
@@ -118,11 +118,21 @@ class RolloutBatch:
         ``torch.load(weights_only=True)`` reads it back (:meth:`from_state_dict`)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["records"] = dict(vars(self.records))
+        out["noise_generator"] = NOISE_GENERATOR
         return out
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RolloutBatch:
-        return cls(**{**state, "records": InputRecords(**state["records"])})
+        """The batch :meth:`state_dict` saved; ``ValueError`` when its noise was made by another
+        generator than this version's (its noisy inputs could not be rebuilt as they were)."""
+        state = dict(state)
+        generator = state.pop("noise_generator", None)
+        records = InputRecords(**state["records"])
+        if generator != NOISE_GENERATOR and records.has_noise():
+            raise ValueError(
+                f"rollouts saved with noise generator {generator!r}, this version's is {NOISE_GENERATOR!r}"
+            )
+        return cls(**{**state, "records": records})
 
     def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
         """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so

@@ -16,6 +16,9 @@ import torch
 from ngrpo_lightning.rollout.padding import pad_to
 
 NO_NOISE = -1  # noise_seed of records without additive noise
+# How noise is made from a seed (:func:`noise_vectors`), saved beside records in checkpoints: records
+# saved under another generator would rebuild other noise than their rollout saw.
+NOISE_GENERATOR = "hash32-box-muller"
 RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")  # a record's fields besides its row
 
 
@@ -83,6 +86,10 @@ class InputRecords:
             noise_seed=stacked("noise_seed", NO_NOISE, torch.long),
             noise_scale=stacked("noise_scale", 0.0, torch.float32),
         )
+
+    def has_noise(self) -> bool:
+        """Whether any record adds noise (rebuilt from its seed by :func:`noise_vectors`)."""
+        return bool((self.noise_seed != NO_NOISE).any())
 
     def select_rows(self, rows: torch.Tensor) -> InputRecords:
         """Records of a subset of batch rows, renumbered to the subset's order."""
