@@ -36,7 +36,11 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
     prior = fit_beta_prior([c for r in runs if r.pass_at_k for c in per_problem_counts(r.pass_at_k)])
     out["prior"] = prior
     for arm, members in by_arm.items():
-        info = {"runs": [r.run_id for r in members], "seeds": sorted(r.seed for r in members), "final": {}}
+        info = {
+            "runs": [r.run_id for r in members],
+            "seeds": sorted((r.seed for r in members), key=_seed_order),
+            "final": {},
+        }
         per_seed = {r.seed: _all_scores(r, ks) for r in members if r.pass_at_k}
         scores[arm] = per_seed
         metrics = [f"pass@{k}" for k in ks] + ([f"mean@{n}", f"maj@{n}"] if n else [])
