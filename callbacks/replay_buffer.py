@@ -31,7 +31,7 @@ import torch
 from ngrpo_lightning.objectives import sequence_importance_weight
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.padding import pad_rows
-from ngrpo_lightning.rollout.records import NO_NOISE, NOISE_GENERATOR, RECORD_FIELDS, InputRecords
+from ngrpo_lightning.rollout.records import NOISE_GENERATOR, RECORD_FIELDS, InputRecords, rebuilds_as_saved
 from ngrpo_lightning.training.settings import ReplayConfig
 from ngrpo_lightning.training.updates import StepHook, StepRollouts
 
@@ -117,18 +117,17 @@ class ReplayBuffer(L.Callback, StepHook):
         self.steps_seen = int(state_dict["steps_seen"])
         self.entries = {e["problem_id"]: dict(e) for e in state_dict["entries"]}
         generator = state_dict.get("noise_generator")
-        if generator != NOISE_GENERATOR:  # noise made another way cannot be rebuilt as its rollout saw it
-            stale = [p for p, e in self.entries.items() if (e["records"]["noise_seed"] != NO_NOISE).any()]
-            for pid in stale:
-                del self.entries[pid]
-            if stale:
-                log.warning(
-                    "replay buffer: %d saved successes with noisy inputs dropped: saved with noise generator %r, "
-                    "this version's is %r",
-                    len(stale),
-                    generator,
-                    NOISE_GENERATOR,
-                )
+        stale = [p for p, e in self.entries.items() if not rebuilds_as_saved(e["records"]["noise_seed"], generator)]
+        for pid in stale:  # noise made another way cannot be rebuilt as its rollout saw it
+            del self.entries[pid]
+        if stale:
+            log.warning(
+                "replay buffer: %d saved successes with noisy inputs dropped: saved with noise generator %r, "
+                "this version's is %r",
+                len(stale),
+                generator,
+                NOISE_GENERATOR,
+            )
 
     # -------------------------------------------------------------- storage
     def _store(self, step: StepRollouts) -> None:

@@ -193,7 +193,7 @@ class MathReward:
 
 # Above this share of the answers failing inside the verifier (status "error": not wrong answers,
 # a check that raised or a worker that died) the rewards say nothing about the policy.
-BROKEN_VERIFIER_FRAC = 0.5
+STOP_ERROR_FRAC = 0.5
 
 
 def score_responses(reward, completions: list[str], golds: list[str], verifiers=None) -> RewardResult:
@@ -211,11 +211,11 @@ def score_responses(reward, completions: list[str], golds: list[str], verifiers=
 
 
 def check_verifier(result: RewardResult) -> None:
-    """``RuntimeError`` when more than :data:`BROKEN_VERIFIER_FRAC` of at least 4 answers got the
+    """``RuntimeError`` when more than :data:`STOP_ERROR_FRAC` of at least 4 answers got the
     status ``error``."""
     errors = sum(s == "error" for s in result.status)
     answered = sum(s != "no_answer" for s in result.status)
-    if answered >= 4 and errors > BROKEN_VERIFIER_FRAC * answered:
+    if answered >= 4 and errors > STOP_ERROR_FRAC * answered:
         raise RuntimeError(
             f"the verifier failed on {errors} of {answered} answers (status 'error': the check itself raised or its "
             "worker process died, these are not wrong answers); the rewards would be zeros of a broken check. Fix the "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ngrpo_lightning.rollout.padding import pad_to
-from ngrpo_lightning.rollout.records import NOISE_GENERATOR, InputRecords
+from ngrpo_lightning.rollout.records import NOISE_GENERATOR, InputRecords, rebuilds_as_saved
 
 
 @dataclass
@@ -128,7 +128,7 @@ class RolloutBatch:
         state = dict(state)
         generator = state.pop("noise_generator", None)
         records = InputRecords(**state["records"])
-        if generator != NOISE_GENERATOR and records.has_noise():
+        if not rebuilds_as_saved(records.noise_seed, generator):
             raise ValueError(
                 f"rollouts saved with noise generator {generator!r}, this version's is {NOISE_GENERATOR!r}"
             )

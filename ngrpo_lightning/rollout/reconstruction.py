@@ -37,8 +37,7 @@ def mixture_vectors(
 
 def mixture_embeddings(embedding: torch.Tensor, records: InputRecords) -> torch.Tensor:
     """The M mixed input vectors of ``records`` ([M, d]): :func:`mixture_vectors` of its fields."""
-    noisy = bool((records.noise_seed != NO_NOISE).any())
-    seed, scale = (records.noise_seed, records.noise_scale) if noisy else (None, None)
+    seed, scale = (records.noise_seed, records.noise_scale) if records.has_noise() else (None, None)
     return mixture_vectors(embedding, records.ids, records.weights, seed, scale)
 
 

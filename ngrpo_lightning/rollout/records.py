@@ -108,6 +108,12 @@ class InputRecords:
         return InputRecords(**{k: v.to(device) for k, v in vars(self).items()})
 
 
+def rebuilds_as_saved(noise_seed: torch.Tensor, generator: str | None) -> bool:
+    """Whether records saved under noise ``generator`` (None: before checkpoints named it) rebuild
+    the noise their rollout saw: the same generator, or no noise to rebuild."""
+    return generator == NOISE_GENERATOR or not bool((noise_seed != NO_NOISE).any())
+
+
 MASK32 = 0xFFFFFFFF
 
 

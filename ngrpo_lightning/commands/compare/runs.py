@@ -108,17 +108,17 @@ def load_run(client, run) -> RunData:
     return data
 
 
-BROKEN_VERIFIER_FRAC = 0.2  # a run whose answers failed in the verifier this often measured its verifier
+LEFT_OUT_ERROR_FRAC = 0.2  # a run whose answers failed in the verifier this often measured its verifier
 
 
 def broken_verifier_runs(runs: list[RunData]) -> list[tuple[RunData, float]]:
     """Runs whose answers got the status ``error`` (the check itself failed, not a wrong answer)
-    in more than :data:`BROKEN_VERIFIER_FRAC` of them on average, with that share: their zeros
+    in more than :data:`LEFT_OUT_ERROR_FRAC` of them on average, with that share: their zeros
     say nothing of the arm."""
     out = []
     for run in runs:
         points = [v for _, _, v in run.curves.get("reward/error_frac") or []]
-        if points and sum(points) / len(points) > BROKEN_VERIFIER_FRAC:
+        if points and sum(points) / len(points) > LEFT_OUT_ERROR_FRAC:
             out.append((run, sum(points) / len(points)))
     return out
 
