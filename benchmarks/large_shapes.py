@@ -11,7 +11,10 @@ is). Responses have a fixed length (EOS ignored), so every run does the same wor
 Each configuration is one ``ngrpo train`` (``trainer=gpu`` or ``trainer=cpu``) in its own process
 (``vs_trl_workload.run_side``, the side-by-side benchmark's workload with our side only: 4 prompts
 x 8 completions, GRPO with a k3 KL term, one AdamW step per rollout batch, the HF engine), so each peak is its own. The
-first step of every run is dropped. ``cuda_gib`` is the run's peak of allocated GPU memory
+first step of every run is dropped from the medians and reported as the run's warm-up:
+``warmup_s`` is how much longer it took than the median step (first calls, kernel selection,
+CUDA graphs recorded: ``graph_record_s`` of it), and ``warmup_pct_50`` its share of a 50-step
+run's wall time. ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
 at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). A run that fails (out
 of memory, say) is reported with its reason; the others go on.
@@ -145,6 +148,9 @@ def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
         rss_gib=result["peak_rss_bytes"] / GIB,
         wall_s=result["wall_s"],
     )
+    row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
+    row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
+    row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
     return row
 
 
@@ -204,7 +210,7 @@ def main(argv=None) -> None:
                 print({k: v for k, v in shown.items() if k != "log_tail"}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
-    print_table(rows, [*columns, "cuda_gib", "reserved_gib", "rss_gib", "error"])
+    print_table(rows, [*columns, "warmup_s", "warmup_pct_50", "cuda_gib", "reserved_gib", "rss_gib", "error"])
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ class StepRecorder(L.Callback):
         metrics = trainer.callback_metrics
         step = {key: float(metrics[name]) for key, name in METRICS.items()}
         step["tokens"] = round(step["tokens"])
+        # seconds this step's rollout spent recording CUDA graphs (logged only where it decodes from them)
+        step["graph_record_s"] = float(metrics.get("rollout/graph_warmup_s", 0.0))
         step.update(
             prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size, batch.response_mask.sum(1).tolist())
         )
