@@ -7,8 +7,9 @@ neighbor mixing fills its whole table when its index is built. Decoding on a sta
 each step replayed from a CUDA graph kept across rollouts, is built and checked on the CPU
 (:mod:`ngrpo_lightning.rollout.static_cache`, :mod:`ngrpo_lightning.rollout.decode_graphs`); it
 becomes this backend's choice (``static_decoding = True``, ``decode_graphs = "cuda"``) once
-measured on a GPU (``benchmarks/gpu_checks.sh``, step 5). The growing cache's forward waits once
-per token inside transformers (its mask), the static cache's does not.
+measured on a GPU (``benchmarks/gpu_checks.sh``, step 5). Neither cache's forward waits per
+token inside transformers: the engine hands the growing cache's decoding steps their mask
+ready-made, and the static cache's mask has a fixed width.
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
 merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here,

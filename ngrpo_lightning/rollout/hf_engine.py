@@ -264,8 +264,10 @@ class HFEngine(RolloutEngine):
                 if static:  # the mask's full width, and where this step writes
                     fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
                     step_mask = mask[first]
-                else:
+                else:  # a decoding step's 4D mask, built here: transformers' own would wait for the device
                     fixed, step_mask = {}, mask[first, : width + t]
+                    if t > 0:
+                        step_mask = step_mask.bool()[:, None, None, :]
                 out = model(
                     inputs_embeds=inputs[first],
                     attention_mask=step_mask,
