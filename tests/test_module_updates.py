@@ -267,3 +267,29 @@ def test_a_file_backed_reference_frees_each_weight_it_packs(tiny, tmp_path, tied
         m.weight.numel() for name, m in policy.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in name
     )
     assert live[0] - live[1] == linears  # every decoder linear's plain weight freed; embeddings and head kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_clipping_scales_every_gradient_with_one_read_of_the_norm(dtype):
+    """The clipped gradients are each gradient times the clipping coefficient in float32 (as a
+    Python number scales them), and the host reads the device once per step, not per parameter."""
+    from ngrpo_lightning.rollout.host_syncs import HostSyncs
+    from ngrpo_lightning.training.parallel import clip_grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in [(5, 3), (7,), (2, 2, 2)]]
+    for p in params:
+        p.grad = torch.randn(p.shape).to(dtype)
+    before = [p.grad.clone() for p in params]
+    with HostSyncs() as syncs:
+        total = clip_grad_norm(params, max_norm=0.5)
+    assert syncs.ops == ["aten._local_scalar_dense"]
+    expected_total = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in before]))
+    assert torch.allclose(total.float(), expected_total, rtol=1e-2)
+    coef = min(1.0, float(0.5 / (total + 1e-6)))
+    assert coef < 1.0  # the case that clips
+    for p, g in zip(params, before):
+        assert torch.equal(p.grad, g.mul(coef))  # the per-parameter scaling of before, bit for bit
+    kept = [p.grad.clone() for p in params]
+    clip_grad_norm(params, max_norm=math.inf)  # no clipping: the norm only
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, kept))

@@ -114,9 +114,10 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     if math.isfinite(max_norm):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef.item())
+        # read once: the host waits for the device once per step, not once per parameter; a Python
+        # number scales every dtype's gradients in float32 at least (a tensor would be cast to bfloat16's)
+        coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+        torch._foreach_mul_([p.grad for p in params], coef)
     return total.detach()
 
 
