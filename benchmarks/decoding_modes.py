@@ -1,5 +1,7 @@
 """Decoding modes of HFEngine side by side: the growing KV cache, the static cache, and the static
-cache with each step replayed from a CUDA graph (on a GPU), against the bandwidth floor.
+cache with each step replayed from a CUDA graph recorded as it runs (``graphs``, a GPU only) or
+compiled by ``torch.compile`` (``compile``: CUDA graphs of Inductor's kernels on a GPU; on a CPU
+compiled code only), against the bandwidth floor.
 
 Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
 suppressed), fastest of ``--repeats`` runs, interleaved, each mode on one engine all along (it
@@ -14,6 +16,9 @@ log-probs agree up to float rounding. The floor of a decoding step is the bytes 
     python benchmarks/decoding_modes.py --model /tmp/large-shapes/qwen2.5-1.5b-bfloat16 --device cuda \\
         --dtype bfloat16 --new-tokens 256 --bandwidth-gbs 3350
     python benchmarks/decoding_modes.py            # CPU: growing against static (no graphs)
+    python benchmarks/decoding_modes.py --device cuda --dtype bfloat16 --modes static graphs compile
+
+The tokens are compared with the first mode's (growing, unless ``--modes`` leaves it out).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ from ngrpo_lightning.backends import backend_for  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
+
+# --modes name -> (the table's name, HFEngine's settings)
+MODES = {
+    "growing": ("growing", {"static_cache": False}),
+    "static": ("static", {"static_cache": True}),
+    "graphs": ("static + graphs", {"static_cache": True, "graphs": "cuda"}),
+    "compile": ("static + compile", {"static_cache": True, "graphs": "compile"}),
+}
 
 
 def floor_ms(model, rows: int, prompt: int, new: int, bandwidth_gbs: float) -> float:
@@ -54,16 +67,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bandwidth-gbs", type=float, default=None)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="default: all but compile")
     ap.add_argument("--out", default=str(RESULTS / "decoding_modes.json"))
     args = ap.parse_args()
     model, tok = load_policy(args.model, dtype=args.dtype)
     model = model.to(args.device)
+    # torch.compile cannot trace the CPU backend's packed products: compared on plain ones there
     backend = backend_for(model)
+    if "compile" in (args.modes or []) and not args.device.startswith("cuda"):
+        backend = type(backend)(backend.dtype, packing="off")
     backend.prepare(model)
     prompts = arithmetic_prompt_ids(tok, args.batch_size)
-    modes = {"growing": {"static_cache": False}, "static": {"static_cache": True}}
-    if args.device.startswith("cuda"):
-        modes["static + graphs"] = {"static_cache": True, "graphs": "cuda"}
+    cuda = args.device.startswith("cuda")
+    chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]
+    if "graphs" in chosen and not cuda:
+        ap.error("--modes graphs needs --device cuda (CUDA graphs)")
+    modes = {MODES[name][0]: MODES[name][1] for name in chosen}
     greedy = TemperatureExplorer(temperature=0.0)
 
     engines = {
@@ -87,7 +106,7 @@ def main() -> None:
             seconds, batch = run(engine)
             if seconds < best[name][0]:
                 best[name] = (seconds, batch)
-    reference = best["growing"][1]
+    reference = best[next(iter(modes))][1]
     width = max(len(p) for p in prompts)
     floor = floor_ms(model, args.batch_size, width, args.new_tokens, args.bandwidth_gbs) if args.bandwidth_gbs else None
     rows = []

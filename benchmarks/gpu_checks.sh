@@ -7,6 +7,8 @@
 #   5. decoding modes (growing cache, static cache, static + CUDA graphs) at both shapes, against the floor
 #   1b, 3b: steps 1 and 3 (full fine-tuning) on backend.name=cuda_graphs, the CUDA backend decoding from
 #      kept CUDA graphs (what the default CUDA backend becomes once these figures say it is faster)
+#   5c: the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs,
+#      last, with whatever time is left (compilation is the slow part: its time is in first_run_s)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -61,4 +63,13 @@ timeout -s INT "$(left 60)" $PY benchmarks/decoding_modes.py --model $MODELS/smo
 timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device $DEV \
   --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --out "$OUT/decoding_1.5b.json"
 [ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $PY -m pytest -q tests/test_static_decoding.py tests/test_host_syncs.py -k cuda_graph
+if [ "$ACC" = gpu ]; then
+  echo "== 5c. decoding: recorded graphs against torch.compile's ($SECONDS s)"
+  timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/smollm2-135m-bfloat16 --device cuda \
+    --dtype bfloat16 --new-tokens "$TOK" --repeats 2 --bandwidth-gbs $BW --modes static graphs compile \
+    --out "$OUT/decoding_compile_small.json"
+  timeout -s INT "$(left 120)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device cuda \
+    --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --modes static graphs compile \
+    --out "$OUT/decoding_compile_1.5b.json"
+fi
 echo "== done ($SECONDS s)"

@@ -185,10 +185,12 @@ def test_half_precision_on_a_cpu_without_fast_half_products_is_warned_with_the_m
 
 def test_the_graph_decoding_backend_is_selected_by_name_for_a_gpu_run_only():
     from ngrpo_lightning.backends import select_backend
-    from ngrpo_lightning.backends.cuda import CUDABackend, CUDAGraphsBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend, CUDACompileBackend, CUDAGraphsBackend
 
     backend = select_backend("cuda_graphs", torch.bfloat16, "gpu")  # chosen, not run: no GPU needed
     assert isinstance(backend, CUDAGraphsBackend) and backend.static_decoding and backend.decode_graphs == "cuda"
+    compiled = select_backend("cuda_compile", torch.bfloat16, "gpu")
+    assert isinstance(compiled, CUDACompileBackend) and compiled.static_decoding and compiled.decode_graphs == "compile"
     assert type(select_backend("auto", torch.bfloat16, "gpu")) is CUDABackend  # off by default until measured
     assert not CUDABackend.static_decoding and CUDABackend.decode_graphs is None
     with pytest.raises(ValueError, match=r"computes on cuda, and this run on cpu .*allowed auto or \['cpu'\]"):

@@ -77,14 +77,16 @@ def rollout(model, tok, explorer_factory, ends, drop, seed=0, n=2, max_new_token
     return batch, explorer.widths, sizes
 
 
-def assert_same_rollouts(a, b):
+def assert_same_rollouts(a, b, logprob_tolerance: float = 1e-5):
+    """The same tokens and records; log-probs (and mixture weights) up to float rounding, by
+    default that of another batch composition."""
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.response_mask, b.response_mask)
     assert torch.equal(a.truncated, b.truncated)
-    assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() <= 1e-5  # batch composition: float rounding only
+    assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() <= logprob_tolerance
     for field in ("row", "pos", "ids", "noise_seed"):
         assert torch.equal(getattr(a.records, field), getattr(b.records, field)), field
-    assert torch.allclose(a.records.weights, b.records.weights, atol=1e-5)
+    assert torch.allclose(a.records.weights, b.records.weights, atol=logprob_tolerance)
 
 
 ENDS = [0, 5, 2, 20, 8, 3]  # row r ends at step ENDS[r]; row 3 runs to the limit

@@ -2,6 +2,8 @@
 against the growing cache: the same tokens, log-probs and records, and rows that end leave the
 batch in buckets, for every built-in explorer."""
 
+import shutil
+
 import pytest
 import torch
 from conftest import chat_prompt_ids
@@ -74,10 +76,44 @@ def test_the_graphs_buffers_carry_every_input_of_the_step(tiny, name):
     assert_same_rollouts(replayed, plain)
     assert torch.equal(replayed.rollout_logprobs, plain.rollout_logprobs)  # the same kernels on the same values
     assert set(sizes[1:]) <= {6, 4, 2, 1} and "rollout/graph_warmup_s" in replayed.stats
-    with pytest.raises(ValueError, match="replay='cpu': allowed 'cuda' or 'rerun'"):
+    with pytest.raises(ValueError, match="replay='cpu': allowed 'cuda', 'compile', 'rerun'"):
         from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
 
         DecodeGraphs(model, None, "cpu")
+
+
+@pytest.mark.skipif(
+    not shutil.which("g++") and not shutil.which("c++"), reason="torch.compile's CPU code needs a C++ compiler"
+)
+def test_the_compiled_step_gives_the_rollouts_of_the_plain_static_step(tiny):
+    """``graphs="compile"``: the decoding step compiled by torch.compile (on a CPU, no CUDA graphs):
+    the rollout of the plain static path, buckets included, one compiled step for every bucket,
+    and no compilation again on a second rollout."""
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    rollouts = {}
+    for graphs in (None, "compile"):  # two rollouts from each engine
+        engine = HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs)
+        rollouts[graphs] = [
+            engine.generate(prompts, EndAtStep(EXPLORERS["gaussian"](), ENDS, engine.eos_ids[0]), n=2) for _ in range(2)
+        ]
+    for compiled, plain in zip(rollouts["compile"], rollouts[None]):
+        assert_same_rollouts(compiled, plain, logprob_tolerance=1e-4)
+    first, second = rollouts["compile"]
+    assert first.stats["rollout/graph_warmup_s"] > 0
+    assert second.stats["rollout/graph_warmup_s"] == 0  # kept: the buckets' steps are compiled already
+
+
+def test_compiling_through_the_cpu_backends_packed_products_is_refused_with_the_way_out():
+    from ngrpo_lightning.backends.cpu import CPUBackend
+    from ngrpo_lightning.models.loading import load_policy
+
+    model, tok = load_policy("tiny")  # a copy of its own: the backend swaps its layers
+    backend = CPUBackend(torch.float32, packing="on")
+    backend.prepare(model)
+    engine = HFEngine(model, tok, max_new_tokens=4, seed=0, backend=backend, static_cache=True, graphs="compile")
+    with pytest.raises(ValueError, match="packed .* products: decode with backend.packing=off"):
+        engine.generate(chat_prompt_ids(tok, QUESTIONS), EXPLORERS["greedy"](), n=1)
 
 
 @pytest.mark.skipif(
@@ -93,9 +129,10 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no
                 HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs).generate(
                     prompts, EXPLORERS[name](), n=2
                 )
-                for graphs in (None, "cuda")
+                for graphs in (None, "cuda", "compile")
             ]
             assert_same_rollouts(runs[1], runs[0])
+            assert_same_rollouts(runs[2], runs[0], logprob_tolerance=1e-3)  # fused kernels: other roundings
     finally:
         model.cpu()
 

@@ -36,3 +36,13 @@ class CUDAGraphsBackend(CUDABackend):
 
     static_decoding = True
     decode_graphs = "cuda"
+
+
+@BACKENDS.register("cuda_compile")
+class CUDACompileBackend(CUDABackend):
+    """:class:`CUDAGraphsBackend` with the decoding step compiled by ``torch.compile`` (fused
+    kernels, CUDA graphs recorded by torch) instead of recorded as it runs eagerly: the other
+    way the issue of graph decoding left to measurement (``backend.name=cuda_compile``)."""
+
+    static_decoding = True
+    decode_graphs = "compile"

@@ -19,6 +19,12 @@ parameters and buffers, and copies a backend makes for decoding such as LoRA's m
 still has the address it had. Training updates weights in place, so they keep it; a copy made
 anew may not, and then the graphs are recorded again.
 
+``replay="compile"`` hands the same step to ``torch.compile`` instead (``mode="reduce-overhead"``
+on a GPU: Inductor's fused kernels, replayed from CUDA graphs that torch records per shape), so
+that a GPU can measure the two ways against each other (``benchmarks/decoding_modes.py``); one
+compiled step serves every engine and bucket (a new batch size compiles a step of dynamic
+batch once). On a CPU it compiles without graphs: the check of the path (the same rollouts).
+
 ``replay="rerun"`` runs the step on the same buffers instead of a graph: the CPU's check that
 every input goes through them (``tests/test_static_decoding.py``).
 """
@@ -30,7 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["REPLAYS", "DecodeGraphs"]
+
+REPLAYS = ("cuda", "compile", "rerun")
 
 
 @dataclass
@@ -44,8 +52,13 @@ class DecodeGraphs:
     """Replays ``model``'s decoding step on ``cache`` (a :func:`~.static_cache.rows_static_cache`)."""
 
     def __init__(self, model: torch.nn.Module, cache, replay: str = "cuda"):
-        if replay not in ("cuda", "rerun"):
-            raise ValueError(f"replay={replay!r}: allowed 'cuda' or 'rerun'")
+        if replay not in REPLAYS:
+            raise ValueError(f"replay={replay!r}: allowed {', '.join(map(repr, REPLAYS))}")
+        if replay == "compile" and any(getattr(m, "pack_once", False) for m in model.modules()):
+            raise ValueError(
+                "graphs='compile' cannot compile the CPU backend's packed (oneDNN) products: "
+                "decode with backend.packing=off, or without compilation"
+            )
         self.model, self.cache, self.replay = model, cache, replay
         self.addresses = tensor_addresses(model)
         self.recorded: dict[int, _Recorded] = {}
@@ -71,28 +84,29 @@ class DecodeGraphs:
             entry = self.recorded[rows] = self._record(given)
         for name, value in given.items():
             entry.inputs[name].copy_(value)
+        if self.replay == "compile":
+            return compiled_call(self.model, self.cache, entry.inputs)
         if entry.graph is None:
             return self._forward(entry.inputs)
         entry.graph.replay()
         return entry.logits
 
     def _forward(self, inputs: dict) -> torch.Tensor:
-        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        return decode_step(self.model, self.cache, inputs)
 
     def _record(self, given: dict) -> _Recorded:
         inputs = {name: value.clone() for name, value in given.items()}
         if self.replay == "rerun":
             return _Recorded(inputs, torch.empty(0), None)
         t0 = time.perf_counter()
-        positions = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        if self.replay == "compile":  # compiled (and, on a GPU, recorded) by its first calls
+            self._warm_up(lambda: compiled_call(self.model, self.cache, inputs), inputs)
+            self.warmup_s += time.perf_counter() - t0
+            return _Recorded(inputs, torch.empty(0), None)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # kernels pick their algorithms, allocations settle
-                self._forward(inputs)
-                for layer, position in zip(self.cache.layers, positions):
-                    layer.cumulative_length.copy_(position)
+        with torch.cuda.stream(side):  # kernels pick their algorithms, allocations settle
+            self._warm_up(lambda: self._forward(inputs), inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -100,6 +114,43 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
         return _Recorded(inputs, logits, graph)
+
+    def _warm_up(self, step, inputs: dict) -> None:
+        """Run ``step`` twice, the cache's positions put back after each: the keys and values it
+        writes are written again, the same, by the step that follows."""
+        positions = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        for _ in range(2):
+            step()
+            for layer, position in zip(self.cache.layers, positions):
+                layer.cumulative_length.copy_(position)
+        if inputs["inputs_embeds"].is_cuda:
+            torch.cuda.synchronize()
+
+
+def decode_step(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
+    """One decoding step on a static cache: the last position's logits [b, V]."""
+    out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_step(device_type: str):
+    """:func:`decode_step` compiled once per process and device type (Dynamo keeps an entry per
+    model and shape kind), replayed from CUDA graphs on a GPU."""
+    if device_type not in _COMPILED:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED[device_type] = torch.compile(decode_step, mode=mode)
+    return _COMPILED[device_type]
+
+
+def compiled_call(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
+    """The compiled step on ``inputs`` (its output, on a GPU, is overwritten by the next call)."""
+    device_type = inputs["inputs_embeds"].device.type
+    if device_type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()  # each call a new step: the last one's outputs are read
+    return compiled_step(device_type)(model, cache, inputs)
 
 
 def tensor_addresses(model: torch.nn.Module) -> tuple:
@@ -118,4 +169,5 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
         for name, value in vars(module).items():
             if not name.startswith("_parameters") and not name.startswith("_buffers"):
                 tensors.extend(held(value))
-    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+    # oneDNN's packed weights (a CPU backend's) have no storage to point at: the object stands for it
+    return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)

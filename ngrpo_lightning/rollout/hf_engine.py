@@ -80,7 +80,8 @@ class HFEngine(RolloutEngine):
             fixed shapes, the batch in :func:`~.static_cache.batch_buckets`), the decoding step a
             CUDA graph can replay (default: the backend's ``static_decoding``; off without one).
         graphs: with the static cache, replay each decoding step from a CUDA graph per batch
-            bucket (``"cuda"``, :mod:`.decode_graphs`; ``"rerun"`` runs the step on the graphs'
+            bucket (``"cuda"``, :mod:`.decode_graphs`; ``"compile"``: the step compiled by
+            ``torch.compile``, with CUDA graphs on a GPU; ``"rerun"`` runs the step on the graphs'
             buffers, the CPU's check); default: the backend's ``decode_graphs``.
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.

@@ -62,7 +62,7 @@ class RowsStaticLayer(StaticLayer):
         else:
             self.key_buffer = key_states.new_zeros(k_shape)
             self.value_buffer = value_states.new_zeros(v_shape)
-        self.keys, self.values = self.key_buffer[: self.batch_size], self.value_buffer[: self.batch_size]
+        self._views(self.batch_size)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
 
@@ -75,8 +75,16 @@ class RowsStaticLayer(StaticLayer):
         count = len(rows)
         self.key_buffer[:count] = self.keys[rows]
         self.value_buffer[:count] = self.values[rows]
-        self.keys, self.values = self.key_buffer[:count], self.value_buffer[:count]
+        self._views(count)
         self.batch_size = count
+
+    def _views(self, count: int) -> None:
+        """``keys`` and ``values``: the first ``count`` rows of the buffers, marked as tensors that
+        keep their address (a compiled step replayed from CUDA graphs reads them in place)."""
+        self.keys, self.values = self.key_buffer[:count], self.value_buffer[:count]
+        if not torch.compiler.is_compiling():
+            for t in (self.keys, self.values):
+                torch._dynamo.mark_static_address(t)
 
     def restart(self) -> None:
         """Empty for the next rollout, keeping the buffers (and their addresses): the next prefill
