@@ -35,8 +35,9 @@ LORA_JOB = [
         (["model.lora.target_modules=[q_proj,qkv]"], "['qkv'] are not linear layers of LlamaForCausalLM"),
     ],
 )
-def test_bad_settings_are_refused_naming_the_key(overrides, message, capsys):
-    assert main(["train", "model=tiny", "logger=none", "model.lora.enabled=true", *overrides]) == 2
+def test_bad_settings_are_refused_naming_the_key(overrides, message, capsys, tmp_path):
+    job = ["model=tiny", "logger=none", f"output_dir={tmp_path}", "model.lora.enabled=true"]
+    assert main(["train", *job, *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err
     if "target_modules" in overrides[0]:  # the model's own linear layers are listed

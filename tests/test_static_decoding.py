@@ -171,3 +171,32 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         assert kept._graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
     finally:
         head.weight = original
+
+
+def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_read_them(tiny):
+    """A LoRA policy decodes on merged copies W + scale B A. Replayed from graphs, those keep their
+    storage across rollouts (rewritten in place after an update), so the graphs recorded in the
+    first rollout serve the next ones; the rollouts are those of merging anew each time."""
+    from conftest import trained_lora
+
+    from ngrpo_lightning.backends.cuda import CUDABackend
+
+    _, tok = tiny
+    policy = trained_lora()
+    CUDABackend(torch.float32).prepare(policy)  # the lean LoRA layers, plain products (as on a GPU)
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    replayed = HFEngine(policy, tok, max_new_tokens=12, seed=0, static_cache=True, graphs="rerun")
+    anew = HFEngine(policy, tok, max_new_tokens=12, seed=0, static_cache=True)
+    graphs = []
+    for update in range(3):
+        if update == 2:  # a training step changes the adapters in place
+            with torch.no_grad():
+                for name, param in policy.named_parameters():
+                    if "lora_B" in name:
+                        param.mul_(-1.5)
+        a = replayed.generate(prompts, EXPLORERS["gaussian"](), n=2)
+        b = anew.generate(prompts, EXPLORERS["gaussian"](), n=2)
+        assert_same_rollouts(a, b)
+        graphs.append(replayed._graphs[6])
+    assert graphs[0] is graphs[1] is graphs[2]  # never recorded again
+    assert sum(getattr(m, "_kept", None) is not None for m in policy.modules()) == 7 * policy.config.num_hidden_layers

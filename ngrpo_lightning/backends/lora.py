@@ -18,8 +18,11 @@ class, :mod:`.swap`); peft still sees its own layer. What changes:
   once per token by a merged copy ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), packed
   for oneDNN where its base layer packs, instead of three products (unmerged, decoding ran at
   well under full fine-tuning's speed: docs/lora.md). The model is not merged; the copy is
-  dropped when the rollout ends. Layers whose adapters are off, already merged, or a variant
-  (DoRA, adapter biases, several active adapters) keep peft's forward.
+  dropped when the rollout ends, unless the rollout replays its decoding step from graphs
+  (``keep``): then the copy keeps its storage from one rollout to the next, rewritten in place
+  with the same values, so that graphs recorded on it stay valid (a copy made anew would move and
+  have them recorded again every rollout). Layers whose adapters are off, already merged, or a
+  variant (DoRA, adapter biases, several active adapters) keep peft's forward.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class LeanLoraLinear:
     prefix = "Lean"
     why = "peft LoRA layer, its sum and scaling in place; a merged copy W + scale B A while decoding"
     _merged: tuple | None = None  # (weight or packed copy, bias, packed?) inside a rollout
+    _kept: torch.Tensor | None = None  # the merged copy's storage, kept across rollouts (``keep``)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self._merged is not None and not args and not kwargs:
@@ -74,14 +78,24 @@ class LeanLoraLinear:
     def can_merge(self) -> bool:
         return self.merge_adapter_name() is not None
 
-    def start_merged_pass(self, rows: int) -> bool:
-        """Decode on a merged copy until :meth:`end_pass`; ``True`` if it does."""
+    def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
+        """Decode on a merged copy until :meth:`end_pass`; ``True`` if it does. ``keep``: the copy
+        keeps its storage across passes (written in place; not packed)."""
         adapter = self.merge_adapter_name()
         if adapter is None:
             return False
-        w = self.base_layer.weight
-        weight = w.detach() + self.get_delta_weight(adapter).detach().to(w.dtype)
+        w = self.base_layer.weight.detach()
+        delta = self.get_delta_weight(adapter).detach().to(w.dtype)
         bias = None if self.base_layer.bias is None else self.base_layer.bias.detach()
+        if keep:
+            kept = self._kept
+            if kept is None or kept.shape != w.shape or kept.dtype != w.dtype or kept.device != w.device:
+                kept = self._kept = torch.empty_like(w)
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
+            self._merged = (torch.add(w, delta, out=kept), bias, False)
+            return True
+        weight = w + delta
         packs = isinstance(self.base_layer, BackendLinear) and self.base_layer.pack_once
         self._merged = (pack(weight, rows), bias, True) if packs else (weight, bias, False)
         return True

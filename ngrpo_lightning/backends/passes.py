@@ -17,7 +17,7 @@ from ngrpo_lightning.backends.lora import LeanLoraLinear
 
 
 @contextlib.contextmanager
-def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: bool = False):
+def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: bool = False, keep: bool = False):
     """Within the block, ``model``'s :class:`BackendLinear` layers chosen to pack for this kind of pass
     (``pack_once`` decoding, ``pack_frozen`` otherwise) multiply by a copy of their weights packed
     now, the others by their plain weights.
@@ -30,13 +30,15 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
     ``release(layer)``, if given, is
     called once a layer's weight is packed: a frozen model whose weights are read back from a
     file for each pass frees the plain copy there, so the pass holds one copy of each weight,
-    not two. Yields the number of layers that multiply by a copy."""
+    not two. ``keep`` (a rollout whose step replays from graphs): LoRA's merged copies keep
+    their storage for the next pass, rewritten in place, so the graphs' addresses hold. Yields the
+    number of layers that multiply by a copy."""
     layers = []
     try:
         merged_inside = set()
         for m in model.modules():
             if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
-                if m.start_merged_pass(rows):
+                if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
                     merged_inside.update(id(sub) for sub in m.modules() if sub is not m)
             elif isinstance(m, BackendLinear) and id(m) not in merged_inside:

@@ -188,14 +188,27 @@ class HFEngine(RolloutEngine):
 
     def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None):
         t0 = time.perf_counter()  # the packing counts in the rollout's time
-        with packed_for_pass(self.model, rows=len(prompts) * n, decoding=True):
+        # graphs read LoRA's merged copies where they were recorded: those keep their storage
+        with packed_for_pass(self.model, rows=len(prompts) * n, decoding=True, keep=self._replay() is not None):
             return self._decode(prompts, explorer, n, max_new_tokens, t0)
+
+    def _static(self) -> bool:
+        """Whether rollouts decode on the static cache (this engine's setting, else the backend's)."""
+        if self.static_cache is not None:
+            return self.static_cache
+        return self.backend.static_decoding if self.backend is not None else False
+
+    def _replay(self) -> str | None:
+        """How a static-cache step is replayed (:mod:`.decode_graphs`), or ``None`` (run as it is)."""
+        if not self._static():
+            return None
+        return self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
 
     def _static_decoding(self, model, length: int, rows: int):
         """The kept static cache for ``rows`` rows (restarted) and its graphs, recorded again only
         when the cache is new or the model's tensors moved (:meth:`DecodeGraphs.current`)."""
         cache, kept = self._caches.get(model, length, rows)
-        replay = self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
+        replay = self._replay()
         if not replay:
             return cache, None
         graphs = self._graphs.get(rows)
@@ -228,9 +241,7 @@ class HFEngine(RolloutEngine):
         live = torch.arange(rows, device=device)
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        static = self.static_cache
-        if static is None:
-            static = self.backend.static_decoding if self.backend is not None else False
+        static = self._static()
         graphs, warmup_s = None, 0.0
         if static:  # fixed shapes: a kept cache at least as long as the rollout, the batch in buckets
             cache, graphs = self._static_decoding(model, width + max_new, rows)
