@@ -64,6 +64,8 @@ class RowsStaticLayer(StaticLayer):
             self.value_buffer = value_states.new_zeros(v_shape)
         self._views(self.batch_size)
         self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # where the step writes: advanced in place by every step
+            torch._dynamo.mark_static_address(self.cumulative_length)
         self.is_initialized = True
 
     def select_rows(self, rows: torch.Tensor) -> None:
