@@ -67,7 +67,7 @@ run-env:
 # built-in task with a short instruction (base Pass@1 about 23%), one seed of every arm at a time, so a
 # stopped study has balanced arms; run again, it skips the runs that finished. Then:
 #   ngrpo compare sweep=reference-v1
-STUDY_SEEDS ?= 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19
+STUDY_SEEDS ?= $(shell seq 0 29)
 STUDY_ARMS ?= grpo,ngrpo,stht
 STUDY = sweep=reference-v1 pass_at_k.n=16 data.val_size=64 trainer.val_check_interval=3 \
 	trainer.enable_checkpointing=false 'data.instruction="Give the final answer within \\boxed{}."'
