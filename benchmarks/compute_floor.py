@@ -52,15 +52,19 @@ def model_shape(model_path: str) -> ModelShape:
     )
 
 
-def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10) -> float:
-    """Dense matmul FLOP/s of this process's threads: best of ``repeats`` [3000, hidden] x [hidden, intermediate]."""
-    a = torch.randn(3000, shape.hidden, dtype=getattr(torch, dtype))
-    b = torch.randn(shape.hidden, shape.intermediate, dtype=getattr(torch, dtype))
+def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10, device: str = "cpu") -> float:
+    """Dense matmul FLOP/s on ``device`` (the CPU: this process's threads): best of ``repeats``
+    [3000, hidden] x [hidden, intermediate]."""
+    a = torch.randn(3000, shape.hidden, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(shape.hidden, shape.intermediate, dtype=getattr(torch, dtype), device=device)
+    wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.matmul(a, b)  # warm-up
+    wait()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.matmul(a, b)
+        wait()
         best = min(best, time.perf_counter() - t0)
     return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
 

@@ -167,6 +167,7 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=None, help="tokenizer files and SmolLM2-135M's config.json")
     ap.add_argument("--problems", default="", help="a .jsonl of problems instead of the built-in task")
     ap.add_argument("--export-problems", type=Path, default=None, help="write the built-in task's problems; exit")
+    ap.add_argument("--build-only", action="store_true", help="build the shapes' model folders under --models; exit")
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "ngrpo-large-shapes")
     ap.add_argument("--out", default=str(RESULTS / "large_shapes.json"))
     args = ap.parse_args(argv)
@@ -182,11 +183,14 @@ def main(argv=None) -> None:
         args.source = Path(resolve_model_path(Workload.model))
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     args.models.mkdir(parents=True, exist_ok=True)
-    trainer = ["trainer=gpu"] if args.accelerator == "gpu" else ["trainer=cpu"]
     cores = os.cpu_count() or 1
     threads = cores if device == "cpu" else min(8, cores)  # a GPU run's CPU side: Python, tokenizing
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name, "extra": args.extra, "micro_batch": args.micro_batch, "steps": args.steps}
+    if args.build_only:
+        for shape in args.shapes:
+            print(model_dir(shape, args.source, args.models, args.dtype, device))
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="large-shapes-") as work:
         for shape in args.shapes:
@@ -202,7 +206,8 @@ def main(argv=None) -> None:
                     lora_rank=MODES[mode],
                     micro_batch=args.micro_batch,
                     problems=str(Path(args.problems).resolve()) if args.problems else "",
-                    ours_overrides=(*trainer, *args.extra),
+                    accelerator=args.accelerator,
+                    ours_overrides=tuple(args.extra),
                 )
                 result = run_side("ours", workload, Path(work), len(rows))
                 rows.append(summary(shape, mode, workload, result))

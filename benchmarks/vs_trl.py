@@ -71,6 +71,12 @@ time (``compute_floor.step_roofline_s``; bandwidth measured in the run).
     .venv/bin/python benchmarks/vs_trl.py --tokens 40 256 1024 --runs 1 --steps 3   # cost against length, plotted
     .venv/bin/python benchmarks/vs_trl.py --steps 2 --runs 1 --prompts 1 --group 2 --tokens 4   # smoke test only
 
+On a GPU (``--accelerator gpu``, the issue's side by side; ``benchmarks/gpu_vs_trl.sh`` runs it
+on a lent machine): ours trains with ``trainer=gpu``, TRL with ``use_cpu=False``; each phase is
+timed to a ``torch.cuda.synchronize``, ``cuda_gib`` is each side's peak of allocated GPU memory,
+the floor's rate is the GPU's matmul rate and ``--bandwidth-gbs`` gives the roofline's bandwidth
+(the H100 SXM's: 3,350).
+
 Several ``--tokens``: the whole comparison at each response length in turn (fixed lengths, or
 at most that many with ``--natural``), a table across lengths and a plot of seconds per step
 and step / floor against length for every side (``--plot``, default
@@ -115,6 +121,14 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--lora-rank", type=int, default=0, help="both sides train LoRA adapters of this rank (all-linear)")
     ap.add_argument("--model", default=Workload.model)
+    ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="where both sides train")
+    ap.add_argument("--problems", default="", help="a .jsonl of problems for both sides instead of the built-in task")
+    ap.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="memory bandwidth for the roofline (default: measured on the CPU)",
+    )
     ap.add_argument("--prompts", type=int, default=Workload.prompts, help="smoke tests only")
     ap.add_argument("--group", type=int, default=Workload.group, help="smoke tests only")
     ap.add_argument(
@@ -152,9 +166,10 @@ def parse_args(argv=None):
 
 def workloads_from(args) -> list[Workload]:
     """The workload at each ``--tokens`` length, in order (with its ``--micro-batch``)."""
-    keys = ("model", "dtype", "prompts", "group", "natural", "steps", "engine", "saves", "lora_rank")
+    keys = ("model", "dtype", "prompts", "group", "natural", "steps", "engine", "saves", "lora_rank", "accelerator")
     micro = args.micro_batch * len(args.tokens) if len(args.micro_batch) == 1 else args.micro_batch
     common = {k: getattr(args, k) for k in keys}
+    common["problems"] = str(Path(args.problems).resolve()) if args.problems else ""
     return [Workload(tokens=n, micro_batch=m, **common) for n, m in zip(args.tokens, micro, strict=True)]
 
 
@@ -235,6 +250,7 @@ def summarize(side: str, runs: list[dict], shape: ModelShape, rate: float, froze
         "loop_rss_gib": max(s.get("rss_bytes", 0) for run in runs for s in run["steps"]) / GIB,
         "cmd_rss_gib": max(run["peak_rss_bytes"] for run in runs) / GIB,
         "tree_rss_gib": max(run["tree_peak_rss_bytes"] for run in runs) / GIB,
+        "cuda_gib": max(s.get("cuda_peak_bytes", 0) for run in runs for s in run["steps"]) / GIB,
     }
     row["run_medians_s"] = [med(s["step_s"] for s in run["steps"][1:]) for run in runs]
     row["threads_at_end"] = sorted({run["threads_at_end"] for run in runs})
@@ -246,7 +262,7 @@ def columns(natural: bool) -> list[str]:
     timing = ["s/step", "min_s", "max_s", "vs_ours", *PHASES, "other_s"]
     per_token = ["ms/token", "tokens"]
     lead = per_token + timing if natural else timing + per_token
-    memory = ["loop_rss_gib", "cmd_rss_gib", "tree_rss_gib"]
+    memory = ["loop_rss_gib", "cmd_rss_gib", "tree_rss_gib", "cuda_gib"]
     return ["side", *lead, "floor_s", "x_floor", "attn_share", "floor_unshared_s", "x_floor_unshared", *memory]
 
 
@@ -287,7 +303,9 @@ def main(argv=None) -> None:
     shape = model_shape(first.model_path())  # builds a packaged model once, before any timed run
     limit = memory_limit(args.max_rss_gib)
     with background_load(args.load):
-        rate, bandwidth = matmul_rate(shape, first.dtype), read_bandwidth()
+        device = "cuda" if first.accelerator == "gpu" else "cpu"
+        measure_bandwidth = lambda: args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else read_bandwidth()  # noqa: E731
+        rate, bandwidth = matmul_rate(shape, first.dtype, device=device), measure_bandwidth()
         outcomes = []
         for workload in workloads:
             if len(workloads) > 1:
@@ -295,7 +313,8 @@ def main(argv=None) -> None:
                 rows = workload.micro_batch or "all"
                 print(f"\n== responses of {kind}{workload.tokens} tokens, micro-batches of {rows} rows ==", flush=True)
             outcomes.append(bench(workload, args.runs, args.sides, limit))
-        rate, bandwidth = max(rate, matmul_rate(shape, first.dtype)), max(bandwidth, read_bandwidth())
+        rate = max(rate, matmul_rate(shape, first.dtype, device=device))
+        bandwidth = max(bandwidth, measure_bandwidth())
     frozen = first.lora_rank > 0
     rows, failures = [], []
     for workload, (results, errors) in zip(workloads, outcomes):

@@ -67,6 +67,7 @@ def ours_overrides(workload: Workload, output_dir: str) -> list[str]:
         "pass_at_k.n=0",
         f"output_dir='{output_dir}'",
         f"seed={workload.seed}",
+        f"trainer={workload.accelerator}",
         *(
             [
                 "model.lora.enabled=true",

@@ -45,7 +45,7 @@ def trl_config(workload: Workload, output_dir: str = "outputs") -> GRPOConfig:
         raise ValueError(f"micro_batch={micro} must divide the batch of {batch} rows on TRL's side")
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=True,
+        use_cpu=workload.accelerator == "cpu",
         seed=workload.seed,
         # the model: its dtype's weights, no autocast; activation checkpointing (TRL's default) only
         # where the workload asks for it (the trl-ac side)
@@ -120,6 +120,12 @@ def math_reward(reward):
     return correct
 
 
+def sync() -> None:
+    """Wait for the GPU, if one is at work, so that a phase's time is its own (a no-op on a CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class PhaseClock(TrainerCallback):
     """Per-optimizer-step records: the phases :class:`TimedGRPOTrainer` times, the step's wall
     time, and its token counts (the same keys as our side's records)."""
@@ -135,21 +141,27 @@ class PhaseClock(TrainerCallback):
 
     @contextlib.contextmanager
     def timed(self, key: str):
+        sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            sync()
             self.current[key] += time.perf_counter() - t0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_end = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        sync()
         now = time.perf_counter()
         self.current["step_s"] = now - self.last_end
         self.current["update_s"] += now - (self.prepared_at or self.last_end)
         self.prepared_at = None
         self.current["rss_bytes"] = peak_rss_now()  # before the step's checkpoint save (on_save comes later)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a GPU run: the same figures as ours
+            self.current["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+            self.current["cuda_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.steps.append(self.current)
         self.current, self.last_end = self._blank(), now
 

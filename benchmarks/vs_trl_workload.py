@@ -58,7 +58,8 @@ class Workload:
     lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank (alpha 2 x rank) on every linear layer
     micro_batch: int = 0  # rows per forward/backward of the update, both sides (0: the whole batch at once)
     ours_overrides: tuple[str, ...] = ()  # this project's side only: extra `ngrpo train` overrides (a baseline row)
-    problems: str = ""  # this project's side only: a .jsonl of problems (data=files) instead of the built-in task
+    problems: str = ""  # a .jsonl of problems (data=files) instead of the built-in task (TRL reads our prompts)
+    accelerator: str = "cpu"  # cpu | gpu: where both sides train (ours: trainer=gpu; TRL: use_cpu=False)
 
     def model_path(self) -> str:
         """The local model directory both sides load (a packaged model is built once)."""
