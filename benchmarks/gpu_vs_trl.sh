@@ -15,13 +15,7 @@
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-420}; OUT=${OUT:-/tmp/gpu-vs-trl}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; BW=${BANDWIDTH:-3350}; mkdir -p "$OUT"
-left() { local l=$((LIMIT - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
-if [ -n "${WHEELS:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
-  [ -e ngrpo_lightning/callbacks ] || ln -s "$PWD/callbacks" ngrpo_lightning/callbacks
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. benchmarks/gpu_env.sh  # left, WHEELS, the environment
 $PY -c "import trl, torch; print('trl', trl.__version__, 'torch', torch.__version__)" || exit 1
 # the models (kept where gpu_checks.sh built them)
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \

@@ -91,8 +91,7 @@ class LeanLoraLinear:
             kept = self._kept
             if kept is None or kept.shape != w.shape or kept.dtype != w.dtype or kept.device != w.device:
                 kept = self._kept = torch.empty_like(w)
-                if not torch.compiler.is_compiling():
-                    torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
+                torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
             self._merged = (torch.add(w, delta, out=kept), bias, False)
             return True
         weight = w + delta
