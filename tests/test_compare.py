@@ -50,6 +50,8 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "| experiment=grpo | 0, 1 | 2 | 6 |" in text and "| experiment=stht | 0, 1 | 2 | 6 |" in text
     assert "| arm | Pass@1 | Pass@2 | Pass@4 | Mean@4 | Maj@4 |" in text
     assert text.index("## Verdicts") < text.index("## What this sweep can detect") < text.index("## Arms")
+    assert text.index("## What this sweep can detect") < text.index("## How the verdicts moved with the seeds")
+    assert "| experiment=grpo | experiment=stht | pass@1 | " in text.split("## How the verdicts moved")[1]
     assert "- **Pass@1**, experiment=grpo vs experiment=stht: " in text
     assert "| experiment=grpo | experiment=stht | pass@1 | 2 | 3 |" in text  # seeds, problems per seed
     assert "## Curves against compute" in text and "Posterior Pass@k" in text
@@ -66,11 +68,12 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     best = [line for line in text.splitlines() if line.startswith("| experiment=") and line.endswith(".ckpt` |")]
     assert len(best) == 2 and all(Path(line.rsplit("`", 2)[1]).exists() for line in best)  # each arm's checkpoint
     data = json.loads((out / "compare.json").read_text())
+    assert all([h["seeds"] for h in p["history"]] == [2] for p in data["tables"]["paired"])
     for info in data["tables"]["arms"].values():
         mean, low, high = info["final"]["pass@1"]
         assert 0 <= low <= mean <= high <= 1
         assert info["means"]["time/step_s"][0] > 0 and 0 <= info["means"]["explore/edit_distance_norm"][0] <= 1
-    for name in ("curves_step.png", "curves_time.png", "compute.png", "pass_at_k.png"):
+    for name in ("curves_step.png", "curves_time.png", "compute.png", "pass_at_k.png", "seeds.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("compare").experiment_id])

@@ -11,7 +11,8 @@ import pytest
 from ngrpo_lightning.commands.compare.curves import contrast, fit_arm, saturating
 from ngrpo_lightning.commands.compare.posterior import fit_beta_prior, posterior_interval, ranking_changes
 from ngrpo_lightning.commands.compare.power import detection, mdd, problems_needed, seeds_needed, verdict
-from ngrpo_lightning.commands.compare.stats import seed_interval
+from ngrpo_lightning.commands.compare.sequential import steadiness, verdict_history
+from ngrpo_lightning.commands.compare.stats import paired_differences, seed_interval
 from ngrpo_lightning.metrics import pass_at_k, posterior_pass_at_k
 
 
@@ -179,3 +180,46 @@ def test_runs_whose_verifier_failed_are_left_out():
 
     broken, fine = run([0.8, 0.9, 0.85]), run([0.0, 0.05, 0.0])
     assert broken_verifier_runs([broken, fine]) == [(broken, pytest.approx(0.85))]
+
+
+def per_seed_scores(groups, metric="pass@1"):
+    """Per-problem differences as the two arms' per-seed scores (b all 0, a the difference)."""
+    a = {str(s): {f"p{i}": {metric: float(v)} for i, v in enumerate(g)} for s, g in enumerate(groups)}
+    b = {str(s): {f"p{i}": {metric: 0.0} for i in range(len(g))} for s, g in enumerate(groups)}
+    return a, b
+
+
+def test_the_verdict_history_follows_the_seeds_in_order_and_says_since_when_it_held():
+    rng = np.random.default_rng(11)
+    # twelve seeds: the first three favour a by 30 points, the next three b, the rest neither
+    shift = [0.3] * 3 + [-0.3] * 3 + [0.0] * 6
+    groups = [g + shift[s] for s, g in enumerate(simulated_sweep(rng, 0.0, 12, 64, seed_sd=0.0))]
+    a, b = per_seed_scores(groups)
+    history = verdict_history(a, b, "pass@1", 0.05)
+    assert [h["seeds"] for h in history] == list(range(2, 13))  # seeds "10", "11" after "9", not after "1"
+    assert history[0]["kind"] == "greater" and history[0]["low"] > 0  # two seeds: both favour a
+    whole = detection(paired_differences(a, b, "pass@1"))
+    assert (history[-1]["diff"], history[-1]["low"]) == pytest.approx((whole.diff, whole.low))
+    assert history[-1]["kind"] == verdict("a", "b", whole, 0.05)["kind"] != "greater"
+    steady = steadiness(history)
+    kinds = [h["kind"] for h in history]
+    assert steady["changes"] >= 1 and steady["held_since"] > 2
+    since = steady["held_since"] - 2  # history[i] is on i + 2 seeds
+    assert all(k == kinds[-1] for k in kinds[since:]) and kinds[since - 1] != kinds[-1]
+    # a winner that turns counts as a change; no history, no verdict
+    turn = [{"seeds": 2, "kind": "greater", "low": 0.1}, {"seeds": 3, "kind": "greater", "low": -0.3}]
+    assert steadiness(turn) == {"held_since": 3, "changes": 1}
+    assert steadiness([]) == {"held_since": None, "changes": 0}
+
+
+def test_reading_the_verdict_after_every_seed_errs_far_more_often_than_its_level():
+    """Optional stopping, the reason the report shows the history: with no true difference, the
+    interval excludes 0 at some number of seeds from 2 to 20 far more often than 5%."""
+    rng = np.random.default_rng(5)
+    anywhere, at_the_end = [], []
+    for _ in range(200):
+        groups = simulated_sweep(rng, 0.0, 20, 32)
+        seen_along = [seen(detection(groups[:n])) for n in range(2, 21)]
+        anywhere.append(any(seen_along))
+        at_the_end.append(seen_along[-1])
+    assert np.mean(at_the_end) <= 0.1 and np.mean(anywhere) >= 0.15

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
 from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
+from ngrpo_lightning.commands.compare.sequential import plot_history
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.tracking.logger import log_report_run, resolve_tracking_uri
 
@@ -87,6 +88,9 @@ def run_compare(cfg: DictConfig) -> dict:
     if tables["ks"]:
         files.append(out / "pass_at_k.png")
         plot_pass_at_k(tables, files[-1])
+    if any(p["history"] for p in tables["paired"]):
+        files.append(out / "seeds.png")
+        plot_history(tables["paired"], tables["detect"], files[-1])
     metrics = {f"compare/{arm}/{m}": v[0] for arm, info in tables["arms"].items() for m, v in info["final"].items()}
     _, lines = log_report_run(cfg, {**metrics, "compare/seconds": time.perf_counter() - t0}, files)
     footer = [f"Report: {files[0]} (figures beside it)", *lines]

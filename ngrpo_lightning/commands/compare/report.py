@@ -19,6 +19,7 @@ from ngrpo_lightning.commands.compare.posterior import (
 )
 from ngrpo_lightning.commands.compare.power import detection, holm, plan_text, verdict
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
+from ngrpo_lightning.commands.compare.sequential import seed_order, steadiness, verdict_history
 from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
 
 
@@ -38,7 +39,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
     for arm, members in by_arm.items():
         info = {
             "runs": [r.run_id for r in members],
-            "seeds": sorted((r.seed for r in members), key=_seed_order),
+            "seeds": sorted((r.seed for r in members), key=seed_order),
             "final": {},
         }
         per_seed = {r.seed: _all_scores(r, ks) for r in members if r.pass_at_k}
@@ -64,6 +65,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
     for a, b in itertools.combinations(arms, 2):
         for m in [f"pass@{k}" for k in sorted({ks[0], ks[-1]})] if ks else []:
             found = detection(paired_differences(scores[a], scores[b], m), cfg.level, cfg.power)
+            history = verdict_history(scores[a], scores[b], m, cfg.detect, cfg.level, cfg.power)
             out["paired"].append(
                 {
                     "a": a,
@@ -73,6 +75,8 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "detection": found.as_dict(),
                     "verdict": verdict(a, b, found, cfg.detect),
                     "plan": plan_text(found, cfg.detect),
+                    "history": history,
+                    "steadiness": steadiness(history),
                 }
             )
     adjusted = holm([p["detection"]["p_value"] for p in out["paired"]])
@@ -140,6 +144,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
             design = f"{d['seeds']} | {d['problems']:.0f}"
             lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {design} | {diff} | {mdd} | {p['plan']} |")
         lines += ["", "`ngrpo compare ... detect=0.03` plans for another difference (a fraction: 0.03 = 3 points)."]
+        lines += _history_lines(paired)
     lines += ["", "## Arms", "", "| arm | seeds | runs | problems (x seeds) |", "|---|---|---:|---:|"]
     for arm, info in tables["arms"].items():
         lines.append(f"| {arm} | {', '.join(info['seeds'])} | {len(info['runs'])} | {info['problems']} |")
@@ -152,7 +157,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         first, last = f"pass@{ks[0]}", f"pass@{ks[-1]}"
         lines += ["", f"Per seed, %: {first.capitalize()} / {last.capitalize()} (the spread the intervals carry):", ""]
-        seeds = sorted({s for info in tables["arms"].values() for s in info["per_seed"]}, key=_seed_order)
+        seeds = sorted({s for info in tables["arms"].values() for s in info["per_seed"]}, key=seed_order)
         lines += ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
         for arm, info in tables["arms"].items():
             cells = [
@@ -200,8 +205,28 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     return "\n".join(lines) + "\n"
 
 
-def _seed_order(seed: str):
-    return (0, int(seed), "") if str(seed).isdigit() else (1, 0, str(seed))
+def _history_lines(paired: list[dict]) -> list[str]:
+    """How each verdict moved as the seeds came in (figure: seeds.png)."""
+    if not any(p["history"] for p in paired):
+        return []
+    lines = ["", "## How the verdicts moved with the seeds", ""]
+    lines += ["Each verdict on the first 2, 3, ... seeds in seed order, at its own 95% level (figure: seeds.png).", ""]
+    lines += ["| a | b | metric | verdict now | held since (seeds) | changes |", "|---|---|---|---|---:|---:|"]
+    for p in paired:
+        steady = p["steadiness"]
+        if steady["held_since"] is None:
+            continue
+        now = p["verdict"]["kind"]
+        if "winner" in p["verdict"]:
+            now = f"{p['verdict']['winner']} ahead" + (", uncorrected" if now != "greater" else "")
+        lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {now} | {steady['held_since']} | {steady['changes']} |")
+    lines += [
+        "",
+        "A verdict read after every new seed, the sweep stopped at the first that looks settled, is wrong more",
+        "often than its level says; fix the seeds before looking (the plan above) and read the verdict there.",
+        "One that held only since the last seed or two may turn with the next.",
+    ]
+    return lines
 
 
 def _fit_lines(fits: dict) -> list[str]:

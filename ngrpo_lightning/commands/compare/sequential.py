@@ -1,0 +1,103 @@
+"""How a sweep's verdicts moved as its seeds came in: each pair's difference and interval on its
+first 2, 3, ... seeds (in seed order), and since when the verdict it gives now has held.
+
+A reviewer asks this of any ranking reached by adding seeds: a verdict read after every new seed,
+with the sweep stopped at the first one that looks settled, is wrong more often than its level
+says (optional stopping). In simulation (tests/test_compare_power.py), a 95% interval checked
+after each of seeds 2-30 excludes a true difference of 0 somewhere along the way in about 30% of
+sweeps, not 5%; and where the true difference is exactly 5 points, some look calls it "no
+difference larger than 5" in about 10% of sweeps, against under 1% read once at 30 seeds. So
+fix the number of seeds before looking (the plan in the report says how many) and read the
+verdict there; the history shows whether it was steady or is one seed away from turning, which
+an interval at one number of seeds cannot.
+"""
+
+from __future__ import annotations
+
+from ngrpo_lightning.commands.compare.power import detection, verdict
+from ngrpo_lightning.commands.compare.stats import paired_differences
+
+
+def seed_order(seed: str):
+    """Seeds sort as numbers where they are numbers ("2" before "10"), by name otherwise."""
+    return (0, int(seed), "") if str(seed).isdigit() else (1, 0, str(seed))
+
+
+def verdict_history(
+    a: dict[str, dict], b: dict[str, dict], metric: str, target: float, level: float = 0.95, power: float = 0.8
+) -> list[dict]:
+    """The verdict on ``a - b`` (:func:`~.power.verdict`) on the first 2, 3, ... seeds both arms
+    have, in seed order: one entry ``{"seeds", "diff", "low", "high", "kind"}`` per count, the
+    last on every seed (the report's own). ``a`` and ``b`` map a seed to its per-problem scores,
+    as :func:`~.stats.paired_differences` takes them."""
+    seeds = sorted(set(a) & set(b), key=seed_order)
+    out = []
+    for count in range(2, len(seeds) + 1):
+        first = seeds[:count]
+        found = detection(paired_differences({s: a[s] for s in first}, {s: b[s] for s in first}, metric), level, power)
+        kind = verdict("a", "b", found, target)["kind"]
+        out.append({"seeds": count, "diff": found.diff, "low": found.low, "high": found.high, "kind": kind})
+    return out
+
+
+def steadiness(history: list[dict]) -> dict:
+    """``{"held_since", "changes"}``: the fewest seeds from which on the verdict has been what it
+    is now, and how often it changed kind along the way (a ``greater`` verdict changes when its
+    winner does). Empty history (fewer than 2 seeds): ``held_since`` None."""
+    if not history:
+        return {"held_since": None, "changes": 0}
+    kinds = [_kind(h) for h in history]
+    changes = sum(1 for x, y in zip(kinds, kinds[1:]) if x != y)
+    held = len(kinds) - 1
+    while held > 0 and kinds[held - 1] == kinds[-1]:
+        held -= 1
+    return {"held_since": history[held]["seeds"], "changes": changes}
+
+
+def _kind(entry: dict) -> str:
+    if entry["kind"] == "greater":
+        return "a > b" if entry["low"] > 0 else "b > a"
+    return entry["kind"]
+
+
+def plot_history(paired: list[dict], target: float, path) -> None:
+    """One panel per pair and metric: the difference (points) against the seeds it was computed
+    on, its 95% interval as a band, 0 and +-``target`` as lines, the verdict's kind as the
+    marker's colour. The axis spans 3 x ``target`` (more where a difference is larger): the
+    intervals of the first seeds reach past it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = list(dict.fromkeys((p["a"], p["b"]) for p in paired))  # in the report's order
+    metrics = list(dict.fromkeys(p["metric"] for p in paired))
+    fig, axes = plt.subplots(
+        len(pairs), len(metrics), figsize=(4.4 * len(metrics), 2.6 * len(pairs)), squeeze=False, sharex=True
+    )
+    colours = {"greater": "tab:red", "bounded": "tab:green", "inconclusive": "tab:grey"}
+    for p in paired:
+        ax = axes[pairs.index((p["a"], p["b"]))][metrics.index(p["metric"])]
+        history = p["history"]
+        if not history:
+            continue
+        xs = [h["seeds"] for h in history]
+        ax.fill_between(xs, [100 * h["low"] for h in history], [100 * h["high"] for h in history], alpha=0.2)
+        diffs = [100 * h["diff"] for h in history]
+        ax.plot(xs, diffs, color="tab:blue", lw=1)
+        ax.scatter(xs, diffs, c=[colours.get(h["kind"], "k") for h in history], s=12, zorder=3)
+        for y, style in ((0, "-"), (100 * target, "--"), (-100 * target, "--")):
+            ax.axhline(y, color="k", lw=0.6, ls=style)
+        reach = max(3 * 100 * target, 1.5 * max(abs(d) for d in diffs))  # two seeds' intervals would flatten the rest
+        ax.set_ylim(-reach, reach)
+        ax.set_title(f"{p['metric']}: {p['a']} - {p['b']}", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("seeds")
+    for row in axes:
+        row[0].set_ylabel("difference (points)")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in colours.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
