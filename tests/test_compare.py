@@ -49,6 +49,8 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "# Comparison: sweep cmp (4 runs, 2 arms)" in text
     assert "| experiment=grpo | 0, 1 | 2 | 6 |" in text and "| experiment=stht | 0, 1 | 2 | 6 |" in text
     assert "| arm | Pass@1 | Pass@2 | Pass@4 | Mean@4 | Maj@4 |" in text
+    assert "| seed | experiment=grpo | experiment=stht |" in text  # per seed: a row each
+    assert sum(line.startswith(("| 0 | ", "| 1 | ")) and line.count(" / ") == 2 for line in text.splitlines()) == 2
     assert text.index("## Verdicts") < text.index("## What this sweep can detect") < text.index("## Arms")
     assert text.index("## What this sweep can detect") < text.index("## How the verdicts moved with the seeds")
     assert "| experiment=grpo | experiment=stht | pass@1 | " in text.split("## How the verdicts moved")[1]

@@ -158,15 +158,14 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         first, last = f"pass@{ks[0]}", f"pass@{ks[-1]}"
         lines += ["", f"Per seed, %: {first.capitalize()} / {last.capitalize()} (the spread the intervals carry):", ""]
         seeds = sorted({s for info in tables["arms"].values() for s in info["per_seed"]}, key=seed_order)
-        lines += ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
-        for arm, info in tables["arms"].items():
+        arms = list(tables["arms"])  # a row per seed: a sweep has more seeds than arms
+        lines += ["| seed | " + " | ".join(arms) + " |", "|---|" + "---:|" * len(arms)]
+        for s in seeds:
             cells = [
-                f"{100 * info['per_seed'][s][first]:.1f} / {100 * info['per_seed'][s][last]:.1f}"
-                if s in info["per_seed"]
-                else ""
-                for s in seeds
+                f"{100 * per_seed[s][first]:.1f} / {100 * per_seed[s][last]:.1f}" if s in per_seed else ""
+                for per_seed in (tables["arms"][arm]["per_seed"] for arm in arms)
             ]
-            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
         a, b = tables["prior"]
         lines += [
             "",
