@@ -10,7 +10,15 @@ import pytest
 
 from ngrpo_lightning.commands.compare.curves import contrast, fit_arm, saturating
 from ngrpo_lightning.commands.compare.posterior import fit_beta_prior, posterior_interval, ranking_changes
-from ngrpo_lightning.commands.compare.power import detection, mdd, problems_needed, seeds_needed, verdict
+from ngrpo_lightning.commands.compare.power import (
+    _half_width,
+    detection,
+    mdd,
+    problems_needed,
+    seeds_needed,
+    seeds_to_conclude,
+    verdict,
+)
 from ngrpo_lightning.commands.compare.sequential import steadiness, verdict_history
 from ngrpo_lightning.commands.compare.stats import paired_differences, seed_interval
 from ngrpo_lightning.metrics import pass_at_k, posterior_pass_at_k
@@ -223,3 +231,21 @@ def test_reading_the_verdict_after_every_seed_errs_far_more_often_than_its_level
         anywhere.append(any(seen_along))
         at_the_end.append(seen_along[-1])
     assert np.mean(at_the_end) <= 0.1 and np.mean(anywhere) >= 0.15
+
+
+def test_how_far_an_inconclusive_sweep_is_from_a_verdict_at_its_estimate():
+    rng = np.random.default_rng(21)
+    found = detection(simulated_sweep(rng, 0.0, 10, 64))
+    width = lambda d, s: _half_width(d, s)  # noqa: E731
+    for diff in (0.01, 0.025, 0.04):
+        d = dataclasses.replace(found, diff=-diff)
+        bound, show = seeds_to_conclude(d, 0.05)
+        assert diff + width(d, bound) <= 0.05 < diff + width(d, bound - 1)  # the fewest that bound it
+        assert width(d, show) < diff <= width(d, show - 1)  # the fewest that exclude 0
+    assert seeds_to_conclude(dataclasses.replace(found, diff=0.06), 0.05)[0] is None  # past the target: never bounded
+    assert seeds_to_conclude(dataclasses.replace(found, diff=0.0), 0.05)[1] is None  # nothing to show
+    # a smaller estimate is bounded sooner and shown later
+    near, far = (seeds_to_conclude(dataclasses.replace(found, diff=x), 0.05) for x in (0.01, 0.04))
+    assert near[0] < far[0] and near[1] > far[1]
+    text = verdict("a", "b", dataclasses.replace(found, diff=-0.025, low=-0.08, high=0.03), 0.05)["text"]
+    assert text.startswith("inconclusive [-8.0, +3.0]") and "at the estimate of -2.5, about " in text

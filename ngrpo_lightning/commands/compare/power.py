@@ -152,6 +152,40 @@ def plan_text(d: Detection, wanted: float) -> str:
     return f"{more_seeds} (or {more_problems})"
 
 
+def _half_width(d: Detection, seeds: int) -> float:
+    """The interval's half-width at ``seeds`` seeds of this sweep's problems (the planning SE)."""
+    se = math.sqrt((d.var_seed + d.var_problem / d.problems) / seeds)
+    return float(t_dist.ppf(1 - (1 - d.level) / 2, max(seeds - 1, 1))) * se
+
+
+def seeds_to_conclude(d: Detection, target: float) -> tuple[int | None, int | None]:
+    """``(to bound, to show)``: if the difference stayed at today's estimate, the fewest seeds whose
+    interval would lie within +-``target`` (None when the estimate is ``target`` or more, or past
+    :data:`MAX_PLAN`), and the fewest whose interval would exclude 0 (None for an estimate of 0).
+
+    A projection, not a power calculation: the estimate itself moves as seeds come in. It answers
+    the question an inconclusive verdict leaves, how far the sweep is from any verdict."""
+    if math.isnan(d.diff) or d.problems <= 0:
+        return None, None
+    size = abs(d.diff)
+    bound = _smallest(lambda s: size + _half_width(d, s) <= target, 2) if size < target else None
+    show = _smallest(lambda s: _half_width(d, s) < size, 2) if size > 0 else None
+    return bound, show
+
+
+def conclusion_text(d: Detection, target: float) -> str:
+    """``at the estimate of X, about N seeds would bound it within T (M would show it)``."""
+    bound, show = seeds_to_conclude(d, target)
+    pts = f"{100 * target:.1f}"
+    first = (
+        f"about {bound} seeds would bound it within {pts}"
+        if bound
+        else f"no number of seeds would bound it within {pts}"
+    )
+    second = f"about {show} would show it" if show else "none would show it"
+    return f"at the estimate of {100 * d.diff:+.1f}, {first} ({second})"
+
+
 ONE_SEED = " (one seed: its problems are the units, and the seeds' spread is unknown, taken as 0)"
 
 
@@ -178,6 +212,7 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
     return {
         "kind": "inconclusive",
-        "text": f"inconclusive {interval}, {now}: {plan_text(d, target)} would detect {pts(target)}"
+        "text": f"inconclusive {interval}, {now}: {plan_text(d, target)} would detect {pts(target)}; "
+        + conclusion_text(d, target)
         + (ONE_SEED if d.seeds < 2 else ""),
     }

@@ -17,7 +17,7 @@ from ngrpo_lightning.commands.compare.posterior import (
     posterior_interval,
     ranking_changes,
 )
-from ngrpo_lightning.commands.compare.power import detection, holm, plan_text, verdict
+from ngrpo_lightning.commands.compare.power import detection, holm, plan_text, seeds_to_conclude, verdict
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
 from ngrpo_lightning.commands.compare.sequential import seed_order, steadiness, verdict_history
 from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
@@ -75,6 +75,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "detection": found.as_dict(),
                     "verdict": verdict(a, b, found, cfg.detect),
                     "plan": plan_text(found, cfg.detect),
+                    "to_conclude": seeds_to_conclude(found, cfg.detect),
                     "history": history,
                     "steadiness": steadiness(history),
                 }
@@ -134,16 +135,25 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         lines += ["", f"## What this sweep can detect, and what {target:.1f} points would take", ""]
         lines += [
             "| a | b | metric | seeds | problems / seed | a - b | detects (80% power) | to detect "
-            f"{target:.1f} points |",
-            "|---|---|---|---:|---:|---:|---:|---|",
+            f"{target:.1f} points | at the estimate, seeds to bound within {target:.1f} / to show it |",
+            "|---|---|---|---:|---:|---:|---:|---|---:|",
         ]
         for p in paired:
             d = p["detection"]
             diff = _ci((d["diff"], d["low"], d["high"]), signed=True)
             mdd = f"{100 * d['mdd']:.1f}" if not math.isnan(d["mdd"]) else ""
             design = f"{d['seeds']} | {d['problems']:.0f}"
-            lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {design} | {diff} | {mdd} | {p['plan']} |")
-        lines += ["", "`ngrpo compare ... detect=0.03` plans for another difference (a fraction: 0.03 = 3 points)."]
+            bound, show = p["to_conclude"]
+            conclude = f"{bound or 'never'} / {show or 'never'}"
+            lines.append(
+                f"| {p['a']} | {p['b']} | {p['metric']} | {design} | {diff} | {mdd} | {p['plan']} | {conclude} |"
+            )
+        lines += [
+            "",
+            "The last column assumes the difference stays at today's estimate (it moves as seeds come in):",
+            "the seeds whose interval would lie within the target, and those whose interval would exclude 0.",
+            "`ngrpo compare ... detect=0.03` plans for another difference (a fraction: 0.03 = 3 points).",
+        ]
         lines += _history_lines(paired)
     lines += ["", "## Arms", "", "| arm | seeds | runs | problems (x seeds) |", "|---|---|---:|---:|"]
     for arm, info in tables["arms"].items():
