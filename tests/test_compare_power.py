@@ -13,6 +13,7 @@ from ngrpo_lightning.commands.compare.posterior import fit_beta_prior, posterior
 from ngrpo_lightning.commands.compare.power import (
     _half_width,
     detection,
+    joint_bound,
     mdd,
     problems_needed,
     seeds_needed,
@@ -249,3 +250,15 @@ def test_how_far_an_inconclusive_sweep_is_from_a_verdict_at_its_estimate():
     assert near[0] < far[0] and near[1] > far[1]
     text = verdict("a", "b", dataclasses.replace(found, diff=-0.025, low=-0.08, high=0.03), 0.05)["text"]
     assert text.startswith("inconclusive [-8.0, +3.0]") and "at the estimate of -2.5, about " in text
+
+
+def test_the_joint_bound_widens_every_interval_so_that_all_hold_at_once():
+    rng = np.random.default_rng(8)
+    found = [detection(simulated_sweep(rng, 0.0, 12, 64)) for _ in range(6)]
+    alone = [max(abs(d.low), abs(d.high)) for d in found]
+    assert joint_bound(found[:1]) == pytest.approx(alone[0])  # one comparison: its own interval
+    assert joint_bound(found) > max(alone)
+    # six true differences of 5 points: the joint bound falls short of 5 in at most about 5% of families
+    short = [joint_bound([detection(simulated_sweep(rng, 0.05, 8, 32)) for _ in range(6)]) < 0.05 for _ in range(200)]
+    assert np.mean(short) <= 0.05
+    assert math.isnan(joint_bound([]))

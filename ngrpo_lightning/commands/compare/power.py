@@ -116,6 +116,17 @@ def mdd(d: Detection, seeds: int, problems: float) -> float:
     return _quantiles(max(seeds - 1, 1), d.level, d.power) * se
 
 
+def joint_bound(found: list[Detection]) -> float:
+    """The largest difference that all of ``found``'s intervals allow at once, each widened so
+    that together they cover at their level (Bonferroni): what "no difference larger than X"
+    becomes when every verdict of a report must hold at the same time. NaN with no interval."""
+    usable = [d for d in found if d.dof and not math.isnan(d.se)]
+    if not usable:
+        return float("nan")
+    alpha = (1 - usable[0].level) / len(usable)
+    return max(abs(d.diff) + float(t_dist.ppf(1 - alpha / 2, d.dof)) * d.se for d in usable)
+
+
 def seeds_needed(d: Detection, wanted: float) -> int | None:
     """The fewest seeds (at this sweep's problems per seed, at least 2) whose MDD is at most
     ``wanted``; None: more than :data:`MAX_PLAN`."""

@@ -17,7 +17,15 @@ from ngrpo_lightning.commands.compare.posterior import (
     posterior_interval,
     ranking_changes,
 )
-from ngrpo_lightning.commands.compare.power import detection, holm, plan_text, seeds_to_conclude, verdict
+from ngrpo_lightning.commands.compare.power import (
+    Detection,
+    detection,
+    holm,
+    joint_bound,
+    plan_text,
+    seeds_to_conclude,
+    verdict,
+)
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
 from ngrpo_lightning.commands.compare.sequential import seed_order, steadiness, verdict_history
 from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
@@ -132,6 +140,12 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         ]
         lines += ["A difference is also checked with Holm's correction over all the comparisons listed, which"]
         lines += ["keeps the chance of any false difference among them at 5%."]
+        joint = joint_bound([Detection(**p["detection"]) for p in paired])
+        if len(paired) > 1 and not math.isnan(joint):
+            lines += [
+                f"Read together (all {len(paired)} intervals at once, Bonferroni: 95% jointly), no difference is",
+                f"larger than {100 * joint:.1f} points.",
+            ]
         lines += ["", f"## What this sweep can detect, and what {target:.1f} points would take", ""]
         lines += [
             "| a | b | metric | seeds | problems / seed | a - b | detects (80% power) | to detect "
