@@ -9,6 +9,8 @@ from mlflow import MlflowClient
 
 from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.commands.compare import paired_differences, per_problem_scores
+from ngrpo_lightning.commands.compare.runs import RunData, code_of, code_versions
+from ngrpo_lightning.tracking.code_version import PACKAGE, code_tags
 
 
 def test_per_problem_scores_and_paired_differences():
@@ -50,6 +52,11 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "| experiment=grpo | 0, 1 | 2 | 6 |" in text and "| experiment=stht | 0, 1 | 2 | 6 |" in text
     assert "| arm | Pass@1 | Pass@2 | Pass@4 | Mean@4 | Maj@4 |" in text
     assert "| seed | experiment=grpo | experiment=stht |" in text  # per seed: a row each
+    tags = code_tags()
+    if "mlflow.source.git.commit" in tags:  # the runs name the code they ran (from a git checkout)
+        assert f"Code: {code_of(tags)} for all 4 runs." in text
+    else:
+        assert "Code: not recorded." in text
     assert sum(line.startswith(("| 0 | ", "| 1 | ")) and line.count(" / ") == 2 for line in text.splitlines()) == 2
     assert text.index("## Verdicts") < text.index("## What this sweep can detect") < text.index("## Arms")
     assert text.index("## What this sweep can detect") < text.index("## How the verdicts moved with the seeds")
@@ -105,3 +112,24 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "detect=5 must be a number in (0, 1] (a fraction, 0.05 = 5 points)" in capsys.readouterr().err
     assert main([*base, "runs=[0123456789abcdef]"]) == 2
     assert "run '0123456789abcdef' is not in this store" in capsys.readouterr().err
+
+
+def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differs():
+    import subprocess
+
+    tags = code_tags()
+    assert tags["ngrpo.version"]
+    head = subprocess.run(["git", "-C", str(PACKAGE), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # imported from a git checkout (CI's clone): the commit is known
+        assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+        assert tags["ngrpo.git_dirty"] in ("true", "false")
+    assert code_of({"mlflow.source.git.commit": "0123456789abcdef", "ngrpo.git_dirty": "true"}) == "0123456789+changes"
+    assert code_of({}) == ""
+
+    def run(code):
+        return RunData("id", "arm", "0", "exp", "FINISHED", {}, 0, code=code)
+
+    assert code_versions([run("aaa"), run("aaa")]) == "Code: aaa for all 2 runs."
+    assert code_versions([run(""), run("")]) == "Code: not recorded."
+    mixed = code_versions([run("aaa"), run("aaa"), run("bbb+changes")])
+    assert mixed.startswith("Code: 2 versions (aaa (2 runs), bbb+changes (1 run))")

@@ -8,6 +8,7 @@ import pytest
 from conftest import TINY_JOB
 from mlflow import MlflowClient
 
+import ngrpo_lightning
 from ngrpo_lightning.checkpoints.trained_policy import find_checkpoint, read_checkpoint
 from ngrpo_lightning.commands.cli import main
 
@@ -42,6 +43,7 @@ def test_basic_sweep_tags_runs_reports_failures_and_skips_finished_jobs(store, t
         tags = r.data.tags
         assert tags["ngrpo.arm"] == "optim.lr=0.01" and tags["ngrpo.explorer"] == "temperature"
         assert tags["ngrpo.objective"] == "grpo" and tags["ngrpo.seed"] in {"0", "1"}
+        assert tags["ngrpo.version"] == ngrpo_lightning.__version__  # and, from a checkout, its commit
         assert r.data.params["seed"] == tags["ngrpo.seed"] and r.info.status == "FINISHED"
     folders = {r.data.params["output_dir"] for r in runs}
     assert len(folders) == 2 and all("multirun/s1/" in f for f in folders)

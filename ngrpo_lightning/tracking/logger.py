@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.tracking.code_version import code_tags
 from ngrpo_lightning.tracking.system_metrics import start_system_metrics
 
 
@@ -123,7 +124,8 @@ class RunLogger(MLFlowLogger):
 
 def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = False) -> RunLogger | None:
     """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``), its store checked, created
-    (under a lock) and its run started, all before any model loads; ``run_id`` continues an
+    (under a lock) and its run started, tagged with the code it runs (:mod:`.code_version`), all
+    before any model loads; ``run_id`` continues an
     existing run (resume). ``monitor``: a training run, whose system metrics are logged when
     ``logger.system_metrics`` is on (by the first process only)."""
     if cfg.logger.name == "none":
@@ -151,7 +153,7 @@ def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = 
             artifact_location=artifacts,
             log_model=False,
             run_id=run_id,
-            tags=dict(cfg.logger.get("tags") or {}) or None,
+            tags=code_tags() | dict(cfg.logger.get("tags") or {}),
         )
         client = logger.experiment
     if run_id is not None:

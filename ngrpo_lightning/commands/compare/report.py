@@ -26,7 +26,7 @@ from ngrpo_lightning.commands.compare.power import (
     seeds_to_conclude,
     verdict,
 )
-from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData
+from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData, code_versions
 from ngrpo_lightning.commands.compare.sequential import seed_order, steadiness, verdict_history
 from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
 
@@ -172,6 +172,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     lines += ["", "## Arms", "", "| arm | seeds | runs | problems (x seeds) |", "|---|---|---:|---:|"]
     for arm, info in tables["arms"].items():
         lines.append(f"| {arm} | {', '.join(info['seeds'])} | {len(info['runs'])} | {info['problems']} |")
+    lines += ["", code_versions(runs)]
     if ks:
         metrics = [f"pass@{k}" for k in ks] + [f"mean@{n}", f"maj@{n}"]
         lines += ["", f"Final evaluation (n = {n} samples per problem), %: mean [95% t interval over seeds]:", ""]

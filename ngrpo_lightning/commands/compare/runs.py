@@ -47,6 +47,7 @@ class RunData:
     curves: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)  # key: (step, minutes, value)
     pass_at_k: dict | None = None  # results.json of the last Pass@k evaluation
     pass_at_k_step: int | None = None
+    code: str = ""  # the commit it ran (``+changes`` when the checkout differed), "" where unknown
 
 
 def select_runs(client, sweep: str | None, experiments, runs) -> list:
@@ -93,6 +94,7 @@ def load_run(client, run) -> RunData:
         status=run.info.status,
         params=params,
         start_ms=run.info.start_time,
+        code=code_of(tags),
     )
     along = [k for k in run.data.metrics if k.startswith("val/") and "/pass_at_" in k]  # PassAtK every N steps
     for key in (*CURVES, *SPEED, *EXPLORATION, "rollout/tokens", "reward/error_frac", *along):
@@ -106,6 +108,24 @@ def load_run(client, run) -> RunData:
             data.pass_at_k = json.load(f)
         data.pass_at_k_step = int(last.rsplit("_", 1)[1])
     return data
+
+
+def code_of(tags: dict) -> str:
+    """The code a run ran, from its tags (:mod:`ngrpo_lightning.tracking.code_version`)."""
+    commit = tags.get("mlflow.source.git.commit", "")[:10]
+    return commit + ("+changes" if commit and tags.get("ngrpo.git_dirty") == "true" else "")
+
+
+def code_versions(runs: list[RunData]) -> str:
+    """One line on the code the runs ran: one commit, several (with their runs), or unknown."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run.code or "unknown"] = counts.get(run.code or "unknown", 0) + 1
+    if len(counts) == 1:
+        (code,) = counts
+        return f"Code: {code} for all {len(runs)} runs." if code != "unknown" else "Code: not recorded."
+    listed = ", ".join(f"{code} ({n} run{'s' * (n != 1)})" for code, n in sorted(counts.items(), key=lambda c: -c[1]))
+    return f"Code: {len(counts)} versions ({listed}); differences between arms may come from the code too."
 
 
 LEFT_OUT_ERROR_FRAC = 0.2  # a run whose answers failed in the verifier this often measured its verifier
