@@ -114,7 +114,7 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert "run '0123456789abcdef' is not in this store" in capsys.readouterr().err
 
 
-def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differs():
+def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differs(tmp_path, monkeypatch):
     import subprocess
 
     tags = code_tags()
@@ -125,6 +125,15 @@ def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differ
         assert tags["ngrpo.git_dirty"] in ("true", "false")
     assert code_of({"mlflow.source.git.commit": "0123456789abcdef", "ngrpo.git_dirty": "true"}) == "0123456789+changes"
     assert code_of({}) == ""
+    # installed (untracked) inside some other repository: that repository's commit is not the code's
+    from ngrpo_lightning.tracking import code_version
+
+    installed = tmp_path / "venv" / "ngrpo_lightning"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.setattr(code_version, "PACKAGE", installed)
+    assert code_version.code_tags.__wrapped__() == {"ngrpo.version": tags["ngrpo.version"]}
 
     def run(code):
         return RunData("id", "arm", "0", "exp", "FINISHED", {}, 0, code=code)

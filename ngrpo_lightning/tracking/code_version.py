@@ -31,7 +31,9 @@ def code_tags() -> dict[str, str]:
     """``{"ngrpo.version", "mlflow.source.git.commit", "ngrpo.git_dirty"}`` (the last two only from
     a git checkout), computed once per process."""
     tags = {"ngrpo.version": ngrpo_lightning.__version__}
-    commit = _git("rev-parse", "HEAD")
+    # the package's own files must be tracked there: a wheel installed into a virtual environment
+    # that lies inside some other repository would otherwise take that repository's commit
+    commit = _git("rev-parse", "HEAD") if _git("ls-files", "--error-unmatch", "__init__.py") is not None else None
     if commit:
         tags["mlflow.source.git.commit"] = commit
         changed = _git("status", "--porcelain", "--untracked-files=no")
