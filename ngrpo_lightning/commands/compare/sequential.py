@@ -3,8 +3,9 @@ first 2, 3, ... seeds (in seed order), and since when the verdict it gives now h
 
 A reviewer asks this of any ranking reached by adding seeds: a verdict read after every new seed,
 with the sweep stopped at the first one that looks settled, is wrong more often than its level
-says (optional stopping). In simulation (tests/test_compare_power.py), a 95% interval checked
-after each of seeds 2-30 excludes a true difference of 0 somewhere along the way in about 30% of
+says (optional stopping). In simulated sweeps of 64 problems per seed (300-400 of them; a
+smaller version is tests/test_compare_power.py's), a 95% interval checked after each of seeds
+2-30 excludes a true difference of 0 somewhere along the way in about 30% of
 sweeps, not 5%; and where the true difference is exactly 5 points, some look calls it "no
 difference larger than 5" in about 10% of sweeps, against under 1% read once at 30 seeds. So
 fix the number of seeds before looking (the plan in the report says how many) and read the
