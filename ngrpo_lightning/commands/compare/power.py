@@ -110,10 +110,15 @@ def holm(p_values: list[float]) -> list[float]:
     return out
 
 
+def planned_se(d: Detection, seeds: int, problems: float) -> float:
+    """The standard error of a sweep of ``seeds`` seeds of ``problems`` problems each, from ``d``'s
+    variance components (the module docstring's SE(S, M))."""
+    return math.sqrt((d.var_seed + d.var_problem / problems) / seeds)
+
+
 def mdd(d: Detection, seeds: int, problems: float) -> float:
     """The minimum detectable difference of a sweep of ``seeds`` seeds of ``problems`` problems."""
-    se = math.sqrt((d.var_seed + d.var_problem / problems) / seeds)
-    return _quantiles(max(seeds - 1, 1), d.level, d.power) * se
+    return _quantiles(max(seeds - 1, 1), d.level, d.power) * planned_se(d, seeds, problems)
 
 
 def joint_bound(found: list[Detection]) -> float:
@@ -165,8 +170,7 @@ def plan_text(d: Detection, wanted: float) -> str:
 
 def _half_width(d: Detection, seeds: int) -> float:
     """The interval's half-width at ``seeds`` seeds of this sweep's problems (the planning SE)."""
-    se = math.sqrt((d.var_seed + d.var_problem / d.problems) / seeds)
-    return float(t_dist.ppf(1 - (1 - d.level) / 2, max(seeds - 1, 1))) * se
+    return float(t_dist.ppf(1 - (1 - d.level) / 2, max(seeds - 1, 1))) * planned_se(d, seeds, d.problems)
 
 
 def seeds_to_conclude(d: Detection, target: float) -> tuple[int | None, int | None]:
@@ -200,6 +204,16 @@ def conclusion_text(d: Detection, target: float) -> str:
 ONE_SEED = " (one seed: its problems are the units, and the seeds' spread is unknown, taken as 0)"
 
 
+def verdict_kind(d: Detection, target: float) -> str:
+    """``greater``, ``bounded``, ``inconclusive`` or ``none``: :func:`verdict`'s classification
+    alone, without its text (whose plans search many sweep sizes)."""
+    if math.isnan(d.diff):
+        return "none"
+    if d.low > 0 or d.high < 0:
+        return "greater"
+    return "bounded" if max(abs(d.low), abs(d.high)) <= target else "inconclusive"
+
+
 def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     """One line on ``a - b``: a difference the interval shows, a bound on it, or what is missing.
 
@@ -210,15 +224,15 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
       seed with one problem); the plan says what would detect ``target`` at 80% power."""
     pts = lambda v: f"{100 * v:.1f}"  # noqa: E731
     interval = f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-    if math.isnan(d.diff):
+    kind = verdict_kind(d, target)
+    if kind == "none":
         return {"kind": "none", "text": "no problem evaluated by both arms"}
-    if d.low > 0 or d.high < 0:
+    if kind == "greater":
         hi, lo, (low, high) = (a, b, (d.low, d.high)) if d.low > 0 else (b, a, (-d.high, -d.low))
         text = f"{hi} > {lo} by {pts(abs(d.diff))} points [{100 * low:+.1f}, {100 * high:+.1f}]"
         return {"kind": "greater", "winner": hi, "text": text + (ONE_SEED if d.seeds < 2 else "")}
-    bound = max(abs(d.low), abs(d.high))
-    if bound <= target:
-        text = f"no difference larger than {pts(bound)} points {interval}"
+    if kind == "bounded":
+        text = f"no difference larger than {pts(max(abs(d.low), abs(d.high)))} points {interval}"
         return {"kind": "bounded", "text": text + (ONE_SEED if d.seeds < 2 else "")}
     now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
     return {

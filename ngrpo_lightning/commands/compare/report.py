@@ -18,7 +18,6 @@ from ngrpo_lightning.commands.compare.posterior import (
     ranking_changes,
 )
 from ngrpo_lightning.commands.compare.power import (
-    Detection,
     detection,
     holm,
     joint_bound,
@@ -27,8 +26,8 @@ from ngrpo_lightning.commands.compare.power import (
     verdict,
 )
 from ngrpo_lightning.commands.compare.runs import CURVES, EXPLORATION, SPEED, RunData, code_versions
-from ngrpo_lightning.commands.compare.sequential import seed_order, steadiness, verdict_history
-from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval
+from ngrpo_lightning.commands.compare.sequential import steadiness, verdict_history
+from ngrpo_lightning.commands.compare.stats import paired_differences, per_problem_scores, seed_interval, seed_order
 
 
 def arm_tables(runs: list[RunData], cfg) -> dict:
@@ -70,9 +69,11 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
             values = [v for v in values if not math.isnan(v)]
             info.setdefault("means", {})[key] = (float(np.mean(values)), float(np.std(values))) if values else None
         out["arms"][arm] = info
+    found_all = []
     for a, b in itertools.combinations(arms, 2):
         for m in [f"pass@{k}" for k in sorted({ks[0], ks[-1]})] if ks else []:
             found = detection(paired_differences(scores[a], scores[b], m), cfg.level, cfg.power)
+            found_all.append(found)
             history = verdict_history(scores[a], scores[b], m, cfg.detect, cfg.level, cfg.power)
             out["paired"].append(
                 {
@@ -88,6 +89,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "steadiness": steadiness(history),
                 }
             )
+    out["joint_bound"] = joint_bound(found_all)
     adjusted = holm([p["detection"]["p_value"] for p in out["paired"]])
     alpha = 1 - cfg.level
     for p, p_holm in zip(out["paired"], adjusted):
@@ -140,7 +142,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         ]
         lines += ["A difference is also checked with Holm's correction over all the comparisons listed, which"]
         lines += ["keeps the chance of any false difference among them at 5%."]
-        joint = joint_bound([Detection(**p["detection"]) for p in paired])
+        joint = tables["joint_bound"]
         if len(paired) > 1 and not math.isnan(joint):
             lines += [
                 f"Read together (all {len(paired)} intervals at once, Bonferroni: 95% jointly), no difference is",

@@ -15,28 +15,22 @@ an interval at one number of seeds cannot.
 
 from __future__ import annotations
 
-from ngrpo_lightning.commands.compare.power import detection, verdict
+from ngrpo_lightning.commands.compare.power import detection, verdict_kind
 from ngrpo_lightning.commands.compare.stats import paired_differences
-
-
-def seed_order(seed: str):
-    """Seeds sort as numbers where they are numbers ("2" before "10"), by name otherwise."""
-    return (0, int(seed), "") if str(seed).isdigit() else (1, 0, str(seed))
 
 
 def verdict_history(
     a: dict[str, dict], b: dict[str, dict], metric: str, target: float, level: float = 0.95, power: float = 0.8
 ) -> list[dict]:
-    """The verdict on ``a - b`` (:func:`~.power.verdict`) on the first 2, 3, ... seeds both arms
-    have, in seed order: one entry ``{"seeds", "diff", "low", "high", "kind"}`` per count, the
+    """The verdict on ``a - b`` (:func:`~.power.verdict`'s kind) on the first 2, 3, ... seeds both
+    arms have, in seed order: one entry ``{"seeds", "diff", "low", "high", "kind"}`` per count, the
     last on every seed (the report's own). ``a`` and ``b`` map a seed to its per-problem scores,
     as :func:`~.stats.paired_differences` takes them."""
-    seeds = sorted(set(a) & set(b), key=seed_order)
+    groups = paired_differences(a, b, metric)  # one list per seed, in seed order
     out = []
-    for count in range(2, len(seeds) + 1):
-        first = seeds[:count]
-        found = detection(paired_differences({s: a[s] for s in first}, {s: b[s] for s in first}, metric), level, power)
-        kind = verdict("a", "b", found, target)["kind"]
+    for count in range(2, len(groups) + 1):
+        found = detection(groups[:count], level, power)
+        kind = verdict_kind(found, target)
         out.append({"seeds": count, "diff": found.diff, "low": found.low, "high": found.high, "kind": kind})
     return out
 

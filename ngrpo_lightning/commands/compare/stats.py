@@ -78,13 +78,19 @@ def seed_interval(groups: Sequence[Sequence[float]], level: float = 0.95) -> Int
     return Interval(mean, mean - half, mean + half, se, dof, unit)
 
 
+def seed_order(seed: str):
+    """Seeds sort as numbers where they are numbers ("2" before "10"), by name otherwise."""
+    return (0, int(seed), "") if str(seed).isdigit() else (1, 0, str(seed))
+
+
 def paired_differences(a: dict[str, dict], b: dict[str, dict], metric: str) -> list[list[float]]:
-    """Per seed, the differences ``a - b`` of ``metric`` on the problems both arms evaluated.
+    """Per seed (in :func:`seed_order`), the differences ``a - b`` of ``metric`` on the problems
+    both arms evaluated.
 
     ``a`` and ``b`` map a seed to that run's :func:`per_problem_scores`; seeds or problems only
     one arm has are left out (pairing needs both)."""
     out = []
-    for seed in sorted(set(a) & set(b)):
+    for seed in sorted(set(a) & set(b), key=seed_order):
         common = sorted(set(a[seed]) & set(b[seed]))
         out.append([a[seed][p][metric] - b[seed][p][metric] for p in common])
     return out
