@@ -89,7 +89,9 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 def fmt(v) -> str:
     if v is None:
         return ""
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):  # small magnitudes (a log-prob gap) keep two significant digits
+        return f"{v:.2f}" if v == 0 or abs(v) >= 0.01 or v != v else f"{v:.2g}"
+    return str(v)
 
 
 def write_json(name: str, rows: list[dict], path: str | Path | None = None, **meta) -> Path:

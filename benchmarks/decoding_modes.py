@@ -18,7 +18,8 @@ log-probs agree up to float rounding. The floor of a decoding step is the bytes 
     python benchmarks/decoding_modes.py            # CPU: growing against static (no graphs)
     python benchmarks/decoding_modes.py --device cuda --dtype bfloat16 --modes static graphs compile
 
-The tokens are compared with the first mode's (growing, unless ``--modes`` leaves it out).
+The tokens are compared with the first mode's (growing, unless ``--modes`` leaves it out). A mode
+that fails (its graphs cannot be recorded, say) is reported with its error; the others still run.
 """
 
 from __future__ import annotations
@@ -99,17 +100,24 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0, batch
 
-    first = {name: run(engine) for name, engine in engines.items()}  # warm-up (and graph recording)
-    best = {name: (float("inf"), None) for name in modes}
+    first, failed = {}, {}
+    for name, engine in list(engines.items()):  # warm-up (and graph recording); a mode that fails is reported
+        try:
+            first[name] = run(engine)
+        except Exception as err:  # noqa: BLE001 - the other modes still measure
+            failed[name] = f"{type(err).__name__}: {err}"[:300]
+            print(f"{name}: {failed[name]}", flush=True)
+            del engines[name]
+    best = {name: (float("inf"), None) for name in engines}
     for _ in range(args.repeats):
         for name, engine in engines.items():
             seconds, batch = run(engine)
             if seconds < best[name][0]:
                 best[name] = (seconds, batch)
-    reference = best[next(iter(modes))][1]
     width = max(len(p) for p in prompts)
     floor = floor_ms(model, args.batch_size, width, args.new_tokens, args.bandwidth_gbs) if args.bandwidth_gbs else None
-    rows = []
+    rows = [{"mode": name, "error": reason} for name, reason in failed.items()]
+    reference = best[next(iter(best))][1] if best else None
     for name, (seconds, batch) in best.items():
         step_ms = 1e3 * seconds / args.new_tokens
         rows.append(
@@ -127,7 +135,7 @@ def main() -> None:
             }
         )
     print(f"{args.model} on {args.device} ({args.dtype}), {args.batch_size} rows x {args.new_tokens} tokens")
-    print_table(rows, list(rows[0]))
+    print_table(rows, list(rows[-1]) + (["error"] if failed else []))
     write_json("decoding_modes", rows, args.out, model=args.model, device=args.device, dtype=args.dtype)
 
 

@@ -1,68 +1,84 @@
 #!/usr/bin/env bash
-# The GPU checks, in one command with a time limit, from the project's root on a CUDA machine:
-#   1. the side-by-side workload on the packaged model's shape, full fine-tuning and LoRA
-#   2. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
-#   3. the Qwen2.5-1.5B shape at 256 tokens, full fine-tuning and LoRA
-#   4. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
-#   5. decoding modes (growing cache, static cache, static + CUDA graphs) at both shapes, against the floor
-#   1b, 3b: steps 1 and 3 (full fine-tuning) on backend.name=cuda_graphs, the CUDA backend decoding from
-#      kept CUDA graphs (what the default CUDA backend becomes once these figures say it is faster)
-#   5c: the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs,
-#      last, with whatever time is left (compilation is the slow part: its time is in first_run_s)
+# The GPU checks, in one command with a time limit, from the project's root on a CUDA machine.
+# The steps come in the order of what they decide, so a cut-off run still decides the most:
+#   1. decoding modes at the packaged model's shape: growing cache, static cache, static + CUDA
+#      graphs (tokens compared, ms per step against the bandwidth floor); whether the graphs work
+#      here decides the backend of every later run (BACKEND: cuda_graphs, else the eager cuda)
+#   2. the GPU tests: graph and compiled decoding against eager for every built-in explorer, the
+#      training forward rebuilding the replayed rollouts, no host waits per token
+#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND, and
+#      full fine-tuning on the eager backend as the baseline measured beside them
+#   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
+#   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND
+#   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
+#      the packaged shape (compilation is the slow part: its time is in first_run_s)
+#   7. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model),
+#      then step 6 at the Qwen2.5-1.5B shape
+#   8. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
-#   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU
+#   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; mkdir -p "$OUT"
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; BW=${BANDWIDTH:-3350}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment
 [ "$ACC" = gpu ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
+$PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
+  ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
-echo "== 1. the packaged model's shape, $TOK tokens, full and LoRA ($SECONDS s)"
-timeout -s INT "$(left 150)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 --out "$OUT/small.json"
+DEV=$([ "$ACC" = gpu ] && echo cuda || echo cpu); GRAPH_MODES=$([ "$ACC" = gpu ] && echo graphs)
+D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW"
+
+echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
+timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+  --modes growing static $GRAPH_MODES --out "$OUT/decoding_small.json"
+BACKEND=$([ "$ACC" = gpu ] && echo cuda || echo cpu)
+[ "$ACC" = gpu ] && $PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
+sys.exit('error' in r.get('static + graphs', {'error': 1}))" "$OUT/decoding_small.json" 2>/dev/null && BACKEND=cuda_graphs
+echo "BACKEND=$BACKEND"
+B=$([ "$ACC" = gpu ] && echo "--extra backend.name=$BACKEND")
+
 if [ "$ACC" = gpu ]; then
-  echo "== 1b. the same, full fine-tuning, decoding from CUDA graphs ($SECONDS s)"
-  timeout -s INT "$(left 90)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
-    --extra backend.name=cuda_graphs --out "$OUT/small_graphs.json"
+  echo "== 2. the GPU tests: graphs and compiled decoding against eager, every explorer ($SECONDS s)"
+  timeout -s INT "$(left 75)" $PY -m pytest -q -p no:cacheprovider tests/test_static_decoding.py \
+    tests/test_host_syncs.py -k "cuda_graph" 2>&1 | tail -15
 fi
+
+echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND, full on the eager backend ($SECONDS s)"
+timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
+  --out "$OUT/small.json"
+[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
+  --extra backend.name=cuda --out "$OUT/small_eager.json"
+
+echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
+timeout -s INT "$(left 60)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+  --modes growing static $GRAPH_MODES --out "$OUT/decoding_1.5b.json"
+
+echo "== 5. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA on $BACKEND ($SECONDS s)"
+timeout -s INT "$(left 150)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
+  $B --out "$OUT/1.5b.json"
+
 if [ "$ACC" = gpu ]; then
-  echo "== 2. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens ($SECONDS s)"
-  timeout -s INT "$(left 240)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 3 --micro-batch 8 \
-    --extra model.gradient_checkpointing=true --out "$OUT/7b.json"
+  echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"
+  timeout -s INT "$(left 80)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+    --modes static graphs compile --out "$OUT/decoding_compile_small.json"
+  echo "== 7. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens, on $BACKEND ($SECONDS s)"
+  timeout -s INT "$(left 200)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 2 --micro-batch 8 \
+    --extra backend.name=$BACKEND model.gradient_checkpointing=true --out "$OUT/7b.json"
+  echo "== 7b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
+  timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+    --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
-echo "== 3. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA ($SECONDS s)"
-timeout -s INT "$(left 170)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
-  --out "$OUT/1.5b.json"
-if [ "$ACC" = gpu ]; then
-  echo "== 3b. the same, full fine-tuning, decoding from CUDA graphs ($SECONDS s)"
-  timeout -s INT "$(left 110)" $G --shapes qwen2.5-1.5b --modes full --tokens "$LONG" --steps 3 --micro-batch 8 \
-    --extra backend.name=cuda_graphs --out "$OUT/1.5b_graphs.json"
-fi
-echo "== 4. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
+
+echo "== 8. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
 DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
 CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
   model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
-  logger=none output_dir=$OUT/run trainer.enable_progress_bar=false"
+  logger=none output_dir=$OUT/run trainer.enable_progress_bar=false ${B:+backend.name=$BACKEND}"
 timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$OUT/cli.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/cli.log"
 timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$OUT/resume.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/resume.log"
-echo "== 5. decoding modes: growing, static, static + CUDA graphs; tokens equal, ms/step against the floor ($SECONDS s)"
-DEV=$([ "$ACC" = gpu ] && echo cuda || echo cpu); BW=${BANDWIDTH:-3350}
-timeout -s INT "$(left 60)" $PY benchmarks/decoding_modes.py --model $MODELS/smollm2-135m-bfloat16 --device $DEV \
-  --dtype bfloat16 --new-tokens "$TOK" --repeats 2 --bandwidth-gbs $BW --out "$OUT/decoding_small.json"
-timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device $DEV \
-  --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --out "$OUT/decoding_1.5b.json"
-[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $PY -m pytest -q tests/test_static_decoding.py tests/test_host_syncs.py -k cuda_graph
-if [ "$ACC" = gpu ]; then
-  echo "== 5c. decoding: recorded graphs against torch.compile's ($SECONDS s)"
-  timeout -s INT "$(left 90)" $PY benchmarks/decoding_modes.py --model $MODELS/smollm2-135m-bfloat16 --device cuda \
-    --dtype bfloat16 --new-tokens "$TOK" --repeats 2 --bandwidth-gbs $BW --modes static graphs compile \
-    --out "$OUT/decoding_compile_small.json"
-  timeout -s INT "$(left 120)" $PY benchmarks/decoding_modes.py --model $MODELS/qwen2.5-1.5b-bfloat16 --device cuda \
-    --dtype bfloat16 --new-tokens "$LONG" --repeats 1 --bandwidth-gbs $BW --modes static graphs compile \
-    --out "$OUT/decoding_compile_1.5b.json"
-fi
 echo "== done ($SECONDS s)"

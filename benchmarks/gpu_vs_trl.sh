@@ -11,16 +11,18 @@
 #             datasets' dill, multiprocess, xxhash, fsspec where missing)
 #   SOURCE    as in gpu_checks.sh: the tokenizer files and SmolLM2's config.json
 #   PROBLEMS  a .jsonl of problems for both sides, where reasoning-gym is not installed (gpu_checks.sh's)
+#   OURS      our side as vs_trl.py names it: ours-graphs on a GPU (decoding from CUDA graphs), else ours
 #   ACC=cpu TOK=4 LONG=4: a dry run of this script on the CPU
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-420}; OUT=${OUT:-/tmp/gpu-vs-trl}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; BW=${BANDWIDTH:-3350}; mkdir -p "$OUT"
+OURS=${OURS:-$([ "$ACC" = gpu ] && echo ours-graphs || echo ours)}
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment
 $PY -c "import trl, torch; print('trl', trl.__version__, 'torch', torch.__version__)" || exit 1
 # the models (kept where gpu_checks.sh built them)
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
-V="$PY benchmarks/vs_trl.py --accelerator $ACC --dtype bfloat16 --sides ours trl --runs 1 --no-saves --bandwidth-gbs $BW
+V="$PY benchmarks/vs_trl.py --accelerator $ACC --dtype bfloat16 --sides $OURS trl --runs 1 --no-saves --bandwidth-gbs $BW
   ${PROBLEMS:+--problems $PROBLEMS}"
 echo "== 1. the packaged model's shape, $TOK tokens ($SECONDS s)"
 timeout -s INT "$(left 150)" $V --model "$MODELS/smollm2-135m-bfloat16" --tokens "$TOK" --steps 4 --out "$OUT/small.json"

@@ -16,7 +16,9 @@ first step of every run is dropped from the medians and reported as the run's wa
 CUDA graphs recorded: ``graph_record_s`` of it), and ``warmup_pct_50`` its share of a 50-step
 run's wall time. ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
-at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). A run that fails (out
+at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). ``logprob_diff_max`` is the
+largest gap between a sampled token's log-prob in the rollout and in the training forward that
+rebuilds its inputs (``train/rollout_logprob_diff_max``, over the run's steps). A run that fails (out
 of memory, say) is reported with its reason; the others go on.
 
     python benchmarks/large_shapes.py --shapes smollm2-135m qwen2.5-1.5b --modes full lora
@@ -151,6 +153,7 @@ def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
     row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
+    row["logprob_diff_max"] = max(s.get("logprob_diff_max", float("nan")) for s in result["steps"])
     return row
 
 
@@ -215,7 +218,8 @@ def main(argv=None) -> None:
                 print({k: v for k, v in shown.items() if k != "log_tail"}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
-    print_table(rows, [*columns, "warmup_s", "warmup_pct_50", "cuda_gib", "reserved_gib", "rss_gib", "error"])
+    more = ["warmup_s", "warmup_pct_50", "logprob_diff_max", "cuda_gib", "reserved_gib", "rss_gib", "error"]
+    print_table(rows, [*columns, *more])
 
 
 if __name__ == "__main__":

@@ -267,7 +267,10 @@ def columns(natural: bool) -> list[str]:
 
 
 def report(rows: list[dict], errors: dict, natural: bool) -> None:
-    ours = next((r for r in rows if r["side"] == "ours"), None)
+    # the ratios' base: our default side, else another of ours (ours-graphs on a GPU)
+    ours = next((r for r in rows if r["side"] == "ours"), None) or next(
+        (r for r in rows if r["side"].startswith("ours")), None
+    )
     key = "ms/token" if natural else "s/step"
     for row in rows:
         row["vs_ours"] = row[key] / ours[key] if ours else None

@@ -111,6 +111,8 @@ class StepRecorder(L.Callback):
         step["tokens"] = round(step["tokens"])
         # seconds this step's rollout spent recording CUDA graphs (logged only where it decodes from them)
         step["graph_record_s"] = float(metrics.get("rollout/graph_warmup_s", 0.0))
+        # the engine's log-probs of the sampled tokens against the training forward's (the records rebuilt)
+        step["logprob_diff_max"] = float(metrics.get("train/rollout_logprob_diff_max", float("nan")))
         step.update(
             prompt_counts(batch.prompt_mask.sum(1).tolist(), batch.group_size, batch.response_mask.sum(1).tolist())
         )

@@ -133,6 +133,10 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no
             ]
             assert_same_rollouts(runs[1], runs[0])
             assert_same_rollouts(runs[2], runs[0], logprob_tolerance=1e-3)  # fused kernels: other roundings
+            m = runs[1].response_mask.bool()
+            with torch.no_grad():  # training rebuilds, on the GPU, the inputs the replayed steps saw
+                logp, _ = response_logprobs(model, runs[1], 1.0)
+            assert (logp - runs[1].rollout_logprobs)[m].abs().max() < 1e-3, name
     finally:
         model.cpu()
 
