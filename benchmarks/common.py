@@ -16,12 +16,17 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` chat-templated prompts of the built-in task (``data=reasoning_gym``'s default tasks)."""
+def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0, problems: str = "") -> list[list[int]]:
+    """``n`` chat-templated prompts of the built-in task (``data=reasoning_gym``'s default tasks),
+    or the first ``n`` of a problems file (``problems``: a machine without reasoning-gym reads
+    what ``benchmarks/large_shapes.py --export-problems`` wrote)."""
     from ngrpo_lightning.config import compose
-    from ngrpo_lightning.data import reasoning_gym_problems, render_prompt
+    from ngrpo_lightning.data import load_problems, reasoning_gym_problems, render_prompt
 
-    problems = reasoning_gym_problems(compose([]).data.tasks, n, seed=seed)
+    if problems:
+        problems = load_problems(problems, limit=n)
+    else:
+        problems = reasoning_gym_problems(compose([]).data.tasks, n, seed=seed)
     return [tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"] for p in problems]
 
 

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bandwidth-gbs", type=float, default=None)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="default: all but compile")
+    ap.add_argument("--problems", default="", help="a .jsonl of problems instead of the built-in task")
     ap.add_argument("--out", default=str(RESULTS / "decoding_modes.json"))
     args = ap.parse_args()
     model, tok = load_policy(args.model, dtype=args.dtype)
@@ -78,7 +79,7 @@ def main() -> None:
     if "compile" in (args.modes or []) and not args.device.startswith("cuda"):
         backend = type(backend)(backend.dtype, packing="off")
     backend.prepare(model)
-    prompts = arithmetic_prompt_ids(tok, args.batch_size)
+    prompts = arithmetic_prompt_ids(tok, args.batch_size, problems=args.problems)
     cuda = args.device.startswith("cuda")
     chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]
     if "graphs" in chosen and not cuda:

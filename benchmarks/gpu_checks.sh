@@ -4,18 +4,20 @@
 #   1. decoding modes at the packaged model's shape: growing cache, static cache, static + CUDA
 #      graphs (tokens compared, ms per step against the bandwidth floor); whether the graphs work
 #      here decides the backend of every later run (BACKEND: cuda_graphs, else the eager cuda)
-#   2. the GPU tests: graph and compiled decoding against eager for every built-in explorer, the
-#      training forward rebuilding the replayed rollouts, no host waits per token
-#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND, and
-#      full fine-tuning on the eager backend as the baseline measured beside them
+#   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
+#      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
+#      waits per token (tests.txt)
+#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND
 #   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
 #   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND
 #   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
 #      the packaged shape (compilation is the slow part: its time is in first_run_s)
-#   7. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model),
+#   7. TRL's GRPOTrainer on step 3's workload, where TRL is installed (deliverable 5's baseline), and
+#      the packaged shape's full fine-tuning on the eager backend, the baseline of step 3
+#   8. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model),
 #      then step 6 at the Qwen2.5-1.5B shape
-#   8. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
-# Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT.
+#   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
+# Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
@@ -23,15 +25,20 @@
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; BW=${BANDWIDTH:-3350}; mkdir -p "$OUT"
-. benchmarks/gpu_env.sh  # left, WHEELS, the environment
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; mkdir -p "$OUT"
+. benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 [ "$ACC" = gpu ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
+if [ "$ACC" = gpu ]; then  # step 2, beside the building
+  timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
+    tests/test_host_syncs.py -k cuda_graph > "$OUT/tests.txt" 2>&1 &
+  TESTS=$!
+fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
 DEV=$([ "$ACC" = gpu ] && echo cuda || echo cpu); GRAPH_MODES=$([ "$ACC" = gpu ] && echo graphs)
-D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW"
+D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 
 echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
 timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
@@ -43,16 +50,12 @@ echo "BACKEND=$BACKEND"
 B=$([ "$ACC" = gpu ] && echo "--extra backend.name=$BACKEND")
 
 if [ "$ACC" = gpu ]; then
-  echo "== 2. the GPU tests: graphs and compiled decoding against eager, every explorer ($SECONDS s)"
-  timeout -s INT "$(left 75)" $PY -m pytest -q -p no:cacheprovider tests/test_static_decoding.py \
-    tests/test_host_syncs.py -k "cuda_graph" 2>&1 | tail -15
+  echo "== 2. (waited for) the GPU tests ($SECONDS s)"; wait $TESTS; tail -40 "$OUT/tests.txt"
 fi
 
-echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND, full on the eager backend ($SECONDS s)"
+echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
 timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
   --out "$OUT/small.json"
-[ "$ACC" = gpu ] && timeout -s INT "$(left 60)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
-  --extra backend.name=cuda --out "$OUT/small_eager.json"
 
 echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
 timeout -s INT "$(left 60)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
@@ -66,19 +69,28 @@ if [ "$ACC" = gpu ]; then
   echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"
   timeout -s INT "$(left 80)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
     --modes static graphs compile --out "$OUT/decoding_compile_small.json"
-  echo "== 7. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens, on $BACKEND ($SECONDS s)"
+  if $PY -c "import trl" 2>/dev/null; then
+    echo "== 7. TRL's GRPOTrainer on step 3's workload (its full fine-tuning row is ours; gpu_vs_trl.sh: both shapes) ($SECONDS s)"
+    timeout -s INT "$(left 90)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
+      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/smollm2-135m-bfloat16 \
+      --tokens "$TOK" --steps 4 --out "$OUT/trl_small.json"
+  fi
+  echo "== 7b. the packaged shape, $TOK tokens, full fine-tuning on the eager backend ($SECONDS s)"
+  timeout -s INT "$(left 60)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
+    --extra backend.name=cuda --out "$OUT/small_eager.json"
+  echo "== 8. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens, on $BACKEND ($SECONDS s)"
   timeout -s INT "$(left 200)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 2 --micro-batch 8 \
     --extra backend.name=$BACKEND model.gradient_checkpointing=true --out "$OUT/7b.json"
-  echo "== 7b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
+  echo "== 8b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
   timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
     --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
 
-echo "== 8. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
+echo "== 9. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
 DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
 CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
   model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
-  logger=none output_dir=$OUT/run trainer.enable_progress_bar=false ${B:+backend.name=$BACKEND}"
-timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$OUT/cli.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/cli.log"
-timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$OUT/resume.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/resume.log"
+  logger=none output_dir=$RUN trainer.enable_progress_bar=false ${B:+backend.name=$BACKEND}"
+timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$RUN.cli.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.cli.log"
+timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$RUN.resume.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.resume.log"
 echo "== done ($SECONDS s)"

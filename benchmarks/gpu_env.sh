@@ -1,6 +1,7 @@
 # Sourced by the device scripts (gpu_checks.sh, gpu_vs_trl.sh) after they set their defaults:
 # `left N` (at most N of the LIMIT seconds that remain), the carried wheels installed (WHEELS), and
-# the environment both scripts run in. Expects PY and LIMIT.
+# the environment both scripts run in, and BW, the GPU's memory bandwidth in GB/s for the floors
+# (BANDWIDTH, else the data sheet's for an H100 SXM or an H200, named by nvidia-smi). Expects PY and LIMIT.
 left() { local l=$((LIMIT - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
 if [ -n "${WHEELS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
@@ -9,3 +10,5 @@ if [ -n "${WHEELS:-}" ]; then
   [ -e ngrpo_lightning/callbacks ] || ln -s "$PWD/callbacks" ngrpo_lightning/callbacks
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$GPU_NAME" in *H200*) BW=${BANDWIDTH:-4800} ;; *) BW=${BANDWIDTH:-3350} ;; esac

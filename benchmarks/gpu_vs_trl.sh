@@ -15,9 +15,9 @@
 #   ACC=cpu TOK=4 LONG=4: a dry run of this script on the CPU
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-420}; OUT=${OUT:-/tmp/gpu-vs-trl}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; BW=${BANDWIDTH:-3350}; mkdir -p "$OUT"
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; mkdir -p "$OUT"
 OURS=${OURS:-$([ "$ACC" = gpu ] && echo ours-graphs || echo ours)}
-. benchmarks/gpu_env.sh  # left, WHEELS, the environment
+. benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 $PY -c "import trl, torch; print('trl', trl.__version__, 'torch', torch.__version__)" || exit 1
 # the models (kept where gpu_checks.sh built them)
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \

@@ -17,6 +17,9 @@ REPO = ROOT.parent
 # Package-internal imports that stay inside functions, and why.
 LAZY_OK = {
     ("ngrpo_lightning.rewards", "ngrpo_lightning.rewards.reward"): "verifier workers must not import torch",
+    ("ngrpo_lightning.tracking.logger", "ngrpo_lightning.tracking.system_metrics"): (
+        "MLflow is imported only by a run that logs to it: logger=none runs where it is not installed"
+    ),
     ("ngrpo_lightning.commands.launch", "ngrpo_lightning.commands.cli"): (
         "OpenMP's settings are in the environment before torch loads"
     ),
@@ -224,3 +227,21 @@ def test_pyproject_installs_every_package_and_the_tree_has_no_links():
 def test_the_checker_sees_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_run_without_mlflow_imports_everything_it_needs():
+    """``logger=none`` needs no MLflow: a machine without it (a GPU image, a cluster node) imports
+    the train command, its callbacks and the export without it, and without reasoning-gym."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules.update(mlflow=None, reasoning_gym=None)\n"  # import mlflow -> ModuleNotFoundError
+        "import ngrpo_lightning.commands.train, ngrpo_lightning.checkpoints.export, ngrpo_lightning.callbacks\n"
+        "import ngrpo_lightning.tracking.logger\n"
+        "try:\n    import mlflow\nexcept ImportError:\n    print('without mlflow')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "without mlflow"

@@ -21,7 +21,6 @@ import math
 from pathlib import Path
 
 import torch
-from mlflow import MlflowClient
 
 from ngrpo_lightning.checkpoints.trained_policy import (
     TrainedCheckpoint,
@@ -171,6 +170,8 @@ def _mlflow_metrics(run_id: str | None, uri: str | None) -> dict[str, float]:
     if not run_id or not uri:
         return {}
     try:
+        from mlflow import MlflowClient  # a run that logged to MLflow has it
+
         client = MlflowClient(uri)
         out = {}
         for key in VAL_METRICS:
@@ -186,6 +187,8 @@ def _log_artifacts(run_id: str | None, uri: str | None, out: Path) -> bool:
     if not run_id or not uri:
         return False
     try:
+        from mlflow import MlflowClient
+
         MlflowClient(uri).log_artifacts(run_id, str(out), "model")
         return True
     except Exception:  # noqa: BLE001 - the export itself is done; the summary says it was not logged

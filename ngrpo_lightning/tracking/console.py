@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import sys
 
 import torch
@@ -37,6 +38,9 @@ def quiet_libraries(verbose: bool = False) -> None:
         return
     for name, level in QUIET.items():
         logging.getLogger(name).setLevel(level)
+    # MLflow sets its loggers' levels when it is imported, which a run that logs to it does later:
+    # its own switch keeps them quiet then (a level the user set stays)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights: 100%": instant for models on disk

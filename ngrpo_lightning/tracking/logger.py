@@ -19,7 +19,6 @@ from omegaconf import DictConfig, OmegaConf
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.code_version import code_tags
-from ngrpo_lightning.tracking.system_metrics import start_system_metrics
 
 
 def mlflow_key(name: str) -> str:
@@ -113,6 +112,9 @@ class RunLogger(MLFlowLogger):
     def monitor_system(self, interval_s: float, resume: bool = False) -> None:
         """Log system metrics (``system/*``: CPU, memory, GPU, this process's RSS) into the run
         every ``interval_s`` seconds until :meth:`close`."""
+        # imported here: MLflow is needed only by a run that logs to it (``logger=none`` runs without)
+        from ngrpo_lightning.tracking.system_metrics import start_system_metrics
+
         self._monitor = start_system_metrics(self.run_id, self._tracking_uri, interval_s, resume)
 
     def close(self, status: str = "success") -> None:
