@@ -42,7 +42,7 @@ from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 # --modes name -> (the table's name, HFEngine's settings)
 MODES = {
     "growing": ("growing", {"static_cache": False}),
-    "static": ("static", {"static_cache": True}),
+    "static": ("static", {"static_cache": True, "graphs": False}),  # eager, whatever the backend's default
     "graphs": ("static + graphs", {"static_cache": True, "graphs": "cuda"}),
     "compile": ("static + compile", {"static_cache": True, "graphs": "compile"}),
 }

@@ -3,7 +3,7 @@
 # The steps come in the order of what they decide, so a cut-off run still decides the most:
 #   1. decoding modes at the packaged model's shape: growing cache, static cache, static + CUDA
 #      graphs (tokens compared, ms per step against the bandwidth floor); whether the graphs work
-#      here decides the backend of every later run (BACKEND: cuda_graphs, else the eager cuda)
+#      here decides the backend of every later run (BACKEND: the default cuda, else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
@@ -22,14 +22,19 @@
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
+#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9"); without step 1 later runs use the
+#             default backend (graphs), with it the eager one where recording failed
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; mkdir -p "$OUT"
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9}
+mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
-[ "$ACC" = gpu ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+gpu() { [ "$ACC" = gpu ]; }
+gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
-if [ "$ACC" = gpu ]; then  # step 2, beside the building
+if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
     tests/test_host_syncs.py -k cuda_graph > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
@@ -37,38 +42,44 @@ fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
-DEV=$([ "$ACC" = gpu ] && echo cuda || echo cpu); GRAPH_MODES=$([ "$ACC" = gpu ] && echo graphs)
+DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
+BACKEND=$(gpu && echo cuda || echo cpu)
 
-echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
-timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
-  --modes growing static $GRAPH_MODES --out "$OUT/decoding_small.json"
-BACKEND=$([ "$ACC" = gpu ] && echo cuda || echo cpu)
-[ "$ACC" = gpu ] && $PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
-sys.exit('error' in r.get('static + graphs', {'error': 1}))" "$OUT/decoding_small.json" 2>/dev/null && BACKEND=cuda_graphs
+if want 1; then
+  echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
+  timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+    --modes growing static $GRAPH_MODES --out "$OUT/decoding_small.json"
+  gpu && ! $PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
+sys.exit('error' in r.get('static + graphs', {'error': 1}))" "$OUT/decoding_small.json" 2>/dev/null && BACKEND=cuda_eager
+fi
 echo "BACKEND=$BACKEND"
-B=$([ "$ACC" = gpu ] && echo "--extra backend.name=$BACKEND")
+B=$(gpu && echo "--extra backend.name=$BACKEND")
 
-if [ "$ACC" = gpu ]; then
+if gpu && want 2; then
   echo "== 2. (waited for) the GPU tests ($SECONDS s)"; wait $TESTS; tail -40 "$OUT/tests.txt"
 fi
-
-echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
-timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
-  --out "$OUT/small.json"
-
-echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
-timeout -s INT "$(left 60)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
-  --modes growing static $GRAPH_MODES --out "$OUT/decoding_1.5b.json"
-
-echo "== 5. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA on $BACKEND ($SECONDS s)"
-timeout -s INT "$(left 150)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
-  $B --out "$OUT/1.5b.json"
-
-if [ "$ACC" = gpu ]; then
+if want 3; then
+  echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
+  timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
+    --out "$OUT/small.json"
+fi
+if want 4; then
+  echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
+  timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+    --modes growing static $GRAPH_MODES --out "$OUT/decoding_1.5b.json"
+fi
+if want 5; then
+  echo "== 5. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA on $BACKEND ($SECONDS s)"
+  timeout -s INT "$(left 150)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
+    $B --out "$OUT/1.5b.json"
+fi
+if gpu && want 6; then
   echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"
-  timeout -s INT "$(left 80)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+  timeout -s INT "$(left 120)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
     --modes static graphs compile --out "$OUT/decoding_compile_small.json"
+fi
+if gpu && want 7; then
   if $PY -c "import trl" 2>/dev/null; then
     echo "== 7. TRL's GRPOTrainer on step 3's workload (its full fine-tuning row is ours; gpu_vs_trl.sh: both shapes) ($SECONDS s)"
     timeout -s INT "$(left 90)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
@@ -77,20 +88,23 @@ if [ "$ACC" = gpu ]; then
   fi
   echo "== 7b. the packaged shape, $TOK tokens, full fine-tuning on the eager backend ($SECONDS s)"
   timeout -s INT "$(left 60)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
-    --extra backend.name=cuda --out "$OUT/small_eager.json"
+    --extra backend.name=cuda_eager --out "$OUT/small_eager.json"
+fi
+if gpu && want 8; then
   echo "== 8. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens, on $BACKEND ($SECONDS s)"
   timeout -s INT "$(left 200)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 2 --micro-batch 8 \
     --extra backend.name=$BACKEND model.gradient_checkpointing=true --out "$OUT/7b.json"
   echo "== 8b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
-  timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+  timeout -s INT "$(left 150)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
     --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
-
-echo "== 9. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
-DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
-CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
-  model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
-  logger=none output_dir=$RUN trainer.enable_progress_bar=false ${B:+backend.name=$BACKEND}"
-timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$RUN.cli.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.cli.log"
-timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$RUN.resume.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.resume.log"
+if want 9; then
+  echo "== 9. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
+  DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
+  CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
+    model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
+    logger=none output_dir=$RUN trainer.enable_progress_bar=false $(gpu && echo backend.name=$BACKEND)"
+  timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$RUN.cli.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.cli.log"
+  timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$RUN.resume.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.resume.log"
+fi
 echo "== done ($SECONDS s)"

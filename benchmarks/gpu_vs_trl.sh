@@ -11,12 +11,12 @@
 #             datasets' dill, multiprocess, xxhash, fsspec where missing)
 #   SOURCE    as in gpu_checks.sh: the tokenizer files and SmolLM2's config.json
 #   PROBLEMS  a .jsonl of problems for both sides, where reasoning-gym is not installed (gpu_checks.sh's)
-#   OURS      our side as vs_trl.py names it: ours-graphs on a GPU (decoding from CUDA graphs), else ours
+#   OURS      our side as vs_trl.py names it (default ours: the default backend; ours-eager: no graphs)
 #   ACC=cpu TOK=4 LONG=4: a dry run of this script on the CPU
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-420}; OUT=${OUT:-/tmp/gpu-vs-trl}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; mkdir -p "$OUT"
-OURS=${OURS:-$([ "$ACC" = gpu ] && echo ours-graphs || echo ours)}
+OURS=${OURS:-ours}
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 $PY -c "import trl, torch; print('trl', trl.__version__, 'torch', torch.__version__)" || exit 1
 # the models (kept where gpu_checks.sh built them)

@@ -267,7 +267,7 @@ def columns(natural: bool) -> list[str]:
 
 
 def report(rows: list[dict], errors: dict, natural: bool) -> None:
-    # the ratios' base: our default side, else another of ours (ours-graphs on a GPU)
+    # the ratios' base: our default side, else another of ours
     ours = next((r for r in rows if r["side"] == "ours"), None) or next(
         (r for r in rows if r["side"].startswith("ours")), None
     )

@@ -31,7 +31,7 @@ SIDES = {
     "trl": ("vs_trl_trl.py", {}),
     "trl-ac": ("vs_trl_trl.py", {"activation_checkpointing": True}),
     "ours-unpacked": ("vs_trl_ours.py", {"ours_overrides": ("backend.packing=off",)}),  # plain products
-    "ours-graphs": ("vs_trl_ours.py", {"ours_overrides": ("backend.name=cuda_graphs",)}),  # a GPU: decoding from graphs
+    "ours-eager": ("vs_trl_ours.py", {"ours_overrides": ("backend.name=cuda_eager",)}),  # a GPU: no graphs
 }
 PHASES = ("gen_s", "reward_s", "logprobs_s", "update_s")
 GIB = 1024**3

@@ -183,15 +183,30 @@ def test_half_precision_on_a_cpu_without_fast_half_products_is_warned_with_the_m
     assert single == "[]"
 
 
-def test_the_graph_decoding_backend_is_selected_by_name_for_a_gpu_run_only():
+def test_a_gpu_run_decodes_from_cuda_graphs_and_the_alternatives_are_selected_by_name():
     from ngrpo_lightning.backends import select_backend
-    from ngrpo_lightning.backends.cuda import CUDABackend, CUDACompileBackend, CUDAGraphsBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend, CUDACompileBackend, CUDAEagerBackend
 
-    backend = select_backend("cuda_graphs", torch.bfloat16, "gpu")  # chosen, not run: no GPU needed
-    assert isinstance(backend, CUDAGraphsBackend) and backend.static_decoding and backend.decode_graphs == "cuda"
+    backend = select_backend("auto", torch.bfloat16, "gpu")  # chosen, not run: no GPU needed
+    assert type(backend) is CUDABackend and backend.static_decoding and backend.decode_graphs == "cuda"
+    assert backend.summary().endswith("decoding from CUDA graphs")
+    eager = select_backend("cuda_eager", torch.bfloat16, "gpu")
+    assert isinstance(eager, CUDAEagerBackend) and not eager.static_decoding and eager.decode_graphs is None
     compiled = select_backend("cuda_compile", torch.bfloat16, "gpu")
     assert isinstance(compiled, CUDACompileBackend) and compiled.static_decoding and compiled.decode_graphs == "compile"
-    assert type(select_backend("auto", torch.bfloat16, "gpu")) is CUDABackend  # off by default until measured
-    assert not CUDABackend.static_decoding and CUDABackend.decode_graphs is None
     with pytest.raises(ValueError, match=r"computes on cuda, and this run on cpu .*allowed auto or \['cpu'\]"):
-        select_backend("cuda_graphs", torch.float32, "cpu")
+        select_backend("cuda_eager", torch.float32, "cpu")
+
+
+def test_under_fsdp2_the_cuda_backend_decodes_eagerly_and_says_so(tiny):
+    """Graphs through FSDP2's hooks are not measured: a sharded policy decodes on the growing cache
+    (the same rollouts), and the run's header says why. Prepared on the CPU: only flags change."""
+    from ngrpo_lightning.backends.cuda import CUDABackend
+
+    model, _ = tiny
+    backend = CUDABackend(torch.float32)
+    assert backend.startup_notes() == []
+    backend.prepare(copy.deepcopy(model), sharded=True)
+    assert not backend.static_decoding and backend.decode_graphs is None
+    assert backend.startup_notes() == ["decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)"]
+    assert CUDABackend.decode_graphs == "cuda" and CUDABackend(torch.float32).static_decoding  # the class is untouched

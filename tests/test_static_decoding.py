@@ -141,6 +141,22 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no
         model.cpu()
 
 
+def test_graphs_false_runs_the_static_cache_eagerly_whatever_the_backend_says(tiny):
+    """The CUDA backend replays from graphs by default; ``graphs=False`` keeps its static cache
+    and runs each step as it is (a measurement's baseline): nothing recorded, here on the CPU."""
+    from ngrpo_lightning.backends import CUDABackend
+
+    model, tok = tiny
+    engine = HFEngine(model, tok, max_new_tokens=12, seed=0, backend=CUDABackend(), graphs=False)
+    assert engine._static() and engine._replay() is None
+    fixed = engine.generate(chat_prompt_ids(tok, QUESTIONS), EXPLORERS["gaussian"](), n=2)
+    grown = HFEngine(model, tok, max_new_tokens=12, seed=0).generate(
+        chat_prompt_ids(tok, QUESTIONS), EXPLORERS["gaussian"](), n=2
+    )
+    assert_same_rollouts(fixed, grown)
+    assert engine._graphs == {} and "rollout/graph_warmup_s" not in fixed.stats
+
+
 def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
     """Rollouts of other prompt widths reuse the kept cache (the same storage, restarted) and the
     graphs recorded on it; a longer rollout gets a longer cache; a weight that moves (a new tensor,

@@ -1,22 +1,27 @@
-"""The CUDA backend: plain products, and the host looking at ended rows every few decoding steps
+"""The CUDA backend: plain products, decoding on a kept static KV cache with each step replayed
+from a CUDA graph, and the host looking at ended rows every few decoding steps
 (``decode_checks_every``), not at every token.
 
-Between those looks nothing in the decoding loop waits for the host: the built-in explorers,
-the records and the answer marker stay on the device (``benchmarks/host_syncs.py``), and
-neighbor mixing fills its whole table when its index is built. Decoding on a static KV cache,
-each step replayed from a CUDA graph kept across rollouts, is built and checked on the CPU
-(:mod:`ngrpo_lightning.rollout.static_cache`, :mod:`ngrpo_lightning.rollout.decode_graphs`); it
-becomes this backend's choice (``static_decoding = True``, ``decode_graphs = "cuda"``) once
-measured on a GPU (``benchmarks/gpu_checks.sh``, step 5). Neither cache's forward waits per
-token inside transformers: the engine hands the growing cache's decoding steps their mask
-ready-made, and the static cache's mask has a fixed width.
+On a GPU a decoding step of a small model is hundreds of small kernels launched one by one from
+Python; a CUDA graph replays them with one launch (:mod:`ngrpo_lightning.rollout.decode_graphs`,
+on the fixed shapes of :mod:`ngrpo_lightning.rollout.static_cache`). Measured on one H200
+(docs/performance.md, "On one GPU, from CUDA graphs"): the packaged model's decoding step, 32 rows
+in bfloat16, 20.9 ms eager on the growing cache and 4.9 ms replayed, the same tokens and
+log-probs; recording took 0.1 s. Only the model's step is recorded: explorers, sampling, the
+records and the answer marker run between replays, on the device without waiting for the host
+(``benchmarks/host_syncs.py``), so a user-written explorer needs nothing to run under graphs.
+
+Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.prepare`):
+recording a step through FSDP2's hooks has not been measured on several GPUs.
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
 merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here,
-never in config keys.
+never in config keys. ``backend.name`` names the alternatives a measurement needs.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ngrpo_lightning.backends.base import BACKENDS, Backend
 
@@ -26,23 +31,43 @@ class CUDABackend(Backend):
     device_type = "cuda"
     default_attention = "sdpa"
     decode_checks_every = 8  # one host look per 8 decoding steps: the launch queue keeps running between
-
-
-@BACKENDS.register("cuda_graphs")
-class CUDAGraphsBackend(CUDABackend):
-    """The CUDA backend decoding on kept static caches, each step replayed from a CUDA graph: what
-    :class:`CUDABackend` becomes once a GPU has measured it faster (``backend.name=cuda_graphs``
-    selects it for that measurement; the same rollouts, tested on the CPU up to the graphs)."""
-
     static_decoding = True
-    decode_graphs = "cuda"
+    decode_graphs: str | None = "cuda"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._notes: list[str] = []
+
+    def prepare(self, model: torch.nn.Module, trains: bool = False, sharded: bool = False) -> torch.nn.Module:
+        if sharded and self.decode_graphs is not None:
+            # the same rollouts either way; graphs through FSDP2's hooks are not yet measured
+            self.static_decoding, self.decode_graphs = False, None
+            self._notes.append("decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)")
+        return super().prepare(model, trains=trains, sharded=sharded)
+
+    def startup_notes(self) -> list[str]:
+        return list(self._notes)
+
+    def summary(self) -> str:
+        how = {"cuda": "from CUDA graphs", "compile": "compiled by torch.compile"}.get(self.decode_graphs, "eagerly")
+        return f"{super().summary()}, decoding {how}"
+
+
+@BACKENDS.register("cuda_eager")
+class CUDAEagerBackend(CUDABackend):
+    """The CUDA backend decoding eagerly on the growing cache, each kernel launched from Python:
+    the baseline the graphs are measured against (``backend.name=cuda_eager``), and the way round
+    a GPU or driver where recording fails."""
+
+    static_decoding = False
+    decode_graphs = None
 
 
 @BACKENDS.register("cuda_compile")
 class CUDACompileBackend(CUDABackend):
-    """:class:`CUDAGraphsBackend` with the decoding step compiled by ``torch.compile`` (fused
-    kernels, CUDA graphs recorded by torch) instead of recorded as it runs eagerly: the other
-    way the issue of graph decoding left to measurement (``backend.name=cuda_compile``)."""
+    """The static-cache decoding step compiled by ``torch.compile`` (``mode="reduce-overhead"``:
+    Inductor's fused kernels in CUDA graphs torch records per shape) instead of recorded as it
+    runs eagerly (``backend.name=cuda_compile``): fewer kernels per step, but at the packaged
+    shape compiling had not finished after 40 s, where recording took 0.1 s (docs/performance.md)."""
 
-    static_decoding = True
     decode_graphs = "compile"

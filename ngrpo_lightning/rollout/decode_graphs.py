@@ -109,7 +109,8 @@ class DecodeGraphs:
             self._warm_up(lambda: self._forward(inputs), inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a rollouts-ahead worker records while the training thread keeps computing
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(inputs)
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0

@@ -82,7 +82,8 @@ class HFEngine(RolloutEngine):
         graphs: with the static cache, replay each decoding step from a CUDA graph per batch
             bucket (``"cuda"``, :mod:`.decode_graphs`; ``"compile"``: the step compiled by
             ``torch.compile``, with CUDA graphs on a GPU; ``"rerun"`` runs the step on the graphs'
-            buffers, the CPU's check); default: the backend's ``decode_graphs``.
+            buffers, the CPU's check); default: the backend's ``decode_graphs``; ``False``: none,
+            whatever the backend's (the static cache run eagerly, a measurement's baseline).
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
             a rollout unshards it and the sharded layers once, not once per decoding step.
     """
@@ -102,7 +103,7 @@ class HFEngine(RolloutEngine):
         backend: Backend | None = None,
         checks_every: int | None = None,
         static_cache: bool | None = None,
-        graphs: str | None = None,
+        graphs: str | bool | None = None,
     ):
         settings = {"drop_finished_rows": drop_finished_rows, "drop_min_frac": drop_min_frac}
         check_number("checks_every", checks_every, 1, integer=True, optional=True)
@@ -201,6 +202,8 @@ class HFEngine(RolloutEngine):
     def _replay(self) -> str | None:
         """How a static-cache step is replayed (:mod:`.decode_graphs`), or ``None`` (run as it is)."""
         if not self._static():
+            return None
+        if self.graphs is False:
             return None
         return self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
 
