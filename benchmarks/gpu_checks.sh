@@ -24,7 +24,8 @@
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
 #   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9"); without step 1 later runs use the
 #             default backend (graphs), with it the eager one where recording failed
-#   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B)
+#   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B), with MLflow and
+#             reasoning-gym hidden as the GPU image lacks them (HIDE: the packages hidden)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9}

@@ -10,5 +10,12 @@ if [ -n "${WHEELS:-}" ]; then
   [ -e ngrpo_lightning/callbacks ] || ln -s "$PWD/callbacks" ngrpo_lightning/callbacks
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# a dry run on the CPU (ACC=cpu) hides the packages the GPU image lacks, so that it fails where the
+# GPU run would: HIDE names them (empty: hide nothing)
+if [ "${ACC:-gpu}" = cpu ] && [ -n "${HIDE-mlflow reasoning_gym}" ]; then
+  HIDDEN=$(mktemp -d); printf 'import sys\nfor name in "%s".split():\n    sys.modules[name] = None\n' \
+    "${HIDE-mlflow reasoning_gym}" > "$HIDDEN/sitecustomize.py"
+  export PYTHONPATH=$HIDDEN:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$GPU_NAME" in *H200*) BW=${BANDWIDTH:-4800} ;; *) BW=${BANDWIDTH:-3350} ;; esac

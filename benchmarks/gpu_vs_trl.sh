@@ -12,7 +12,7 @@
 #   SOURCE    as in gpu_checks.sh: the tokenizer files and SmolLM2's config.json
 #   PROBLEMS  a .jsonl of problems for both sides, where reasoning-gym is not installed (gpu_checks.sh's)
 #   OURS      our side as vs_trl.py names it (default ours: the default backend; ours-eager: no graphs)
-#   ACC=cpu TOK=4 LONG=4: a dry run of this script on the CPU
+#   ACC=cpu TOK=4 LONG=4: a dry run of this script on the CPU (MLflow and reasoning-gym hidden, HIDE)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-420}; OUT=${OUT:-/tmp/gpu-vs-trl}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; mkdir -p "$OUT"
