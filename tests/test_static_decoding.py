@@ -123,22 +123,32 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no
     model, tok = tiny
     model = model.cuda()
     prompts = chat_prompt_ids(tok, QUESTIONS)
+    differ = {}  # explorer -> how its replayed rollouts differed (all named at once: a GPU run is rare)
     try:
         for name in sorted(EXPLORERS):
             runs = [
                 HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs).generate(
                     prompts, EXPLORERS[name](), n=2
                 )
-                for graphs in (None, "cuda", "compile")
+                for graphs in (False, "cuda", "compile")
             ]
-            assert_same_rollouts(runs[1], runs[0])
-            assert_same_rollouts(runs[2], runs[0], logprob_tolerance=1e-3)  # fused kernels: other roundings
             m = runs[1].response_mask.bool()
             with torch.no_grad():  # training rebuilds, on the GPU, the inputs the replayed steps saw
                 logp, _ = response_logprobs(model, runs[1], 1.0)
-            assert (logp - runs[1].rollout_logprobs)[m].abs().max() < 1e-3, name
+            # compiled: fused kernels round otherwise
+            for replay, run, tolerance in (("cuda", runs[1], 1e-5), ("compile", runs[2], 1e-3)):
+                try:
+                    assert_same_rollouts(run, runs[0], logprob_tolerance=tolerance)
+                except AssertionError:
+                    same = (run.response_ids == runs[0].response_ids).float().mean().item()
+                    gap = (run.rollout_logprobs - runs[0].rollout_logprobs).abs().max().item()
+                    differ[f"{name}/{replay}"] = f"tokens {same:.0%} the same, log-prob gap {gap:.2g}"
+            rebuilt = (logp - runs[1].rollout_logprobs)[m].abs().max().item()
+            if rebuilt >= 1e-3:
+                differ[f"{name}/rebuilt"] = f"training's log-probs {rebuilt:.2g} from the rollout's"
     finally:
         model.cpu()
+    assert not differ, differ
 
 
 def test_graphs_false_runs_the_static_cache_eagerly_whatever_the_backend_says(tiny):
