@@ -109,9 +109,15 @@ class DecodeGraphs:
             self._warm_up(lambda: self._forward(inputs), inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a rollouts-ahead worker records while the training thread keeps computing
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(inputs)
+        try:
+            # thread_local: a rollouts-ahead worker records while the training thread keeps computing
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._forward(inputs)
+        except RuntimeError as err:  # a model whose step reads the host or changes shape cannot be recorded
+            raise RuntimeError(
+                f"recording the decoding step of {type(self.model).__name__} as a CUDA graph failed ({err}); "
+                "decode without graphs with backend.name=cuda_eager"
+            ) from err
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
         return _Recorded(inputs, logits, graph)
