@@ -117,7 +117,7 @@ def main() -> None:
                 best[name] = (seconds, batch)
     width = max(len(p) for p in prompts)
     floor = floor_ms(model, args.batch_size, width, args.new_tokens, args.bandwidth_gbs) if args.bandwidth_gbs else None
-    rows = [{"mode": name, "error": reason} for name, reason in failed.items()]
+    rows = []
     reference = best[next(iter(best))][1] if best else None
     for name, (seconds, batch) in best.items():
         step_ms = 1e3 * seconds / args.new_tokens
@@ -135,8 +135,9 @@ def main() -> None:
                 "max_logprob_diff": float((batch.rollout_logprobs - reference.rollout_logprobs).abs().max()),
             }
         )
+    rows += [{"mode": name, "error": reason} for name, reason in failed.items()]
     print(f"{args.model} on {args.device} ({args.dtype}), {args.batch_size} rows x {args.new_tokens} tokens")
-    print_table(rows, list(rows[-1]) + (["error"] if failed else []))
+    print_table(rows, list(dict.fromkeys(key for row in rows for key in row)))  # every row's columns, in order
     write_json("decoding_modes", rows, args.out, model=args.model, device=args.device, dtype=args.dtype)
 
 

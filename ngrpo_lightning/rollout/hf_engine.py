@@ -201,9 +201,7 @@ class HFEngine(RolloutEngine):
 
     def _replay(self) -> str | None:
         """How a static-cache step is replayed (:mod:`.decode_graphs`), or ``None`` (run as it is)."""
-        if not self._static():
-            return None
-        if self.graphs is False:
+        if not self._static() or self.graphs is False:
             return None
         return self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
 

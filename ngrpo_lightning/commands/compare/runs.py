@@ -9,6 +9,7 @@ metric histories (steps and wall times), its final Pass@k per-problem results (t
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ngrpo_lightning.config import ConfigError
@@ -118,13 +119,11 @@ def code_of(tags: dict) -> str:
 
 def code_versions(runs: list[RunData]) -> str:
     """One line on the code the runs ran: one commit, several (with their runs), or unknown."""
-    counts: dict[str, int] = {}
-    for run in runs:
-        counts[run.code or "unknown"] = counts.get(run.code or "unknown", 0) + 1
+    counts = Counter(run.code or "unknown" for run in runs)
     if len(counts) == 1:
         (code,) = counts
         return f"Code: {code} for all {len(runs)} runs." if code != "unknown" else "Code: not recorded."
-    listed = ", ".join(f"{code} ({n} run{'s' * (n != 1)})" for code, n in sorted(counts.items(), key=lambda c: -c[1]))
+    listed = ", ".join(f"{code} ({n} run{'s' * (n != 1)})" for code, n in counts.most_common())
     return f"Code: {len(counts)} versions ({listed}); differences between arms may come from the code too."
 
 
