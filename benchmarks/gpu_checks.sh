@@ -7,9 +7,12 @@
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
-#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND
+#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND; each
+#      run's last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
+#      its Chrome traces in TRACES where given
 #   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
-#   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND
+#   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND,
+#      profiled as in step 3 (no traces)
 #   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
 #      the packaged shape (compilation is the slow part: its time is in first_run_s)
 #   7. TRL's GRPOTrainer on step 3's workload, where TRL is installed (deliverable 5's baseline), and
@@ -18,6 +21,7 @@
 #      then step 6 at the Qwen2.5-1.5B shape
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
+#   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
@@ -37,7 +41,7 @@ gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
-    tests/test_host_syncs.py -k cuda_graph > "$OUT/tests.txt" 2>&1 &
+    tests/test_host_syncs.py tests/test_phases.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
@@ -63,7 +67,7 @@ fi
 if want 3; then
   echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
   timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
-    --out "$OUT/small.json"
+    --profile ${TRACES:+--trace-dir $TRACES} --out "$OUT/small.json"
 fi
 if want 4; then
   echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
@@ -73,7 +77,7 @@ fi
 if want 5; then
   echo "== 5. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA on $BACKEND ($SECONDS s)"
   timeout -s INT "$(left 150)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
-    $B --out "$OUT/1.5b.json"
+    $B --profile --out "$OUT/1.5b.json"
 fi
 if gpu && want 6; then
   echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"

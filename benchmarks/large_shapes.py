@@ -25,6 +25,14 @@ of memory, say) is reported with its reason; the others go on.
     python benchmarks/large_shapes.py --shapes qwen2.5-7b --modes lora --tokens 256 \\
         --extra model.gradient_checkpointing=true
 
+``--profile`` runs ``torch.profiler`` over each run's last step (left out of the medians;
+``--steps`` at least 3, since reading a profile back takes seconds that no measured step may
+hold) and prints, per phase of that step (rollout, reward, log-probs, update), its host time,
+its kernels' time on the device, the device's share of the host time (``busy``), the number of
+kernels and the longest kernel; the JSON row's ``profile`` holds each phase's longest kernels
+and host operations (``benchmarks/step_profile.py``). ``--trace-dir`` writes each profiled step's
+Chrome trace as well (open it in Perfetto).
+
 A machine without the built-in task's package (reasoning-gym) reads its problems from a file
 written here first: ``--export-problems problems.jsonl``, then ``--problems problems.jsonl``
 there (``data=files``: the same questions, rendered with the same chat template).
@@ -53,6 +61,7 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
+from step_profile import phase_rows  # noqa: E402
 from vs_trl_workload import GIB, Workload, run_side  # noqa: E402
 
 # Published shapes (config.json of each model); None: the source directory's own config.
@@ -137,7 +146,7 @@ def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
     if "error" in result:
         print(result["error"]["log_tail"], flush=True)
         return {**row, "error": result["error"]["reason"], "log_tail": result["error"]["log_tail"]}
-    steps = result["steps"][1:]
+    steps = [s for s in result["steps"][1:] if "profile" not in s]  # a profiled step runs slower
     median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     row.update(
         step_s=median("step_s"),
@@ -154,6 +163,9 @@ def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
     row["logprob_diff_max"] = max(s.get("logprob_diff_max", float("nan")) for s in result["steps"])
+    profiled = [s for s in result["steps"] if "profile" in s]
+    if profiled:
+        row["profile"] = {"step_s": profiled[0]["step_s"], "phases": profiled[0]["profile"]}
     return row
 
 
@@ -173,11 +185,13 @@ def main(argv=None) -> None:
     ap.add_argument("--build-only", action="store_true", help="build the shapes' model folders under --models; exit")
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "ngrpo-large-shapes")
     ap.add_argument("--out", default=str(RESULTS / "large_shapes.json"))
+    ap.add_argument("--profile", action="store_true", help="profile each run's last step (out of the medians)")
+    ap.add_argument("--trace-dir", type=Path, default=None, help="with --profile: the steps' Chrome traces here")
     args = ap.parse_args(argv)
     if args.export_problems:
         return export_problems(args.export_problems)
-    if args.steps < 2:
-        ap.error("--steps must be at least 2 (the first step of every run is dropped)")
+    if args.steps < 2 + args.profile:
+        ap.error("--steps must be at least 2 (the first step of every run is dropped), 3 with --profile")
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         sys.exit("large_shapes.py: --accelerator gpu, but torch sees no CUDA device here")
     if args.source is None:
@@ -211,15 +225,23 @@ def main(argv=None) -> None:
                     problems=str(Path(args.problems).resolve()) if args.problems else "",
                     accelerator=args.accelerator,
                     ours_overrides=tuple(args.extra),
+                    profile_step=args.steps - 1 if args.profile else 0,  # the last: stopping the profiler takes seconds
+                    profile_trace=str(args.trace_dir / f"{shape}-{mode}.trace.json.gz") if args.trace_dir else "",
                 )
                 result = run_side("ours", workload, Path(work), len(rows))
                 rows.append(summary(shape, mode, workload, result))
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
-                print({k: v for k, v in shown.items() if k != "log_tail"}, flush=True)
+                print({k: v for k, v in shown.items() if k not in ("log_tail", "profile")}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
     more = ["warmup_s", "warmup_pct_50", "logprob_diff_max", "cuda_gib", "reserved_gib", "rss_gib", "error"]
     print_table(rows, [*columns, *more])
+    if args.profile:
+        print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host)")
+        phases = []
+        for row in rows:
+            phases += phase_rows({"shape": row["shape"], "mode": row["mode"]}, row.get("profile", {}).get("phases", {}))
+        print_table(phases, ["shape", "mode", "phase", "host_s", "device_s", "busy", "kernels", "longest"])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from step_profile import StepProfile  # noqa: E402
 from vs_trl_workload import Workload, child_main, peak_rss_now, prompt_counts  # noqa: E402
 
 from ngrpo_lightning.commands import cli  # noqa: E402
@@ -125,10 +126,16 @@ class StepRecorder(L.Callback):
 
 def run(workload: Workload, extra: Sequence[str] = (), more_callbacks: Sequence[L.Callback] = ()) -> list[dict]:
     """``ngrpo train`` on the workload (``extra`` overrides last), with a :class:`StepRecorder`
-    and ``more_callbacks`` among the trainer's callbacks."""
+    and ``more_callbacks`` among the trainer's callbacks. With ``workload.profile_step`` that
+    step is profiled (:class:`~step_profile.StepProfile`): its record gets ``profile``, the
+    report of its phases."""
     recorder = StepRecorder()
+    profile = StepProfile(workload.profile_step, workload.profile_trace or None) if workload.profile_step else None
+    callbacks = [recorder, *([profile] if profile else []), *more_callbacks]
     with tempfile.TemporaryDirectory(prefix="vs-trl-ours-") as tmp:
-        cli.train(ours_config(workload, tmp, extra), callbacks=[recorder, *more_callbacks])
+        cli.train(ours_config(workload, tmp, extra), callbacks=callbacks)
+    if profile is not None and profile.report is not None:
+        recorder.steps[workload.profile_step]["profile"] = profile.report
     return recorder.steps
 
 

@@ -59,6 +59,8 @@ class Workload:
     lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank (alpha 2 x rank) on every linear layer
     micro_batch: int = 0  # rows per forward/backward of the update, both sides (0: the whole batch at once)
     ours_overrides: tuple[str, ...] = ()  # this project's side only: extra `ngrpo train` overrides (a baseline row)
+    profile_step: int = 0  # this project's side only: > 0 profiles that step (0-based; benchmarks/step_profile.py)
+    profile_trace: str = ""  # with profile_step: write its Chrome trace here too
     problems: str = ""  # a .jsonl of problems (data=files) instead of the built-in task (TRL reads our prompts)
     accelerator: str = "cpu"  # cpu | gpu: where both sides train (ours: trainer=gpu; TRL: use_cpu=False)
 

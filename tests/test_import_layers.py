@@ -48,6 +48,7 @@ LAYERS = {
     "ngrpo_lightning.registry": 0,
     "ngrpo_lightning.config": 0,
     "ngrpo_lightning.schema": 0,
+    "ngrpo_lightning.phases": 0,
     "ngrpo_lightning.explorers": 1,
     "ngrpo_lightning.objectives": 1,
     "ngrpo_lightning.data": 1,

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.data import PromptDataset, collate_prompts
+from ngrpo_lightning.phases import phase
 from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import run_context
@@ -154,14 +155,17 @@ class RolloutDataModule(L.LightningDataModule):
         if isinstance(batch, RolloutBatch):
             return batch
         context = run_context(self.trainer)
-        if self.trainer.training:
-            key = batch.pop("key", None)
-            if key is not None and self.stream is not None:
-                self.stream.consumed(key)  # the data position saved in checkpoints
+        if not self.trainer.training:
+            with phase("validation_rollout", profiler=self.trainer.profiler):
+                return self.rollout(batch, context.eval_explorer, self.val_samples)
+        key = batch.pop("key", None)
+        if key is not None and self.stream is not None:
+            self.stream.consumed(key)  # the data position saved in checkpoints
+        # the engine reads the rollout's tokens back at its end: no wait for the device needed
+        with phase("rollout", profiler=self.trainer.profiler):
             if self.max_staleness and key is not None:
                 return self.rollout_ahead(key, batch)
             return self.rollout(batch, context.explorer, self.group_size)
-        return self.rollout(batch, context.eval_explorer, self.val_samples)
 
     # ------------------------------------------------ rollouts ahead (max_staleness > 0)
     def rollout_ahead(self, key: Key, prompts: dict) -> RolloutBatch:

@@ -48,6 +48,7 @@ from ngrpo_lightning.objectives import (
     resolve_advantage,
     rollout_importance_weights,
 )
+from ngrpo_lightning.phases import phase
 from ngrpo_lightning.rewards import MathReward, score_responses
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
@@ -237,24 +238,29 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return score_responses(self.reward, batch.response_text, batch.answers, batch.verifiers)
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
-        t0 = time.perf_counter()
-        scored = self.score(batch)
-        rewards = scored.scores.to(self.device)
-        step = self.collect(batch, rewards)
-        t1 = time.perf_counter()
-        # one on-policy update takes its old log-probs from its own forward, unless a hook must
-        # weigh replayed rows by them first
-        step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
-        for hook in self.step_hooks:
-            step = hook.weigh(step)
-        t2 = time.perf_counter()
-        metrics, old_logp = self.optimize(self.plan.updates(step))
+        with self._phase("reward") as reward:
+            scored = self.score(batch)
+            rewards = scored.scores.to(self.device)
+            step = self.collect(batch, rewards)
+        with self._phase("logprobs") as logprobs:
+            # one on-policy update takes its old log-probs from its own forward, unless a hook must
+            # weigh replayed rows by them first
+            step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
+            for hook in self.step_hooks:
+                step = hook.weigh(step)
+        with self._phase("update") as update:
+            metrics, old_logp = self.optimize(self.plan.updates(step))
         if step.old_logp is None:  # the update's forward gave them: the step carries them on (metrics, replay)
             step = replace(step, old_logp=old_logp)
         # where a step's time goes (the rollout's own time is rollout/time_s)
-        phases = {"time/reward_s": t1 - t0, "time/logprobs_s": t2 - t1, "time/update_s": time.perf_counter() - t2}
+        phases = {"time/reward_s": reward.seconds, "time/logprobs_s": logprobs.seconds, "time/update_s": update.seconds}
         self.log_step(batch, scored, rewards, step, metrics, phases)
         return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
+
+    def _phase(self, name: str):
+        """A phase of the step (:mod:`~ngrpo_lightning.phases`): timed as the device runs
+        it, reported to the trainer's profiler."""
+        return phase(name, self.device, self._trainer.profiler if self._trainer is not None else None)
 
     def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
         """A scored rollout batch as a step, with the hooks' stored trajectories mixed in."""

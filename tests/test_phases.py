@@ -1,0 +1,70 @@
+"""A training step's named phases (ngrpo_lightning/phases.py): timed, reported to Lightning's
+profiler, ranges in torch.profiler's trace, and read back per phase by benchmarks/step_profile.py."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ScriptedReward, tiny_rl, tiny_trainer
+from lightning.pytorch.profilers import SimpleProfiler
+
+from ngrpo_lightning.phases import PHASES, phase
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import step_profile  # noqa: E402
+
+
+def test_a_phase_times_its_block_and_names_it_for_both_profilers():
+    lightning_profiler = SimpleProfiler()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with phase("update", torch.device("cpu"), lightning_profiler) as timed:
+            torch.ones(256, 256) @ torch.ones(256, 256)
+    assert timed.seconds > 0
+    assert len(lightning_profiler.recorded_durations["ngrpo/update"]) == 1
+    report = step_profile.phase_report(prof.events())
+    assert list(report) == ["update"]
+    assert report["update"]["calls"] == 1 and report["update"]["host_s"] > 0
+    assert "aten::mm" in [name for name, _, _ in report["update"]["top_host_ops"]]
+    assert report["update"]["kernels"] == 0 and report["update"]["device_s"] == 0  # a CPU has no kernels
+
+
+def test_a_failing_block_is_not_timed_and_its_error_goes_through():
+    with pytest.raises(ValueError, match="inside"):
+        with phase("reward") as timed:
+            raise ValueError("inside")
+    assert timed.seconds == 0.0
+
+
+def test_a_profiled_training_step_reports_its_four_phases(tiny, tmp_path):
+    module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]))
+    profile = step_profile.StepProfile(step=1, trace=tmp_path / "step.trace.json.gz")
+    tiny_trainer(2, callbacks=[profile]).fit(module, datamodule=datamodule)
+    report = profile.report
+    assert report is not None and set(report) == set(PHASES)  # the step's rollout is inside the window
+    for name in PHASES:
+        assert report[name]["calls"] == 1 and report[name]["host_s"] > 0, name
+    for name in ("rollout", "update"):  # the model's products run inside these (no KL term: no reference pass)
+        assert any(op in ("aten::mm", "aten::addmm", "aten::linear") for op, _, _ in report[name]["top_host_ops"])
+    assert (tmp_path / "step.trace.json.gz").stat().st_size > 1000
+    rows = step_profile.phase_rows({"run": "tiny"}, report)
+    assert [r["phase"] for r in rows] == list(report) and all(r["run"] == "tiny" for r in rows)
+
+
+def test_the_first_step_cannot_be_profiled():
+    with pytest.raises(ValueError, match="step=0"):
+        step_profile.StepProfile(step=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
+def test_a_phase_on_a_gpu_waits_for_its_kernels():  # pragma: no cover - no GPU in CI
+    a = torch.randn(4096, 4096, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    with phase("update", torch.device("cuda")) as timed:
+        start.record()
+        for _ in range(50):  # about 7 TFLOP: milliseconds of device time, microseconds to queue
+            a = a @ a / 64
+        end.record()
+    assert end.query()  # the phase waited: its kernels have run
+    assert timed.seconds >= 0.95 * start.elapsed_time(end) / 1000
