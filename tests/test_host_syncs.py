@@ -158,6 +158,31 @@ def test_noise_from_seeds_is_standard_normal_and_independent():
     assert not torch.equal(noise_vectors(big, 8)[1], noise_vectors(big, 8)[2])  # the seed's high bits count
 
 
+def test_noise_made_with_the_kept_component_hashes_is_the_noise_made_without_them():
+    import math
+
+    from ngrpo_lightning.rollout import records
+
+    seeds = torch.tensor([7, 2**40 + 3, 0])
+
+    def uncached(dim: int) -> torch.Tensor:  # noise_vectors as it was, every hash made anew
+        lo, hi = seeds & records.MASK32, (seeds >> 32) & records.MASK32
+        key = records._hash32(lo ^ records._hash32(hi ^ 0x9E3779B9))[:, None]
+        pairs = (dim + 1) // 2
+        bits = records._hash32(key ^ records._hash32(torch.arange(2 * pairs))[None])
+        radius = torch.sqrt(-2.0 * torch.log((bits[:, 0::2].double() + 1.0) / 2.0**32))
+        angle = (2.0 * math.pi / 2.0**32) * bits[:, 1::2].double()
+        return torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], -1).flatten(1)[:, :dim].float()
+
+    records._COMPONENT_HASHES.clear()
+    with torch.inference_mode():  # kept from a rollout's inference mode, read by training after it
+        assert torch.equal(noise_vectors(seeds, 9), uncached(9))
+    for dim in (9, 10, 64):  # a kept width again, a width of the same pairs, a new one
+        assert torch.equal(noise_vectors(seeds, dim), uncached(dim))
+    assert sorted(count for count, _ in records._COMPONENT_HASHES) == [10, 64]
+    assert not any(t.is_inference() for t in records._COMPONENT_HASHES.values())
+
+
 def test_an_explorer_that_may_wait_is_named_once_where_waits_cost(tiny, caplog):
     from test_hf_engine_live_rows import EndAtStep
 
