@@ -203,6 +203,32 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         head.weight = original
 
 
+def test_the_engine_keeps_the_caches_of_the_two_batch_sizes_used_last(tiny):
+    """Rollouts of three batch sizes in turn: the engine keeps the caches (and graphs) of the two
+    used last; the third size's cache is let go, memory and all, and made again when that size
+    comes back. Every rollout is the growing cache's."""
+    import gc
+    import weakref
+
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    grown = HFEngine(model, tok, max_new_tokens=6, seed=0)
+    kept = HFEngine(model, tok, max_new_tokens=6, seed=0, static_cache=True, graphs="rerun")
+    made = {}
+    for n in (1, 2, 1, 3, 1):  # batch sizes 3, 6, 3, 9, 3
+        make = EXPLORERS["gaussian"]
+        assert_same_rollouts(kept.generate(prompts, make(), n=n), grown.generate(prompts, make(), n=n))
+        rows = 3 * n
+        made.setdefault(rows, []).append(weakref.ref(kept._caches.kept[rows]))
+        assert set(kept._graphs) == set(kept._caches.kept) and len(kept._caches.kept) <= 2
+    assert list(kept._caches.kept) == [9, 3]  # the last used last
+    gc.collect()
+    assert made[6][0]() is None  # the third size's cache was let go, its graphs with it
+    assert made[3][0]() is made[3][1]() is not None and made[3][1]() is made[3][2]()  # size 3 was never the oldest
+    with pytest.raises(ValueError, match="keep=0"):
+        type(kept._caches)(keep=0)
+
+
 def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_read_them(tiny):
     """A LoRA policy decodes on merged copies W + scale B A. Replayed from graphs, those keep their
     storage across rollouts (rewritten in place after an update), so the graphs recorded in the

@@ -117,7 +117,8 @@ class HFEngine(RolloutEngine):
         self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
         self._told: set[type] = set()
-        self._caches, self._graphs = StaticCaches(), {}  # kept across rollouts (static decoding)
+        self._caches = StaticCaches()  # kept across rollouts (static decoding)
+        self._graphs = self._caches.graphs  # by batch size, dropped with their cache
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 

@@ -11,8 +11,9 @@ front of the same buffers (a group's prefill repeated to its n samples, ended ro
 The batch only takes the sizes of :func:`batch_buckets`, so a graph per bucket covers a rollout.
 
 An engine keeps its caches from one rollout to the next (:class:`StaticCaches`: one per batch
-size, its length rounded up to :data:`LENGTH_STEP`), so the buffers, and the graphs recorded on
-them, keep their addresses: a graph is recorded once per run, not once per rollout.
+size, for the two batch sizes used last, its length rounded up to :data:`LENGTH_STEP`), so the
+buffers, and the graphs recorded on them, keep their addresses: a graph is recorded once per
+run, not once per rollout.
 
 The attention over the full-width buffer gives the values of the growing cache up to float
 rounding (masked positions add zeros); ``tests/test_static_decoding.py`` checks tokens and
@@ -108,20 +109,40 @@ def rows_static_cache(model, max_cache_len: int, capacity: int) -> Cache:
 
 
 class StaticCaches:
-    """An engine's static caches, kept across rollouts: one per batch size (training's and
-    validation's rollouts differ), as long as the longest rollout asked for so far, rounded up to
-    :data:`LENGTH_STEP`. A rollout that fits restarts the kept cache; a longer one replaces it."""
+    """An engine's static caches, kept across rollouts with the decoding graphs recorded on them
+    (:attr:`graphs`, by the same batch size): one per batch size (training's and validation's
+    rollouts differ), as long as the longest rollout asked for so far, rounded up to
+    :data:`LENGTH_STEP`. A rollout that fits restarts the kept cache; a longer one replaces it.
 
-    def __init__(self):
-        self.kept: dict[int, Cache] = {}
+    Only the ``keep`` batch sizes used last are kept (default :data:`KEEP`): a cache holds every
+    row's keys and values at full length (at Qwen2.5-7B's shape, 32 rows of 12,288 positions are
+    22.5 GB), so one kept per kind of rollout an engine ever made would hold them all for the whole
+    run. Two cover training with one other kind (validation, or dynamic sampling's extra rollouts);
+    a third kind costs the least recently used its cache and graphs, which the next rollout of that
+    size allocates and records again (tenths of a second)."""
+
+    KEEP = 2
+
+    def __init__(self, keep: int = KEEP):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: at least one static cache must be kept")
+        self.keep = keep
+        self.kept: dict[int, Cache] = {}  # in order of use, the last used last
+        self.graphs: dict[int, object] = {}  # the graphs recorded on kept[rows], set by the engine
 
     def get(self, model, length: int, rows: int) -> tuple[Cache, bool]:
         """A cache of at least ``length`` positions for ``rows`` rows, and whether it is the kept one."""
-        cache = self.kept.get(rows)
+        cache = self.kept.pop(rows, None)
         if cache is not None and cache.layers[0].max_cache_len >= length:
+            self.kept[rows] = cache  # the last used
             for layer in cache.layers:
                 layer.restart()
             return cache, True
+        self.graphs.pop(rows, None)  # recorded on the cache being replaced
+        while len(self.kept) >= self.keep:  # the least recently used goes, with its graphs
+            oldest = next(iter(self.kept))
+            del self.kept[oldest]
+            self.graphs.pop(oldest, None)
         length = -(-length // LENGTH_STEP) * LENGTH_STEP
         self.kept[rows] = cache = rows_static_cache(model, length, rows)
         return cache, False
