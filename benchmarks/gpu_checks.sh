@@ -21,7 +21,7 @@
 #      then step 6 at the Qwen2.5-1.5B shape
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
-# All nine do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s and steps 6-9 would
+# All nine do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s, and steps 6-9
 # are allowed 12 minutes more. A session's 15 minutes hold two tries of about 7 minutes each:
 #   STEPS="2 3 5 7" (tests, both shapes profiled, TRL and the eager baseline at the packaged shape)
 #   STEPS="8 9 4"   (the 7B shape, the command end to end, decoding modes at 1.5B)
