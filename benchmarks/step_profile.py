@@ -92,9 +92,11 @@ def phase_report(events) -> dict[str, dict]:
 
 
 def _inside(root) -> tuple[Counter, Counter, Counter, Counter]:
-    """Below ``root``: kernel time (us) and count by name, host self-time (us) and calls by operation."""
+    """``root`` and below: kernel time (us) and count by name, host self-time (us) and calls by
+    operation. ``root``'s own kernels count: a launch outside any operation (a CUDA graph's
+    replay) is the range's."""
     kernel_us, kernel_n, host_us, host_n = Counter(), Counter(), Counter(), Counter()
-    stack = list(root.cpu_children)
+    stack = [root]
     while stack:
         event = stack.pop()
         for kernel in event.kernels:

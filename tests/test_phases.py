@@ -68,3 +68,29 @@ def test_a_phase_on_a_gpu_waits_for_its_kernels():  # pragma: no cover - no GPU 
         end.record()
     assert end.query()  # the phase waited: its kernels have run
     assert timed.seconds >= 0.95 * start.elapsed_time(end) / 1000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
+def test_a_phase_report_on_a_gpu_counts_its_kernels_graph_replays_included():  # pragma: no cover - no GPU in CI
+    a = torch.randn(1024, 1024, device="cuda")
+    out = torch.empty_like(a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(a @ a)  # warm up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(a @ a)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with phase("update", torch.device("cuda")):
+            for _ in range(10):
+                a @ a
+        with phase("rollout", torch.device("cuda")):
+            for _ in range(10):
+                graph.replay()
+    report = step_profile.phase_report(prof.events())
+    assert report["update"]["kernels"] >= 10 and report["update"]["device_s"] > 0
+    assert report["rollout"]["kernels"] >= 10 and report["rollout"]["device_s"] > 0  # the replays' kernels
+    assert 0 < report["update"]["busy"]
