@@ -92,21 +92,27 @@ def attention_flops(shape: ModelShape, pairs: int) -> float:
     return 4 * shape.layers * shape.attn_width * pairs
 
 
-def step_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool = False) -> float:
-    """Matmul FLOPs one step needs: the rollout, the reference forward and the training forward +
-    backward (3 forwards). Each pass needs every distinct prompt once (a group's rows share it)
-    and every response token; logits only at response tokens. ``shared=False``: the reference
-    and training passes run every row's prompt (the floor of a step that does not share).
-    ``frozen``: the weights get no gradients (LoRA: only the adapters train, whose products are
-    not counted), so the linear layers' backward is the activations' gradients alone (training
-    costs 2 of their forwards); attention has no weights, its backward is 2 forwards either way.
-    Records without ``attn_pairs`` (tables before attention was counted) count none."""
+def phase_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool = False) -> dict[str, float]:
+    """Matmul FLOPs of one step's phases: ``rollout`` (every distinct prompt once, every response
+    token), ``logprobs`` (the reference forward) and ``update`` (the training forward + backward,
+    3 forwards). Each pass needs every distinct prompt once (a group's rows share it) and every
+    response token; logits only at response tokens. ``shared=False``: the reference and training
+    passes run every row's prompt (the floor of a step that does not share). ``frozen``: the
+    weights get no gradients (LoRA: only the adapters train, whose products are not counted), so
+    the linear layers' backward is the activations' gradients alone (training costs 2 of their
+    forwards); attention has no weights, its backward is 2 forwards either way. Records without
+    ``attn_pairs`` (tables before attention was counted) count none."""
     tokens = step["tokens"]
     rollout = linear_flops(shape, step["prompt_tokens"], tokens) + attention_flops(shape, step.get("attn_pairs", 0))
     prompt = step["prompt_tokens"] if shared else step["row_prompt_tokens"]
     linear = linear_flops(shape, prompt, tokens)
     attention = attention_flops(shape, step.get("attn_pairs" if shared else "attn_pairs_unshared", 0))
-    return rollout + (linear + attention) + ((2 if frozen else 3) * linear + 3 * attention)  # + reference + training
+    return {"rollout": rollout, "logprobs": linear + attention, "update": (2 if frozen else 3) * linear + 3 * attention}
+
+
+def step_flops(step: dict, shape: ModelShape, shared: bool = True, frozen: bool = False) -> float:
+    """Matmul FLOPs one step needs: the sum of its :func:`phase_flops`."""
+    return sum(phase_flops(step, shape, shared, frozen).values())
 
 
 def read_bandwidth(repeats: int = 5, mib: int = 512) -> float:

@@ -18,8 +18,12 @@ run's wall time. ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
 at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). ``logprob_diff_max`` is the
 largest gap between a sampled token's log-prob in the rollout and in the training forward that
-rebuilds its inputs (``train/rollout_logprob_diff_max``, over the run's steps). A run that fails (out
-of memory, say) is reported with its reason; the others go on.
+rebuilds its inputs (``train/rollout_logprob_diff_max``, over the run's steps). ``logprobs_x_floor``
+and ``update_x_floor`` are the reference log-prob pass's and the update's times over their matmul
+FLOPs (``compute_floor.phase_flops``: a forward, and a forward and backward, of the step's tokens,
+a group's prompt once) at the device's dense matmul rate, measured before the runs
+(``matmul_tflops`` in the JSON's meta): near 1 a pass is as fast as its arithmetic allows. A run
+that fails (out of memory, say) is reported with its reason; the others go on.
 
     python benchmarks/large_shapes.py --shapes smollm2-135m qwen2.5-1.5b --modes full lora
     python benchmarks/large_shapes.py --shapes qwen2.5-7b --modes lora --tokens 256 \\
@@ -61,6 +65,7 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
+from compute_floor import matmul_rate, model_shape, phase_flops  # noqa: E402
 from step_profile import phase_rows  # noqa: E402
 from vs_trl_workload import GIB, Workload, run_side  # noqa: E402
 
@@ -140,8 +145,10 @@ def export_problems(path: Path) -> None:
     print(f"wrote {len(train)} problems to {path}")
 
 
-def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
-    """One table row from a run's per-step records (the first step dropped)."""
+def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None) -> dict:
+    """One table row from a run's per-step records (the first step dropped). ``floor``: a
+    :class:`~compute_floor.ModelShape` and the device's matmul rate (FLOP/s), for the log-prob
+    pass's and the update's time over their matmul floor (``x_floor``)."""
     row = {"shape": shape, "mode": mode, "dtype": workload.dtype, "tokens": workload.tokens}
     if "error" in result:
         print(result["error"]["log_tail"], flush=True)
@@ -159,6 +166,11 @@ def summary(shape: str, mode: str, workload: Workload, result: dict) -> dict:
         rss_gib=result["peak_rss_bytes"] / GIB,
         wall_s=result["wall_s"],
     )
+    if floor is not None:  # each phase's time over its matmul FLOPs at the device's rate
+        model, rate = floor
+        for phase in ("logprobs", "update"):
+            flops = [phase_flops(s, model, frozen=workload.lora_rank > 0)[phase] for s in steps]
+            row[f"{phase}_x_floor"] = statistics.median(s[f"{phase}_s"] * rate / f for s, f in zip(steps, flops))
     row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
@@ -212,6 +224,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="large-shapes-") as work:
         for shape in args.shapes:
             path = model_dir(shape, args.source, args.models, args.dtype, device)
+            model = model_shape(str(path))
+            rate = matmul_rate(model, args.dtype, device=device)
+            meta.setdefault("matmul_tflops", {})[shape] = rate / 1e12
             for mode in args.modes:
                 workload = Workload(
                     model=str(path),
@@ -229,12 +244,13 @@ def main(argv=None) -> None:
                     profile_trace=str(args.trace_dir / f"{shape}-{mode}.trace.json.gz") if args.trace_dir else "",
                 )
                 result = run_side("ours", workload, Path(work), len(rows))
-                rows.append(summary(shape, mode, workload, result))
+                rows.append(summary(shape, mode, workload, result, floor=(model, rate)))
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 print({k: v for k, v in shown.items() if k not in ("log_tail", "profile")}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
-    more = ["warmup_s", "warmup_pct_50", "logprob_diff_max", "cuda_gib", "reserved_gib", "rss_gib", "error"]
+    more = ["logprobs_x_floor", "update_x_floor", "warmup_s", "warmup_pct_50", "logprob_diff_max"]
+    more += ["cuda_gib", "reserved_gib", "rss_gib", "error"]
     print_table(rows, [*columns, *more])
     if args.profile:
         print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host)")

@@ -72,6 +72,20 @@ def test_frozen_weights_drop_one_linear_pass_and_no_attention(tiny):
     assert compute_floor.step_flops(without, shape) < compute_floor.step_flops(step, shape)
 
 
+def test_a_steps_phases_add_up_to_it_the_update_three_reference_forwards(tiny):
+    _, shape = tiny
+    step = {"tokens": 64, "prompt_tokens": 30, "row_prompt_tokens": 60}
+    step |= compute_floor.attention_pairs([15, 15, 15, 15], [16] * 4, 2)
+    for frozen in (False, True):
+        phases = compute_floor.phase_flops(step, shape, frozen=frozen)
+        assert list(phases) == ["rollout", "logprobs", "update"]
+        assert sum(phases.values()) == compute_floor.step_flops(step, shape, frozen=frozen)
+    full, frozen = compute_floor.phase_flops(step, shape), compute_floor.phase_flops(step, shape, frozen=True)
+    assert full["update"] == 3 * full["logprobs"]  # a forward and a backward of two forwards
+    assert full["update"] - frozen["update"] == compute_floor.linear_flops(shape, 30, 64)  # no weight gradients
+    assert full["logprobs"] == frozen["logprobs"]  # the reference is the same forward either way
+
+
 # ------------------------------------------------------------------ decoding's reads (the roofline)
 SHAPE = compute_floor.ModelShape(
     body_params=1000, head_params=500, hidden=8, intermediate=16, layers=2, attn_width=8, kv_width=4
