@@ -9,22 +9,24 @@
 #      waits per token (tests.txt)
 #   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND; each
 #      run's last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
-#      its Chrome traces in TRACES where given
+#      its Chrome traces in TRACES where given (170 s: reading a profile back takes seconds)
 #   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
 #   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND,
-#      profiled as in step 3 (no traces)
+#      profiled as in step 3 (no traces; 200 s)
 #   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
-#      the packaged shape (compilation is the slow part: its time is in first_run_s)
+#      the packaged shape (compilation is the slow part: its time is in first_run_s), then at the
+#      Qwen2.5-1.5B shape
 #   7. TRL's GRPOTrainer on step 3's workload, where TRL is installed (deliverable 5's baseline), and
 #      the packaged shape's full fine-tuning on the eager backend, the baseline of step 3
-#   8. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model),
-#      then step 6 at the Qwen2.5-1.5B shape
+#   8. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 # All nine do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s, and steps 6-9
-# are allowed 12 minutes more. A session's 15 minutes hold two tries of about 7 minutes each:
-#   STEPS="2 3 5 7" (tests, both shapes profiled, TRL and the eager baseline at the packaged shape)
-#   STEPS="8 9 4"   (the 7B shape, the command end to end, decoding modes at 1.5B)
+# are allowed 12 minutes more; reading a profile back (steps 3 and 5) took 18 s per run on the CPU.
+# A session's 15 minutes hold two tries of about 7 minutes each:
+#   STEPS="2 3 5"   (the GPU tests, both shapes profiled, full fine-tuning and LoRA)
+#   STEPS="7 8 9"   (TRL and the eager baseline at the packaged shape, the 7B shape, the command end to end)
+# and steps 4 and 6 (decoding modes and compiled decoding at 1.5B) wait for a later session.
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -70,7 +72,7 @@ if gpu && want 2; then
 fi
 if want 3; then
   echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
-  timeout -s INT "$(left 120)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
+  timeout -s INT "$(left 170)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
     --profile ${TRACES:+--trace-dir $TRACES} --out "$OUT/small.json"
 fi
 if want 4; then
@@ -80,13 +82,16 @@ if want 4; then
 fi
 if want 5; then
   echo "== 5. Qwen2.5-1.5B shape, $LONG tokens, micro-batches of 8, full and LoRA on $BACKEND ($SECONDS s)"
-  timeout -s INT "$(left 150)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
+  timeout -s INT "$(left 200)" $G --shapes qwen2.5-1.5b --modes full lora --tokens "$LONG" --steps 3 --micro-batch 8 \
     $B --profile --out "$OUT/1.5b.json"
 fi
 if gpu && want 6; then
   echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"
   timeout -s INT "$(left 120)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
     --modes static graphs compile --out "$OUT/decoding_compile_small.json"
+  echo "== 6b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
+  timeout -s INT "$(left 150)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+    --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
 if gpu && want 7; then
   if $PY -c "import trl" 2>/dev/null; then
@@ -103,9 +108,6 @@ if gpu && want 8; then
   echo "== 8. Qwen2.5-7B shape, LoRA, gradient checkpointing, $LONG tokens, on $BACKEND ($SECONDS s)"
   timeout -s INT "$(left 200)" $G --shapes qwen2.5-7b --modes lora --tokens "$LONG" --steps 2 --micro-batch 8 \
     --extra backend.name=$BACKEND model.gradient_checkpointing=true --out "$OUT/7b.json"
-  echo "== 8b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
-  timeout -s INT "$(left 150)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
-    --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
 if want 9; then
   echo "== 9. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
