@@ -164,7 +164,7 @@ def test_graphs_false_runs_the_static_cache_eagerly_whatever_the_backend_says(ti
         chat_prompt_ids(tok, QUESTIONS), EXPLORERS["gaussian"](), n=2
     )
     assert_same_rollouts(fixed, grown)
-    assert engine._graphs == {} and "rollout/graph_warmup_s" not in fixed.stats
+    assert engine._caches.graphs == {} and "rollout/graph_warmup_s" not in fixed.stats
 
 
 def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
@@ -186,7 +186,7 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         )
         cache = kept._caches.kept[6]
         storages.append(cache.layers[0].key_buffer.data_ptr())
-        graphs.append(kept._graphs[6])
+        graphs.append(kept._caches.graphs[6])
         assert cache.layers[0].max_cache_len % 64 == 0
     assert storages[0] == storages[1] and graphs[0] is graphs[1]  # the second rollout fit the kept cache
     assert storages[2] != storages[1] and graphs[2] is not graphs[1]  # the third needed a longer one
@@ -198,7 +198,7 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         assert_same_rollouts(
             kept.generate(short, EXPLORERS["greedy"](), n=2), grown.generate(short, EXPLORERS["greedy"](), n=2)
         )
-        assert kept._graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
+        assert kept._caches.graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
     finally:
         head.weight = original
 
@@ -220,7 +220,7 @@ def test_the_engine_keeps_the_caches_of_the_two_batch_sizes_used_last(tiny):
         assert_same_rollouts(kept.generate(prompts, make(), n=n), grown.generate(prompts, make(), n=n))
         rows = 3 * n
         made.setdefault(rows, []).append(weakref.ref(kept._caches.kept[rows]))
-        assert set(kept._graphs) == set(kept._caches.kept) and len(kept._caches.kept) <= 2
+        assert set(kept._caches.graphs) == set(kept._caches.kept) and len(kept._caches.kept) <= 2
     assert list(kept._caches.kept) == [9, 3]  # the last used last
     gc.collect()
     assert made[6][0]() is None  # the third size's cache was let go, its graphs with it
@@ -253,6 +253,6 @@ def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_rea
         a = replayed.generate(prompts, EXPLORERS["gaussian"](), n=2)
         b = anew.generate(prompts, EXPLORERS["gaussian"](), n=2)
         assert_same_rollouts(a, b)
-        graphs.append(replayed._graphs[6])
+        graphs.append(replayed._caches.graphs[6])
     assert graphs[0] is graphs[1] is graphs[2]  # never recorded again
     assert sum(getattr(m, "_kept", None) is not None for m in policy.modules()) == 7 * policy.config.num_hidden_layers

@@ -117,8 +117,7 @@ class HFEngine(RolloutEngine):
         self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
         self._told: set[type] = set()
-        self._caches = StaticCaches()  # kept across rollouts (static decoding)
-        self._graphs = self._caches.graphs  # by batch size, dropped with their cache
+        self._caches = StaticCaches()  # kept across rollouts with their graphs (static decoding)
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -213,9 +212,9 @@ class HFEngine(RolloutEngine):
         replay = self._replay()
         if not replay:
             return cache, None
-        graphs = self._graphs.get(rows)
+        graphs = self._caches.graphs.get(rows)
         if not (kept and graphs is not None and graphs.replay == replay and graphs.current(model, cache)):
-            graphs = self._graphs[rows] = DecodeGraphs(model, cache, replay)
+            graphs = self._caches.graphs[rows] = DecodeGraphs(model, cache, replay)
         return cache, graphs
 
     def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
