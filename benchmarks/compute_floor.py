@@ -66,7 +66,11 @@ def matmul_rate(shape: ModelShape, dtype: str, repeats: int = 10, device: str = 
         torch.matmul(a, b)
         wait()
         best = min(best, time.perf_counter() - t0)
-    return 2 * a.shape[0] * shape.hidden * shape.intermediate / best
+    flops = 2 * a.shape[0] * shape.hidden * shape.intermediate / best
+    if a.is_cuda:  # a parent process of measured runs: hold no GPU memory beside them
+        del a, b
+        torch.cuda.empty_cache()
+    return flops
 
 
 def attention_pairs(prompt_lengths: Sequence[int], response_lengths: Sequence[int], group: int) -> dict[str, int]:
