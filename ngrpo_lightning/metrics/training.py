@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.objectives import masked_mean, zero_variance_groups
+from ngrpo_lightning.objectives import masked_max, masked_mean, zero_variance_groups
 from ngrpo_lightning.rollout.batch import RolloutBatch
 
 
@@ -28,7 +28,7 @@ def rollout_step_metrics(batch: RolloutBatch, rewards: torch.Tensor, step) -> di
         "train/response_length_max": lengths.max(),
         "train/truncated_frac": batch.truncated.float().mean() if batch.truncated is not None else 0.0,
         "train/rollout_logprob_diff_mean": masked_mean(mismatch, fresh),
-        "train/rollout_logprob_diff_max": mismatch[fresh.bool()].max() if fresh.any() else 0.0,
+        "train/rollout_logprob_diff_max": masked_max(mismatch, fresh),
     }
 
 
@@ -45,3 +45,18 @@ def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.
             else:
                 out[k] = out.get(k, 0.0) + v * w
     return out
+
+
+def host_floats(values: dict) -> dict[str, float]:
+    """``values`` (numbers and one-element tensors) as Python floats, the tensors read from each
+    device at once: ``float(t)`` one at a time would make the host wait for the device once per
+    metric. The same floats: every value is widened to float64 on its device, exactly."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        read = torch.stack([values[k].detach().reshape(()).double() for k in keys]).tolist()
+        out.update(zip(keys, read))
+    return {k: out[k] for k in values}

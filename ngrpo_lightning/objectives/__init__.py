@@ -7,7 +7,7 @@ from ngrpo_lightning.objectives.advantages import (
     resolve_advantage,
     zero_variance_groups,
 )
-from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean
+from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_max, masked_mean, masked_min
 from ngrpo_lightning.objectives.base import (
     OBJECTIVES,
     PolicyObjective,
@@ -35,7 +35,9 @@ __all__ = [
     "grpo_loss",
     "gspo_loss",
     "kl_penalty",
+    "masked_max",
     "masked_mean",
+    "masked_min",
     "register_advantage",
     "register_objective",
     "resolve_advantage",

@@ -40,3 +40,19 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over masked entries (a metric helper; 0 when the mask is empty)."""
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# The metric helpers below compute on the device: ``values[mask].min()`` or ``if mask.any()``
+# would make the host wait for the device in the middle of a training pass (docs/performance.md).
+def masked_min(values: torch.Tensor, mask: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
+    """Minimum over masked entries (``empty`` when the mask is empty)."""
+    mask = mask.bool()
+    low = values.masked_fill(~mask, float("inf")).min()
+    return torch.where(mask.any(), low, low.new_tensor(empty))
+
+
+def masked_max(values: torch.Tensor, mask: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
+    """Maximum over masked entries (``empty`` when the mask is empty)."""
+    mask = mask.bool()
+    high = values.masked_fill(~mask, float("-inf")).max()
+    return torch.where(mask.any(), high, high.new_tensor(empty))

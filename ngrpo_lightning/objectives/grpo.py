@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_mean
+from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, masked_max, masked_mean, masked_min
 from ngrpo_lightning.objectives.base import (
     PolicyObjective,
     check_objective_choice,
@@ -57,14 +57,13 @@ def grpo_loss(
         metrics["kl_ref"] = masked_mean(kl.detach(), mask)
     loss = aggregate(per_token, mask, loss_agg, norm_length)
     with torch.no_grad():
-        m = mask.bool()
         metrics.update(
             pg_loss=aggregate(pg.detach(), mask, loss_agg, norm_length),
             clip_frac_low=masked_mean(((ratio < 1 - clip_low) & (adv < 0)).float(), mask),
             clip_frac_high=masked_mean(((ratio > 1 + clip_high) & (adv > 0)).float(), mask),
             ratio_mean=masked_mean(ratio.detach(), mask),
-            ratio_min=ratio.detach()[m].min() if m.any() else ratio.new_tensor(1.0),
-            ratio_max=ratio.detach()[m].max() if m.any() else ratio.new_tensor(1.0),
+            ratio_min=masked_min(ratio.detach(), mask, empty=1.0),
+            ratio_max=masked_max(ratio.detach(), mask, empty=1.0),
             approx_kl_old=masked_mean(kl_penalty(logp.detach(), old_logp, "k3"), mask),
         )
         if dual_clip is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.objectives.aggregation import aggregate, masked_mean
+from ngrpo_lightning.objectives.aggregation import aggregate, masked_max, masked_mean, masked_min
 from ngrpo_lightning.objectives.base import (
     PolicyObjective,
     check_objective_choice,
@@ -68,16 +68,15 @@ def gspo_loss(
     loss = aggregate(per_token, mask, "seq-mean-token-mean")
     with torch.no_grad():
         seq_ratio = torch.exp(seq_log_ratio.detach())
-        has_tokens = mask.sum(-1) > 0
-        r = seq_ratio[has_tokens] if has_tokens.any() else seq_ratio.new_ones(1)
-        a = adv[has_tokens] if has_tokens.any() else adv.new_zeros(1)
+        has_tokens = mask.sum(-1) > 0  # the sequences the statistics are over (none: ratio 1, no clipping)
+        r, a = seq_ratio, adv
         metrics.update(
             pg_loss=aggregate(pg.detach(), mask, "seq-mean-token-mean"),
-            clip_frac_low=((r < 1 - clip_low) & (a < 0)).float().mean(),
-            clip_frac_high=((r > 1 + clip_high) & (a > 0)).float().mean(),
-            ratio_mean=r.mean(),
-            ratio_min=r.min(),
-            ratio_max=r.max(),
+            clip_frac_low=masked_mean(((r < 1 - clip_low) & (a < 0)).float(), has_tokens),
+            clip_frac_high=masked_mean(((r > 1 + clip_high) & (a > 0)).float(), has_tokens),
+            ratio_mean=torch.where(has_tokens.any(), masked_mean(r, has_tokens), r.new_tensor(1.0)),
+            ratio_min=masked_min(r, has_tokens, empty=1.0),
+            ratio_max=masked_max(r, has_tokens, empty=1.0),
             approx_kl_old=masked_mean(kl_penalty(logp.detach(), old_logp, "k3"), mask),
         )
     return loss, metrics

@@ -156,12 +156,12 @@ class RolloutBatch:
 
     def trim(self) -> RolloutBatch:
         """Drop columns that are padding in every row (after selecting a sub-batch)."""
-        keep_p = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
-        keep_l = int(self.response_mask.sum(-1).max().item()) if len(self) else 0
+        keep_p, keep_l = 0, 0
+        if len(self):  # both widths in one read of the device
+            widths = torch.stack([self.prompt_mask.sum(-1).max(), self.response_mask.sum(-1).max()])
+            keep_p, keep_l = (int(w) for w in widths.tolist())
         cut = self.prompt_ids.shape[1] - keep_p
-        rec = self.records
-        in_range = rec.pos < keep_l
-        rec = InputRecords(**{k: v[in_range] for k, v in vars(rec).items()})
+        rec = self.records.take((self.records.pos < keep_l).nonzero().squeeze(1))
         return replace(
             self,
             prompt_ids=self.prompt_ids[:, cut:],

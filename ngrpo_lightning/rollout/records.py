@@ -9,7 +9,7 @@ that replaced ``E[token]`` as the input embedding of that position. Discrete ste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -94,15 +94,12 @@ class InputRecords:
     def select_rows(self, rows: torch.Tensor) -> InputRecords:
         """Records of a subset of batch rows, renumbered to the subset's order."""
         match = self.row[:, None] == rows.to(self.row.device)[None, :]  # [M, R]
-        keep = match.any(1)
-        return InputRecords(
-            row=match[keep].long().argmax(1),
-            pos=self.pos[keep],
-            ids=self.ids[keep],
-            weights=self.weights[keep],
-            noise_seed=self.noise_seed[keep],
-            noise_scale=self.noise_scale[keep],
-        )
+        at = match.any(1).nonzero().squeeze(1)  # one wait for the device; a boolean index per field was one each
+        return replace(self.take(at), row=match.index_select(0, at).long().argmax(1))
+
+    def take(self, at: torch.Tensor) -> InputRecords:
+        """The records at indices ``at`` (long, [M']), in that order."""
+        return InputRecords(**{k: v.index_select(0, at) for k, v in vars(self).items()})
 
     def to(self, device) -> InputRecords:
         return InputRecords(**{k: v.to(device) for k, v in vars(self).items()})

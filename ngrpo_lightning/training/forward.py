@@ -262,14 +262,17 @@ def response_logprobs(
         return logp, entropy
 
     decoder, head = split
+    # only real response tokens reach the head. Found before the decoder runs: ``nonzero`` makes
+    # the host wait for the device, at the pass's start a short wait, after the decoder a wait for
+    # all of it (the host would queue nothing meanwhile)
+    keep = batch.response_mask.bool()
+    where = keep.nonzero(as_tuple=True)
     shared = shared_prompts(batch) if share_prompts else None
     if shared is not None:
         hidden = _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, *shared)
     else:
         out = decoder(**whole_sequence_inputs())
         hidden = _last_hidden(out)[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]
-    keep = batch.response_mask.bool()
-    where = keep.nonzero(as_tuple=True)  # only real response tokens reach the head
     token_logp, token_entropy_ = chunked_token_logprobs(
         hidden[where], head, batch.response_ids[where], temperature, chunk_size, with_entropy, keep_softmax_mib
     )
@@ -303,6 +306,9 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
     Gradients flow back into the one prompt pass through those keys and values, so they equal
     the repeated-prompt forward's. Only the prompt part is shared: mixed steps lie in the
     responses, whose inputs are rebuilt from the records as usual."""
+    # the responses' inputs first: rebuilding them reads the device (whether records add noise),
+    # which after the prompts' pass would wait for all of it
+    response_embeds = build_inputs_embeds(embedding, batch.response_ids, records, 0, detach_mixture)
     prompt_mask = batch.prompt_mask[first]
     prompt = decoder(
         inputs_embeds=torch.nn.functional.embedding(batch.prompt_ids[first], embedding),
@@ -313,7 +319,7 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
     cache = _read_only_prefix(prompt.past_key_values, inverse)  # the prompt's keys and values, per sample
     mask = batch.attention_mask
     response = decoder(
-        inputs_embeds=build_inputs_embeds(embedding, batch.response_ids, records, 0, detach_mixture),
+        inputs_embeds=response_embeds,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask)[:, batch.response_offset :],
         past_key_values=cache,

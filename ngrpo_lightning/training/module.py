@@ -39,7 +39,7 @@ from torchmetrics import MeanMetric
 from ngrpo_lightning.backends import Backend, backend_for, file_weights
 from ngrpo_lightning.backends.recompute import recomputing
 from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
-from ngrpo_lightning.metrics.training import combine_metrics
+from ngrpo_lightning.metrics.training import combine_metrics, host_floats
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.objectives import (
     PolicyObjective,
@@ -335,7 +335,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
             opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
             sched.step()
             self.policy_version.advance()
-            self.update_metrics.append({k: float(v) for k, v in metrics.items()})
+            self.update_metrics.append(host_floats(metrics))
         out = combine_metrics(self.update_metrics, [1.0 / len(updates)] * len(updates))
         out["updates"] = len(updates)
         return out, reused

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ngrpo_lightning.metrics.exploration import exploration_metrics
-from ngrpo_lightning.metrics.training import rollout_step_metrics
+from ngrpo_lightning.metrics.training import host_floats, rollout_step_metrics
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.training.updates import StepRollouts
 
@@ -42,11 +42,13 @@ class StepReports:
         # are those of each rank's share of the global batch.
         sync = self._trainer is not None and self._trainer.world_size > 1
         device = self.device if sync else "cpu"
+        log = host_floats({**log, "reward": rewards.mean()})  # one read of the device for all of them
+        reward = log.pop("reward")
         for key, value in log.items():
             op = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
             self.log(
                 key,
-                torch.as_tensor(float(value), device=device),
+                torch.as_tensor(value, device=device),
                 on_step=True,
                 batch_size=len(batch),
                 sync_dist=sync,
@@ -54,9 +56,9 @@ class StepReports:
             )
         self.log_dict(
             {
-                "reward": float(rewards.mean()),
-                "acc": float(log["train/accuracy"]),
-                "s/step": float(log["time/step_s"]),
+                "reward": reward,
+                "acc": log["train/accuracy"],
+                "s/step": log["time/step_s"],
                 "tok/s": float(batch.stats.get("rollout/tokens_per_s", math.nan)),
             },
             prog_bar=True,
