@@ -100,10 +100,14 @@ class UpdatePlan:
         batch (of response tokens when the loss is a token mean, ``token_level``; of rows
         otherwise), so that the micro-batch gradients add up to the whole batch's."""
         n = len(batch)
-        tokens = batch.response_mask.sum().clamp(min=1)
-        for rows in self._row_groups(batch):
-            share = batch.response_mask[rows].sum() / tokens if token_level else torch.tensor(len(rows) / n)
-            yield rows, share.item()
+        groups = self._row_groups(batch)
+        if not token_level:
+            shares = torch.tensor([len(rows) / n for rows in groups]).tolist()  # rounded as a tensor, as before
+        else:  # every micro-batch's share in one read of the device, before the first pass is queued
+            tokens = batch.response_mask.sum().clamp(min=1)
+            mask = batch.response_mask
+            shares = torch.stack([mask[rows.to(mask.device)].sum() / tokens for rows in groups]).tolist()
+        yield from zip(groups, shares)
 
     def _row_groups(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The rows of each micro-batch: in order, ``micro_batch_size`` at a time, or, with a
