@@ -142,6 +142,23 @@ def decode_steps(step: dict) -> list[tuple[int, int]] | None:
     return [(rows, step["row_prompt_tokens"] + rows * t) for t in range(1, tokens // rows)]
 
 
+def decode_bytes(shape: ModelShape, value_bytes: int) -> tuple[int, int]:
+    """What a decoding step reads: every weight once, and per cached position of a row its keys
+    and values in every layer (``value_bytes`` each: 4 in float32, 2 in bfloat16)."""
+    return (shape.body_params + shape.head_params) * value_bytes, shape.layers * 2 * shape.kv_width * value_bytes
+
+
+def decode_floor_s(step: dict, shape: ModelShape, bandwidth: float, value_bytes: int) -> float | None:
+    """The bandwidth floor of a rollout's decoding steps after its first token (the prefill's):
+    the bytes each reads (:func:`decode_bytes`) over ``bandwidth`` (bytes/s). ``None`` where
+    :func:`decode_steps` is ``None`` or the shape has no ``kv_width``."""
+    steps = decode_steps(step)
+    if steps is None or not shape.kv_width:
+        return None
+    weights, per_position = decode_bytes(shape, value_bytes)
+    return sum(weights + per_position * cached for _, cached in steps) / bandwidth
+
+
 def step_roofline_s(step: dict, shape: ModelShape, rate: float, bandwidth: float, value_bytes: int, **kw):
     """:func:`step_flops` / ``rate``, with each decoding step's two parts raised to the bytes they
     read / ``bandwidth`` where that is more: the products with the weights read every weight
@@ -153,8 +170,7 @@ def step_roofline_s(step: dict, shape: ModelShape, rate: float, bandwidth: float
     if steps is None or not shape.kv_width:
         return None
     floor = step_flops(step, shape, **kw) / rate
-    weights = (shape.body_params + shape.head_params) * value_bytes / bandwidth
-    per_position = shape.layers * 2 * shape.kv_width * value_bytes / bandwidth
+    weights, per_position = (b / bandwidth for b in decode_bytes(shape, value_bytes))
     for rows, cached in steps:
         floor += max(0.0, weights - linear_flops(shape, 0, rows) / rate)
         floor += max(0.0, per_position * cached - attention_flops(shape, cached) / rate)

@@ -7,8 +7,9 @@
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
-#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND; each
-#      run's last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
+#   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND: s/step,
+#      its phases, generation against its bandwidth floor (gen_x_floor), memory, warm-up; each run's
+#      last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
 #      its Chrome traces in TRACES where given (170 s: reading a profile back takes seconds)
 #   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
 #   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND,
@@ -52,7 +53,8 @@ if gpu && want 2; then  # beside the building
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
-G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}"
+G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
+  $(gpu && echo --bandwidth-gbs $BW)"
 DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)

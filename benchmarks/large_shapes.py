@@ -22,7 +22,12 @@ rebuilds its inputs (``train/rollout_logprob_diff_max``, over the run's steps). 
 and ``update_x_floor`` are the reference log-prob pass's and the update's times over their matmul
 FLOPs (``compute_floor.phase_flops``: a forward, and a forward and backward, of the step's tokens,
 a group's prompt once) at the device's dense matmul rate, measured before the runs
-(``matmul_tflops`` in the JSON's meta): near 1 a pass is as fast as its arithmetic allows. A run
+(``matmul_tflops`` in the JSON's meta): near 1 a pass is as fast as its arithmetic allows.
+``gen_x_floor`` is generation's time over its decoding steps' bandwidth floor
+(``compute_floor.decode_floor_s``: each step reads every weight once and every row's keys and
+values so far, at ``--bandwidth-gbs``, measured on a CPU, the data sheet's on a GPU); ``decode_ms``
+is generation's time per token of a row (the prefill and sampling included) and
+``decode_floor_ms`` a decoding step's mean floor. A run
 that fails (out of memory, say) is reported with its reason; the others go on.
 
     python benchmarks/large_shapes.py --shapes smollm2-135m qwen2.5-1.5b --modes full lora
@@ -65,7 +70,7 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
-from compute_floor import matmul_rate, model_shape, phase_flops  # noqa: E402
+from compute_floor import decode_floor_s, matmul_rate, model_shape, phase_flops, read_bandwidth  # noqa: E402
 from step_profile import phase_rows  # noqa: E402
 from vs_trl_workload import GIB, Workload, run_side  # noqa: E402
 
@@ -167,10 +172,15 @@ def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None)
         wall_s=result["wall_s"],
     )
     if floor is not None:  # each phase's time over its matmul FLOPs at the device's rate
-        model, rate = floor
+        model, rate, bandwidth = floor
         for phase in ("logprobs", "update"):
             flops = [phase_flops(s, model, frozen=workload.lora_rank > 0)[phase] for s in steps]
             row[f"{phase}_x_floor"] = statistics.median(s[f"{phase}_s"] * rate / f for s, f in zip(steps, flops))
+        reads = [decode_floor_s(s, model, bandwidth, 2 if workload.dtype == "bfloat16" else 4) for s in steps]
+        if bandwidth and None not in reads:  # generation over its decoding steps' bandwidth floor
+            row["decode_ms"] = statistics.median(1e3 * s["gen_s"] * s["rows"] / s["tokens"] for s in steps)
+            row["decode_floor_ms"] = statistics.median(1e3 * r * s["rows"] / s["tokens"] for s, r in zip(steps, reads))
+            row["gen_x_floor"] = statistics.median(s["gen_s"] / r for s, r in zip(steps, reads))
     row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
@@ -197,6 +207,7 @@ def main(argv=None) -> None:
     ap.add_argument("--build-only", action="store_true", help="build the shapes' model folders under --models; exit")
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "ngrpo-large-shapes")
     ap.add_argument("--out", default=str(RESULTS / "large_shapes.json"))
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured on a CPU)")
     ap.add_argument("--profile", action="store_true", help="profile each run's last step (out of the medians)")
     ap.add_argument("--trace-dir", type=Path, default=None, help="with --profile: the steps' Chrome traces here")
     args = ap.parse_args(argv)
@@ -220,6 +231,8 @@ def main(argv=None) -> None:
         for shape in args.shapes:
             print(model_dir(shape, args.source, args.models, args.dtype, device))
         return
+    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else read_bandwidth() if device == "cpu" else None
+    meta["bandwidth_gbs"] = bandwidth / 1e9 if bandwidth else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="large-shapes-") as work:
         for shape in args.shapes:
@@ -244,12 +257,13 @@ def main(argv=None) -> None:
                     profile_trace=str(args.trace_dir / f"{shape}-{mode}.trace.json.gz") if args.trace_dir else "",
                 )
                 result = run_side("ours", workload, Path(work), len(rows))
-                rows.append(summary(shape, mode, workload, result, floor=(model, rate)))
+                rows.append(summary(shape, mode, workload, result, floor=(model, rate, bandwidth)))
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 print({k: v for k, v in shown.items() if k not in ("log_tail", "profile")}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
-    more = ["logprobs_x_floor", "update_x_floor", "warmup_s", "warmup_pct_50", "logprob_diff_max"]
+    more = ["decode_ms", "gen_x_floor", "logprobs_x_floor", "update_x_floor", "warmup_s", "warmup_pct_50"]
+    more += ["logprob_diff_max"]
     more += ["cuda_gib", "reserved_gib", "rss_gib", "error"]
     print_table(rows, [*columns, *more])
     if args.profile:

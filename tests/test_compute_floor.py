@@ -119,6 +119,13 @@ def test_the_roofline_is_the_compute_floor_where_reading_is_free_and_the_reads_w
     assert compute_floor.step_roofline_s(step, dataclasses.replace(SHAPE, kv_width=0), rate, slow, 4) is None
 
 
+def test_the_decoding_floor_is_the_bytes_every_decoding_step_reads_over_the_bandwidth():
+    step = fixed_step()  # 4 rows x 5 tokens: 4 decoding steps after the prefill's token
+    reads = [1500 * 2 + 2 * 2 * 4 * 2 * (12 + 4 * t) for t in range(1, 5)]  # weights, then every row's cache
+    assert compute_floor.decode_floor_s(step, SHAPE, 10.0, 2) == pytest.approx(sum(reads) / 10.0)
+    assert compute_floor.decode_floor_s({**step, "tokens": 19}, SHAPE, 10.0, 2) is None
+
+
 def test_a_saved_lengths_result_is_reported_again_with_the_roofline(tmp_path, capsys):
     import vs_trl_lengths
 
