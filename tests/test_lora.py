@@ -178,6 +178,35 @@ def test_the_reference_is_the_base_model_with_the_adapters_off():
     assert trainable and all(lora.is_adapter_weight(name) for name in trainable)
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["peft's layers", "lean layers"])
+def test_adapters_off_gives_peft_disable_adapters_outputs_and_puts_everything_back(lean):
+    """``lora.adapters_off``: the base model's outputs, bit for bit those under peft's
+    ``disable_adapter()``; afterwards the adapted outputs again, a layer that was off still off,
+    and ``requires_grad`` never touched."""
+    from ngrpo_lightning.backends import Backend
+
+    policy = trained_lora(std=0.5)
+    if lean:
+        Backend().prepare(policy, trains=True)
+    ids = torch.randint(0, policy.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    layers = [m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    layers[-1]._disable_adapters = True  # one layer off on its own, before and after
+    grads = {name: p.requires_grad for name, p in policy.named_parameters()}
+    with torch.no_grad():
+        adapted = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            expected = policy(input_ids=ids).logits
+        layers[-1]._disable_adapters = True  # peft's context turned every layer back on
+        with lora.adapters_off(policy):
+            assert all(m.disable_adapters for m in layers)
+            assert {name: p.requires_grad for name, p in policy.named_parameters()} == grads
+            reference = policy(input_ids=ids).logits
+        after = policy(input_ids=ids).logits
+    assert torch.equal(reference, expected) and not torch.allclose(reference, adapted, atol=1e-3)
+    assert torch.equal(after, adapted)
+    assert layers[-1].disable_adapters and not any(m.disable_adapters for m in layers[:-1])
+
+
 def test_an_unpacked_rollout_multiplies_by_merged_weights():
     """Where nothing is packed (a GPU rollout; here the CPU backend with packing off), each adapted
     layer still runs one product per token, on W + scale B A: no base or adapter product runs,

@@ -46,6 +46,8 @@ class LeanLoraLinear:
             weight, bias, packed = self._merged
             return packed_linear(x, weight, bias) if packed else torch.nn.functional.linear(x, weight, bias)
         peft_forward = super().forward
+        if self.disable_adapters and not self.merged and not args and not kwargs:
+            return self.base_layer(x)  # peft's forward with its adapters off, without its checks' Python
         if args or kwargs or self.disable_adapters or self.merged:
             return peft_forward(x, *args, **kwargs)
         active = [a for a in self.active_adapters if a in self.lora_A]

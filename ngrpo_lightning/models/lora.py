@@ -6,9 +6,10 @@ and ``B`` trained (``B`` starts at zero, so step 0's policy is the base model). 
 AdamW's moments then exist for the adapters only.
 
 The KL reference is the base model, which the policy already holds: its log-probs come from
-the policy with its adapters switched off (peft's ``disable_adapter``), so a LoRA run loads
-one model, not two (:class:`~ngrpo_lightning.training.module.RLModule` does this when it is given no
-reference and ``adapters=True``).
+the policy with its adapters switched off (:func:`adapters_off`, as peft's ``disable_adapter``
+switches them), so a LoRA run loads one model, not two
+(:class:`~ngrpo_lightning.training.module.RLModule` does this when it is given no reference and
+``adapters=True``).
 
 ``model.lora``: ``enabled`` (false by default), ``rank`` (> 0), ``alpha`` (> 0), ``dropout``
 (in [0, 1)), ``target_modules`` (``all-linear``, peft's choice: every linear layer of the
@@ -17,6 +18,7 @@ decoder, not the LM head; or a list of module names such as ``[q_proj, v_proj]``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +113,33 @@ def apply(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
 def has_adapters(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a peft model (its adapters can be switched off)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Within the block ``model`` computes as its base model: every adapter layer is switched off
+    as peft's ``disable_adapter()`` switches it (its ``disable_adapters`` flag), the same outputs,
+    and back as it was after. peft's context also works out the model's adapter status and walks
+    every module twice to set ``requires_grad``: at the packaged model's shape that Python took
+    longer than the reference pass it wraps (docs/performance.md). Meant for no-grad passes:
+    ``requires_grad`` is left alone. A model with other trainable wrappers (``modules_to_save``)
+    takes peft's context."""
+    from peft.tuners.tuners_utils import AuxiliaryTrainingWrapper, BaseTunerLayer
+
+    modules = list(model.modules())
+    if any(isinstance(m, AuxiliaryTrainingWrapper) for m in modules):
+        with model.disable_adapter():
+            yield
+        return
+    layers = [m for m in modules if isinstance(m, BaseTunerLayer)]
+    were = [layer._disable_adapters for layer in layers]
+    try:
+        for layer in layers:
+            layer._disable_adapters = True
+        yield
+    finally:
+        for layer, was in zip(layers, were):
+            layer._disable_adapters = was
 
 
 def is_adapter_weight(name: str) -> bool:

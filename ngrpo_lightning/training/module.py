@@ -305,7 +305,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
                 with self._packed(self.reference, step.batch):
                     ref_logp = self._logprobs_no_grad(self.reference, step.batch)
         elif self.adapters and self.objective.needs_reference:
-            with self.policy.disable_adapter():  # the base model: the policy without its adapters
+            with lora.adapters_off(self.policy):  # the base model: the policy without its adapters
                 with self._packed(self.policy, step.batch):
                     ref_logp = self._logprobs_no_grad(self.policy, step.batch)
         return replace(
