@@ -139,3 +139,20 @@ def test_the_shared_prompt_cache_is_made_of_its_own_layers():
     assert torch.equal(k, torch.cat([keys[rows], new_k], dim=-2))
     assert torch.equal(v, torch.cat([values[rows], new_v], dim=-2))
     assert layer.keys is stored[0] and layer.values is stored[1]  # nothing stored
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["plain", "LoRA"])
+def test_checkpointed_layers_are_read_from_the_layers_as_transformers_reports_them(adapters):
+    """Prompt sharing is off under gradient checkpointing: ``layers_checkpointed`` reads it from the
+    decoder layers, with transformers' answer (which walks every module) before and after."""
+    from conftest import trained_lora
+
+    from ngrpo_lightning.models.loading import load_policy
+    from ngrpo_lightning.training.logprob_passes import layers_checkpointed
+
+    model = trained_lora() if adapters else load_policy("tiny")[0]
+    assert layers_checkpointed(model) is False and not model.is_gradient_checkpointing
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert layers_checkpointed(model) is True and model.is_gradient_checkpointing
+    model.gradient_checkpointing_disable()
+    assert layers_checkpointed(model) is False and not model.is_gradient_checkpointing

@@ -256,3 +256,33 @@ def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_rea
         graphs.append(replayed._caches.graphs[6])
     assert graphs[0] is graphs[1] is graphs[2]  # never recorded again
     assert sum(getattr(m, "_kept", None) is not None for m in policy.modules()) == 7 * policy.config.num_hidden_layers
+
+
+def test_the_tensor_addresses_graphs_rely_on_cover_weights_and_a_layers_kept_merged_copy():
+    """What ``DecodeGraphs.current`` compares: every parameter and buffer, and the copies the
+    backend's layers hold for a pass (LoRA's merged weights); unchanged by training's in-place
+    updates and by a kept copy rewritten in place, changed when a copy is made anew."""
+    from conftest import trained_lora
+
+    from ngrpo_lightning.backends import Backend
+    from ngrpo_lightning.backends.lora import LeanLoraLinear
+    from ngrpo_lightning.backends.passes import packed_for_pass
+    from ngrpo_lightning.rollout.decode_graphs import tensor_addresses
+
+    policy = trained_lora()
+    Backend().prepare(policy, trains=True)
+    tensors = [*policy.parameters(), *policy.buffers()]
+    with packed_for_pass(policy, rows=2, decoding=True, keep=True):
+        first = tensor_addresses(policy)
+    assert {(t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors} <= set(first)
+    layer = next(m for m in policy.modules() if isinstance(m, LeanLoraLinear))
+    kept = layer._kept
+    assert (kept.data_ptr(), tuple(kept.shape), kept.dtype) in first  # the merged copy the step reads
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)  # an optimizer step: in place
+    with packed_for_pass(policy, rows=2, decoding=True, keep=True):
+        assert tensor_addresses(policy) == first and layer._kept is kept  # rewritten in place
+    layer._kept = None  # a copy made anew (the old one still held: another address)
+    with packed_for_pass(policy, rows=2, decoding=True, keep=True):
+        assert tensor_addresses(policy) != first

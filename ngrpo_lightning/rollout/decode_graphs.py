@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ngrpo_lightning.backends.swap import original_class
+
 __all__ = ["REPLAYS", "DecodeGraphs"]
 
 REPLAYS = ("cuda", "compile", "rerun")
@@ -162,7 +164,10 @@ def compiled_call(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
 
 def tensor_addresses(model: torch.nn.Module) -> tuple:
     """Where every tensor ``model``'s forward reads lies: its parameters and buffers, and tensors a
-    backend's layer holds for the pass (a merged copy), with their shapes and dtypes."""
+    backend's layer holds for the pass (a merged copy), with their shapes and dtypes. Only the
+    layers a backend swapped (:mod:`ngrpo_lightning.backends.swap`) hold such copies, so only
+    their attributes are looked through: a peft model has thousands of modules, and reading all of
+    their attributes at every rollout took longer than the rollout's decoding of a small model."""
 
     def held(value):
         if isinstance(value, torch.Tensor):
@@ -171,10 +176,13 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
             for item in value:
                 yield from held(item)
 
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = []
     for module in model.modules():
-        for name, value in vars(module).items():
-            if not name.startswith("_parameters") and not name.startswith("_buffers"):
-                tensors.extend(held(value))
+        tensors.extend(t for t in module._parameters.values() if t is not None)
+        tensors.extend(t for t in module._buffers.values() if t is not None)
+        if type(module) is not original_class(module):
+            for name, value in vars(module).items():
+                if name not in ("_parameters", "_buffers"):
+                    tensors.extend(held(value))
     # oneDNN's packed weights (a CPU backend's) have no storage to point at: the object stands for it
     return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)

@@ -13,6 +13,20 @@ from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.padding import pad_to
 from ngrpo_lightning.training.forward import response_logprobs
+from ngrpo_lightning.training.parallel import decoder_layers
+
+
+def layers_checkpointed(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s decoder layers recompute in backward (transformers' gradient
+    checkpointing), read from the layers: the model's ``is_gradient_checkpointing`` walks every
+    module, thousands in a peft model (milliseconds, once per pass), for the same answer."""
+    try:
+        flags = [getattr(layer, "gradient_checkpointing", None) for layer in decoder_layers(model)]
+    except ValueError:  # layers not found where transformers keeps them
+        flags = [None]
+    if None in flags:
+        return bool(getattr(model, "is_gradient_checkpointing", False))
+    return any(flags)
 
 
 class LogprobPasses:
@@ -39,7 +53,7 @@ class LogprobPasses:
         """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
         checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
         root forward shares as the plain model does."""
-        checkpointed = getattr(model, "is_gradient_checkpointing", False) or (
+        checkpointed = layers_checkpointed(model) or (
             model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
         )
         return self.backend.share_prompts and not checkpointed
