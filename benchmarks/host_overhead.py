@@ -38,6 +38,7 @@ from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # no
 
 from ngrpo_lightning.backends.base import Backend  # noqa: E402
 from ngrpo_lightning.backends.passes import packed_for_pass  # noqa: E402
+from ngrpo_lightning.backends.recompute import recomputing  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models import lora  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy, resolve_model_path  # noqa: E402
@@ -99,8 +100,9 @@ def measure(path: Path, mode: str, repeats: int) -> list[dict]:
     step = StepRollouts.fresh(batch, torch.tensor([1.0, 0.0] * 6), tok.pad_token_id or 0)
     step.advantages = torch.tensor([1.0, -1.0] * 6)
 
-    def update():
-        logp, _ = module._logprobs(policy, step.batch, 1.0)
+    def update():  # as RLModule's update runs a micro-batch: the cheap activations recomputed in backward
+        with recomputing():
+            logp, _ = module._logprobs(policy, step.batch, 1.0, with_entropy=True)
         (logp * step.batch.response_mask).sum().backward()
         policy.zero_grad(set_to_none=True)
 
