@@ -130,3 +130,21 @@ def test_cutting_and_selecting_a_batch_reads_the_device_once_for_its_records():
         cut = batch.select(torch.tensor([1, 3])).trim()
     assert syncs.ops.count("aten.nonzero") == 2 and "aten.index" not in syncs.ops  # select's and trim's
     assert cut.response_ids.shape[1] == 2 and len(cut.records) == len(part.records)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_micro_batch_shares_are_read_once_and_are_the_floats_read_one_by_one(token_level):
+    from ngrpo_lightning.training.planning import UpdatePlan
+
+    batch = fake_step(list("aabbcc"), [1, 0, 1, 1, 0, 1], lengths=[1, 4, 2, 3, 4, 4]).batch
+    plan = UpdatePlan(micro_batch_size=4)
+    with HostSyncs() as syncs:
+        groups = list(plan.micro_batches(batch, token_level))
+    assert "aten._local_scalar_dense" not in syncs.ops and len(groups) == 2
+    tokens = batch.response_mask.sum()
+    for rows, share in groups:  # as each micro-batch read its share before: a float32 tensor's item()
+        one = batch.response_mask[rows].sum() / tokens if token_level else torch.tensor(len(rows) / len(batch))
+        assert share == one.item()
+    empty = replace(batch, **{k: getattr(batch, k)[:0] for k in ("prompt_ids", "prompt_mask", "response_ids")})
+    empty = replace(empty, response_mask=batch.response_mask[:0], rollout_logprobs=batch.rollout_logprobs[:0])
+    assert len(empty) == 0 and list(plan.micro_batches(empty, token_level)) == []

@@ -101,6 +101,8 @@ class UpdatePlan:
         otherwise), so that the micro-batch gradients add up to the whole batch's."""
         n = len(batch)
         groups = self._row_groups(batch)
+        if not groups:
+            return
         if not token_level:
             shares = torch.tensor([len(rows) / n for rows in groups]).tolist()  # rounded as a tensor, as before
         else:  # every micro-batch's share in one read of the device, before the first pass is queued
