@@ -40,7 +40,8 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
             if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
                 if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
-                    merged_inside.update(id(sub) for sub in m.modules() if sub is not m)
+                    # its base layer is not called meanwhile (the adapter matrices are plain layers)
+                    merged_inside.add(id(m.base_layer))
             elif isinstance(m, BackendLinear) and id(m) not in merged_inside:
                 m._in_pass = True
                 layers.append(m)
