@@ -152,8 +152,9 @@ def export_problems(path: Path) -> None:
 
 def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None) -> dict:
     """One table row from a run's per-step records (the first step dropped). ``floor``: a
-    :class:`~compute_floor.ModelShape` and the device's matmul rate (FLOP/s), for the log-prob
-    pass's and the update's time over their matmul floor (``x_floor``)."""
+    :class:`~compute_floor.ModelShape`, the device's matmul rate (FLOP/s) and its memory
+    bandwidth (bytes/s, or ``None``), for the log-prob pass's and the update's time over their
+    matmul floor and generation's over its bandwidth floor (``*_x_floor``)."""
     row = {"shape": shape, "mode": mode, "dtype": workload.dtype, "tokens": workload.tokens}
     if "error" in result:
         print(result["error"]["log_tail"], flush=True)
@@ -176,8 +177,9 @@ def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None)
         for phase in ("logprobs", "update"):
             flops = [phase_flops(s, model, frozen=workload.lora_rank > 0)[phase] for s in steps]
             row[f"{phase}_x_floor"] = statistics.median(s[f"{phase}_s"] * rate / f for s, f in zip(steps, flops))
-        reads = [decode_floor_s(s, model, bandwidth, 2 if workload.dtype == "bfloat16" else 4) for s in steps]
-        if bandwidth and None not in reads:  # generation over its decoding steps' bandwidth floor
+        value_bytes = 2 if workload.dtype == "bfloat16" else 4
+        reads = [decode_floor_s(s, model, bandwidth, value_bytes) for s in steps] if bandwidth else [None]
+        if None not in reads:  # generation over its decoding steps' bandwidth floor
             row["decode_ms"] = statistics.median(1e3 * s["gen_s"] * s["rows"] / s["tokens"] for s in steps)
             row["decode_floor_ms"] = statistics.median(1e3 * r * s["rows"] / s["tokens"] for s, r in zip(steps, reads))
             row["gen_x_floor"] = statistics.median(s["gen_s"] / r for s, r in zip(steps, reads))
