@@ -14,6 +14,15 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+# what a model folder built here from a config takes from its source folder: the tokenizer and chat template
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer(source: Path, out: Path) -> None:
+    """The :data:`TOKENIZER_FILES` of ``source`` that exist, copied into ``out``."""
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            (Path(out) / name).write_bytes((Path(source) / name).read_bytes())
 
 
 def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0, problems: str = "") -> list[list[int]]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # noqa: E402
+from common import RESULTS, arithmetic_prompt_ids, copy_tokenizer, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.backends.base import Backend  # noqa: E402
 from ngrpo_lightning.backends.passes import packed_for_pass  # noqa: E402
@@ -64,9 +64,7 @@ def narrow_model(source: str, root: Path) -> Path:
             setattr(config, key, value)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(out)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-            if (Path(source) / name).is_file():
-                (out / name).write_bytes((Path(source) / name).read_bytes())
+        copy_tokenizer(Path(source), out)
     return out
 
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -67,6 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     RESULTS,  # noqa: E402
+    copy_tokenizer,
     print_table,
     write_json,
 )
@@ -102,7 +102,6 @@ SHAPES: dict[str, dict | None] = {
         rms_norm_eps=1e-6,
     ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 MODES = {"full": 0, "lora": 16}  # mode -> LoRA rank (0: full fine-tuning)
 
 
@@ -129,9 +128,7 @@ def model_dir(shape: str, source: Path, root: Path, dtype: str, device: str) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=root))
     model.save_pretrained(tmp)
     del model
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, tmp / name)
+    copy_tokenizer(source, tmp)
     tmp.rename(out)
     if device == "cuda":
         torch.cuda.empty_cache()  # the runs' processes get the whole GPU
