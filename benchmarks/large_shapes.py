@@ -270,7 +270,7 @@ def main(argv=None) -> None:
         phases = []
         for row in rows:
             phases += phase_rows({"shape": row["shape"], "mode": row["mode"]}, row.get("profile", {}).get("phases", {}))
-        print_table(phases, ["shape", "mode", "phase", "host_s", "device_s", "busy", "kernels", "longest"])
+        print_table(phases, ["shape", "mode", "phase", "host_s", "device_s", "busy", "kernels", "graphs", "longest"])
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ A training step names its phases for profilers (:mod:`ngrpo_lightning.phases`: `
 ``ngrpo/reward``, ``ngrpo/logprobs``, ``ngrpo/update``). :class:`StepProfile` runs
 ``torch.profiler`` over one step, from the end of the step before (so the step's rollout, made
 when its batch arrives, is inside) to the end of its own, and :func:`phase_report` sums, for each
-phase, the kernels launched by every operation inside it (``FunctionEvent.kernels``, a GPU's;
-a CPU run has none, and its device columns stay empty).
+phase, the device's kernels and the host's operations that started inside its time range, on any
+thread: a CUDA graph's replayed kernels and the backward's, run from autograd's own thread on a
+GPU, included (a CPU run has no kernels, and its device columns stay empty).
 
 ``busy`` is the device's share of a phase's host time: near 1 the device is the limit (compute
 or memory); far below, the host is (Python and kernel launches, or waits on the host such as
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.autograd import DeviceType
 
 from ngrpo_lightning.phases import PREFIX
 
@@ -66,47 +68,61 @@ class StepProfile(L.Callback):
 
 
 def phase_report(events) -> dict[str, dict]:
-    """``phase -> {host_s, device_s, busy, kernels, calls, top_kernels, top_host_ops}`` for every
-    ``ngrpo/`` range among a profiler's ``events`` (ranges of one name summed; kernels counted
-    under every operation inside, however deep). Times in seconds; the top lists are
-    ``[name, seconds, count]``, longest first (a host operation's time is its own, its callees'
-    left out)."""
+    """``phase -> {host_s, device_s, busy, kernels, graph_launches, calls, top_kernels, top_host_ops}``
+    for every ``ngrpo/`` range among a profiler's ``events`` (ranges of one name summed). Times in
+    seconds; the top lists are ``[name, seconds, count]``, longest first (a host operation's time is
+    its own, its callees' left out).
+
+    Every other event belongs to the innermost phase whose time range holds its start, whatever
+    thread it ran on: the kernels a CUDA graph's replay runs (no host operation launches them, so
+    ``FunctionEvent.kernels`` of the range's operations leaves them out), the backward's operations
+    (autograd runs a GPU's backward on a thread of its own) and their kernels. A phase on a GPU
+    ends by waiting for its kernels (:mod:`ngrpo_lightning.phases`), so a kernel that starts
+    inside its range is its own; work that another thread overlaps with it (rollouts made ahead)
+    counts in it too."""
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name[len(PREFIX) :]) for e in events if e.name.startswith(PREFIX)
+    )
     report: dict[str, dict] = {}
+    for _, _, name in ranges:
+        report.setdefault(name, {"host_s": 0.0, "calls": 0, "_sums": tuple(Counter() for _ in range(4))})
+    for start, end, name in ranges:
+        report[name]["host_s"] += (end - start) / 1e6
+        report[name]["calls"] += 1
     for event in events:
-        if not event.name.startswith(PREFIX):
+        if event.name.startswith(PREFIX):
             continue
-        name = event.name[len(PREFIX) :]
-        entry = report.setdefault(name, {"host_s": 0.0, "calls": 0, "_sums": tuple(Counter() for _ in range(4))})
-        entry["host_s"] += event.time_range.elapsed_us() / 1e6
-        entry["calls"] += 1
-        for total, part in zip(entry["_sums"], _inside(event)):
-            total.update(part)
+        name = _innermost(ranges, event.time_range.start)
+        if name is None:
+            continue
+        kernel_us, kernel_n, host_us, host_n = report[name]["_sums"]
+        if event.device_type == DeviceType.CPU:
+            host_us[event.name] += event.self_cpu_time_total
+            host_n[event.name] += 1
+        else:  # a kernel, copy or fill on the device
+            kernel_us[event.name] += event.time_range.elapsed_us()
+            kernel_n[event.name] += 1
     for entry in report.values():
         kernels, counts, host, calls = entry.pop("_sums")
         entry["device_s"] = sum(kernels.values()) / 1e6
         entry["busy"] = entry["device_s"] / entry["host_s"] if entry["host_s"] > 0 else 0.0
         entry["kernels"] = sum(counts.values())
+        entry["graph_launches"] = calls["cudaGraphLaunch"]
         entry["top_kernels"] = [[k[:90], us / 1e6, counts[k]] for k, us in kernels.most_common(TOP)]
         entry["top_host_ops"] = [[k[:90], us / 1e6, calls[k]] for k, us in host.most_common(TOP)]
     return report
 
 
-def _inside(root) -> tuple[Counter, Counter, Counter, Counter]:
-    """``root`` and below: kernel time (us) and count by name, host self-time (us) and calls by
-    operation. ``root``'s own kernels count: a launch outside any operation (a CUDA graph's
-    replay) is the range's."""
-    kernel_us, kernel_n, host_us, host_n = Counter(), Counter(), Counter(), Counter()
-    stack = [root]
-    while stack:
-        event = stack.pop()
-        for kernel in event.kernels:
-            kernel_us[kernel.name] += kernel.duration
-            kernel_n[kernel.name] += 1
-        if not event.name.startswith(PREFIX):  # a nested phase is reported as its own
-            host_us[event.name] += event.self_cpu_time_total
-            host_n[event.name] += 1
-        stack.extend(event.cpu_children)
-    return kernel_us, kernel_n, host_us, host_n
+def _innermost(ranges: list[tuple[float, float, str]], t: float) -> str | None:
+    """The phase of the latest-starting range (sorted by start) that holds time ``t``: a nested
+    range starts after the one around it."""
+    inside = None
+    for start, end, name in ranges:
+        if start > t:
+            break
+        if t <= end:
+            inside = name
+    return inside
 
 
 def write_trace(profiler, path: Path) -> None:
@@ -134,6 +150,7 @@ def phase_rows(label: dict, report: dict[str, dict]) -> list[dict]:
                 "device_s": round(entry["device_s"], 4),
                 "busy": round(entry["busy"], 3),
                 "kernels": entry["kernels"],
+                "graphs": entry["graph_launches"],
                 "longest": f"{top[0][:48]} {top[1]:.4f} s" if top else "",
             }
         )

@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import ScriptedReward, tiny_rl, tiny_trainer
 from lightning.pytorch.profilers import SimpleProfiler
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from ngrpo_lightning.phases import PHASES, phase
 
@@ -27,6 +29,36 @@ def test_a_phase_times_its_block_and_names_it_for_both_profilers():
     assert report["update"]["calls"] == 1 and report["update"]["host_s"] > 0
     assert "aten::mm" in [name for name, _, _ in report["update"]["top_host_ops"]]
     assert report["update"]["kernels"] == 0 and report["update"]["device_s"] == 0  # a CPU has no kernels
+
+
+def test_a_phase_report_owns_the_device_work_that_starts_inside_it():
+    """What a GPU trace holds and no operation of the range launched: a CUDA graph's replayed
+    kernels (linked to no operation) and the backward's, launched from autograd's own thread.
+    Each belongs to the innermost phase whose time range holds its start. The events are built as
+    the profiler builds them from a GPU's trace (this machine records no device)."""
+
+    def event(name, start, end, thread=1, device=DeviceType.CPU):
+        return FunctionEvent(id=0, name=name, thread=thread, start_us=start, end_us=end, device_type=device)
+
+    events = [
+        event("ngrpo/rollout", 0, 100),
+        event("cudaGraphLaunch", 10, 12),
+        event("graph kernel", 20, 30, thread=0, device=DeviceType.CUDA),
+        event("graph kernel", 40, 55, thread=0, device=DeviceType.CUDA),
+        event("ngrpo/update", 200, 300),
+        event("aten::mm", 210, 215, thread=7),  # the backward's thread
+        event("gemm kernel", 220, 228, thread=0, device=DeviceType.CUDA),
+        event("ngrpo/logprobs", 250, 280),  # nested: its own phase
+        event("late kernel", 260, 262, thread=0, device=DeviceType.CUDA),
+        event("stray kernel", 400, 410, thread=0, device=DeviceType.CUDA),  # inside no phase
+    ]
+    report = step_profile.phase_report(events)
+    assert report["rollout"]["kernels"] == 2 and report["rollout"]["graph_launches"] == 1
+    assert report["rollout"]["device_s"] == pytest.approx(25e-6)
+    assert report["rollout"]["top_kernels"] == [["graph kernel", pytest.approx(25e-6), 2]]
+    assert report["update"]["kernels"] == 1 and [op for op, _, _ in report["update"]["top_host_ops"]] == ["aten::mm"]
+    assert report["logprobs"]["kernels"] == 1 and report["logprobs"]["host_s"] == pytest.approx(30e-6)
+    assert report["update"]["host_s"] == pytest.approx(100e-6)  # a phase's time is its range's, nested ones included
 
 
 def test_a_failing_block_is_not_timed_and_its_error_goes_through():
@@ -92,5 +124,6 @@ def test_a_phase_report_on_a_gpu_counts_its_kernels_graph_replays_included():  #
                 graph.replay()
     report = step_profile.phase_report(prof.events())
     assert report["update"]["kernels"] >= 10 and report["update"]["device_s"] > 0
+    assert report["rollout"]["graph_launches"] == 10
     assert report["rollout"]["kernels"] >= 10 and report["rollout"]["device_s"] > 0  # the replays' kernels
     assert 0 < report["update"]["busy"]
