@@ -21,25 +21,30 @@
 #      the packaged shape's full fine-tuning on the eager backend, the baseline of step 3
 #   8. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
+#  10. a group's prompt run once or per row, the log-prob passes timed both ways at both shapes, beside
+#      what the CUDA backend decides (benchmarks/prompt_sharing.py: its "right" column)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
-# All nine do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s, and steps 6-9
-# are allowed 12 minutes more; reading a profile back (steps 3 and 5) took 18 s per run on the CPU.
-# A session's 15 minutes hold two tries of about 7 minutes each:
-#   STEPS="2 3 5"   (the GPU tests, both shapes profiled, full fine-tuning and LoRA)
-#   STEPS="7 8 9"   (TRL and the eager baseline at the packaged shape, the 7B shape, the command end to end)
+# All ten do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
+# session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s (step 5's LoRA run
+# was cut: give it LIMIT=450) and "7 8 9" 263 s. Reading a profile back (steps 3 and 5) took 18 s
+# per run on the CPU. A session's 15 minutes hold two tries, run one after the other on the warm
+# machine (it is given back after 30 s idle):
+#   STEPS="2 3 5"     LIMIT=450 (the GPU tests, both shapes profiled, full fine-tuning and LoRA)
+#   STEPS="7 8 9 10"  LIMIT=330 (TRL and the eager baseline at the packaged shape, the 7B shape, the
+#                     command end to end, prompt sharing timed)
 # and steps 4 and 6 (decoding modes and compiled decoding at 1.5B) wait for a later session.
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
-#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9"); without step 1 later runs use the
+#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9 10"); without step 1 later runs use the
 #             default backend (graphs), with it the eager one where recording failed
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B), with MLflow and
 #             reasoning-gym hidden as the GPU image lacks them (HIDE: the packages hidden)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9}
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10}
 mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -119,5 +124,11 @@ if want 9; then
     logger=none output_dir=$RUN trainer.enable_progress_bar=false $(gpu && echo backend.name=$BACKEND)"
   timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$RUN.cli.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.cli.log"
   timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$RUN.resume.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.resume.log"
+fi
+if want 10; then
+  echo "== 10. a group's prompt once or per row: the log-prob passes both ways, and the backend's choice ($SECONDS s)"
+  P="$PY benchmarks/prompt_sharing.py --device $DEV --dtype bfloat16 ${PROBLEMS:+--problems $PROBLEMS}"
+  timeout -s INT "$(left 45)" $P --model $MODELS/smollm2-135m-bfloat16 --tokens "$TOK" --out "$OUT/sharing_small.json"
+  timeout -s INT "$(left 60)" $P --model $MODELS/qwen2.5-1.5b-bfloat16 --tokens "$LONG" --out "$OUT/sharing_1.5b.json"
 fi
 echo "== done ($SECONDS s)"

@@ -18,6 +18,7 @@ from test_forward_chunked import small_llama
 
 from ngrpo_lightning.rollout import InputRecords, RolloutBatch
 from ngrpo_lightning.training.forward import response_logprobs, shared_prompts
+from ngrpo_lightning.training.logprob_passes import layer_params, shared_prompt_tokens
 
 GROUPS, G, P, L = 2, 3, 6, 9
 
@@ -156,3 +157,78 @@ def test_checkpointed_layers_are_read_from_the_layers_as_transformers_reports_th
     assert layers_checkpointed(model) is True and model.is_gradient_checkpointing
     model.gradient_checkpointing_disable()
     assert layers_checkpointed(model) is False and not model.is_gradient_checkpointing
+
+
+def test_a_pass_leaves_out_every_row_but_one_per_group_of_its_prompt_width():
+    batch = grouped_batch(100)  # 6 rows in groups of 3, prompts 6 wide
+    assert shared_prompt_tokens(batch) == (6 - 2) * P
+    assert shared_prompt_tokens(batch.select(torch.tensor([0, 1]))) == 1 * P  # a micro-batch of one group
+    assert shared_prompt_tokens(batch.select(torch.tensor([4]))) == 0
+
+
+def meta_layer_params(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        return layer_params(AutoModelForCausalLM.from_config(config))
+
+
+def test_the_cuda_backend_shares_a_prompt_only_where_its_arithmetic_outweighs_a_second_passs_launches():
+    """On a GPU a small model's pass waits on kernel launches, and sharing launches each layer's
+    kernels twice. 4 prompts x 8 samples with the built-in task's 66-token prompts: the packaged
+    model's pass runs each row's prompt; Qwen2.5-1.5B's shapes share in a pass of 32 rows but not in
+    a micro-batch of one group; Qwen2.5-7B's share in both. A CPU's pass is its arithmetic: it
+    always shares."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from ngrpo_lightning.backends import CPUBackend, CUDABackend
+    from ngrpo_lightning.models.loading import resolve_model_path
+
+    qwen = dict(num_hidden_layers=1, vocab_size=1000, head_dim=128)
+    params = {
+        "packaged": meta_layer_params(AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct"))),
+        "1.5b": meta_layer_params(
+            Qwen2Config(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2, **qwen)
+        ),
+        "7b": meta_layer_params(
+            Qwen2Config(
+                hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, **qwen
+            )
+        ),
+    }
+    assert 3.5e6 < params["packaged"] < 3.6e6 and 46e6 < params["1.5b"] < 48e6 and 230e6 < params["7b"] < 236e6
+    cuda, cpu = CUDABackend(torch.bfloat16), CPUBackend(torch.float32)
+    whole, one_group = (32 - 4) * 66, (8 - 1) * 66
+    decided = {
+        (name, rows): cuda.shares_prompts(saved, p)
+        for name, p in params.items()
+        for rows, saved in ((32, whole), (8, one_group))
+    }
+    assert decided == {
+        ("packaged", 32): False, ("packaged", 8): False,
+        ("1.5b", 32): True, ("1.5b", 8): False,
+        ("7b", 32): True, ("7b", 8): True,
+    }  # fmt: skip
+    assert all(cpu.shares_prompts(saved, params["packaged"]) for saved in (whole, one_group, 1))
+    cuda.share_prompts = False  # a subclass that never shares
+    assert not cuda.shares_prompts(whole, params["7b"])
+
+
+def test_a_log_prob_pass_shares_prompts_as_its_backend_decides(tiny):
+    """The same values either way; the CUDA backend's pass of the tiny model runs its decoder once
+    (each row its prompt), the CPU's twice (the prompts, then the responses)."""
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning.backends import CPUBackend, CUDABackend
+
+    batch = grouped_batch(tiny[0].config.vocab_size)
+    out = {}
+    for backend in (CPUBackend(torch.float32, packing="off"), CUDABackend(torch.float32)):
+        module, _ = tiny_rl(tiny, ScriptedReward([1]), backend=backend)
+        calls = []
+        hook = module.policy.model.register_forward_hook(lambda *args, calls=calls: calls.append(1))
+        with torch.no_grad():
+            out[backend.device_type] = module._logprobs(module.policy, batch, 0.7)[0]
+        hook.remove()
+        assert len(calls) == (2 if backend.device_type == "cpu" else 1)
+    assert (out["cpu"] - out["cuda"]).abs().max() < 1e-5

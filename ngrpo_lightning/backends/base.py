@@ -16,7 +16,8 @@ What this base class does is what every device gets:
 - peft's LoRA layers with their sum done in place and a merged copy for decoding (:mod:`.lora`);
 - the log-probs' LM head in chunks of ``logprob_chunk_size`` tokens, its softmax kept for
   backward when it fits ``keep_softmax_mib`` (:mod:`ngrpo_lightning.training.forward`);
-- a group's common prompt run once per log-prob pass (``share_prompts``);
+- a group's common prompt run once per log-prob pass (``share_prompts``; a GPU's backend decides
+  per pass whether that pays, :meth:`Backend.shares_prompts`);
 - plain products, the attention transformers calls ``sdpa``, the KV cache in the model's dtype.
 
 A backend for another device subclasses it and overrides what differs there.
@@ -142,6 +143,13 @@ class Backend:
         return {id(m): (False, False, False, f"plain products on {self.device_type}") for m in layers}
 
     # ------------------------------------------------------------ what the run asks
+    def shares_prompts(self, saved_tokens: int, layer_params: int) -> bool:
+        """Whether a log-prob pass runs a group's common prompt once, where that leaves
+        ``saved_tokens`` prompt tokens out of each of its layers of ``layer_params`` parameters
+        (the same values either way). Here: ``share_prompts``, whatever the pass; a device where
+        the second decoder pass this takes costs more than the arithmetic it saves decides per pass."""
+        return self.share_prompts
+
     def kv_cache_dtype(self, model: torch.nn.Module) -> torch.dtype | None:
         """The dtype a rollout's KV cache stores (``None``: the model's)."""
         return None

@@ -15,7 +15,9 @@ Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.
 recording a step through FSDP2's hooks has not been measured on several GPUs.
 
 Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
-merged decoding, chunked log-probs, shared prompts). What a GPU does differently belongs here,
+merged decoding, chunked log-probs), and a group's prompt runs once only in a pass where the
+arithmetic that saves outweighs the second decoder pass's kernel launches
+(:meth:`CUDABackend.shares_prompts`). What a GPU does differently belongs here,
 never in config keys. ``backend.name`` names the alternatives a measurement needs.
 """
 
@@ -34,9 +36,28 @@ class CUDABackend(Backend):
     static_decoding = True
     decode_graphs: str | None = "cuda"
 
+    # Sharing a group's prompt runs the decoder twice, the prompts then the responses: each layer's
+    # kernels are launched twice (44 more operations per Llama-style layer in a forward, counted on
+    # the CPU, about as many again in backward). A pass of a small model on a GPU waits on those
+    # launches, not on its arithmetic (at the packaged shape on an H200 the device was busy for a few
+    # percent of the log-prob pass), so sharing pays only where the prompt tokens it leaves out cost
+    # more arithmetic than the launches it adds: at about 5 us per launch and 400 TFLOP/s, where a
+    # layer's saved tokens x 2 x its parameters pass 44 x 5 us x 4e14 FLOP/s. For 4 prompts x 8
+    # samples of the built-in task (prompts of 66 tokens): the packaged 135M model (3.5M parameters
+    # per layer) runs each row's prompt; Qwen2.5-1.5B (47M) shares in a pass of 32 rows, not in a
+    # micro-batch of one group; 7B (233M) shares in both. benchmarks/prompt_sharing.py times both
+    # ways on a GPU; the constants are not yet checked there.
+    launch_s = 5e-6
+    matmul_flops = 4e14
+    extra_launches_per_layer = 44
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._notes: list[str] = []
+
+    def shares_prompts(self, saved_tokens: int, layer_params: int) -> bool:
+        saved_s = saved_tokens * 2 * layer_params / self.matmul_flops
+        return self.share_prompts and saved_s > self.extra_launches_per_layer * self.launch_s
 
     def prepare(self, model: torch.nn.Module, trains: bool = False, sharded: bool = False) -> torch.nn.Module:
         if sharded and self.decode_graphs is not None:

@@ -6,6 +6,8 @@ prompt once, and frozen passes on weights the backend packed for them. A mixin o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ngrpo_lightning.backends import file_weights
@@ -29,6 +31,23 @@ def layers_checkpointed(model: torch.nn.Module) -> bool:
     return any(flags)
 
 
+def shared_prompt_tokens(batch: RolloutBatch) -> int:
+    """The prompt tokens a pass over ``batch`` leaves out by running each group's prompt once, read
+    from its shape (the device is not asked): every row but one per group, at the prompts' width.
+    A micro-batch that mixes groups shares less than this."""
+    rows = len(batch)
+    return (rows - math.ceil(rows / max(1, batch.group_size))) * batch.prompt_ids.shape[1]
+
+
+def layer_params(model: torch.nn.Module) -> int:
+    """The parameters of one of ``model``'s decoder layers (0 where they are not found)."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return 0
+    return sum(p.numel() for p in layers[0].parameters()) if layers else 0
+
+
 class LogprobPasses:
     """The log-prob passes of :class:`~ngrpo_lightning.training.module.RLModule`."""
 
@@ -42,7 +61,9 @@ class LogprobPasses:
         trimmed = batch.trim()
         kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
         kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
-        kwargs["share_prompts"] = self._shares_prompts(model)
+        kwargs["share_prompts"] = self._shares_prompts(model) and self.backend.shares_prompts(
+            shared_prompt_tokens(trimmed), layer_params(model)
+        )
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:
