@@ -79,9 +79,12 @@ def phase_report(events) -> dict[str, dict]:
     (autograd runs a GPU's backward on a thread of its own) and their kernels. A phase on a GPU
     ends by waiting for its kernels (:mod:`ngrpo_lightning.phases`), so a kernel that starts
     inside its range is its own; work that another thread overlaps with it (rollouts made ahead)
-    counts in it too."""
-    ranges = sorted(
-        (e.time_range.start, e.time_range.end, e.name[len(PREFIX) :]) for e in events if e.name.startswith(PREFIX)
+    counts in it too. A range is the host's: the copy a GPU's trace draws around the range's kernels
+    on the device's timeline is neither a call nor a kernel."""
+    ranges = sorted(  # the host's: on a GPU each range is also drawn on the device's timeline, around its kernels
+        (e.time_range.start, e.time_range.end, e.name[len(PREFIX) :])
+        for e in events
+        if e.name.startswith(PREFIX) and e.device_type == DeviceType.CPU
     )
     report: dict[str, dict] = {}
     for _, _, name in ranges:

@@ -42,6 +42,7 @@ def test_a_phase_report_owns_the_device_work_that_starts_inside_it():
 
     events = [
         event("ngrpo/rollout", 0, 100),
+        event("ngrpo/rollout", 20, 55, thread=0, device=DeviceType.CUDA),  # the range on the device's timeline
         event("cudaGraphLaunch", 10, 12),
         event("graph kernel", 20, 30, thread=0, device=DeviceType.CUDA),
         event("graph kernel", 40, 55, thread=0, device=DeviceType.CUDA),
@@ -53,6 +54,7 @@ def test_a_phase_report_owns_the_device_work_that_starts_inside_it():
         event("stray kernel", 400, 410, thread=0, device=DeviceType.CUDA),  # inside no phase
     ]
     report = step_profile.phase_report(events)
+    assert report["rollout"]["calls"] == 1 and report["rollout"]["host_s"] == pytest.approx(100e-6)
     assert report["rollout"]["kernels"] == 2 and report["rollout"]["graph_launches"] == 1
     assert report["rollout"]["device_s"] == pytest.approx(25e-6)
     assert report["rollout"]["top_kernels"] == [["graph kernel", pytest.approx(25e-6), 2]]
