@@ -17,8 +17,8 @@
 #   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
 #      the packaged shape (compilation is the slow part: its time is in first_run_s), then at the
 #      Qwen2.5-1.5B shape
-#   7. TRL's GRPOTrainer on step 3's workload, where TRL is installed (deliverable 5's baseline), and
-#      the packaged shape's full fine-tuning on the eager backend, the baseline of step 3
+#   7. TRL's GRPOTrainer on step 3's and step 5's workloads, where TRL is installed (deliverable 5's
+#      baseline), and the packaged shape's full fine-tuning on the eager backend, the baseline of step 3
 #   8. the Qwen2.5-7B shape with LoRA and gradient checkpointing (experiment=n-grpo-7b-lora's model)
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 #  10. a group's prompt run once or per row, the log-prob passes timed both ways at both shapes, beside
@@ -30,9 +30,10 @@
 # per run on the CPU. A session's 15 minutes hold two tries, run one after the other on the warm
 # machine (it is given back after 30 s idle):
 #   STEPS="2 3 5"     LIMIT=450 (the GPU tests, both shapes profiled, full fine-tuning and LoRA)
-#   STEPS="7 8 9 10"  LIMIT=330 (TRL and the eager baseline at the packaged shape, the 7B shape, the
-#                     command end to end, prompt sharing timed)
-# and steps 4 and 6 (decoding modes and compiled decoding at 1.5B) wait for a later session.
+#   STEPS="4 7 10"    LIMIT=380 (decoding modes at 1.5B, TRL at both shapes and the eager baseline,
+#                     prompt sharing timed)
+# Steps 8 and 9 (the 7B shape, the command end to end) ran on 2026-11-27; step 6 (compiled decoding)
+# waits for a session with time to spare.
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -106,6 +107,10 @@ if gpu && want 7; then
     timeout -s INT "$(left 90)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
       --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/smollm2-135m-bfloat16 \
       --tokens "$TOK" --steps 4 --out "$OUT/trl_small.json"
+    echo "== 7a. TRL's GRPOTrainer on step 5's workload (its full fine-tuning row is ours) ($SECONDS s)"
+    timeout -s INT "$(left 120)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
+      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/qwen2.5-1.5b-bfloat16 \
+      --tokens "$LONG" --micro-batch 8 --steps 3 --out "$OUT/trl_1.5b.json"
   fi
   echo "== 7b. the packaged shape, $TOK tokens, full fine-tuning on the eager backend ($SECONDS s)"
   timeout -s INT "$(left 60)" $G --shapes smollm2-135m --modes full --tokens "$TOK" --steps 4 \
