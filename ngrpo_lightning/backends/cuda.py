@@ -39,9 +39,10 @@ class CUDABackend(Backend):
     # Sharing a group's prompt runs the decoder twice, the prompts then the responses: each layer's
     # kernels are launched twice (44 more operations per Llama-style layer in a forward, counted on
     # the CPU, about as many again in backward). A pass of a small model on a GPU waits on those
-    # launches, not on its arithmetic (at the packaged shape on an H200 the device was busy for a few
-    # percent of the log-prob pass), so sharing pays only where the prompt tokens it leaves out cost
-    # more arithmetic than the launches it adds: at about 5 us per launch and 400 TFLOP/s, where a
+    # launches, not on its arithmetic (at the packaged shape on an H200 the reference pass's kernels
+    # ran for a tenth of its time, docs/performance.md), so sharing pays only where the prompt tokens
+    # it leaves out cost more arithmetic than the launches it adds: at about 5 us per launch and
+    # 400 TFLOP/s, where a
     # layer's saved tokens x 2 x its parameters pass 44 x 5 us x 4e14 FLOP/s. For 4 prompts x 8
     # samples of the built-in task (prompts of 66 tokens): the packaged 135M model (3.5M parameters
     # per layer) runs each row's prompt; Qwen2.5-1.5B (47M) shares in a pass of 32 rows, not in a
