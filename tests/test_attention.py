@@ -107,6 +107,66 @@ def test_grouped_attention_equals_sdpa_with_either_mask_kind():
     assert not torch.allclose(unmasked[1], want.transpose(1, 2)[1], atol=1e-3)  # the padding mattered
 
 
+def _attention_module(q, k):
+    """What an attention function reads of its calling module."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True, training=False)
+
+
+def _transformers_sdpa(q, k, v, mask):
+    """transformers' sdpa given a mask: the KV heads copied per query head (``repeat_kv``), as on a GPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(_attention_module(q, k), q, k, v, mask[..., : k.shape[-2]], scaling=16**-0.5)[0]
+
+
+def static_cache_step(device="cpu", dtype=torch.float32, heads=6, kv_heads=2):
+    """A decoding step on a static cache: 3 rows, 12 positions kept of which each row reads its
+    own (left padding, the positions not yet written), the mask wider than the keys as a bucket's."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, heads, 1, 16, generator=g).to(device, dtype)
+    k, v = (torch.randn(3, kv_heads, 12, 16, generator=g).to(device, dtype) for _ in range(2))
+    keep = torch.zeros(3, 1, 1, 14, dtype=torch.bool)
+    keep[0, ..., :9] = True
+    keep[1, ..., 4:9] = True  # left padded
+    keep[2, ..., 2:12] = True
+    return q, k, v, keep.to(device)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (9, 3), (4, 4)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_a_stacked_decoding_step_gives_transformers_sdpa(heads, kv_heads, dtype, tol):
+    """On a GPU a decoding step stacks a group's query heads as queries of their KV head instead
+    of copying the keys and values per query head: the same values (here on the CPU's kernel)."""
+    q, k, v, keep = static_cache_step(dtype=dtype, heads=heads, kv_heads=kv_heads)
+    got = attention.stacked_decoding_attention(q, k, v, keep, scaling=16**-0.5)
+    assert got.shape == (3, 1, heads, 16)
+    torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=0, atol=tol)
+    unmasked = attention.stacked_decoding_attention(q, k, v, torch.ones_like(keep), scaling=16**-0.5)
+    assert not torch.allclose(unmasked, got, atol=1e-3)  # the mask mattered
+
+
+def test_the_cuda_backend_decodes_with_sdpa_gqa():
+    from transformers import AttentionInterface
+
+    from ngrpo_lightning.backends import CUDABackend
+
+    assert CUDABackend(torch.bfloat16).attention == attention.NAME
+    assert attention.NAME in AttentionInterface._global_mapping  # registered before a model loads with it
+    assert CUDABackend(torch.bfloat16, attention="sdpa").attention == "sdpa"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_decoding_step_on_a_gpu_reads_the_grouped_heads_in_place(dtype, tol):  # pragma: no cover - no GPU in CI
+    """sdpa_gqa on a GPU: a decoding step through the stacked heads, transformers' values."""
+    q, k, v, keep = static_cache_step("cuda", dtype)
+    got, _ = attention.sdpa_gqa_attention_forward(_attention_module(q, k), q, k, v, keep, scaling=16**-0.5)
+    torch.testing.assert_close(got, attention.stacked_decoding_attention(q, k, v, keep, 16**-0.5), rtol=0, atol=0)
+    torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=0, atol=tol)
+
+
 def test_a_bfloat16_decoding_step_attends_in_float32():
     """sdpa_gqa: one query per row in bfloat16 (a decoding step) is computed in float32 (the CPU's
     bfloat16 kernel is slower there); short passes take the same matmuls (float32 scores)."""

@@ -1,6 +1,7 @@
 """The CUDA backend: plain products, decoding on a kept static KV cache with each step replayed
-from a CUDA graph, and the host looking at ended rows every few decoding steps
-(``decode_checks_every``), not at every token.
+from a CUDA graph, its attention reading grouped key and value heads in place
+(:func:`~.attention.stacked_decoding_attention`), and the host looking at ended rows every few
+decoding steps (``decode_checks_every``), not at every token.
 
 On a GPU a decoding step of a small model is hundreds of small kernels launched one by one from
 Python; a CUDA graph replays them with one launch (:mod:`ngrpo_lightning.rollout.decode_graphs`,
@@ -25,13 +26,16 @@ from __future__ import annotations
 
 import torch
 
+from ngrpo_lightning.backends import attention
 from ngrpo_lightning.backends.base import BACKENDS, Backend
 
 
 @BACKENDS.register("cuda")
 class CUDABackend(Backend):
     device_type = "cuda"
-    default_attention = "sdpa"
+    # transformers' sdpa, except that a decoding step reads each grouped key and value head once
+    # instead of copying it per query head (attention.stacked_decoding_attention)
+    default_attention = attention.NAME
     decode_checks_every = 8  # one host look per 8 decoding steps: the launch queue keeps running between
     static_decoding = True
     decode_graphs: str | None = "cuda"
@@ -55,6 +59,8 @@ class CUDABackend(Backend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._notes: list[str] = []
+        if self.attention == attention.NAME:
+            attention.register()
 
     def shares_prompts(self, saved_tokens: int, layer_params: int) -> bool:
         saved_s = saved_tokens * 2 * layer_params / self.matmul_flops
