@@ -1,7 +1,9 @@
 """Decoding modes of HFEngine side by side: the growing KV cache, the static cache, and the static
 cache with each step replayed from a CUDA graph recorded as it runs (``graphs``, a GPU only) or
 compiled by ``torch.compile`` (``compile``: CUDA graphs of Inductor's kernels on a GPU; on a CPU
-compiled code only), against the bandwidth floor.
+compiled code only), against the bandwidth floor. ``graphs-sdpa`` records the graphs with
+transformers' own ``sdpa`` attention instead of the backends' ``sdpa_gqa``: on a GPU, given a
+mask, it copies every grouped key and value head once per query head at each step.
 
 Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
 suppressed), fastest of ``--repeats`` runs, interleaved, each mode on one engine all along (it
@@ -44,8 +46,12 @@ MODES = {
     "growing": ("growing", {"static_cache": False}),
     "static": ("static", {"static_cache": True, "graphs": False}),  # eager, whatever the backend's default
     "graphs": ("static + graphs", {"static_cache": True, "graphs": "cuda"}),
+    # transformers' own sdpa: on a GPU it copies each grouped key and value head per query head
+    # (repeat_kv) where sdpa_gqa, the default, stacks the query heads (attention.stacked_decoding_attention)
+    "graphs-sdpa": ("static + graphs, transformers' sdpa", {"static_cache": True, "graphs": "cuda"}),
     "compile": ("static + compile", {"static_cache": True, "graphs": "compile"}),
 }
+ATTENTION = {"graphs-sdpa": "sdpa"}  # a mode's attention, where not the model's default
 
 
 def floor_ms(model, rows: int, prompt: int, new: int, bandwidth_gbs: float) -> float:
@@ -84,7 +90,10 @@ def main() -> None:
     chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]
     if "graphs" in chosen and not cuda:
         ap.error("--modes graphs needs --device cuda (CUDA graphs)")
+    if "graphs-sdpa" in chosen and not cuda:
+        ap.error("--modes graphs-sdpa needs --device cuda (CUDA graphs)")
     modes = {MODES[name][0]: MODES[name][1] for name in chosen}
+    attentions = {MODES[name][0]: ATTENTION.get(name, model.config._attn_implementation) for name in chosen}
     greedy = TemperatureExplorer(temperature=0.0)
 
     engines = {
@@ -92,7 +101,10 @@ def main() -> None:
         for name, kwargs in modes.items()
     }
 
-    def run(engine):
+    def run(name):
+        engine = engines[name]
+        if model.config._attn_implementation != attentions[name]:
+            model.set_attn_implementation(attentions[name])
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -102,17 +114,17 @@ def main() -> None:
         return time.perf_counter() - t0, batch
 
     first, failed = {}, {}
-    for name, engine in list(engines.items()):  # warm-up (and graph recording); a mode that fails is reported
+    for name in list(engines):  # warm-up (and graph recording); a mode that fails is reported
         try:
-            first[name] = run(engine)
+            first[name] = run(name)
         except Exception as err:  # noqa: BLE001 - the other modes still measure
             failed[name] = f"{type(err).__name__}: {err}"[:300]
             print(f"{name}: {failed[name]}", flush=True)
             del engines[name]
     best = {name: (float("inf"), None) for name in engines}
     for _ in range(args.repeats):
-        for name, engine in engines.items():
-            seconds, batch = run(engine)
+        for name in engines:
+            seconds, batch = run(name)
             if seconds < best[name][0]:
                 best[name] = (seconds, batch)
     width = max(len(p) for p in prompts)

@@ -2,8 +2,10 @@
 # The GPU checks, in one command with a time limit, from the project's root on a CUDA machine.
 # The steps come in the order of what they decide, so a cut-off run still decides the most:
 #   1. decoding modes at the packaged model's shape: growing cache, static cache, static + CUDA
-#      graphs (tokens compared, ms per step against the bandwidth floor); whether the graphs work
-#      here decides the backend of every later run (BACKEND: the default cuda, else cuda_eager)
+#      graphs, and the graphs with transformers' sdpa (its KV heads copied per query head, where the
+#      backend's attention stacks the query heads) (tokens compared, ms per step against the
+#      bandwidth floor); whether the graphs work here decides the backend of every later run
+#      (BACKEND: the default cuda, else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
@@ -11,7 +13,7 @@
 #      its phases, generation against its bandwidth floor (gen_x_floor), memory, warm-up; each run's
 #      last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
 #      its Chrome traces in TRACES where given (170 s: reading a profile back takes seconds)
-#   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens
+#   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens (as step 1)
 #   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND,
 #      profiled as in step 3 (no traces; 200 s)
 #   6. the decoding step compiled by torch.compile (reduce-overhead) against the recorded graphs at
@@ -61,7 +63,7 @@ $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b -
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
   $(gpu && echo --bandwidth-gbs $BW)"
-DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs)
+DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-sdpa)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)
 
