@@ -10,7 +10,7 @@ from conftest import chat_prompt_ids
 from test_hf_engine_live_rows import BUILT_IN, QUESTIONS, EndAtStep, assert_same_rollouts, count_batch_rows
 
 from ngrpo_lightning.rollout import HFEngine
-from ngrpo_lightning.rollout.static_cache import RowsStaticLayer, batch_buckets
+from ngrpo_lightning.rollout.static_cache import RowsStaticLayer, WritePositions, batch_buckets
 from ngrpo_lightning.training.forward import response_logprobs
 
 EXPLORERS = BUILT_IN
@@ -64,6 +64,34 @@ def test_a_static_layer_moves_rows_in_place():
     assert torch.equal(layer.keys[:, :, :3], keys.repeat_interleave(2, 0))
     layer.select_rows(torch.tensor([3, 0]))  # a row moves to where another leaves
     assert torch.equal(layer.keys[:, :, :3], keys[[1, 0]]) and torch.equal(layer.values[:, :, :3], keys[[1, 0]] + 100)
+
+
+def test_a_caches_layers_share_where_a_step_writes():
+    """The first layer works out the step's positions and advances the one counter; every layer
+    writes its own keys and values there. One position computation per step, not one per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Aranges(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Aranges.calls += func.__name__.startswith("arange")
+            return func(*args, **(kwargs or {}))
+
+    positions = WritePositions()
+    layers = [RowsStaticLayer(6, 2, positions, leads=i == 0) for i in range(3)]
+    prefill = [torch.randn(2, 1, 4, 3) for _ in layers]
+    step = [torch.randn(2, 1, 1, 3) for _ in layers]
+    for layer, states in zip(layers, prefill):
+        layer.update(states, -states)
+    with Aranges():
+        for layer, states in zip(layers, step):
+            layer.update(states, -states)
+    assert Aranges.calls == 1
+    assert positions.length.item() == 5 and all(layer.get_seq_length() is positions.length for layer in layers)
+    for layer, first, then in zip(layers, prefill, step):
+        assert torch.equal(layer.keys[:, :, :4], first) and torch.equal(layer.keys[:, :, 4:5], then)
+        assert torch.equal(layer.values[:, :, 4:5], -then) and not layer.keys[:, :, 5:].any()
 
 
 @pytest.mark.parametrize("name", ["greedy", "neighbor", "gaussian"])
