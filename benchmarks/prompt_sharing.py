@@ -91,6 +91,7 @@ def measure(path: str, args) -> list[dict]:
             tag = "shared" if share else "per row"
             row[f"reference ms, {tag}"] = 1e3 * timed(no_grad, device, args.repeats)
             row[f"update ms, {tag}"] = 1e3 * timed(with_backward, device, args.repeats)
+        row["saved tokens"], row["layer params, M"] = saved, round(params / 1e6, 1)  # the rule's inputs
         row["backend shares"] = backend.shares_prompts(saved, params)
         faster = row["update ms, shared"] < row["update ms, per row"]
         row["right"] = row["backend shares"] == faster
