@@ -46,12 +46,11 @@ class CUDABackend(Backend):
     # launches, not on its arithmetic (at the packaged shape on an H200 the reference pass's kernels
     # ran for a tenth of its time, docs/performance.md), so sharing pays only where the prompt tokens
     # it leaves out cost more arithmetic than the launches it adds: at about 5 us per launch and
-    # 400 TFLOP/s, where a
-    # layer's saved tokens x 2 x its parameters pass 44 x 5 us x 4e14 FLOP/s. For 4 prompts x 8
-    # samples of the built-in task (prompts of 66 tokens): the packaged 135M model (3.5M parameters
-    # per layer) runs each row's prompt; Qwen2.5-1.5B (47M) shares in a pass of 32 rows, not in a
-    # micro-batch of one group; 7B (233M) shares in both. benchmarks/prompt_sharing.py times both
-    # ways on a GPU; the constants are not yet checked there.
+    # 400 TFLOP/s, where a layer's saved tokens x 2 x its parameters pass 44 x 5 us x 4e14 FLOP/s.
+    # For 4 prompts x 8 samples of the built-in task (prompts of 66 tokens): the packaged 135M model
+    # (3.5M parameters per layer) runs each row's prompt; Qwen2.5-1.5B (47M) shares in a pass of 32
+    # rows, not in a micro-batch of one group; 7B (233M) shares in both. benchmarks/prompt_sharing.py
+    # times both ways on a GPU; the constants are not yet checked there.
     launch_s = 5e-6
     matmul_flops = 4e14
     extra_launches_per_layer = 44

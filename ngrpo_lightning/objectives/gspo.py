@@ -69,11 +69,11 @@ def gspo_loss(
     with torch.no_grad():
         seq_ratio = torch.exp(seq_log_ratio.detach())
         has_tokens = mask.sum(-1) > 0  # the sequences the statistics are over (none: ratio 1, no clipping)
-        r, a = seq_ratio, adv
+        r = seq_ratio
         metrics.update(
             pg_loss=aggregate(pg.detach(), mask, "seq-mean-token-mean"),
-            clip_frac_low=masked_mean(((r < 1 - clip_low) & (a < 0)).float(), has_tokens),
-            clip_frac_high=masked_mean(((r > 1 + clip_high) & (a > 0)).float(), has_tokens),
+            clip_frac_low=masked_mean(((r < 1 - clip_low) & (adv < 0)).float(), has_tokens),
+            clip_frac_high=masked_mean(((r > 1 + clip_high) & (adv > 0)).float(), has_tokens),
             ratio_mean=torch.where(has_tokens.any(), masked_mean(r, has_tokens), r.new_tensor(1.0)),
             ratio_min=masked_min(r, has_tokens, empty=1.0),
             ratio_max=masked_max(r, has_tokens, empty=1.0),

@@ -18,14 +18,19 @@ from ngrpo_lightning.training.forward import response_logprobs
 from ngrpo_lightning.training.parallel import decoder_layers
 
 
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s decoder layers, or none where they are not where transformers keeps them."""
+    try:
+        return decoder_layers(model)
+    except ValueError:
+        return []
+
+
 def layers_checkpointed(model: torch.nn.Module) -> bool:
     """Whether ``model``'s decoder layers recompute in backward (transformers' gradient
     checkpointing), read from the layers: the model's ``is_gradient_checkpointing`` walks every
     module, thousands in a peft model (milliseconds, once per pass), for the same answer."""
-    try:
-        flags = [getattr(layer, "gradient_checkpointing", None) for layer in decoder_layers(model)]
-    except ValueError:  # layers not found where transformers keeps them
-        flags = [None]
+    flags = [getattr(layer, "gradient_checkpointing", None) for layer in _layers(model)] or [None]
     if None in flags:
         return bool(getattr(model, "is_gradient_checkpointing", False))
     return any(flags)
@@ -41,10 +46,7 @@ def shared_prompt_tokens(batch: RolloutBatch) -> int:
 
 def layer_params(model: torch.nn.Module) -> int:
     """The parameters of one of ``model``'s decoder layers (0 where they are not found)."""
-    try:
-        layers = decoder_layers(model)
-    except ValueError:
-        return 0
+    layers = _layers(model)
     return sum(p.numel() for p in layers[0].parameters()) if layers else 0
 
 
