@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # noqa: E402
+from common import RESULTS, arithmetic_prompt_ids, best_of, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.backends import select_backend  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy, resolve_model_path  # noqa: E402
@@ -47,19 +46,15 @@ def step_batch(tok, vocab: int, prompts: int, group: int, tokens: int, device, p
     return batch.to(device)
 
 
-def timed(fn, device, repeats: int) -> float:
-    """Fastest of ``repeats`` calls after a warm-up, each waiting for its kernels."""
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def synced(fn, device):
+    """``fn`` and then a wait for its kernels: on a GPU a pass's time is its kernels', not their queueing."""
+
+    def call():
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
+
+    return call
 
 
 def measure(path: str, args) -> list[dict]:
@@ -89,8 +84,8 @@ def measure(path: str, args) -> list[dict]:
                 model.zero_grad(set_to_none=True)
 
             tag = "shared" if share else "per row"
-            row[f"reference ms, {tag}"] = 1e3 * timed(no_grad, device, args.repeats)
-            row[f"update ms, {tag}"] = 1e3 * timed(with_backward, device, args.repeats)
+            row[f"reference ms, {tag}"] = 1e3 * best_of(synced(no_grad, device), args.repeats)[0]
+            row[f"update ms, {tag}"] = 1e3 * best_of(synced(with_backward, device), args.repeats)[0]
         row["saved tokens"], row["layer params, M"] = saved, round(params / 1e6, 1)  # the rule's inputs
         row["backend shares"] = backend.shares_prompts(saved, params)
         faster = row["update ms, shared"] < row["update ms, per row"]
