@@ -12,7 +12,9 @@
 #   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND: s/step,
 #      its phases, generation against its bandwidth floor (gen_x_floor), memory, warm-up; each run's
 #      last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
-#      its Chrome traces in TRACES where given (170 s: reading a profile back takes seconds)
+#      its Chrome traces in TRACES where given; full fine-tuning runs again last, its warm-up that of
+#      a process after others on the machine (the first one's had been 3-7x LoRA's, run second)
+#      (200 s: reading a profile back takes seconds)
 #   4. decoding modes at the Qwen2.5-1.5B shape, 256 tokens (as step 1)
 #   5. the Qwen2.5-1.5B shape at 256 tokens, micro-batches of 8, full fine-tuning and LoRA on BACKEND,
 #      profiled as in step 3 (no traces; 260 s: on an H200 full fine-tuning's run took 112 s)
@@ -56,7 +58,7 @@ gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
-    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
@@ -82,7 +84,7 @@ if gpu && want 2; then
 fi
 if want 3; then
   echo "== 3. the packaged shape, $TOK tokens: full and LoRA on $BACKEND ($SECONDS s)"
-  timeout -s INT "$(left 170)" $G --shapes smollm2-135m --modes full lora --tokens "$TOK" --steps 4 $B \
+  timeout -s INT "$(left 200)" $G --shapes smollm2-135m --modes full lora full --tokens "$TOK" --steps 4 $B \
     --profile ${TRACES:+--trace-dir $TRACES} --out "$OUT/small.json"
 fi
 if want 4; then

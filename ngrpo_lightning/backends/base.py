@@ -112,7 +112,7 @@ class Backend:
         """Swap ``model``'s modules for the ones this backend computes with, in one pass; returns
         ``model``. ``trains``: it is the policy (recomputation, LoRA's lean layers); ``sharded``:
         FSDP2 will shard it (plain products). Idempotent: swapped modules are left as they are."""
-        if trains and not getattr(model, "is_gradient_checkpointing", False):
+        if trains and not getattr(model, "is_gradient_checkpointing", False) and self.recomputes(model):
             recomputing_modules(model)
         lean_lora_layers(model)
         head, adapters = lm_head(model), adapter_matrices(model)
@@ -143,6 +143,12 @@ class Backend:
         return {id(m): (False, False, False, f"plain products on {self.device_type}") for m in layers}
 
     # ------------------------------------------------------------ what the run asks
+    def recomputes(self, model: torch.nn.Module) -> bool:
+        """Whether the trained ``model``'s cheap activations are recomputed in backward rather than
+        kept (:mod:`.recompute`; the same values either way). Here always: a device where the extra
+        kernels cost more than the memory saved decides by the model's size."""
+        return True
+
     def shares_prompts(self, saved_tokens: int, layer_params: int) -> bool:
         """Whether a log-prob pass runs a group's common prompt once, where that leaves
         ``saved_tokens`` prompt tokens out of each of its layers of ``layer_params`` parameters

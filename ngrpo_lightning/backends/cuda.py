@@ -15,11 +15,14 @@ records and the answer marker run between replays, on the device without waiting
 Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.prepare`):
 recording a step through FSDP2's hooks has not been measured on several GPUs.
 
-Everything the base :class:`~.base.Backend` does applies (recomputation, LoRA's lean layers and
-merged decoding, chunked log-probs), and a group's prompt runs once only in a pass where the
-arithmetic that saves outweighs the second decoder pass's kernel launches
-(:meth:`CUDABackend.shares_prompts`). What a GPU does differently belongs here,
-never in config keys. ``backend.name`` names the alternatives a measurement needs.
+Its RMSNorms run torch's fused kernel, one kernel each way instead of eight forward and about
+twenty in backward (:mod:`.fused`). Everything the base :class:`~.base.Backend` does applies
+(LoRA's lean layers and merged decoding, chunked log-probs), with two choices made by size:
+the MLP's activations are recomputed in backward only where keeping them would take a sizeable
+share of the GPU (:meth:`CUDABackend.recomputes`), and a group's prompt runs once only in a pass
+where the arithmetic that saves outweighs the second decoder pass's kernel launches
+(:meth:`CUDABackend.shares_prompts`). What a GPU does differently belongs here, never in config
+keys. ``backend.name`` names the alternatives a measurement needs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.backends.base import BACKENDS, Backend
+from ngrpo_lightning.backends.fused import fused_modules
 
 
 @BACKENDS.register("cuda")
@@ -55,6 +59,14 @@ class CUDABackend(Backend):
     matmul_flops = 4e14
     extra_launches_per_layer = 44
 
+    # Recomputation (backends/recompute.py) trades kernels for memory: the update's forward and
+    # backward dispatched 8,546 operations with it and 7,639 without, counted at the packaged shape
+    # (benchmarks/update_ops.py), where a GPU pass waits on its launches. With the norms fused
+    # (backends/fused.py) what it still saves is the MLP's act(gate), act(gate) * up and up: 3 x
+    # intermediate values per token and layer. The CUDA backend recomputes them only where keeping
+    # them for a micro-batch of train_rows tokens would take more than this share of the GPU's memory.
+    recompute_above_share = 1 / 8
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._notes: list[str] = []
@@ -65,11 +77,27 @@ class CUDABackend(Backend):
         saved_s = saved_tokens * 2 * layer_params / self.matmul_flops
         return self.share_prompts and saved_s > self.extra_launches_per_layer * self.launch_s
 
+    def recomputes(self, model: torch.nn.Module) -> bool:
+        if not torch.cuda.is_available():
+            return True  # no GPU to weigh it against: keep the memory
+        return self.recomputes_within(model, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+    def recomputes_within(self, model: torch.nn.Module, memory_bytes: int) -> bool:
+        """Whether ``model`` recomputes its MLP activations on a GPU of ``memory_bytes``."""
+        config = getattr(model, "config", None)
+        width, layers = getattr(config, "intermediate_size", None), getattr(config, "num_hidden_layers", None)
+        param = next(model.parameters(), None)
+        if not (isinstance(width, int) and isinstance(layers, int)) or param is None:
+            return True  # a model of unknown shape: keep the memory
+        kept = 3 * width * layers * self.train_rows * param.element_size()
+        return kept > self.recompute_above_share * memory_bytes
+
     def prepare(self, model: torch.nn.Module, trains: bool = False, sharded: bool = False) -> torch.nn.Module:
         if sharded and self.decode_graphs is not None:
             # the same rollouts either way; graphs through FSDP2's hooks are not yet measured
             self.static_decoding, self.decode_graphs = False, None
             self._notes.append("decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)")
+        fused_modules(model)  # before the base's recomputation, which then leaves the fused norms alone
         return super().prepare(model, trains=trains, sharded=sharded)
 
     def startup_notes(self) -> list[str]:

@@ -190,6 +190,12 @@ def _act_times_recomputed(act, gate: torch.Tensor, up: _Recipe) -> torch.Tensor:
     return act(gate) * up.peek()  # the product's recompute leaves `up` cached for the product's own backward
 
 
+def recomputes(model: torch.nn.Module) -> bool:
+    """Whether any module of ``model`` recomputes its outputs (then a training forward runs inside
+    :func:`recomputing`; without one, its saved-tensor hooks would only cost time)."""
+    return any(isinstance(m, (RecomputingRMSNorm, RecomputingGatedMLP)) for m in model.modules())
+
+
 def recomputable(layer: torch.nn.Module) -> bool:
     """Whether running ``layer`` again on the same input gives the same bits: a linear layer, or a
     LoRA layer whose adapters see their input as is (no dropout: a recompute would draw another mask)."""
@@ -253,7 +259,7 @@ def recomputing_modules(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         mixin = _candidate(module)
-        if mixin is None or isinstance(module, mixin):
+        if mixin is None or getattr(type(module), "prefix", None) is not None:  # already swapped, by this or a backend
             continue
         cls = type(module)
         if cls not in checked:

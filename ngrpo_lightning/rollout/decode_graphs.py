@@ -137,7 +137,14 @@ class DecodeGraphs:
 
 
 def decode_step(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
-    """One decoding step on a static cache: the last position's logits [b, V]."""
+    """One decoding step on a static cache: the last position's logits [b, V]. The boolean mask
+    becomes the additive one attention reads here, once per step: given a boolean mask, PyTorch's
+    GPU attention makes that conversion itself in every layer (a fill and a masked fill, counted in
+    a recorded step: docs/performance.md, "Fused norms"), the same values."""
+    mask = inputs["attention_mask"]
+    if mask.dtype == torch.bool:  # PyTorch's own conversion: 0 where read, -inf where not
+        bias = torch.zeros(mask.shape, dtype=inputs["inputs_embeds"].dtype, device=mask.device)
+        inputs = {**inputs, "attention_mask": bias.masked_fill_(~mask, float("-inf"))}
     out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 

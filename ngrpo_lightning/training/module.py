@@ -37,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from ngrpo_lightning.backends import Backend, backend_for, file_weights
-from ngrpo_lightning.backends.recompute import recomputing
+from ngrpo_lightning.backends.recompute import recomputes, recomputing
 from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.training import combine_metrics, host_floats
 from ngrpo_lightning.models import lora
@@ -119,6 +119,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         self.backend = backend or backend_for(policy)
         self.automatic_optimization = False
         self.policy, self.tokenizer = policy, tokenizer
+        self._recomputes: bool | None = None
         self.explorer, self.objective, self.reward = explorer, objective, reward
         self.eval_explorer = eval_explorer or TemperatureExplorer(temperature=0.0)
         self.optim = optim or OptimConfig()
@@ -344,9 +345,11 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         """Forward and backward of ``update``, one micro-batch at a time; returns its metrics. Where
         the update has no old log-probs, its forward's go into ``reused``."""
         parts, weights = [], []
+        if self._recomputes is None:  # whether the backend swapped in recomputing modules (backends/recompute.py)
+            self._recomputes = recomputes(self.policy)
         for rows, weight in self.plan.micro_batches(update.batch, self.objective.loss_agg == "token-mean"):
             mb = update.select(rows) if len(rows) < len(update) else update
-            with recomputing():  # the policy's cheap activations (backends/recompute.py) are recomputed in backward
+            with recomputing(self._recomputes):  # the policy's cheap activations recomputed in backward
                 logp, entropy = self._logprobs(
                     self.policy, mb.batch, temperature, with_entropy=True, detach_mixture=self.detach_mixture
                 )
