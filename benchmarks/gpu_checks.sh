@@ -29,15 +29,14 @@
 #      what the CUDA backend decides (benchmarks/prompt_sharing.py: its "right" column)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 # All ten do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
-# session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s (step 5's LoRA run
-# was cut by the step's own limit, then 200 s, now 260 s: give the try LIMIT=450) and "7 8 9" 263 s. Reading a profile back (steps 3 and 5) took 18 s
-# per run on the CPU. A session's 15 minutes hold two tries, run one after the other on the warm
-# machine (it is given back after 30 s idle):
-#   STEPS="2 3 5"     LIMIT=450 (the GPU tests, both shapes profiled, full fine-tuning and LoRA)
-#   STEPS="4 7 10"    LIMIT=380 (decoding modes at 1.5B, TRL at both shapes and the eager baseline,
-#                     prompt sharing timed)
-# Steps 8 and 9 (the 7B shape, the command end to end) ran on 2026-11-27; step 6 (compiled decoding)
-# waits for a session with time to spare.
+# session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
+# that evening "2 3 5" (step 3 with its second full run) took 365 s and "7" 207 s (TRL at 1.5B: 72 s).
+# Reading a profile back (steps 3 and 5) took 18 s per run on the CPU. A session's 15 minutes hold
+# two tries, run one after the other on the warm machine (it is given back after 30 s idle). Steps
+# 2, 3, 5 and 7 ran with the fused norms on 2026-11-27; what the next session runs:
+#   STEPS="4 8 9"     LIMIT=420 (decoding modes at 1.5B with the attention baseline, the 7B shape
+#                     and the command end to end on the current code)
+#   STEPS="10 6"      LIMIT=300 (prompt sharing timed both ways, then compiled decoding)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
