@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from ngrpo_lightning.backends.base import Backend
 from ngrpo_lightning.backends.cuda import CUDABackend
 from ngrpo_lightning.backends.fused import FusedRMSNorm, fused_modules
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm, recomputes
@@ -79,6 +80,8 @@ def test_the_cuda_backend_fuses_the_norms_and_recomputes_only_the_mlp_where_it_m
     assert all(isinstance(layer.mlp, RecomputingGatedMLP) is wanted for layer in policy.model.layers)
     assert recomputes(policy) is wanted
     assert any("fused rms_norm" in why for _, _, why in describe(policy, kinds=(FusedRMSNorm,)))
+    # the LM head's softmax recomputed in backward, never kept (both ways: tests/test_forward_chunked.py)
+    assert chosen.keep_softmax_mib == 0 < Backend.keep_softmax_mib
 
     config = model.config  # the rule: 3 x intermediate values per token and layer against an eighth of the memory
     kept = 3 * config.intermediate_size * config.num_hidden_layers * 4 * 1000  # float32, 1,000 tokens

@@ -17,10 +17,11 @@ recording a step through FSDP2's hooks has not been measured on several GPUs.
 
 Its RMSNorms run torch's fused kernel, one kernel each way instead of eight forward and about
 twenty in backward (:mod:`.fused`). Everything the base :class:`~.base.Backend` does applies
-(LoRA's lean layers and merged decoding, chunked log-probs), with two choices made by size:
-the MLP's activations are recomputed in backward only where keeping them would take a sizeable
-share of the GPU (:meth:`CUDABackend.recomputes`), and a group's prompt runs once only in a pass
-where the arithmetic that saves outweighs the second decoder pass's kernel launches
+(LoRA's lean layers and merged decoding, chunked log-probs), with the LM head's softmax
+recomputed in backward, never kept, and two choices made by size: the MLP's activations are
+recomputed in backward only where keeping them would take a sizeable share of the GPU
+(:meth:`CUDABackend.recomputes`), and a group's prompt runs once only in a pass where the
+arithmetic that saves outweighs the second decoder pass's kernel launches
 (:meth:`CUDABackend.shares_prompts`). What a GPU does differently belongs here, never in config
 keys. ``backend.name`` names the alternatives a measurement needs.
 """
@@ -66,6 +67,13 @@ class CUDABackend(Backend):
     # intermediate values per token and layer. The CUDA backend recomputes them only where keeping
     # them for a micro-batch of train_rows tokens would take more than this share of the GPU's memory.
     recompute_above_share = 1 / 8
+    # The LM head's softmax is recomputed in backward, never kept (the base keeps up to 512 MiB):
+    # a few large kernels per chunk of 512 tokens (its product, exponentials), where keeping it
+    # holds tokens x vocabulary float32 values from forward to backward, 240 MiB at the packaged
+    # shape (1,280 response tokens x 49,152), the update's largest single tensor there. The
+    # opposite of the MLP's choice above, for the same reason: what costs a GPU is kernels, not
+    # arithmetic, and this recomputation is few kernels.
+    keep_softmax_mib = 0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
