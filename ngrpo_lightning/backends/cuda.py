@@ -16,7 +16,8 @@ Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.
 recording a step through FSDP2's hooks has not been measured on several GPUs.
 
 Its RMSNorms run torch's fused kernel, one kernel each way instead of eight forward and about
-twenty in backward (:mod:`.fused`). Everything the base :class:`~.base.Backend` does applies
+twenty in backward, and its attentions rotate queries and keys together, four kernels instead of
+ten (:mod:`.fused`). Everything the base :class:`~.base.Backend` does applies
 (LoRA's lean layers and merged decoding, chunked log-probs), with the LM head's softmax
 recomputed in backward, never kept, and two choices made by size: the MLP's activations are
 recomputed in backward only where keeping them would take a sizeable share of the GPU

@@ -16,11 +16,25 @@ matches within that rounding on a random input (checked once per class), so norm
 something else (Gemma's ``1 + weight``) keep their own forward. It needs no recomputation: the
 fused backward keeps the input and one reciprocal root per row, not the normalized copies
 (:mod:`.recompute` then leaves these norms alone).
+
+:class:`FusedRotaryAttention` goes in front of a Llama-style attention (Llama, Qwen2, Mistral): the
+same projections, cache update and attention, with the rotary embedding of queries and keys done
+together in four kernels instead of ten (transformers rotates each with a negation, a
+concatenation, two products and a sum): the two are concatenated along the heads, and
+``x * cos + roll(x) * sin'`` is one product, one roll and one fused multiply-add, with ``sin'``
+(``sin`` with its first half negated) made once per forward and shared by the layers. Probed on one
+H200 at the packaged shape: 21.0 us replayed for transformers' rotation of one layer's queries
+and keys, 14.6 us for six kernels of this kind. The fused multiply-add rounds once where
+transformers rounds its two products and their sum: the same float rounding as the fused norm.
+An attention class is swapped only where its output matches its own forward's on a random input
+(checked once per class), so attentions with more steps (Qwen3's query and key norms, Gemma's
+soft-capping) keep theirs.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ngrpo_lightning.backends.swap import swap
 
@@ -65,18 +79,114 @@ def _matches(module: torch.nn.Module) -> bool:
     return torch.allclose(own.float(), fused.float(), rtol=2 * eps, atol=eps)
 
 
+SIGNED_SIN = "_ngrpo_signed_sin"  # the attribute of a forward's ``sin`` that holds sin'
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated (``rotate_half(x) * sin == roll(x) * sin'``), made once per
+    forward: every layer is handed the same ``sin`` tensor, so it is kept on it."""
+    cached = None if torch.compiler.is_compiling() else sin.__dict__.get(SIGNED_SIN)
+    if cached is None:
+        half = sin.shape[-1] // 2
+        cached = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if not torch.compiler.is_compiling():
+            setattr(sin, SIGNED_SIN, cached)
+    return cached
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` [N, L, H, d] at ``cos``, ``sin`` [N, L, d]: transformers'
+    ``x * cos + rotate_half(x) * sin`` as one product, one roll and one fused multiply-add."""
+    return torch.addcmul(x * cos.unsqueeze(-2), x.roll(x.shape[-1] // 2, -1), signed_sin(sin).unsqueeze(-2))
+
+
+class FusedRotaryAttention:
+    """Mixin in front of a Llama-style attention: queries and keys rotated together (:func:`rotated`)."""
+
+    prefix = "Fused"
+    why = "queries and keys rotated together in four kernels instead of ten"
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
+        if position_embeddings is None or attend is None:  # e.g. eager attention: transformers' own forward
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        heads = query.shape[-2]
+        both = rotated(torch.cat([query, key], dim=-2), *position_embeddings)  # [N, L, H + H_kv, d]
+        query, key = both[..., :heads, :].transpose(1, 2), both[..., heads:, :].transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        if hasattr(self, "sliding_window"):  # Qwen2's and Mistral's attentions pass it on
+            kwargs["sliding_window"] = self.sliding_window
+        out, weights = attend(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "config", "scaling")
+    return (
+        type(module).__name__.endswith("Attention")
+        and all(hasattr(module, a) for a in names)
+        and getattr(type(module), "prefix", None) is None
+    )
+
+
+def _attention_matches(module: torch.nn.Module) -> bool:
+    """Whether :class:`FusedRotaryAttention` gives ``module``'s own output up to rounding, on a random input."""
+    weight = module.q_proj.weight
+    if weight.is_meta:
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    width, dim = weight.shape[1], module.head_dim
+    x = torch.randn(2, 5, width, generator=gen)
+    angles = torch.rand(2, 5, dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x, cos, sin = (t.to(device=weight.device, dtype=weight.dtype) for t in (x, cos, sin))
+    eps = max(torch.finfo(weight.dtype).eps, torch.finfo(torch.float32).eps)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            own = type(module).forward(module, x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            fused = FusedRotaryAttention.forward(module, x, position_embeddings=(cos, sin), attention_mask=None)[0]
+    except Exception:  # a module whose shape only looked familiar
+        return False
+    finally:
+        module.train(was_training)
+    if own.shape != fused.shape:
+        return False
+    return bool((own.float() - fused.float()).abs().max() <= 8 * eps * own.float().abs().max())
+
+
 def fused_modules(model: torch.nn.Module) -> int:
-    """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm` where it gives their output
-    up to rounding (checked once per class); returns how many were swapped."""
+    """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm` and its Llama-style attentions
+    for :class:`FusedRotaryAttention`, where these give their output up to rounding (checked once
+    per class); returns how many modules were swapped."""
     checked: dict[type, bool] = {}
     count = 0
     for module in model.modules():
-        if not _is_candidate(module):
+        if _is_candidate(module):
+            mixin, matches = FusedRMSNorm, _matches
+        elif _is_attention(module):
+            mixin, matches = FusedRotaryAttention, _attention_matches
+        else:
             continue
         cls = type(module)
         if cls not in checked:
-            checked[cls] = _matches(module)
+            checked[cls] = matches(module)
         if checked[cls]:
-            swap(module, FusedRMSNorm)
+            swap(module, mixin)
             count += 1
     return count
