@@ -171,6 +171,78 @@ def test_the_rule_at_the_qwen_shape(rows, gib, recomputes_there):
     assert CUDABackend(torch.bfloat16, train_rows=rows).recomputes_within(model, gib * 2**30) is recomputes_there
 
 
+def test_a_lora_policy_prepared_by_the_cuda_backend_decodes_and_trains_as_before(tiny):
+    """Trained adapters on the tiny model: the CUDA backend's preparation (fused norms and rotation,
+    LoRA's lean layers) decodes on its merged copies the greedy rollouts of the plain peft model,
+    static cache and growing, and its training forward gives the same log-probs and gradients."""
+    from conftest import chat_prompt_ids, trained_lora
+    from test_prompt_sharing import grouped_batch, run
+
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.rollout import HFEngine
+
+    torch.manual_seed(0)
+    plain = trained_lora()
+    prepared = copy.deepcopy(plain)
+    backend = CUDABackend(torch.float32)
+    backend.prepare(prepared, trains=True)
+    assert all(
+        isinstance(a, FusedRotaryAttention)
+        for a in prepared.base_model.model.model.layers[0].modules()
+        if type(a).__name__.endswith("Attention")
+    )
+    tok = tiny[1]
+    prompts = chat_prompt_ids(tok, ["What is 7 + 5?", "Name a prime number larger than ten."])
+    runs = [
+        HFEngine(
+            m,
+            tok,
+            max_new_tokens=10,
+            seed=0,
+            static_cache=static,
+            graphs="rerun" if static else False,
+            backend=backend if m is prepared else None,
+        ).generate(prompts, TemperatureExplorer(temperature=0.0), n=2)
+        for m, static in ((plain, False), (prepared, False), (prepared, True))
+    ]
+    for r in runs[1:]:
+        assert torch.equal(r.response_ids, runs[0].response_ids)
+        torch.testing.assert_close(r.rollout_logprobs, runs[0].rollout_logprobs, rtol=1e-4, atol=1e-4)
+    batch = grouped_batch(tiny[0].config.vocab_size)
+    (ref_logp, _, ref_grads), (logp, _, grads) = run(plain, batch, False), run(prepared, batch, False)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-5 * ref_logp.abs().max().item())
+    assert grads.keys() == ref_grads.keys() and any("lora_B" in n for n in grads)
+    for name, ref in ref_grads.items():  # float32 rounding: 2e-5 of the largest in 8 draws of B, for lora_A
+        torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-4 * ref.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize(
+    "share, checkpointed",  # a checkpointed policy runs each row's prompt (LogprobPasses._shares_prompts)
+    [(False, False), (True, False), (False, True)],
+    ids=["each-prompt", "shared-prompts", "checkpointed"],
+)
+def test_the_training_forward_of_a_fused_model_is_the_plain_model_s(share, checkpointed):
+    """The log-prob pass as training runs it (records with noise, a group's prompt run once or per
+    row, gradient checkpointing): the fused model's log-probs, entropies and gradients are the plain
+    model's, in float32."""
+    from test_forward_chunked import small_llama
+    from test_prompt_sharing import grouped_batch, run
+
+    plain = small_llama()
+    fused = copy.deepcopy(plain)
+    assert fused_modules(fused) == 3 * len(fused.model.layers) + 1
+    if checkpointed:
+        for model in (plain, fused):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = grouped_batch(512)
+    (ref_logp, ref_ent, ref_grads), (logp, ent, grads) = run(plain, batch, share), run(fused, batch, share)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-5 * ref_logp.abs().max().item())
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=2e-5 * ref_ent.abs().max().item())
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=0, atol=2e-5 * ref.abs().max().item(), msg=name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the fused kernel is CUDA's")
 def test_a_fused_norm_is_one_kernel_forward_on_a_gpu(tiny):
     from torch.profiler import ProfilerActivity, profile
