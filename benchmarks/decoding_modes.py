@@ -4,6 +4,9 @@ compiled by ``torch.compile`` (``compile``: CUDA graphs of Inductor's kernels on
 compiled code only), against the bandwidth floor. ``graphs-sdpa`` records the graphs with
 transformers' own ``sdpa`` attention instead of the backends' ``sdpa_gqa``: on a GPU, given a
 mask, it copies every grouped key and value head once per query head at each step.
+``graphs-unfused`` (and ``static-unfused``, its eager step) records them with transformers' own
+norms and attention in place of the CUDA backend's fused ones (``backends/fused.py``): the
+kernels those save, measured in the same process.
 
 Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
 suppressed), fastest of ``--repeats`` runs, interleaved, each mode on one engine all along (it
@@ -37,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.backends import backend_for  # noqa: E402
+from ngrpo_lightning.backends.fused import FusedRMSNorm, FusedRotaryAttention  # noqa: E402
+from ngrpo_lightning.backends.swap import original_class  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
@@ -50,8 +55,12 @@ MODES = {
     # (repeat_kv) where sdpa_gqa, the default, stacks the query heads (attention.stacked_decoding_attention)
     "graphs-sdpa": ("static + graphs, transformers' sdpa", {"static_cache": True, "graphs": "cuda"}),
     "compile": ("static + compile", {"static_cache": True, "graphs": "compile"}),
+    # transformers' norms and attention instead of the backend's fused ones (their classes put back)
+    "graphs-unfused": ("static + graphs, unfused", {"static_cache": True, "graphs": "cuda"}),
+    "static-unfused": ("static, unfused", {"static_cache": True, "graphs": False}),
 }
 ATTENTION = {"graphs-sdpa": "sdpa"}  # a mode's attention, where not the model's default
+UNFUSED = {MODES["graphs-unfused"][0], MODES["static-unfused"][0]}
 
 
 def floor_ms(model, rows: int, prompt: int, new: int, bandwidth_gbs: float) -> float:
@@ -85,13 +94,15 @@ def main() -> None:
     if "compile" in (args.modes or []) and not args.device.startswith("cuda"):
         backend = type(backend)(backend.dtype, packing="off")
     backend.prepare(model)
+    fused = [(m, type(m)) for m in model.modules() if isinstance(m, FusedRMSNorm | FusedRotaryAttention)]
     prompts = arithmetic_prompt_ids(tok, args.batch_size, problems=args.problems)
     cuda = args.device.startswith("cuda")
     chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]
     if "graphs" in chosen and not cuda:
         ap.error("--modes graphs needs --device cuda (CUDA graphs)")
-    if "graphs-sdpa" in chosen and not cuda:
-        ap.error("--modes graphs-sdpa needs --device cuda (CUDA graphs)")
+    for mode in ("graphs-sdpa", "graphs-unfused"):
+        if mode in chosen and not cuda:
+            ap.error(f"--modes {mode} needs --device cuda (CUDA graphs)")
     modes = {MODES[name][0]: MODES[name][1] for name in chosen}
     attentions = {MODES[name][0]: ATTENTION.get(name, model.config._attn_implementation) for name in chosen}
     greedy = TemperatureExplorer(temperature=0.0)
@@ -105,6 +116,8 @@ def main() -> None:
         engine = engines[name]
         if model.config._attn_implementation != attentions[name]:
             model.set_attn_implementation(attentions[name])
+        for module, cls in fused:  # a graph replays what was recorded; the class matters to record and eager steps
+            module.__class__ = original_class(module) if name in UNFUSED else cls
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -3,9 +3,9 @@
 # The steps come in the order of what they decide, so a cut-off run still decides the most:
 #   1. decoding modes at the packaged model's shape: growing cache, static cache, static + CUDA
 #      graphs, and the graphs with transformers' sdpa (its KV heads copied per query head, where the
-#      backend's attention stacks the query heads) (tokens compared, ms per step against the
-#      bandwidth floor); whether the graphs work here decides the backend of every later run
-#      (BACKEND: the default cuda, else cuda_eager)
+#      backend's attention stacks the query heads) and with transformers' unfused norms and
+#      attention (tokens compared, ms per step against the bandwidth floor); whether the graphs
+#      work here decides the backend of every later run (BACKEND: the default cuda, else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
@@ -66,7 +66,7 @@ $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b -
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
   $(gpu && echo --bandwidth-gbs $BW)"
-DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-sdpa)
+DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-sdpa graphs-unfused)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)
 
