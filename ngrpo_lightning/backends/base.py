@@ -12,7 +12,9 @@ What this base class does is what every device gets:
 
 - recomputation: a trained model's RMSNorms and gated MLPs recompute their cheap outputs in
   backward instead of keeping them (:mod:`.recompute`; bit-identical, about half of a training
-  forward's kept activations), unless activation checkpointing recomputes whole layers anyway;
+  forward's kept activations), unless activation checkpointing recomputes whole layers anyway
+  (a GPU's backend decides by the model's size whether the memory is worth the kernels,
+  :meth:`Backend.recomputes`);
 - peft's LoRA layers with their sum done in place and a merged copy for decoding (:mod:`.lora`);
 - the log-probs' LM head in chunks of ``logprob_chunk_size`` tokens, its softmax kept for
   backward when it fits ``keep_softmax_mib`` (:mod:`ngrpo_lightning.training.forward`);
