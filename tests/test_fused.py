@@ -20,6 +20,19 @@ def norms(model):
     return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
 
 
+def small_shape(**overrides) -> dict:
+    """A small decoder's config keys (grouped heads), with ``overrides``."""
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+    )
+    return shape | overrides
+
+
 def attentions(model):
     return [layer.self_attn for layer in model.model.layers]
 
@@ -50,15 +63,7 @@ def test_fused_norms_and_rotation_give_transformers_outputs_and_gradients(tiny):
 def test_qwen2_s_attention_is_fused_and_qwen3_s_with_its_query_norms_is_not():
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    shape = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=97,
-        attn_implementation="sdpa",
-    )
+    shape = small_shape(attn_implementation="sdpa")
     torch.manual_seed(0)
     qwen2 = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     fused = copy.deepcopy(qwen2)
@@ -158,14 +163,7 @@ def test_the_rule_at_the_qwen_shape(rows, gib, recomputes_there):
     of 8 rows of 322 tokens keeps its 5.5 GB, one of 64 rows recomputes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=16,
-    )
+    config = Qwen2Config(**small_shape(intermediate_size=8960, num_hidden_layers=28))
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     assert CUDABackend(torch.bfloat16, train_rows=rows).recomputes_within(model, gib * 2**30) is recomputes_there

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ngrpo_lightning.backends.swap import swap
+from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
 
 
 class FusedRMSNorm:
@@ -51,7 +51,7 @@ class FusedRMSNorm:
         return torch.nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
 
-def _is_candidate(module: torch.nn.Module) -> bool:
+def _is_norm(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
         type(module).__name__.endswith("RMSNorm")
@@ -59,24 +59,23 @@ def _is_candidate(module: torch.nn.Module) -> bool:
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 1
         and not weight.is_meta
-        and getattr(type(module), "prefix", None) is None  # not already swapped by a backend
     )
 
 
-def _matches(module: torch.nn.Module) -> bool:
+def _eps(dtype: torch.dtype) -> float:
+    """A rounding of ``dtype``, float32's at least: transformers' norms compute in float32."""
+    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+
+
+def _norm_matches(module: torch.nn.Module) -> bool:
     """Whether the fused norm gives ``module``'s own output up to one rounding, on a random input."""
     weight = module.weight
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 3, weight.shape[0], generator=gen).to(device=weight.device, dtype=weight.dtype)
-    eps = max(torch.finfo(weight.dtype).eps, torch.finfo(torch.float32).eps)  # transformers' norms compute in float32
-    try:
-        with torch.no_grad():
-            own, fused = type(module).forward(module, x), FusedRMSNorm.forward(module, x)
-    except Exception:  # a module whose shape only looked familiar
-        return False
-    if own.shape != fused.shape or own.dtype != fused.dtype:
-        return False
-    return torch.allclose(own.float(), fused.float(), rtol=2 * eps, atol=eps)
+    eps = _eps(weight.dtype)
+    return forwards_agree(
+        module, FusedRMSNorm, x, agree=lambda own, new: torch.allclose(own.float(), new.float(), rtol=2 * eps, atol=eps)
+    )
 
 
 SIGNED_SIN = "_ngrpo_signed_sin"  # the attribute of a forward's ``sin`` that holds sin'
@@ -136,11 +135,7 @@ class FusedRotaryAttention:
 
 def _is_attention(module: torch.nn.Module) -> bool:
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "config", "scaling")
-    return (
-        type(module).__name__.endswith("Attention")
-        and all(hasattr(module, a) for a in names)
-        and getattr(type(module), "prefix", None) is None
-    )
+    return type(module).__name__.endswith("Attention") and all(hasattr(module, a) for a in names)
 
 
 def _attention_matches(module: torch.nn.Module) -> bool:
@@ -149,44 +144,30 @@ def _attention_matches(module: torch.nn.Module) -> bool:
     if weight.is_meta:
         return False
     gen = torch.Generator(device="cpu").manual_seed(0)
-    width, dim = weight.shape[1], module.head_dim
-    x = torch.randn(2, 5, width, generator=gen)
-    angles = torch.rand(2, 5, dim // 2, generator=gen) * 6.3
+    x = torch.randn(2, 5, weight.shape[1], generator=gen)
+    angles = torch.rand(2, 5, module.head_dim // 2, generator=gen) * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x, cos, sin = (t.to(device=weight.device, dtype=weight.dtype) for t in (x, cos, sin))
-    eps = max(torch.finfo(weight.dtype).eps, torch.finfo(torch.float32).eps)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            own = type(module).forward(module, x, position_embeddings=(cos, sin), attention_mask=None)[0]
-            fused = FusedRotaryAttention.forward(module, x, position_embeddings=(cos, sin), attention_mask=None)[0]
-    except Exception:  # a module whose shape only looked familiar
-        return False
-    finally:
-        module.train(was_training)
-    if own.shape != fused.shape:
-        return False
-    return bool((own.float() - fused.float()).abs().max() <= 8 * eps * own.float().abs().max())
+    eps = _eps(weight.dtype)
+
+    def agree(own, new):  # relative to the output's largest value: a few roundings through the products
+        return (own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max()
+
+    return forwards_agree(
+        module, FusedRotaryAttention, x, position_embeddings=(cos, sin), attention_mask=None, agree=agree
+    )
+
+
+def _fusible(module: torch.nn.Module):
+    if _is_norm(module):
+        return FusedRMSNorm, _norm_matches
+    if _is_attention(module):
+        return FusedRotaryAttention, _attention_matches
+    return None
 
 
 def fused_modules(model: torch.nn.Module) -> int:
     """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm` and its Llama-style attentions
     for :class:`FusedRotaryAttention`, where these give their output up to rounding (checked once
     per class); returns how many modules were swapped."""
-    checked: dict[type, bool] = {}
-    count = 0
-    for module in model.modules():
-        if _is_candidate(module):
-            mixin, matches = FusedRMSNorm, _matches
-        elif _is_attention(module):
-            mixin, matches = FusedRotaryAttention, _attention_matches
-        else:
-            continue
-        cls = type(module)
-        if cls not in checked:
-            checked[cls] = matches(module)
-        if checked[cls]:
-            swap(module, mixin)
-            count += 1
-    return count
+    return swap_checked(model, _fusible)

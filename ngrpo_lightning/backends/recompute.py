@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ngrpo_lightning.backends.swap import swap
+from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
 
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar("ngrpo_recomputing", default=False)
 RECIPE = "_ngrpo_recipe"  # the attribute of a tagged tensor that holds its recipe
@@ -223,48 +223,28 @@ class RecomputingGatedMLP:
         return self.down_proj(tag(act * up, _act_times, self.act_fn, gate, up))
 
 
-def _candidate(module: torch.nn.Module) -> type | None:
-    """The recomputing class that may go in front of ``module``'s, by the module's shape."""
+def _candidate(module: torch.nn.Module) -> tuple[type, object] | None:
+    """The recomputing class that may go in front of ``module``'s, by the module's shape, and its check."""
     name = type(module).__name__
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, torch.Tensor):
-        return RecomputingRMSNorm
+        return RecomputingRMSNorm, _same_output
     if name.endswith("MLP") and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return RecomputingGatedMLP
+        return RecomputingGatedMLP, _same_output
     return None
 
 
-def _same_output(module: torch.nn.Module, mixin: type) -> bool:
-    """Whether ``mixin``'s forward gives exactly ``module``'s own output, on a random input."""
+def _same_output(module: torch.nn.Module) -> bool:
+    """Whether the recomputing class gives exactly ``module``'s own output, on a random input."""
     weight = next(module.parameters(), None)
     if weight is None or weight.is_meta:
         return False
     width = getattr(module, "hidden_size", None) or weight.shape[-1]
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 3, width, generator=gen).to(device=weight.device, dtype=weight.dtype)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            return torch.equal(type(module).forward(module, x), mixin.forward(module, x))
-    except Exception:  # a module whose shape only looked familiar
-        return False
-    finally:
-        module.train(was_training)
+    return forwards_agree(module, _candidate(module)[0], x)
 
 
 def recomputing_modules(model: torch.nn.Module) -> int:
     """Swap ``model``'s RMSNorms and gated MLPs for their recomputing classes, where these give
     exactly the same outputs (checked once per class); returns how many modules were swapped."""
-    checked: dict[type, bool] = {}
-    count = 0
-    for module in model.modules():
-        mixin = _candidate(module)
-        if mixin is None or getattr(type(module), "prefix", None) is not None:  # already swapped, by this or a backend
-            continue
-        cls = type(module)
-        if cls not in checked:
-            checked[cls] = _same_output(module, mixin)
-        if checked[cls]:
-            swap(module, mixin)
-            count += 1
-    return count
+    return swap_checked(model, _candidate)

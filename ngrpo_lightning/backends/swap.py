@@ -30,6 +30,43 @@ def swap(module: torch.nn.Module, mixin: type, **attributes) -> torch.nn.Module:
     return module
 
 
+def forwards_agree(module: torch.nn.Module, mixin: type, *args, agree=torch.equal, **kwargs) -> bool:
+    """Whether ``mixin``'s forward gives ``module``'s own output (the first of a tuple) on ``args``,
+    as ``agree(own, new)`` judges, in eval mode and without gradients (the module's mode is put
+    back). ``False`` where either forward raises: a module whose shape only looked familiar."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            own, new = type(module).forward(module, *args, **kwargs), mixin.forward(module, *args, **kwargs)
+    except Exception:
+        return False
+    finally:
+        module.train(was_training)
+    own, new = (out[0] if isinstance(out, tuple) else out for out in (own, new))
+    return own.shape == new.shape and own.dtype == new.dtype and bool(agree(own, new))
+
+
+def swap_checked(model: torch.nn.Module, candidate) -> int:
+    """Swap each module of ``model`` that ``candidate(module)`` gives ``(mixin, check)`` for, where
+    ``check(module)`` holds, checked once per class; modules a backend already swapped are left as
+    they are. Returns how many were swapped."""
+    checked: dict[tuple[type, type], bool] = {}
+    count = 0
+    for module in model.modules():
+        found = None if getattr(type(module), "prefix", None) is not None else candidate(module)
+        if found is None:
+            continue
+        mixin, check = found
+        key = (type(module), mixin)
+        if key not in checked:
+            checked[key] = check(module)
+        if checked[key]:
+            swap(module, mixin)
+            count += 1
+    return count
+
+
 def original_class(module: torch.nn.Module) -> type:
     """The class ``module`` had before any swap (for messages and describe)."""
     cls = type(module)
