@@ -141,8 +141,18 @@ def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casti
     assert max(lean_errors) <= 1.5 * max(peft_errors) and sum(lean_errors) <= 1.5 * sum(peft_errors)
 
 
-def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
-    policy = trained_lora()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradient_checkpointing_gives_the_adapters_the_same_gradients(dtype):
+    """Lean layers on either path: peft's ops (float32) and the fused product (float32 adapters on
+    a bfloat16 model), the prepared model's recomputation inside."""
+    from ngrpo_lightning.backends import Backend
+
+    policy = trained_lora() if dtype == "float32" else trained_lora(std=0.3).to(torch.bfloat16)
+    if dtype == "bfloat16":
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # peft's float32 adapters on the bfloat16 model
+    Backend(dtype=getattr(torch, dtype)).prepare(policy, trains=True)
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     embeds = policy.get_input_embeddings()(ids)  # frozen: the checkpointed layers' input needs no gradient
 
@@ -161,6 +171,9 @@ def test_gradient_checkpointing_gives_the_adapters_the_same_gradients():
     assert any(g.abs().sum() > 0 for g in checkpointed.values())
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+    if dtype == "bfloat16":
+        adapted = next(m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+        assert type(adapted(embeds).grad_fn).__name__ == "LoraProductBackward"  # one node per layer
 
 
 def test_the_reference_is_the_base_model_with_the_adapters_off():
@@ -313,3 +326,73 @@ def test_the_ngrpo_lora_preset_trains_with_neighbor_mixing(tmp_path, monkeypatch
     assert main(["train", "experiment=ngrpo-lora", *job, "trainer.max_steps=1"]) == 0
     ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
     assert all(lora.is_adapter_weight(k.removeprefix("policy.")) for k in ckpt["state_dict"] if k.startswith("policy."))
+
+
+def test_the_fused_lora_product_s_gradients_are_the_derivatives_of_its_output():
+    """``LoraProduct`` (float32 adapters on a half model) writes ``base + scale B A x_a`` into
+    ``base`` and computes its own backward: checked against finite differences in float64, with
+    the adapter's input apart from the base's (dropout) and rows of more than one dimension."""
+    from ngrpo_lightning.backends.lora import LoraProduct
+
+    g = torch.Generator().manual_seed(0)
+    base, x_a = torch.randn(2, 3, 5, generator=g, dtype=torch.float64), torch.randn(2, 3, 4, generator=g).double()
+    A, B = torch.randn(2, 4, generator=g).double(), torch.randn(5, 2, generator=g).double()
+    for t in (base, x_a, A, B):
+        t.requires_grad_()
+
+    def product(base, x_a, A, B):  # in float64 the copies that multiply are the parameters' values
+        return LoraProduct.apply(base.clone(), x_a, A.detach(), B.detach(), A, B, 0.75)
+
+    with torch.no_grad():
+        expected = base + 0.75 * x_a @ A.t() @ B.t()
+    torch.testing.assert_close(product(base, x_a, A, B), expected)
+    assert torch.autograd.gradcheck(product, (base, x_a, A, B))
+
+
+def test_float32_adapters_are_cast_once_per_change_and_never_read_stale():
+    """On a bfloat16 model the lean layers keep their adapters' bfloat16 copies from one pass to the
+    next (a step's log-prob pass and its update's micro-batches cast nothing again) and cast them
+    anew once an optimizer step or a load changes the adapters: the output after the step is the
+    one a layer that had never cast gives, bit for bit, and differs from the one before."""
+    from peft.tuners.lora.layer import Linear
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ngrpo_lightning.backends import Backend
+
+    policy = lora.apply(load_policy("tiny", dtype="bfloat16")[0], lora.LoraSettings(enabled=True, rank=4))
+    Backend(dtype=torch.bfloat16).prepare(policy, trains=True)
+    layers = [m for m in policy.modules() if isinstance(m, Linear)]
+    ids = torch.randint(0, policy.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    adapter_sizes = {p.numel() for n, p in policy.named_parameters() if p.requires_grad}
+
+    class Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy and args[0].numel() in adapter_sizes:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def forward(grad=True):
+        with Casts() as casts, torch.set_grad_enabled(grad):
+            logits = policy(input_ids=ids).logits
+        return logits, casts.count
+
+    first, casts = forward()
+    assert casts == 2 * len(layers)
+    assert first.grad_fn is not None and all(m._cast is not None for m in layers)
+    first.float().logsumexp(-1).mean().backward()
+    again, casts = forward(grad=False)
+    assert casts == 0 and torch.equal(again, first.detach())
+    torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=10.0).step()
+    stepped, casts = forward(grad=False)
+    assert casts == 2 * len(layers) and not torch.equal(stepped, first.detach())
+    for m in layers:
+        m._cast_key = None  # as if never cast
+    assert torch.equal(forward(grad=False)[0], stepped)
+    zero_b = {n: torch.zeros_like(p) for n, p in policy.named_parameters() if "lora_B" in n}
+    policy.load_state_dict(zero_b, strict=False)
+    loaded, casts = forward(grad=False)
+    assert casts == 2 * len(layers)  # B loaded in place: cast again
+    with lora.adapters_off(policy), torch.no_grad():
+        assert torch.equal(loaded, policy(input_ids=ids).logits)  # B = 0: the base model's outputs

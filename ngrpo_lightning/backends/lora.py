@@ -10,12 +10,17 @@ class, :mod:`.swap`); peft still sees its own layer. What changes:
 - adapters kept in float32 on a bfloat16 (or float16) model, peft's default, multiply in the
   model's dtype with their weights cast (``r x d``, small), as autocast would, rather than casting
   every activation to float32 and the sum back: peft's path made six full-width casts per adapted
-  layer, the update 1.8x the operations of full fine-tuning's (about as many kernels, where a GPU
-  step of a small model is launch-bound). The weights and their gradients stay float32; the
-  adapter's output is rounded to the model's dtype before the sum, a rounding of the size of
-  the sum's own (``tests/test_backends.py`` bounds it against peft's);
+  layer. The cast copies are kept until an optimizer step or a load changes the adapters (their
+  version counters), so a step's passes cast once. The product is one autograd node,
+  :class:`LoraProduct`: ``A x``, then ``base + scale B (A x)`` as one ``addmm`` into the base
+  layer's output, and a backward of four products; the layer's own ops were six nodes forward
+  and as many in backward, and a GPU update of a small model waits on launches, not arithmetic
+  (``benchmarks/update_ops.py``: 1.73x full fine-tuning's operations before, 1.42x after). The
+  weights and their gradients stay float32; the sum is rounded once, where peft's path rounds
+  the adapter's output, its scaling and the sum (``tests/test_lora.py`` bounds the error against
+  peft's);
 - inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
-  once per token by a merged copy ``W + (alpha / rank) B A`` (peft's ``get_delta_weight``), packed
+  once per token by a merged copy ``W + (alpha / rank) B A`` (one ``addmm`` of the cast copies), packed
   for oneDNN where its base layer packs, instead of three products (unmerged, decoding ran at
   well under full fine-tuning's speed: docs/lora.md). The model is not merged; the copy is
   dropped when the rollout ends, unless the rollout replays its decoding step from graphs
@@ -40,6 +45,8 @@ class LeanLoraLinear:
     why = "peft LoRA layer, its sum and scaling in place; a merged copy W + scale B A while decoding"
     _merged: tuple | None = None  # (weight or packed copy, bias, packed?) inside a rollout
     _kept: torch.Tensor | None = None  # the merged copy's storage, kept across rollouts (``keep``)
+    _cast: tuple | None = None  # (A, B) in the model's dtype, for the key below
+    _cast_key: tuple | None = None  # (adapter, dtype, A's and B's versions and addresses)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self._merged is not None and not args and not kwargs:
@@ -53,12 +60,28 @@ class LeanLoraLinear:
         active = [a for a in self.active_adapters if a in self.lora_A]
         if any(a in self.lora_variant or not self._casts_to(self.lora_A[a].weight.dtype, x.dtype) for a in active):
             return peft_forward(x, *args, **kwargs)
+        if len(active) == 1 and self.lora_A[active[0]].weight.dtype != x.dtype:
+            a = active[0]  # float32 adapters on a half model: one node, the sum inside the product
+            down, up = self.adapters_in(a, x.dtype)
+            weights = (self.lora_A[a].weight, self.lora_B[a].weight)
+            return LoraProduct.apply(self.base_layer(x), self.lora_dropout[a](x), down, up, *weights, self.scaling[a])
         result = self.base_layer(x)
         for a in active:  # linear keeps its input, not its output: both may change in place
             down = torch.nn.functional.linear(self.lora_dropout[a](x), self.lora_A[a].weight.to(x.dtype))
             up = torch.nn.functional.linear(down, self.lora_B[a].weight.to(x.dtype))
             result = result.add_(up.mul_(self.scaling[a]))
         return result
+
+    def adapters_in(self, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``adapter``'s A and B in ``dtype``, without gradients, cast again only after either
+        changed (an optimizer step, a load: their version counters), not at every forward."""
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        key = (adapter, dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
+        if self._cast_key != key:
+            with torch.inference_mode(False), torch.no_grad():  # usable by a pass with gradients later
+                self._cast = (A.to(dtype), B.to(dtype))
+            self._cast_key = key
+        return self._cast
 
     @staticmethod
     def _casts_to(weights: torch.dtype, inputs: torch.dtype) -> bool:
@@ -87,22 +110,59 @@ class LeanLoraLinear:
         if adapter is None:
             return False
         w = self.base_layer.weight.detach()
-        delta = self.get_delta_weight(adapter).detach().to(w.dtype)
         bias = None if self.base_layer.bias is None else self.base_layer.bias.detach()
+        down, up = self.adapters_in(adapter, w.dtype)  # as the training forward multiplies them
+        kept = None
         if keep:
             kept = self._kept
             if kept is None or kept.shape != w.shape or kept.dtype != w.dtype or kept.device != w.device:
                 kept = self._kept = torch.empty_like(w)
                 torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
-            self._merged = (torch.add(w, delta, out=kept), bias, False)
+        # W + scale B A in one product (fan_in_fan_out layers are Conv1D, never merged here)
+        weight = torch.addmm(w, up, down, alpha=self.scaling[adapter], out=kept)
+        if keep:
+            self._merged = (weight, bias, False)
             return True
-        weight = w + delta
         packs = isinstance(self.base_layer, BackendLinear) and self.base_layer.pack_once
         self._merged = (pack(weight, rows), bias, True) if packs else (weight, bias, False)
         return True
 
     def end_pass(self) -> None:
         self._merged = None
+
+
+class LoraProduct(torch.autograd.Function):
+    """``base + scale * B(A(x_a))`` written into ``base`` (the base layer's output, which nothing
+    else holds), with A and B given twice: as the trained parameters, which get the gradients, and
+    cast to the activations' dtype, which multiply. One autograd node and one fused product for
+    the sum and the scaling (``addmm``), where the layer's own ops were six nodes forward and
+    about as many in backward: a LoRA update on a GPU waits on those launches (docs/lora.md)."""
+
+    @staticmethod
+    def forward(ctx, base, x_a, down, up, A, B, scale):
+        d = torch.nn.functional.linear(x_a, down)
+        base.view(-1, base.shape[-1]).addmm_(d.view(-1, d.shape[-1]), up.t(), alpha=scale)
+        ctx.mark_dirty(base)
+        ctx.save_for_backward(x_a, d, down, up)
+        ctx.scale, ctx.dtypes = scale, (A.dtype, B.dtype)
+        return base
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_a, d, down, up = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        d2, x2 = d.view(-1, d.shape[-1]), x_a.reshape(-1, x_a.shape[-1])
+        # scale * g B and scale * g^T d: addmm with beta=0 reads nothing from its first argument
+        grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_x = torch.mm(grad_d, down).view(x_a.shape)
+        grad_A = grad_B = None
+        if ctx.needs_input_grad[4]:
+            grad_A = torch.mm(grad_d.t(), x2).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[5]:
+            grad_B = torch.addmm(up, g.t(), d2, beta=0, alpha=ctx.scale).to(ctx.dtypes[1])
+        return grad, grad_x, None, None, grad_A, grad_B, None
 
 
 def lean_lora_layers(model: torch.nn.Module) -> int:
