@@ -81,7 +81,16 @@ def test_the_lean_training_forward_gives_peft_s_values_bit_for_bit():
     assert lean_grads.keys() == peft_grads.keys() and all(torch.equal(lean_grads[k], peft_grads[k]) for k in lean_grads)
 
 
-def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casting_activations():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"), id="on_a_gpu"
+        ),
+    ],
+)
+def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casting_activations(device):
     """peft keeps adapters in float32 on a bfloat16 model and casts every adapted layer's input to
     float32 and its sum back; the lean layer casts the small adapter weights instead (as autocast
     would). Those activation-sized casts are gone (the model's own, its norms', remain), and the
@@ -101,7 +110,8 @@ def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casti
             if "lora_B" in name:
                 param.normal_(std=0.3, generator=torch.Generator().manual_seed(0))
     assert {p.dtype for n, p in policy.named_parameters() if p.requires_grad} == {torch.float32}  # peft's default
-    ids = torch.randint(0, policy.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    policy.to(device)
+    ids = torch.randint(0, policy.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1)).to(device)
 
     class Casts(TorchDispatchMode):
         def __init__(self):
