@@ -287,3 +287,64 @@ def test_fused_rotation_launches_six_kernels_fewer_per_layer_on_a_gpu(tiny):
 
     # transformers' rotation: 10 kernels; this one: 4, and 2 for sin' (once per forward, here per call)
     assert kernels(fused) <= kernels(own) - 4, (kernels(fused), kernels(own))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-biases", "lora"])
+def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, arch):
+    """In a rollout (``packed_for_pass`` decoding) a fused attention multiplies by one concatenated
+    copy of q, k and v (LoRA's merged copies written into it): two products and a concatenation
+    fewer per layer, the same outputs (float32 roundings), the copy gone after the pass unless kept,
+    and a projection with a hook left to its own forward."""
+    from conftest import trained_lora
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ngrpo_lightning.backends.passes import packed_for_pass
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = copy.deepcopy(tiny[0])
+    elif arch == "lora":
+        model = trained_lora()
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**small_shape(attn_implementation="sdpa")))
+        with torch.no_grad():
+            for a in attentions(model):
+                for p in (a.q_proj, a.k_proj, a.v_proj):
+                    p.bias.normal_()  # transformers starts them at 0
+    CUDABackend(torch.float32).prepare(model.eval())
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    class Products(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    def forward():
+        with Products() as products, torch.no_grad():
+            logits = model(input_ids=ids).logits
+        return logits, products.count
+
+    plain, plain_products = forward()
+    with packed_for_pass(model, rows=2, decoding=True):
+        merged, merged_products = forward()
+        attention = next(m for m in model.modules() if isinstance(m, FusedRotaryAttention))
+        weight = attention._qkv[0]
+    # per layer q|k|v, o, gate, up, down (LoRA: merged; outside a rollout three products each), and the head
+    assert merged_products == 5 * layers + 1 and plain_products == (7 if arch != "lora" else 21) * layers + 1
+    torch.testing.assert_close(merged, plain, rtol=1e-5, atol=1e-5)
+    assert weight.shape[0] == sum(p.out_features for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    assert attention._qkv is None and attention._qkv_kept is None
+    if arch == "lora":
+        assert attention.q_proj._merged is None and attention.q_proj._kept is None  # went with the copy
+    hook = attention.k_proj.register_forward_hook(lambda *args: None)
+    with packed_for_pass(model, rows=2, decoding=True):
+        assert attention._qkv is None  # a hook on k_proj: three products, as the model defines them
+        assert (
+            sum(a._qkv is not None for a in attentions(model.base_model.model if arch == "lora" else model))
+            == layers - 1
+        )
+    hook.remove()

@@ -79,7 +79,7 @@ class LeanLoraLinear:
         key = (adapter, dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
         if self._cast_key != key:
             with torch.inference_mode(False), torch.no_grad():  # usable by a pass with gradients later
-                self._cast = (A.to(dtype), B.to(dtype))
+                self._cast = (A.detach().to(dtype), B.detach().to(dtype))
             self._cast_key = key
         return self._cast
 

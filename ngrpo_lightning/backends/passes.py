@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ngrpo_lightning.backends.fused import FusedRotaryAttention
 from ngrpo_lightning.backends.linear import BackendLinear, pack
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 
@@ -30,19 +31,30 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
     ``release(layer)``, if given, is
     called once a layer's weight is packed: a frozen model whose weights are read back from a
     file for each pass frees the plain copy there, so the pass holds one copy of each weight,
-    not two. ``keep`` (a rollout whose step replays from graphs): LoRA's merged copies keep
+    not two. A fused attention (:class:`~.fused.FusedRotaryAttention`) multiplies queries, keys
+    and values by one concatenated copy in a rollout, LoRA's merged copies written into it.
+    ``keep`` (a rollout whose step replays from graphs): these copies keep
     their storage for the next pass, rewritten in place, so the graphs' addresses hold. Yields the
     number of layers that multiply by a copy."""
     layers = []
     try:
         merged_inside = set()
         for m in model.modules():
+            if id(m) in merged_inside:
+                continue
+            if decoding and isinstance(m, FusedRotaryAttention):
+                # q, k and v by one copy: its projections (and LoRA's base layers) are not called meanwhile
+                if m.start_merged_pass(rows, keep=keep):
+                    layers.append(m)
+                    for p in (m.q_proj, m.k_proj, m.v_proj):
+                        merged_inside.update(id(x) for x in p.modules())
+                continue
             if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
                 if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
                     # its base layer is not called meanwhile (the adapter matrices are plain layers)
                     merged_inside.add(id(m.base_layer))
-            elif isinstance(m, BackendLinear) and id(m) not in merged_inside:
+            elif isinstance(m, BackendLinear):
                 m._in_pass = True
                 layers.append(m)
                 if m.pack_once if decoding else m.pack_frozen:
