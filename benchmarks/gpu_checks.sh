@@ -32,13 +32,14 @@
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
 # that evening "2 3 5" (step 3 with its second full run) took 365 s and "7" 207 s (TRL at 1.5B: 72 s).
 # Reading a profile back (steps 3 and 5) took 18 s per run on the CPU. A session's 15 minutes hold
-# two tries, run one after the other on the warm machine (it is given back after 30 s idle). Steps
-# 2, 3, 5 and 7 ran with the fused norms on 2026-11-27; the rotation of queries and keys together and
-# the LM head's softmax recomputed came after. What the next session runs:
-#   STEPS="2 3 5"     LIMIT=440 (the GPU tests, both shapes again: those two changes measured)
-#   STEPS="4 8 9"     LIMIT=420 (decoding modes at 1.5B with the attention baseline, the 7B shape
-#                     and the command end to end on the current code)
-# then, with time left, STEPS="10 6" (prompt sharing timed both ways, compiled decoding).
+# two tries, run one after the other on the warm machine (it is given back after 30 s idle). On an
+# H100 that night "2 3 5" took 349 s, and "2 8" then "7" in one call 405 s (the 7B shape: 60 s).
+# The GPU tests build the tiny model from the packaged model's tokenizer: on a machine without a
+# network, carry a cache holding the built tiny model (NGRPO_CACHE=<carried dir>, with tiny/ in it).
+# Every step but 1, 4, 6, 9 and 10 has run on the current code. What the next session runs:
+#   STEPS="1 4 9"     LIMIT=300 (decoding modes at both shapes, fused against unfused modules and
+#                     the attention baseline; the command end to end)
+#   STEPS="10 6"      LIMIT=420 (prompt sharing timed both ways, compiled decoding)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
