@@ -153,13 +153,13 @@ class LoraProduct(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         d2, x2 = d.view(-1, d.shape[-1]), x_a.reshape(-1, x_a.shape[-1])
         # scale * g B and scale * g^T d: addmm with beta=0 reads nothing from its first argument
-        grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
-        grad_x = None
-        if ctx.needs_input_grad[1]:
-            grad_x = torch.mm(grad_d, down).view(x_a.shape)
-        grad_A = grad_B = None
-        if ctx.needs_input_grad[4]:
-            grad_A = torch.mm(grad_d.t(), x2).to(ctx.dtypes[0])
+        grad_x = grad_A = grad_B = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
+            grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
+            if ctx.needs_input_grad[1]:
+                grad_x = torch.mm(grad_d, down).view(x_a.shape)
+            if ctx.needs_input_grad[4]:
+                grad_A = torch.mm(grad_d.t(), x2).to(ctx.dtypes[0])
         if ctx.needs_input_grad[5]:
             grad_B = torch.addmm(up, g.t(), d2, beta=0, alpha=ctx.scale).to(ctx.dtypes[1])
         return grad, grad_x, None, None, grad_A, grad_B, None
