@@ -272,7 +272,8 @@ class HFEngine(RolloutEngine):
             if graphs is not None and t > 0:  # a replayed step: the mask built here, causal up to this step
                 step_mask = (mask.bool() & (columns <= width + t - 1))[:, None, None, :]
                 step_logits = graphs(inputs, position, step_mask, written + (t - 1))
-                logits = step_logits.float().clone()  # the graph's buffer is overwritten by the next step
+                # the graph's buffer is overwritten by the next step: a copy (a half model's cast is one)
+                logits = step_logits.float() if step_logits.dtype != torch.float32 else step_logits.clone()
             else:
                 if static:  # the mask's full width, and where this step writes
                     fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
