@@ -300,12 +300,15 @@ class HFEngine(RolloutEngine):
             step = explorer.step(logits if explorer_logits is None else explorer_logits, generator=gen)
             if marker is not None:  # no mixing after a row's answer marker
                 marker.unmix(step, ~finished)
-            running = ~finished[live]  # all true unless finished rows are kept decoding padding
-            token = torch.where(running, step.tokens[live], pad_id)
+            # every row still in the batch (no row has left): the same values without gathering by live
+            whole = explorer_logits is None
+            running = ~(finished if whole else finished[live])  # all true unless ended rows decode padding
+            token = torch.where(running, step.tokens if whole else step.tokens[live], pad_id)
             scaled = logits if temperature == 1.0 else logits / temperature
             logprob = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)  # no B x V output
-            tokens[live, t] = token
-            logprobs[live, t] = torch.where(running, logprob, 0.0)
+            at = (slice(None), t) if whole else (live, t)
+            tokens[at] = token
+            logprobs[at] = torch.where(running, logprob, 0.0)
             inputs = embedding[token]
             if step.mixed is not None:  # every live row's mixture, the mixed ones kept: no look at which rows mixed
                 mixed = step.mixed & ~finished
@@ -313,8 +316,12 @@ class HFEngine(RolloutEngine):
                 inputs = torch.where(mixed[live, None], mixed_inputs(embedding, step, mixed, live), inputs)
             ended = torch.isin(token, eos) & running
             # the ended rows' bookkeeping stays on the device; the host looks every checks_every steps
-            finished.index_copy_(0, live, finished[live] | ended)
-            lengths.index_copy_(0, live, torch.where(ended, t + 1, lengths[live]))
+            if whole:
+                finished |= ended
+                lengths.masked_fill_(ended, t + 1)
+            else:
+                finished.index_copy_(0, live, finished[live] | ended)
+                lengths.index_copy_(0, live, torch.where(ended, t + 1, lengths[live]))
             if (t + 1) % checks_every == 0:
                 if bool(finished.all()):
                     break
