@@ -104,6 +104,10 @@ def test_float32_adapters_on_a_bfloat16_model_multiply_in_bfloat16_without_casti
     from ngrpo_lightning.backends.lora import lean_lora_layers
     from ngrpo_lightning.backends.swap import original_class
 
+    # peft draws A from the global generator: seeded, so the bound below does not depend on the tests
+    # run before (at some draws the bfloat16 adapters' largest gradient error passes 1.5x peft's,
+    # on either lean path: a few in 26 seeds, each path)
+    torch.manual_seed(0)
     policy = lora.apply(load_policy("tiny", dtype="bfloat16")[0], lora.LoraSettings(enabled=True, rank=16))
     with torch.no_grad():
         for name, param in policy.named_parameters():
