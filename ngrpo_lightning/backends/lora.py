@@ -17,7 +17,7 @@ class, :mod:`.swap`); peft still sees its own layer. What changes:
   and as many in backward, and a GPU update of a small model waits on launches, not arithmetic
   (``benchmarks/update_ops.py``: 1.73x full fine-tuning's operations before, 1.42x after). The
   weights and their gradients stay float32; the sum is rounded once, where peft's path rounds
-  the adapter's output, its scaling and the sum (``tests/test_lora.py`` bounds the error against
+  the adapter's output, its scaling and the sum (``tests/test_lora_layer.py`` bounds the error against
   peft's);
 - inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
   once per token by a merged copy ``W + (alpha / rank) B A`` (one ``addmm`` of the cast copies), packed
