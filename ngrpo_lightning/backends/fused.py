@@ -128,6 +128,11 @@ class FusedRotaryAttention:
     _qkv: tuple | None = None  # (weight, bias, query heads, key heads) inside a rollout
     _qkv_kept: tuple | None = None  # (weight, bias) storage kept across rollouts (``keep``)
     _qkv_lora: tuple = ()  # the LoRA projections writing their merged copies into it, this rollout
+    _qkv_keeps: bool = False  # this rollout's copy is the kept one
+
+    def projections(self) -> tuple[torch.nn.Module, ...]:
+        """The query, key and value projections, which a rollout's one product stands for."""
+        return (self.q_proj, self.k_proj, self.v_proj)
 
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
         """Multiply queries, keys and values by one concatenated copy of their weights (and biases)
@@ -135,7 +140,7 @@ class FusedRotaryAttention:
         A LoRA projection writes its merged copy ``W + scale B A`` into its rows of the copy (it
         needs none of its own). ``keep``: the copy keeps its storage across rollouts, rewritten in
         place, for graphs recorded on it. ``False`` where a projection is not a plain product."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
+        projections = self.projections()
         bases = [_plain_weight(p) for p in projections]
         if any(b is None for b in bases) or len({(b.weight.dtype, b.weight.device) for b in bases}) != 1:
             return False
@@ -165,14 +170,14 @@ class FusedRotaryAttention:
                     rows_of.copy_(base.weight)
             if has_bias:
                 torch.cat([b.bias.detach() for b in bases], out=bias)
-        self._qkv_lora = tuple(lora)
+        self._qkv_lora, self._qkv_keeps = tuple(lora), keep
         self._qkv = (weight, bias, sizes[0] // self.head_dim, sizes[1] // self.head_dim)
         return True
 
     def end_pass(self) -> None:
         for projection in self._qkv_lora:
             projection.end_pass()
-            if self._qkv is not None and self._qkv[0] is not (self._qkv_kept or (None,))[0]:
+            if not self._qkv_keeps:
                 projection._kept = None  # a view of this rollout's own copy: let it go with it
         self._qkv, self._qkv_lora = None, ()
 

@@ -46,8 +46,7 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
                 # q, k and v by one copy: its projections (and LoRA's base layers) are not called meanwhile
                 if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
-                    for p in (m.q_proj, m.k_proj, m.v_proj):
-                        merged_inside.update(id(x) for x in p.modules())
+                    merged_inside.update(id(x) for p in m.projections() for x in p.modules())
                 continue
             if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
                 if m.start_merged_pass(rows, keep=keep):
