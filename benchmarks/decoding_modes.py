@@ -4,9 +4,11 @@ compiled by ``torch.compile`` (``compile``: CUDA graphs of Inductor's kernels on
 compiled code only), against the bandwidth floor. ``graphs-sdpa`` records the graphs with
 transformers' own ``sdpa`` attention instead of the backends' ``sdpa_gqa``: on a GPU, given a
 mask, it copies every grouped key and value head once per query head at each step.
-``graphs-unfused`` (and ``static-unfused``, its eager step) records them with transformers' own
-norms and attention in place of the CUDA backend's fused ones (``backends/fused.py``): the
-kernels those save, measured in the same process.
+``graphs-model`` records the model's step alone, the explorer, sampling and bookkeeping launched
+between replays (as for an explorer that does not declare capturable; ``graphs`` records the whole
+step: ``rollout/step_graphs.py``). ``graphs-unfused`` (and ``static-unfused``, its eager step)
+records them with transformers' own norms and attention in place of the CUDA backend's fused ones
+(``backends/fused.py``): the kernels those save, measured in the same process.
 
 Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
 suppressed), fastest of ``--repeats`` runs, interleaved, each mode on one engine all along (it
@@ -51,6 +53,9 @@ MODES = {
     "growing": ("growing", {"static_cache": False}),
     "static": ("static", {"static_cache": True, "graphs": False}),  # eager, whatever the backend's default
     "graphs": ("static + graphs", {"static_cache": True, "graphs": "cuda"}),
+    # the model's step alone recorded: the explorer and the bookkeeping launched between replays (an
+    # explorer that does not declare capturable), the way every step ran before whole steps were recorded
+    "graphs-model": ("static + graphs, model step only", {"static_cache": True, "graphs": "cuda"}),
     # transformers' own sdpa: on a GPU it copies each grouped key and value head per query head
     # (repeat_kv) where sdpa_gqa, the default, stacks the query heads (attention.stacked_decoding_attention)
     "graphs-sdpa": ("static + graphs, transformers' sdpa", {"static_cache": True, "graphs": "cuda"}),
@@ -59,8 +64,17 @@ MODES = {
     "graphs-unfused": ("static + graphs, unfused", {"static_cache": True, "graphs": "cuda"}),
     "static-unfused": ("static, unfused", {"static_cache": True, "graphs": False}),
 }
+MODEL_STEP_ONLY = {MODES["graphs-model"][0]}
 ATTENTION = {"graphs-sdpa": "sdpa"}  # a mode's attention, where not the model's default
 UNFUSED = {MODES["graphs-unfused"][0], MODES["static-unfused"][0]}
+
+
+class Uncaptured(TemperatureExplorer):
+    """Greedy decoding with a step of its own that does not declare capturable: only the model's
+    step is recorded."""
+
+    def step(self, logits, generator=None):
+        return super().step(logits, generator)
 
 
 def floor_ms(model, rows: int, prompt: int, new: int, bandwidth_gbs: float) -> float:
@@ -100,12 +114,12 @@ def main() -> None:
     chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]
     if "graphs" in chosen and not cuda:
         ap.error("--modes graphs needs --device cuda (CUDA graphs)")
-    for mode in ("graphs-sdpa", "graphs-unfused"):
+    for mode in ("graphs-sdpa", "graphs-unfused", "graphs-model"):
         if mode in chosen and not cuda:
             ap.error(f"--modes {mode} needs --device cuda (CUDA graphs)")
     modes = {MODES[name][0]: MODES[name][1] for name in chosen}
     attentions = {MODES[name][0]: ATTENTION.get(name, model.config._attn_implementation) for name in chosen}
-    greedy = TemperatureExplorer(temperature=0.0)
+    greedy, uncaptured = TemperatureExplorer(temperature=0.0), Uncaptured(temperature=0.0)
 
     engines = {
         name: HFEngine(model, tok, max_new_tokens=args.new_tokens, ignore_eos=True, backend=backend, **kwargs)
@@ -121,7 +135,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        batch = engine.generate(prompts, greedy)
+        batch = engine.generate(prompts, uncaptured if name in MODEL_STEP_ONLY else greedy)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - t0, batch

@@ -36,10 +36,12 @@
 # H100 that night "2 3 5" took 349 s, and "2 8" then "7" in one call 405 s (the 7B shape: 60 s).
 # The GPU tests build the tiny model from the packaged model's tokenizer: on a machine without a
 # network, carry a cache holding the built tiny model (NGRPO_CACHE=<carried dir>, with tiny/ in it).
-# Every step but 1, 4, 6, 9 and 10 has run on the current code. What the next session runs:
-#   STEPS="1 4 9"     LIMIT=300 (decoding modes at both shapes, fused against unfused modules and
-#                     the attention baseline; the command end to end)
-#   STEPS="10 6"      LIMIT=420 (prompt sharing timed both ways, compiled decoding)
+# No step has run since whole decoding steps are recorded (rollout/step_graphs.py): every figure
+# before it had the explorer and bookkeeping launched between replays. What the next session runs:
+#   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
+#                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
+#                     H200, "2 3 5" 349 s on an H100)
+#   STEPS="4 8 9"     LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to end)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -60,14 +62,14 @@ gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
-    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_lora_layer.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_lora_layer.py tests/test_step_graphs.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
   $(gpu && echo --bandwidth-gbs $BW)"
-DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-sdpa graphs-unfused)
+DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-model graphs-sdpa graphs-unfused)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)
 

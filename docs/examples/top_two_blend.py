@@ -10,6 +10,7 @@ class TopTwoBlend(Explorer):
     the other rows sample as plain temperature sampling does."""
 
     sync_free = True  # step() never makes the host wait for a GPU (no .item(), bool(t), nonzero)
+    capturable = True  # the same device work at every step, randomness from generator: recorded on a GPU
 
     def __init__(self, rho: float = 0.2, temperature: float = 1.0):
         check_range("rho", rho, 0.0, 1.0)  # a bad value fails at build time, naming explorer.rho

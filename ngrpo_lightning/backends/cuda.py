@@ -8,9 +8,11 @@ Python; a CUDA graph replays them with one launch (:mod:`ngrpo_lightning.rollout
 on the fixed shapes of :mod:`ngrpo_lightning.rollout.static_cache`). Measured on one H200
 (docs/performance.md, "On one GPU, from CUDA graphs"): the packaged model's decoding step, 32 rows
 in bfloat16, 20.9 ms eager on the growing cache and 4.9 ms replayed, the same tokens and
-log-probs; recording took 0.1 s. Only the model's step is recorded: explorers, sampling, the
-records and the answer marker run between replays, on the device without waiting for the host
-(``benchmarks/host_syncs.py``), so a user-written explorer needs nothing to run under graphs.
+log-probs; recording took 0.1 s. Where the explorer declares ``capturable`` (every built-in one
+does) the whole step is recorded: the model, the explorer, sampling, the log-prob, the records, the
+answer marker and the rows' ends (:mod:`ngrpo_lightning.rollout.step_graphs`). Otherwise only the
+model's step is, and the rest runs between replays, on the device without waiting for the host
+(``benchmarks/host_syncs.py``): a user-written explorer needs nothing to run under graphs.
 
 Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.prepare`):
 recording a step through FSDP2's hooks has not been measured on several GPUs.

@@ -13,6 +13,7 @@ from ngrpo_lightning.explorers.base import (
     ExplorerStep,
     check_choice,
     check_range,
+    declares_capturable,
     register_explorer,
 )
 from ngrpo_lightning.explorers.gaussian import GaussianNoiseExplorer
@@ -44,6 +45,7 @@ __all__ = [
     "TopKMixExplorer",
     "check_choice",
     "check_range",
+    "declares_capturable",
     "filter_logits",
     "register_explorer",
     "sample_tokens",

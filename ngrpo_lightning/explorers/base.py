@@ -42,6 +42,7 @@ __all__ = [
     "Explorer",
     "ExplorerStep",
     "EXPLORERS",
+    "declares_capturable",
     "register_explorer",
     "check_answer_start",
     "check_range",
@@ -88,6 +89,17 @@ class Explorer(ABC):
         GPU the decoding loop then queues step after step without waiting; an explorer that does
         not declare it still works, and the engine says once at the start that it may wait per
         token. Check a claim with :class:`ngrpo_lightning.rollout.host_syncs.HostSyncs`.
+    capturable:
+        True when :meth:`step` can be recorded once as a CUDA graph and replayed at every later
+        step (:mod:`ngrpo_lightning.rollout.step_graphs`): it is ``sync_free``; it does the same
+        device work at every step, returning the same fields of the same shapes; its randomness
+        comes only from ``generator``; and any state it keeps between steps is a tensor updated in
+        place (Python attributes set in :meth:`step` are read once, when the step is recorded).
+        A recorded step is replayed while the explorer's public settings and the addresses of its
+        tensors stay as they were; a change records it again.
+        Read from the class that defines :meth:`step` (:func:`declares_capturable`), so a subclass
+        with a step of its own declares it again. Otherwise, on a GPU, the step runs eagerly
+        between the model's replayed steps, and the engine says so once.
     answer_start:
         A marker text (e.g. ``"</think>"``): once a sequence has emitted its tokens, the engine
         clears ``mixed`` for that sequence's steps (the one completing the marker included), so
@@ -96,6 +108,7 @@ class Explorer(ABC):
 
     temperature: float = 1.0
     sync_free: bool = False
+    capturable: bool = False
     answer_start: str | None = None  # engines stop mixing a sequence once it has emitted this text
     registered_name: str = ""
     _special_ids: tuple[int, ...] = ()
@@ -124,6 +137,18 @@ class Explorer(ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "embeddings")
         return f"{type(self).__name__}({fields})"
+
+
+def declares_capturable(explorer: Explorer) -> bool:
+    """Whether ``explorer``'s step may be recorded (:attr:`Explorer.capturable`): as declared by
+    the class that defines its :meth:`~Explorer.step` or by a subclass of it, never by a base class
+    whose step it replaced."""
+    for cls in type(explorer).__mro__:
+        if "capturable" in vars(cls):
+            return bool(explorer.capturable) and bool(explorer.sync_free)
+        if "step" in vars(cls):
+            return False
+    return False
 
 
 def check_range(

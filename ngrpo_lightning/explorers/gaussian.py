@@ -41,6 +41,7 @@ class GaussianNoiseExplorer(Explorer):
     """
 
     sync_free = True
+    capturable = True  # recorded with the model's step on a GPU (rollout/step_graphs.py)
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ class GumbelSoftExplorer(Explorer):
     """
 
     sync_free = True
+    capturable = True  # recorded with the model's step on a GPU (rollout/step_graphs.py)
 
     def __init__(self, top_k: int = 5, tau: float = 0.5, temperature: float = 1.0):
         check_range("top_k", top_k, 1, integer=True)

@@ -137,6 +137,8 @@ class NeighborMixingExplorer(Explorer):
         filled one looks at which anchors are new."""
         return self._index is not None and self._index.complete
 
+    capturable = sync_free  # with a full table a step is the same lookups every time: recorded on a GPU
+
     @property
     def index(self) -> NeighborIndex:
         if self._index is None:

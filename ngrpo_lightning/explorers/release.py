@@ -44,6 +44,7 @@ class TopKMixExplorer(TemperatureExplorer):
     """
 
     gumbel = False
+    capturable = True  # recorded with the model's step on a GPU (rollout/step_graphs.py)
 
     def __init__(
         self,
@@ -92,6 +93,8 @@ class GaussianEmbedNoiseExplorer(TopKMixExplorer):
     """The release's ``gaussian_embed_noise`` strategy: the ``topk`` mixture plus Gaussian noise
     of std ``noise_rms_scale x RMS(mixture)`` (release default 0.33)."""
 
+    capturable = True
+
     def __init__(
         self,
         k: int = 3,
@@ -121,6 +124,8 @@ class OrthogonalNoiseExplorer(TopKMixExplorer):
     """The release's ``orthogonal_noise`` strategy: on a gated step the next input is the top-1
     token's embedding plus isotropic Gaussian noise scaled by the other top-k tokens' residuals
     orthogonal to it (see the module docstring); ``k = 1`` feeds the top-1 embedding alone."""
+
+    capturable = True
 
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
         mixed, tokens, scores, ids = self.top_tokens(logits, generator)

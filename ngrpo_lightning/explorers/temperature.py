@@ -20,6 +20,7 @@ class TemperatureExplorer(Explorer):
     """
 
     sync_free = True
+    capturable = True  # recorded with the model's step on a GPU (rollout/step_graphs.py)
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
         check_range("temperature", temperature, 0.0)

@@ -60,18 +60,24 @@ class AnswerMarker:
 
 class RowAnswerMarker:
     """:class:`AnswerMarker` for rows 0..R-1, kept on the device: each row's last ``len(marker)``
-    counted tokens and whether it has answered, updated without a look from the host."""
+    counted tokens and whether it has answered, updated in place without a look from the host (a
+    recorded decoding step keeps writing the same tensors)."""
 
     def __init__(self, marker: Sequence[int], rows: int, device):
         self.marker = torch.tensor(marker, dtype=torch.long, device=device)
         self.recent = torch.full((rows, len(marker)), -1, dtype=torch.long, device=device)  # -1: no token yet
         self.answered = torch.zeros(rows, dtype=torch.bool, device=device)
 
+    def restart(self) -> None:
+        """No row has emitted anything (a kept marker's new rollout)."""
+        self.recent.fill_(-1)
+        self.answered.zero_()
+
     def unmix(self, step: ExplorerStep, emitted: torch.Tensor) -> None:
         """Record the tokens of the ``emitted`` rows and clear ``step.mixed`` for every row that has
         completed the marker, now or before."""
         shifted = torch.cat([self.recent[:, 1:], step.tokens[:, None]], 1)
-        self.recent = torch.where(emitted[:, None], shifted, self.recent)
+        self.recent.copy_(torch.where(emitted[:, None], shifted, self.recent))
         self.answered |= emitted & (self.recent == self.marker).all(-1)
         if step.mixed is not None:
             step.mixed = step.mixed & ~self.answered

@@ -27,6 +27,9 @@ batch once). On a CPU it compiles without graphs: the check of the path (the sam
 
 ``replay="rerun"`` runs the step on the same buffers instead of a graph: the CPU's check that
 every input goes through them (``tests/test_static_decoding.py``).
+
+This records the model's step only, for explorers that do not declare ``capturable``; the whole
+step, the explorer and the bookkeeping included, is :class:`~.step_graphs.StepGraphs`.
 """
 
 from __future__ import annotations
@@ -100,31 +103,42 @@ class DecodeGraphs:
         inputs = {name: value.clone() for name, value in given.items()}
         if self.replay == "rerun":
             return _Recorded(inputs, torch.empty(0), None)
-        t0 = time.perf_counter()
         if self.replay == "compile":  # compiled (and, on a GPU, recorded) by its first calls
-            self._warm_up(lambda: compiled_call(self.model, self.cache, inputs), inputs)
+            t0 = time.perf_counter()
+            self._warm_up(lambda: compiled_call(self.model, self.cache, inputs))
             self.warmup_s += time.perf_counter() - t0
             return _Recorded(inputs, torch.empty(0), None)
+        step = lambda: self._forward(inputs)  # noqa: E731
+        return self._capture(step, step, inputs=inputs)
+
+    def _capture(self, warm, step, generator=None, inputs=None, way_out: str = "") -> _Recorded:
+        """Record ``step`` as a CUDA graph after two runs of ``warm`` on a side stream (its time
+        counted in :attr:`warmup_s`); ``generator``: one the step draws from, registered with the
+        graph so that each replay draws the next numbers; ``way_out``: what the error of a step
+        that cannot be recorded suggests first."""
+        t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # kernels pick their algorithms, allocations settle
-            self._warm_up(lambda: self._forward(inputs), inputs)
+            self._warm_up(warm)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if generator is not None and generator.device.type == "cuda":
+            graph.register_generator_state(generator)
         try:
             # thread_local: a rollouts-ahead worker records while the training thread keeps computing
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._forward(inputs)
+                logits = step()
         except RuntimeError as err:  # a model whose step reads the host or changes shape cannot be recorded
             raise RuntimeError(
                 f"recording the decoding step of {type(self.model).__name__} as a CUDA graph failed ({err}); "
-                "decode without graphs with backend.name=cuda_eager"
+                f"{way_out}decode without graphs with backend.name=cuda_eager"
             ) from err
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
-        return _Recorded(inputs, logits, graph)
+        return _Recorded(inputs or {}, logits, graph)
 
-    def _warm_up(self, step, inputs: dict) -> None:
+    def _warm_up(self, step) -> None:
         """Run ``step`` twice, the cache's positions put back after each: the keys and values it
         writes are written again, the same, by the step that follows."""
         positions = [layer.cumulative_length.clone() for layer in self.cache.layers]
@@ -132,7 +146,7 @@ class DecodeGraphs:
             step()
             for layer, position in zip(self.cache.layers, positions):
                 layer.cumulative_length.copy_(position)
-        if inputs["inputs_embeds"].is_cuda:
+        if self.cache.layers[0].cumulative_length.is_cuda:
             torch.cuda.synchronize()
 
 

@@ -19,15 +19,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_bool, check_number
-from ngrpo_lightning.explorers import Explorer
+from ngrpo_lightning.explorers import Explorer, declares_capturable
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
+from ngrpo_lightning.rollout.decode_state import DecodeState
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
 from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
-from ngrpo_lightning.rollout.reconstruction import mixture_vectors
-from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords
 from ngrpo_lightning.rollout.static_cache import StaticCaches, batch_buckets
+from ngrpo_lightning.rollout.step_graphs import Batch, StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class HFEngine(RolloutEngine):
             fixed shapes, the batch in :func:`~.static_cache.batch_buckets`), the decoding step a
             CUDA graph can replay (default: the backend's ``static_decoding``; off without one).
         graphs: with the static cache, replay each decoding step from a CUDA graph per batch
-            bucket (``"cuda"``, :mod:`.decode_graphs`; ``"compile"``: the step compiled by
+            bucket (``"cuda"``: the whole step, :mod:`.step_graphs`, where the explorer declares
+            ``capturable``, else the model's step, :mod:`.decode_graphs`; ``"compile"``: the step compiled by
             ``torch.compile``, with CUDA graphs on a GPU; ``"rerun"`` runs the step on the graphs'
             buffers, the CPU's check); default: the backend's ``decode_graphs``; ``False``: none,
             whatever the backend's (the static cache run eagerly, a measurement's baseline).
@@ -116,7 +117,8 @@ class HFEngine(RolloutEngine):
         self.checks_every = checks_every
         self.static_cache, self.graphs = static_cache, graphs
         self.backend = backend
-        self._told: set[type] = set()
+        self._told: set[type] = set()  # explorer classes said not to be sync_free
+        self._told_steps: set[type] = set()  # explorer classes said not to be capturable
         self._caches = StaticCaches()  # kept across rollouts with their graphs (static decoding)
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
@@ -205,17 +207,42 @@ class HFEngine(RolloutEngine):
             return None
         return self.graphs if self.graphs is not None else getattr(self.backend, "decode_graphs", None)
 
-    def _static_decoding(self, model, length: int, rows: int):
+    def _static_decoding(self, model, length: int, rows: int, explorer: Explorer, start, max_new: int):
         """The kept static cache for ``rows`` rows (restarted) and its graphs, recorded again only
-        when the cache is new or the model's tensors moved (:meth:`DecodeGraphs.current`)."""
+        when the cache is new or what they were recorded with changed (:meth:`DecodeGraphs.current`,
+        :meth:`StepGraphs.current`): whole steps where the explorer can be recorded, else the model's."""
         cache, kept = self._caches.get(model, length, rows)
         replay = self._replay()
         if not replay:
             return cache, None
         graphs = self._caches.graphs.get(rows)
-        if not (kept and graphs is not None and graphs.replay == replay and graphs.current(model, cache)):
+        if replay in ("cuda", "rerun") and declares_capturable(explorer):
+            gen = start.generator
+            if not (
+                kept
+                and isinstance(graphs, StepGraphs)
+                and graphs.replay == replay
+                and graphs.current(model, cache, explorer, gen, max_new)
+            ):
+                state = self._new_state(rows, max_new, cache.layers[0].cumulative_length.device, start)
+                embedding = model.get_input_embeddings().weight
+                graphs = self._caches.graphs[rows] = StepGraphs(model, cache, replay, state, explorer, gen, embedding)
+            return cache, graphs
+        if replay == "cuda" and type(explorer) not in self._told_steps:
+            self._told_steps.add(type(explorer))
+            log.info(
+                "explorer %s does not declare capturable: its steps run between the model's replayed steps "
+                "(docs/explorers.md, 'On a GPU, never wait for the host')",
+                type(explorer).__name__,
+            )
+        if not (kept and type(graphs) is DecodeGraphs and graphs.replay == replay and graphs.current(model, cache)):
             graphs = self._caches.graphs[rows] = DecodeGraphs(model, cache, replay)
         return cache, graphs
+
+    def _new_state(self, rows: int, capacity: int, device, start) -> DecodeState:
+        eos = torch.tensor(self.eos_ids, device=device, dtype=torch.long)
+        marker = start.marker.rows(rows, device) if start.marker is not None else None  # on the device
+        return DecodeState(rows, capacity, device, self.tokenizer.pad_token_id, eos, start.temperature, marker)
 
     def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
         model, pad_id = self.model, self.tokenizer.pad_token_id
@@ -225,27 +252,17 @@ class HFEngine(RolloutEngine):
         embedding = model.get_input_embeddings().weight
         device = embedding.device
         start = self.start(explorer, embedding)
-        gen, temperature = start.generator, start.temperature
+        gen = start.generator
 
         prompt_ids, prompt_mask = pad_rows([p for p in prompts for _ in range(n)], pad_id, left=True)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         rows, width = prompt_ids.shape
-        marker = start.marker.rows(rows, device) if start.marker is not None else None  # on the device
-        eos = torch.tensor(self.eos_ids, device=device, dtype=torch.long)
-        # Outputs, by original row: pad / 0 wherever a row emitted nothing.
-        tokens = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros((rows, max_new), device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        lengths = torch.full((rows,), max_new, dtype=torch.long, device=device)  # set when a row ends
-        step_records = []  # (position, step, mixed rows): dense until the rollout ends
-        # The decoding batch: row i of the model's inputs is original row live[i].
-        live = torch.arange(rows, device=device)
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         static = self._static()
         graphs, warmup_s = None, 0.0
         if static:  # fixed shapes: a kept cache at least as long as the rollout, the batch in buckets
-            cache, graphs = self._static_decoding(model, width + max_new, rows)
+            cache, graphs = self._static_decoding(model, width + max_new, rows, explorer, start, max_new)
             buckets, warmup_s = batch_buckets(rows), graphs.warmup_s if graphs is not None else 0.0
             length = cache.layers[0].max_cache_len
             mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]))  # columns past the rollout: masked
@@ -253,9 +270,9 @@ class HFEngine(RolloutEngine):
         else:  # no per-step concatenation of the whole cache
             store = self.backend.kv_cache_dtype(model) if self.backend is not None else None
             cache = reserved_cache(width + max_new, store)
-        inputs = embedding[prompt_ids]
-        explorer_logits = None  # [rows, V] once rows have left: the explorer always sees every row
-        written = torch.full((1,), width, dtype=torch.long, device=device)  # the static cache's first decoding slot
+        whole_steps = isinstance(graphs, StepGraphs)  # the explorer and the bookkeeping replayed too
+        state = graphs.state if whole_steps else self._new_state(rows, max_new, device, start)
+        state.restart(max_new, width)
         checks_every = self.checks_every or (self.backend.decode_checks_every if self.backend is not None else 1)
         if checks_every > 1 and not explorer.sync_free and type(explorer) not in self._told:
             self._told.add(type(explorer))  # one line per engine and explorer class
@@ -264,114 +281,103 @@ class HFEngine(RolloutEngine):
                 "every token (docs/explorers.md, 'On a GPU, never wait for the host')",
                 type(explorer).__name__,
             )
-        steps = 0
+        # The first step: the prompts' prefill. The n samples of a prompt share it: each prompt runs
+        # once, its cache rows repeated.
+        first = slice(None, None, n) if n > 1 else slice(None)
+        out = model(
+            inputs_embeds=embedding[prompt_ids[first]],
+            attention_mask=mask[first] if static else mask[first, :width],
+            position_ids=position[first],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **({"cache_position": torch.arange(width, device=device)} if static else {}),
+        )
+        logits = out.logits[:, -1].float()
+        if n > 1:
+            logits = logits.repeat_interleave(n, 0)
+            cache.reorder_cache(torch.arange(rows, device=device) // n)
+        inputs = state.advance(logits, explorer, gen, embedding)[:, None]
+        batch = Batch(inputs, position[:, -1:] + 1, mask, None)
+        if whole_steps:
+            batch = graphs.batch(rows).fill(batch)
+        steps = 1
         for t in range(max_new):
-            steps = t + 1
-            # the n samples of a prompt share its prefill: each prompt runs once, its cache rows repeated
-            first = slice(None, None, n) if t == 0 and n > 1 else slice(None)
-            if graphs is not None and t > 0:  # a replayed step: the mask built here, causal up to this step
-                step_mask = (mask.bool() & (columns <= width + t - 1))[:, None, None, :]
-                step_logits = graphs(inputs, position, step_mask, written + (t - 1))
-                # the graph's buffer is overwritten by the next step: a copy (a half model's cast is one)
-                logits = step_logits.float() if step_logits.dtype != torch.float32 else step_logits.clone()
-            else:
-                if static:  # the mask's full width, and where this step writes
-                    fixed = {"cache_position": torch.arange(width, device=device) if t == 0 else written + (t - 1)}
-                    step_mask = mask[first]
-                else:  # a decoding step's 4D mask, built here: transformers' own would wait for the device
-                    fixed, step_mask = {}, mask[first, : width + t]
-                    if t > 0:
-                        step_mask = step_mask.bool()[:, None, None, :]
-                out = model(
-                    inputs_embeds=inputs[first],
-                    attention_mask=step_mask,
-                    position_ids=position[first],
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **fixed,
-                )
-                logits = out.logits[:, -1].float()
-            if first.step:
-                logits = logits.repeat_interleave(n, 0)
-                cache.reorder_cache(torch.arange(rows, device=device) // n)
-            if explorer_logits is not None:
-                explorer_logits.index_copy_(0, live, logits)
-            step = explorer.step(logits if explorer_logits is None else explorer_logits, generator=gen)
-            if marker is not None:  # no mixing after a row's answer marker
-                marker.unmix(step, ~finished)
-            # every row still in the batch (no row has left): the same values without gathering by live
-            whole = explorer_logits is None
-            running = ~(finished if whole else finished[live])  # all true unless ended rows decode padding
-            token = torch.where(running, step.tokens if whole else step.tokens[live], pad_id)
-            scaled = logits if temperature == 1.0 else logits / temperature
-            logprob = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)  # no B x V output
-            at = (slice(None), t) if whole else (live, t)
-            tokens[at] = token
-            logprobs[at] = torch.where(running, logprob, 0.0)
-            inputs = embedding[token]
-            if step.mixed is not None:  # every live row's mixture, the mixed ones kept: no look at which rows mixed
-                mixed = step.mixed & ~finished
-                step_records.append((t, step, mixed))
-                inputs = torch.where(mixed[live, None], mixed_inputs(embedding, step, mixed, live), inputs)
-            ended = torch.isin(token, eos) & running
+            if t > 0:
+                steps = t + 1
+                if whole_steps:  # the step writes the state and the batch's next inputs itself
+                    logits = graphs.step(batch)
+                else:
+                    at = state.start + (t - 1)  # the cache slot this step writes (static cache)
+                    logits = self._model_step(model, cache, graphs, batch, at, width + t, columns if static else None)
+                    inputs = state.advance(logits, explorer, gen, embedding, batch.live)
+                    batch = Batch(inputs[:, None], batch.position + 1, batch.mask, batch.live)
             # the ended rows' bookkeeping stays on the device; the host looks every checks_every steps
-            if whole:
-                finished |= ended
-                lengths.masked_fill_(ended, t + 1)
-            else:
-                finished.index_copy_(0, live, finished[live] | ended)
-                lengths.index_copy_(0, live, torch.where(ended, t + 1, lengths[live]))
             if (t + 1) % checks_every == 0:
-                if bool(finished.all()):
+                if bool(state.finished.all()):
                     break
-                stale, keep = finished[live], None
-                if self.drop_finished_rows and int(stale.sum()) >= max(1, self.drop_min_frac * len(live)):
+                stale, keep = state.finished if batch.live is None else state.finished[batch.live], None
+                if self.drop_finished_rows and int(stale.sum()) >= max(1, self.drop_min_frac * len(stale)):
                     keep = (~stale).nonzero().squeeze(-1)
                     if static:  # to the smallest bucket that holds the live rows, topped up with ended ones
                         size = next(b for b in buckets if b >= len(keep))
                         keep = torch.cat([keep, stale.nonzero().squeeze(-1)])[:size]
-                if keep is not None and len(keep) < len(live):
-                    if explorer_logits is None:
-                        explorer_logits = logits.clone()  # the batch still had every row
-                    live, inputs, mask, position = live[keep], inputs[keep], mask[keep], position[keep]
+                if keep is not None and len(keep) < len(stale):
+                    if batch.live is None:  # the batch still had every row: the explorer keeps seeing them
+                        if state.explorer_logits is None:
+                            state.explorer_logits = torch.empty_like(logits)
+                        state.explorer_logits.copy_(logits)
+                    batch = batch.select(keep)
+                    if whole_steps:
+                        batch = graphs.batch(len(keep)).fill(batch)
                     cache.batch_select_indices(keep)
-            inputs = inputs[:, None]
-            position = position[:, -1:] + 1
 
         if was_training:
             model.train()
-        if bool(finished.all()):  # the loop may have run up to checks_every - 1 steps past the last end
-            steps = int(lengths.max())
-        lengths.clamp_(max=steps)
-        response_ids, logprobs = tokens[:, :steps], logprobs[:, :steps]
+        if bool(state.finished.all()):  # the loop may have run up to checks_every - 1 steps past the last end
+            steps = int(state.lengths.max())
+        lengths = state.lengths.clamp(max=steps)
         response_mask = (torch.arange(steps, device=device)[None] < lengths[:, None]).long()
         elapsed = time.perf_counter() - t0
+        response_ids = state.tokens[:, :steps].clone()  # a kept state is refilled by the next rollout
         texts = self.tokenizer.batch_decode(response_ids.cpu(), skip_special_tokens=True)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=response_ids,
             response_mask=response_mask,
-            rollout_logprobs=logprobs,
-            records=InputRecords.from_steps(step_records),
+            rollout_logprobs=state.logprobs[:, :steps].clone(),
+            records=state.records(steps),
             group_size=n,
             response_text=texts,
-            truncated=~finished,
+            truncated=~state.finished,
             stats={
                 **self.rollout_stats(elapsed, int(lengths.sum())),
                 **({"rollout/graph_warmup_s": graphs.warmup_s - warmup_s} if graphs is not None else {}),
             },
         )
 
-
-def mixed_inputs(embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """The mixture of every live row of ``step`` ([live, d]); only the ``mixed`` rows' are used, so an
-    unmixed row's fields are ignored whatever they hold (its ids are read as 0, its noise seed as none)."""
-    here = mixed[live]
-    ids = torch.where(here[:, None], step.ids[live], 0)
-    seed = scale = None
-    if step.noise_seed is not None:
-        seed = torch.where(here, step.noise_seed[live], NO_NOISE)
-        scale = step.noise_scale[live] if step.noise_scale is not None else torch.zeros_like(seed, dtype=torch.float32)
-    return mixture_vectors(embedding, ids, step.weights[live], seed, scale)
+    @staticmethod
+    def _model_step(model, cache, graphs, batch: Batch, at: torch.Tensor, read: int, columns) -> torch.Tensor:
+        """The logits [b, V] float32 of one decoding step that writes cache slot ``at`` and reads the
+        first ``read`` columns of the mask: replayed from ``graphs`` (the model's step only), or run as
+        it is on the static cache (``columns``: its column indices) or on the growing one (None)."""
+        if graphs is not None:  # the mask built here, causal up to this step
+            step_mask = (batch.mask.bool() & (columns < read))[:, None, None, :]
+            logits = graphs(batch.inputs, batch.position, step_mask, at)
+            # the graph's buffer is overwritten by the next step: a copy (a half model's cast is one)
+            return logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if columns is not None:  # the mask's full width, and where this step writes
+            fixed, step_mask = {"cache_position": at}, batch.mask
+        else:  # a decoding step's 4D mask, built here: transformers' own would wait for the device
+            fixed, step_mask = {}, batch.mask[:, :read].bool()[:, None, None, :]
+        out = model(
+            inputs_embeds=batch.inputs,
+            attention_mask=step_mask,
+            position_ids=batch.position,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **fixed,
+        )
+        return out.logits[:, -1].float()
