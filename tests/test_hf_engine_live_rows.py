@@ -89,6 +89,18 @@ def assert_same_rollouts(a, b, logprob_tolerance: float = 1e-5):
     assert torch.allclose(a.records.weights, b.records.weights, atol=logprob_tolerance)
 
 
+def how_rollouts_differ(a, b, logprob_tolerance: float = 1e-5) -> str | None:
+    """``None`` where :func:`assert_same_rollouts` holds, else how far apart they are (a GPU test
+    names every explorer that differs at once: a GPU run is rare)."""
+    try:
+        assert_same_rollouts(a, b, logprob_tolerance)
+    except AssertionError:
+        same = (a.response_ids == b.response_ids).float().mean().item()
+        gap = (a.rollout_logprobs - b.rollout_logprobs).abs().max().item()
+        return f"tokens {same:.0%} the same, log-prob gap {gap:.2g}"
+    return None
+
+
 ENDS = [0, 5, 2, 20, 8, 3]  # row r ends at step ENDS[r]; row 3 runs to the limit
 
 

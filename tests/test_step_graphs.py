@@ -6,7 +6,7 @@ static path, rows leaving in buckets included, for every built-in explorer."""
 import pytest
 import torch
 from conftest import chat_prompt_ids
-from test_hf_engine_live_rows import BUILT_IN, QUESTIONS, assert_same_rollouts, count_batch_rows
+from test_hf_engine_live_rows import BUILT_IN, QUESTIONS, assert_same_rollouts, count_batch_rows, how_rollouts_differ
 
 from ngrpo_lightning.explorers import (
     Explorer,
@@ -178,12 +178,9 @@ def test_recorded_whole_steps_give_the_eager_rollouts_on_a_gpu(tiny):  # pragma:
             warmups = [run.stats["rollout/graph_warmup_s"] for run in runs["cuda"]]
             assert warmups[0] > 0 == warmups[1], warmups  # the second rollout replays the kept graphs
             for i, (replayed, eager) in enumerate(zip(runs["cuda"], runs[False])):
-                try:
-                    assert_same_rollouts(replayed, eager, logprob_tolerance=1e-5)
-                except AssertionError:
-                    same = (replayed.response_ids == eager.response_ids).float().mean().item()
-                    gap = (replayed.rollout_logprobs - eager.rollout_logprobs).abs().max().item()
-                    differ[f"{name}/{i}"] = f"tokens {same:.0%} the same, log-prob gap {gap:.2g}"
+                how = how_rollouts_differ(replayed, eager)
+                if how:
+                    differ[f"{name}/{i}"] = how
     finally:
         model.cpu()
     assert not differ, differ
