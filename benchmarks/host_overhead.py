@@ -10,21 +10,26 @@ that scales with the model's modules rather than its width shows up as it would 
 A peft model has 2,499 modules where the plain one has 397: per-pass walks over them, and
 peft's own Python, cost LoRA what the device does not (docs/performance.md, "The host's share").
 
-Phases, each the median of ``--repeats`` after a warm-up: the rollout (6 prompts x 2 samples x 8
-tokens on a static cache, as the CUDA backend decodes, without its graphs), the reference pass
-(``RLModule.prepare``: the KL reference's log-probs; LoRA's is the policy with its adapters off)
-and one forward and backward of the update on the rollout's rows. The bookkeeping rows time
+Phases, each the median of ``--repeats`` after a warm-up, with the Python function calls of one
+run beside it (the host's work counted, where the times of a shared machine are noisy): the
+rollout (6 prompts x 2 samples x 8 tokens on a static cache, as the CUDA backend decodes, without
+its graphs), the reference pass (``RLModule.prepare``: the KL reference's log-probs; LoRA's is the
+policy with its adapters off) and the update on the rollout's rows, its forward alone and with
+its backward. The bookkeeping rows time
 what a pass or rollout does around the model: ``tensor_addresses`` (a rollout replaying CUDA
 graphs checks them), the switch to eval mode and back (every rollout), ``adapters_off`` and
 ``packed_for_pass`` (every pass).
 
     python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py --dtype bfloat16   # a GPU run's dtypes: LoRA's fused product
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
@@ -78,8 +83,16 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure(path: Path, mode: str, repeats: int) -> list[dict]:
-    policy, tok = load_policy(str(path), dtype="float32", attn_implementation="sdpa")
+def python_calls(fn) -> int:
+    """How many Python function calls one run of ``fn`` makes: the host's work counted, where
+    its time is noisy."""
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    return pstats.Stats(profile).total_calls
+
+
+def measure(path: Path, mode: str, repeats: int, dtype: str = "float32") -> list[dict]:
+    policy, tok = load_policy(str(path), dtype=dtype, attn_implementation="sdpa")
     reference = None
     if mode == "LoRA":
         policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=16, alpha=32, target_modules="all-linear"))
@@ -104,6 +117,10 @@ def measure(path: Path, mode: str, repeats: int) -> list[dict]:
         (logp * step.batch.response_mask).sum().backward()
         policy.zero_grad(set_to_none=True)
 
+    def update_forward():  # the same forward alone (its graph dropped)
+        with recomputing():
+            module._logprobs(policy, step.batch, 1.0, with_entropy=True)
+
     def eval_and_back():
         policy.eval()
         policy.train()
@@ -119,6 +136,7 @@ def measure(path: Path, mode: str, repeats: int) -> list[dict]:
     times = {
         "rollout": lambda: engine.generate(prompts, explorer, n=2),
         "reference pass": lambda: module.prepare(step, reuse_forward=True),
+        "update forward": update_forward,
         "update forward and backward": update,
         "tensor_addresses": lambda: tensor_addresses(policy),
         "eval() and train()": eval_and_back,
@@ -127,27 +145,34 @@ def measure(path: Path, mode: str, repeats: int) -> list[dict]:
     if mode == "LoRA":
         times["adapters_off, entered and left"] = adapters_off
     modules = sum(1 for _ in policy.modules())
-    return [{"mode": mode, "modules": modules, "what": k, "ms": median_ms(fn, repeats)} for k, fn in times.items()]
+    return [
+        {"mode": mode, "modules": modules, "what": k, "ms": median_ms(fn, repeats), "python calls": python_calls(fn)}
+        for k, fn in times.items()
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the structure to narrow")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="the model's; LoRA's adapters stay float32 (peft's default): bfloat16 is a GPU run's case",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core: the host's Python is single-threaded
     with tempfile.TemporaryDirectory() as tmp:
         path = narrow_model(resolve_model_path(args.model), Path(tmp))
-        rows = [row for mode in ("full", "LoRA") for row in measure(path, mode, args.repeats)]
+        rows = [row for mode in ("full", "LoRA") for row in measure(path, mode, args.repeats, args.dtype)]
     full = {r["what"]: r["ms"] for r in rows if r["mode"] == "full"}
     for row in rows:
         row["x full's"] = round(row["ms"] / full[row["what"]], 2) if row["what"] in full else None
         row["ms"] = round(row["ms"], 2)
-    shape = f"{args.model}'s structure at width 16, vocabulary 1,024, float32, one thread"
+    shape = f"{args.model}'s structure at width 16, vocabulary 1,024, {args.dtype}, one thread"
     print(f"{shape}: milliseconds, median of {args.repeats}")
-    print_table(rows, ["mode", "modules", "what", "ms", "x full's"])
-    write_json("host_overhead", rows, args.out, model=args.model, width=NARROW, threads=1)
+    print_table(rows, ["mode", "modules", "what", "ms", "x full's", "python calls"])
+    write_json("host_overhead", rows, args.out, model=args.model, width=NARROW, threads=1, dtype=args.dtype)
 
 
 if __name__ == "__main__":

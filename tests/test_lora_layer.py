@@ -253,3 +253,62 @@ def test_float32_adapters_are_cast_once_per_change_and_never_read_stale():
     assert casts == 2 * len(layers)  # B loaded in place: cast again
     with lora.adapters_off(policy), torch.no_grad():
         assert torch.equal(loaded, policy(input_ids=ids).logits)  # B = 0: the base model's outputs
+
+
+def test_the_fused_product_leaves_to_peft_what_it_does_not_fuse_and_keeps_peft_s_dropout():
+    """The fused product reads the layer's state directly (no peft properties): adapters off or
+    merged, several active, an adapter bias or adapters already in the inputs' dtype go to peft's
+    forward or the lean loop; a dropout draws the mask peft's forward draws."""
+    from ngrpo_lightning.backends.lora import lean_lora_layers
+    from ngrpo_lightning.backends.swap import original_class
+
+    policy = lora.apply(load_policy("tiny", dtype="bfloat16")[0], lora.LoraSettings(enabled=True, rank=8))
+    lean_lora_layers(policy)
+    layer = policy.base_model.model.model.layers[0].self_attn.q_proj
+    bf16 = torch.bfloat16
+    assert layer._fused_parts(bf16) is not None and layer._fused_parts(torch.float32) is None
+    layer.lora_bias["default"] = True
+    assert layer._fused_parts(bf16) is None
+    layer.lora_bias["default"] = False
+    layer._active_adapter = ["default", "other"]
+    assert layer._fused_parts(bf16) is None
+    layer._active_adapter = "default"
+    layer.enable_adapters(False)
+    assert layer._fused_parts(bf16) is None
+    layer.enable_adapters(True)
+    layer.merged_adapters = ["default"]
+    assert layer._fused_parts(bf16) is None
+    layer.merged_adapters = []
+
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 3, layer.in_features, generator=torch.Generator().manual_seed(1)).to(bf16)
+    outputs = {}
+    for name, cls in (("lean", type(layer)), ("peft", original_class(layer))):
+        layer.__class__ = cls
+        torch.manual_seed(2)
+        outputs[name] = layer(x).float()
+    layer.lora_dropout["default"] = torch.nn.Identity()
+    undropped = layer(x).float()
+    gap = (outputs["lean"] - outputs["peft"]).abs().max()
+    assert gap < 0.05 * outputs["peft"].abs().max() < (outputs["peft"] - undropped).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapters_with_a_bias_run_peft_s_forward(dtype):
+    """peft's ``lora_bias`` gives B a bias the lean layer's products leave out: such layers keep
+    peft's forward, in either dtype."""
+    from ngrpo_lightning.backends.lora import lean_lora_layers
+    from ngrpo_lightning.backends.swap import original_class
+
+    model = load_policy("tiny", dtype=dtype)[0]
+    policy = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_bias=True, target_modules=["q_proj"]))
+    lean_lora_layers(policy)
+    layer = policy.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B["default"].bias.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, layer.in_features, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    lean = layer(x)
+    layer.__class__ = original_class(layer)
+    assert torch.equal(lean, layer(x))

@@ -49,22 +49,24 @@ class LeanLoraLinear:
     _cast_key: tuple | None = None  # (adapter, dtype, A's and B's versions and addresses)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self._merged is not None and not args and not kwargs:
-            weight, bias, packed = self._merged
-            return packed_linear(x, weight, bias) if packed else torch.nn.functional.linear(x, weight, bias)
+        if not args and not kwargs:
+            if self._merged is not None:
+                weight, bias, packed = self._merged
+                return packed_linear(x, weight, bias) if packed else torch.nn.functional.linear(x, weight, bias)
+            if self._disable_adapters and not self.merged_adapters:
+                return self._modules["base_layer"](x)  # peft's forward with its adapters off, without its checks
+            fused = self._fused_parts(x.dtype)
+            if fused is not None:  # float32 adapters on a half model: one node, the sum inside the product
+                base, dropout, down, up, A, B, scale = fused
+                x_a = x if type(dropout) is torch.nn.Identity else dropout(x)
+                return LoraProduct.apply(base(x), x_a, down, up, A, B, scale)
         peft_forward = super().forward
-        if self.disable_adapters and not self.merged and not args and not kwargs:
-            return self.base_layer(x)  # peft's forward with its adapters off, without its checks' Python
         if args or kwargs or self.disable_adapters or self.merged:
             return peft_forward(x, *args, **kwargs)
         active = [a for a in self.active_adapters if a in self.lora_A]
-        if any(a in self.lora_variant or not self._casts_to(self.lora_A[a].weight.dtype, x.dtype) for a in active):
+        plain = [a not in self.lora_variant and not self.lora_bias.get(a) for a in active]  # peft's other kinds
+        if not all(plain) or any(not self._casts_to(self.lora_A[a].weight.dtype, x.dtype) for a in active):
             return peft_forward(x, *args, **kwargs)
-        if len(active) == 1 and self.lora_A[active[0]].weight.dtype != x.dtype:
-            a = active[0]  # float32 adapters on a half model: one node, the sum inside the product
-            down, up = self.adapters_in(a, x.dtype)
-            weights = (self.lora_A[a].weight, self.lora_B[a].weight)
-            return LoraProduct.apply(self.base_layer(x), self.lora_dropout[a](x), down, up, *weights, self.scaling[a])
         result = self.base_layer(x)
         for a in active:  # linear keeps its input, not its output: both may change in place
             down = torch.nn.functional.linear(self.lora_dropout[a](x), self.lora_A[a].weight.to(x.dtype))
@@ -72,10 +74,38 @@ class LeanLoraLinear:
             result = result.add_(up.mul_(self.scaling[a]))
         return result
 
-    def adapters_in(self, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``adapter``'s A and B in ``dtype``, without gradients, cast again only after either
-        changed (an optimizer step, a load: their version counters), not at every forward."""
-        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+    def _fused_parts(self, dtype: torch.dtype) -> tuple | None:
+        """What :class:`LoraProduct` multiplies for inputs of ``dtype`` (the base layer, the dropout,
+        the cast A and B, the trained A and B, the scale), or ``None`` where peft's forward or the
+        loop below runs: adapters off or merged, several active, a variant, an adapter bias, or
+        adapters already in ``dtype``. Read from the layer's attributes and module dictionaries
+        directly: a model has a LoRA layer per adapted linear, and going through peft's properties
+        and ``Module.__getattr__`` took 81 Python calls per layer and forward where this takes 47
+        (docs/lora.md), a GPU update of a small model waiting on each."""
+        if self._disable_adapters or self.merged_adapters:
+            return None
+        name = self._active_adapter
+        if not isinstance(name, str):
+            if len(name) != 1:
+                return None
+            name = name[0]
+        lora_a = self._modules["lora_A"]._modules.get(name)
+        if lora_a is None or name in self.lora_variant or self.lora_bias.get(name):
+            return None
+        A = lora_a._parameters["weight"]
+        if A.dtype == dtype or not self._casts_to(A.dtype, dtype):
+            return None
+        B = self._modules["lora_B"]._modules[name]._parameters["weight"]
+        down, up = self.adapters_in(name, dtype, A, B)
+        dropout = self._modules["lora_dropout"]._modules[name]
+        return self._modules["base_layer"], dropout, down, up, A, B, self.scaling[name]
+
+    def adapters_in(self, adapter: str, dtype: torch.dtype, A=None, B=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``adapter``'s A and B (its weights, where the caller has them) in ``dtype``, without
+        gradients, cast again only after either changed (an optimizer step, a load: their version
+        counters), not at every forward."""
+        if A is None:
+            A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         key = (adapter, dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
         if self._cast_key != key:
             with torch.inference_mode(False), torch.no_grad():  # usable by a pass with gradients later
