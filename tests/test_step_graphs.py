@@ -79,6 +79,28 @@ def test_whole_steps_on_the_graphs_buffers_give_the_rollouts_of_the_plain_static
     assert (logp - replayed.rollout_logprobs)[m].abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("name", sorted(CAPTURABLE))
+def test_a_whole_step_never_waits_for_the_device(tiny, name):
+    """What a CUDA graph records must not read the device from the host: the waits of a rollout
+    of whole steps, the model's included, are its start's and end's, as many at 12 tokens as at 6."""
+    from ngrpo_lightning.rollout.host_syncs import HostSyncs
+
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    counts = []
+    for tokens in (6, 12):
+        engine = HFEngine(
+            model, tok, max_new_tokens=tokens, seed=0, checks_every=10**6, static_cache=True, graphs="rerun"
+        )
+        explorer = CAPTURABLE[name]()
+        engine.generate(prompts[:1], explorer, n=2)  # the explorer's index is built at its first rollout
+        with HostSyncs() as syncs:
+            engine.generate(prompts, explorer, n=2)
+        assert isinstance(engine._caches.graphs[6], StepGraphs)
+        counts.append(len(syncs.ops))
+    assert counts[0] == counts[1], counts
+
+
 def test_the_user_written_explorer_of_the_docs_runs_as_a_whole_step(tiny, monkeypatch):
     from test_explorer_rollouts import ROOT
 
