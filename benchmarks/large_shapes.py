@@ -14,7 +14,9 @@ x 8 completions, GRPO with a k3 KL term, one AdamW step per rollout batch, the H
 first step of every run is dropped from the medians and reported as the run's warm-up:
 ``warmup_s`` is how much longer it took than the median step (first calls, kernel selection,
 CUDA graphs recorded: ``graph_record_s`` of it), and ``warmup_pct_50`` its share of a 50-step
-run's wall time. ``cuda_gib`` is the run's peak of allocated GPU memory
+run's wall time. ``graphs`` says what the decoding graphs held: ``whole steps`` (the model, the
+explorer and the bookkeeping: rollout/step_graphs.py), ``model step`` (the model's alone) or
+``none`` (eager decoding). ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
 at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). ``logprob_diff_max`` is the
 largest gap between a sampled token's log-prob in the rollout and in the training forward that
@@ -182,6 +184,8 @@ def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None)
             row["gen_x_floor"] = statistics.median(s["gen_s"] / r for s, r in zip(steps, reads))
     row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
+    whole = [s["whole_step_graphs"] for s in result["steps"] if "whole_step_graphs" in s]
+    row["graphs"] = "none" if not whole else "whole steps" if min(whole) == 1 else "model step"
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
     row["logprob_diff_max"] = max(s.get("logprob_diff_max", float("nan")) for s in result["steps"])
     profiled = [s for s in result["steps"] if "profile" in s]
@@ -260,7 +264,7 @@ def main(argv=None) -> None:
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 print({k: v for k, v in shown.items() if k not in ("log_tail", "profile")}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
-    columns = ["shape", "mode", "dtype", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
+    columns = ["shape", "mode", "dtype", "graphs", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
     more = ["decode_ms", "gen_x_floor", "logprobs_x_floor", "update_x_floor", "warmup_s", "warmup_pct_50"]
     more += ["logprob_diff_max"]
     more += ["cuda_gib", "reserved_gib", "rss_gib", "error"]

@@ -112,6 +112,8 @@ class StepRecorder(L.Callback):
         step["tokens"] = round(step["tokens"])
         # seconds this step's rollout spent recording CUDA graphs (logged only where it decodes from them)
         step["graph_record_s"] = float(metrics.get("rollout/graph_warmup_s", 0.0))
+        if "rollout/graphs_whole_step" in metrics:  # graphs of whole steps (1) or of the model's step (0)
+            step["whole_step_graphs"] = float(metrics["rollout/graphs_whole_step"])
         # the engine's log-probs of the sampled tokens against the training forward's (the records rebuilt)
         step["logprob_diff_max"] = float(metrics.get("train/rollout_logprob_diff_max", float("nan")))
         step.update(

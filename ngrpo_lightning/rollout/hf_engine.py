@@ -354,6 +354,8 @@ class HFEngine(RolloutEngine):
             stats={
                 **self.rollout_stats(elapsed, int(lengths.sum())),
                 **({"rollout/graph_warmup_s": graphs.warmup_s - warmup_s} if graphs is not None else {}),
+                # 1 where the graphs hold whole steps (the explorer and bookkeeping too), 0 the model's only
+                **({"rollout/graphs_whole_step": float(whole_steps)} if graphs is not None else {}),
             },
         )
 
