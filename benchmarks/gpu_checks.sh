@@ -5,7 +5,8 @@
 #      graphs, and the graphs with transformers' sdpa (its KV heads copied per query head, where the
 #      backend's attention stacks the query heads) and with transformers' unfused norms and
 #      attention (tokens compared, ms per step against the bandwidth floor); whether the graphs
-#      work here decides the backend of every later run (BACKEND: the default cuda, else cuda_eager)
+#      work here decides the backend of every later run (BACKEND: the default cuda, whole steps
+#      recorded; else cuda_model_step, the model's step alone; else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
 #      waits per token (tests.txt)
@@ -77,8 +78,11 @@ if want 1; then
   echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
   timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
     --modes growing static $GRAPH_MODES --out "$OUT/decoding_small.json"
-  gpu && ! $PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
-sys.exit('error' in r.get('static + graphs', {'error': 1}))" "$OUT/decoding_small.json" 2>/dev/null && BACKEND=cuda_eager
+  # whole-step graphs recorded: cuda; else the model's step alone: cuda_model_step; else none: cuda_eager
+  gpu && BACKEND=$($PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
+ok=lambda m: m in r and 'error' not in r[m]; \
+print('cuda' if ok('static + graphs') else 'cuda_model_step' if ok('static + graphs, model step only') else 'cuda_eager')" \
+    "$OUT/decoding_small.json" 2>/dev/null || echo cuda_eager)
 fi
 echo "BACKEND=$BACKEND"
 B=$(gpu && echo "--extra backend.name=$BACKEND")

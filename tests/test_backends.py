@@ -185,13 +185,21 @@ def test_half_precision_on_a_cpu_without_fast_half_products_is_warned_with_the_m
 
 def test_a_gpu_run_decodes_from_cuda_graphs_and_the_alternatives_are_selected_by_name():
     from ngrpo_lightning.backends import select_backend
-    from ngrpo_lightning.backends.cuda import CUDABackend, CUDACompileBackend, CUDAEagerBackend
+    from ngrpo_lightning.backends.cuda import (
+        CUDABackend,
+        CUDACompileBackend,
+        CUDAEagerBackend,
+        CUDAModelStepBackend,
+    )
 
     backend = select_backend("auto", torch.bfloat16, "gpu")  # chosen, not run: no GPU needed
     assert type(backend) is CUDABackend and backend.static_decoding and backend.decode_graphs == "cuda"
-    assert backend.summary().endswith("decoding from CUDA graphs")
+    assert backend.summary().endswith("decoding whole steps from CUDA graphs") and backend.decode_whole_steps
     eager = select_backend("cuda_eager", torch.bfloat16, "gpu")
     assert isinstance(eager, CUDAEagerBackend) and not eager.static_decoding and eager.decode_graphs is None
+    model_step = select_backend("cuda_model_step", torch.bfloat16, "gpu")
+    assert isinstance(model_step, CUDAModelStepBackend) and model_step.decode_graphs == "cuda"
+    assert not model_step.decode_whole_steps and model_step.summary().endswith("the model's step from CUDA graphs")
     compiled = select_backend("cuda_compile", torch.bfloat16, "gpu")
     assert isinstance(compiled, CUDACompileBackend) and compiled.static_decoding and compiled.decode_graphs == "compile"
     with pytest.raises(ValueError, match=r"computes on cuda, and this run on cpu .*allowed auto or \['cpu'\]"):

@@ -72,7 +72,10 @@ def test_checks_name_the_key_once(make, message):
             "optim.max_tokens_per_micro_batch=100 is smaller than the longest possible sequence, 552 tokens",
         ),
         (["model.gradient_checkpointing=yes"], "model.gradient_checkpointing='yes' must be true or false"),
-        (["backend.name=tpu"], "backend.name='tpu' is unknown: allowed ['cpu', 'cuda', 'cuda_compile', 'cuda_eager']"),
+        (
+            ["backend.name=tpu"],
+            "backend.name='tpu' is unknown: allowed ['cpu', 'cuda', 'cuda_compile', 'cuda_eager', 'cuda_model_step']",
+        ),
         (["trainer=cpu", "backend.name=cuda"], "backend.name='cuda' computes on cuda, and this run on cpu"),
         (["backend.attention=flash"], "backend.attention='flash' is not an attention transformers knows: allowed auto"),
         (["backend.packing=yes"], "backend.packing='yes' is unknown: allowed ['auto', 'off', 'on']"),

@@ -145,6 +145,20 @@ def test_an_explorer_that_replaces_its_state_is_refused_by_the_check_and_runs_be
     assert type(engine._caches.graphs[6]) is DecodeGraphs and batch.stats["rollout/graphs_whole_step"] == 0.0
 
 
+def test_the_model_step_backend_records_the_models_step_alone_whatever_the_explorer_declares(tiny):
+    from ngrpo_lightning.backends.cuda import CUDABackend, CUDAModelStepBackend
+
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, QUESTIONS)
+    batches = {}
+    for backend in (CUDABackend(), CUDAModelStepBackend()):  # chosen, not run on a GPU: "rerun" replays
+        engine = HFEngine(model, tok, max_new_tokens=6, seed=0, backend=backend, graphs="rerun")
+        batches[type(backend)] = engine.generate(prompts, CAPTURABLE["gaussian"](), n=2)
+        held = type(engine._caches.graphs[6])
+        assert held is (StepGraphs if backend.decode_whole_steps else DecodeGraphs), held
+    assert_same_rollouts(batches[CUDABackend], batches[CUDAModelStepBackend])
+
+
 def test_what_declares_a_step_capturable():
     class OwnStep(TemperatureExplorer):  # replaces the step it inherits a declaration for
         def step(self, logits, generator=None):

@@ -84,6 +84,9 @@ class Backend:
     # replay); the same tokens, log-probs up to float rounding
     static_decoding = False
     decode_graphs: str | None = None  # with static_decoding: "cuda" replays each step from a CUDA graph
+    # with decode_graphs="cuda": a graph holds the whole step (the explorer and bookkeeping too) where
+    # the explorer declares capturable (rollout/step_graphs.py); False: the model's step alone
+    decode_whole_steps = True
     ahead_threads = 1  # intra-op threads of the rollouts-ahead worker
     chooses_packing = False  # whether backend.packing means anything here
 

@@ -115,7 +115,8 @@ class CUDABackend(Backend):
         return list(self._notes)
 
     def summary(self) -> str:
-        how = {"cuda": "from CUDA graphs", "compile": "compiled by torch.compile"}.get(self.decode_graphs, "eagerly")
+        graphs = "whole steps from CUDA graphs" if self.decode_whole_steps else "the model's step from CUDA graphs"
+        how = {"cuda": graphs, "compile": "compiled by torch.compile"}.get(self.decode_graphs, "eagerly")
         return f"{super().summary()}, decoding {how}"
 
 
@@ -127,6 +128,16 @@ class CUDAEagerBackend(CUDABackend):
 
     static_decoding = False
     decode_graphs = None
+
+
+@BACKENDS.register("cuda_model_step")
+class CUDAModelStepBackend(CUDABackend):
+    """CUDA graphs of the model's decoding step alone, the explorer, sampling and bookkeeping
+    launched between replays, whatever the explorer declares (``backend.name=cuda_model_step``):
+    the baseline whole-step graphs are measured against, and the way round a GPU where a whole step
+    cannot be recorded but the model's step can."""
+
+    decode_whole_steps = False
 
 
 @BACKENDS.register("cuda_compile")

@@ -216,7 +216,8 @@ class HFEngine(RolloutEngine):
         if not replay:
             return cache, None
         graphs = self._caches.graphs.get(rows)
-        if replay in ("cuda", "rerun") and declares_capturable(explorer):
+        whole = self.backend is None or self.backend.decode_whole_steps  # the backend's choice
+        if replay in ("cuda", "rerun") and whole and declares_capturable(explorer):
             gen = start.generator
             if not (
                 kept
@@ -228,7 +229,7 @@ class HFEngine(RolloutEngine):
                 embedding = model.get_input_embeddings().weight
                 graphs = self._caches.graphs[rows] = StepGraphs(model, cache, replay, state, explorer, gen, embedding)
             return cache, graphs
-        if replay == "cuda" and type(explorer) not in self._told_steps:
+        if replay == "cuda" and whole and type(explorer) not in self._told_steps:
             self._told_steps.add(type(explorer))
             log.info(
                 "explorer %s does not declare capturable: its steps run between the model's replayed steps "

@@ -145,7 +145,10 @@ class StepGraphs(DecodeGraphs):
         # The model's step warms up (kernels pick their algorithms) on a side stream; the bookkeeping
         # ran eagerly in the rollout's first step, and its writes must happen once, in the replay.
         name = type(self.explorer).__name__
-        way_out = f"an explorer ({name}) whose step cannot be recorded must not declare capturable; or "
+        way_out = (
+            f"an explorer ({name}) whose step cannot be recorded must not declare capturable; or record the "
+            "model's step alone with backend.name=cuda_model_step; or "
+        )
         return self._capture(lambda: self._model_step(batch), lambda: self._run(batch), self.generator, way_out=way_out)
 
 
