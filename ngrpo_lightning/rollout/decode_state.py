@@ -136,20 +136,11 @@ class DecodeState:
         return slot
 
     def records(self, steps: int) -> InputRecords:
-        """The records of the first ``steps`` steps' mixed rows, step-major, then row: one look at
-        the masks for the whole rollout."""
+        """The records of the first ``steps`` steps' mixed rows (:meth:`InputRecords.from_dense`)."""
         if "mixed" not in self.slots:
             return InputRecords()
-        at, row = self.slots["mixed"][:steps].nonzero().unbind(1)
-        noise = "noise_seed" in self.slots
-        return InputRecords(
-            row=row,
-            pos=at,
-            ids=self.slots["ids"][at, row],
-            weights=self.slots["weights"][at, row],
-            noise_seed=self.slots["noise_seed"][at, row] if noise else torch.full_like(row, NO_NOISE),
-            noise_scale=self.slots["noise_scale"][at, row] if noise else torch.zeros(len(row), device=row.device),
-        )
+        fields = ("mixed", "ids", "weights", "noise_seed", "noise_scale")
+        return InputRecords.from_dense(*(self.slots[f][:steps] if f in self.slots else None for f in fields))
 
 
 def mixed_inputs(embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:

@@ -64,27 +64,43 @@ class InputRecords:
     def from_steps(cls, steps: list) -> InputRecords:
         """The records of a rollout's decoding steps, kept dense until now: ``steps`` holds
         ``(pos, step, mixed)`` per step, each :class:`ExplorerStep` and ``mixed`` mask over the
-        same R rows. One look at the masks for the whole rollout (a decoding loop that builds
-        records step by step would wait on the device at every token). Step-major, then row."""
+        same R rows (:meth:`from_dense` of them stacked)."""
         if not steps:
             return cls()
         k = max(s.ids.shape[1] for _, s, _ in steps)
-        mixed = torch.stack([m for _, _, m in steps])  # [S, R]
-        rows, device = mixed.shape[1], mixed.device
-        at, row = mixed.nonzero().unbind(1)
+        rows, device = steps[0][2].shape[0], steps[0][2].device
 
-        def stacked(field: str, fill, dtype) -> torch.Tensor:
+        def stacked(field: str, fill, dtype) -> torch.Tensor | None:
             parts = [getattr(s, field) for _, s, _ in steps]
-            parts = [torch.full((rows,), fill, dtype=dtype, device=device) if p is None else p.to(dtype) for p in parts]
-            return torch.stack(parts)[at, row]
+            if all(p is None for p in parts):
+                return None
+            fills = [torch.full((rows,), fill, dtype=dtype, device=device) if p is None else p.to(dtype) for p in parts]
+            return torch.stack(fills)
 
+        return cls.from_dense(
+            torch.stack([m for _, _, m in steps]),
+            torch.stack([pad_to(s.ids, k, 0) for _, s, _ in steps]),
+            torch.stack([pad_to(s.weights.float(), k, 0.0) for _, s, _ in steps]),
+            stacked("noise_seed", NO_NOISE, torch.long),
+            stacked("noise_scale", 0.0, torch.float32),
+            pos=torch.tensor([p for p, _, _ in steps], dtype=torch.long, device=device),
+        )
+
+    @classmethod
+    def from_dense(cls, mixed, ids, weights, noise_seed=None, noise_scale=None, pos=None) -> InputRecords:
+        """The records of the ``mixed`` entries of steps kept dense: ``mixed`` [S, R], ``ids`` and
+        ``weights`` [S, R, K], ``noise_seed`` and ``noise_scale`` [S, R] (None: no noise), ``pos``
+        [S] the steps' response positions (None: 0..S-1). One look at the masks for the whole
+        rollout (a decoding loop that builds records step by step would wait on the device at every
+        token). Step-major, then row."""
+        at, row = mixed.nonzero().unbind(1)
         return cls(
             row=row,
-            pos=torch.tensor([p for p, _, _ in steps], dtype=torch.long, device=device)[at],
-            ids=torch.stack([pad_to(s.ids, k, 0) for _, s, _ in steps])[at, row],
-            weights=torch.stack([pad_to(s.weights.float(), k, 0.0) for _, s, _ in steps])[at, row],
-            noise_seed=stacked("noise_seed", NO_NOISE, torch.long),
-            noise_scale=stacked("noise_scale", 0.0, torch.float32),
+            pos=at if pos is None else pos[at],
+            ids=ids[at, row],
+            weights=weights[at, row],
+            noise_seed=torch.full_like(row, NO_NOISE) if noise_seed is None else noise_seed[at, row],
+            noise_scale=torch.zeros(len(row), device=row.device) if noise_scale is None else noise_scale[at, row],
         )
 
     def has_noise(self) -> bool:
