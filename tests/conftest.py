@@ -24,6 +24,16 @@ def tiny():
     return load_policy("tiny")
 
 
+@pytest.fixture
+def tiny_on_a_gpu(tiny):
+    """The tiny model on the GPU for one test, put back on the CPU after it; skipped without a GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
+    model, tok = tiny
+    yield model.cuda(), tok
+    model.cpu()  # pragma: no cover - no GPU in CI
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the packaged SmolLM2-135M-Instruct, fp32."""

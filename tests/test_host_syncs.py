@@ -215,22 +215,15 @@ def test_the_documented_explorer_is_sync_free():
     assert explorer.sync_free and syncs.ops == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
-def test_cuda_graph_decoding_does_not_wait_for_the_host_on_a_gpu(tiny):  # pragma: no cover - no GPU in CI
+def test_cuda_graph_decoding_does_not_wait_for_the_host_on_a_gpu(tiny_on_a_gpu):  # pragma: no cover - no GPU in CI
     """On the GPU itself, the model's replayed step included: as many waits for 12 tokens as for 6."""
-    model, tok = tiny
-    model = model.cuda()
+    model, tok = tiny_on_a_gpu
     prompts = chat_prompt_ids(tok, QUESTIONS)
-    try:
-        for name in ("neighbor", "gaussian", "topk"):
-            counts = []
-            for tokens in (6, 12):
-                explorer = SYNC_FREE[name]()
-                engine = HFEngine(
-                    model, tok, max_new_tokens=tokens, checks_every=10**6, static_cache=True, graphs="cuda"
-                )
-                engine.generate(prompts[:1], explorer, n=2)
-                counts.append(len(_syncs(engine, explorer, prompts, ignore=[])))
-            assert counts[0] == counts[1], (name, counts)
-    finally:
-        model.cpu()
+    for name in ("neighbor", "gaussian", "topk"):
+        counts = []
+        for tokens in (6, 12):
+            explorer = SYNC_FREE[name]()
+            engine = HFEngine(model, tok, max_new_tokens=tokens, checks_every=10**6, static_cache=True, graphs="cuda")
+            engine.generate(prompts[:1], explorer, n=2)
+            counts.append(len(_syncs(engine, explorer, prompts, ignore=[])))
+        assert counts[0] == counts[1], (name, counts)

@@ -166,36 +166,29 @@ def compiled_differs(compiled, eager, tolerance: float = 1e-3) -> str | None:
     return f"tokens {share:.0%} the same, log-prob gap {gap:.2g} before the rows part"
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (benchmarks/gpu_checks.sh runs this)"
-)
-def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny):  # pragma: no cover - no GPU in CI
-    model, tok = tiny
-    model = model.cuda()
+def test_cuda_graph_decoding_equals_eager_decoding_on_a_gpu(tiny_on_a_gpu):  # pragma: no cover - no GPU in CI
+    model, tok = tiny_on_a_gpu
     prompts = chat_prompt_ids(tok, QUESTIONS)
     differ = {}  # explorer -> how its replayed rollouts differed (all named at once: a GPU run is rare)
-    try:
-        for name in sorted(EXPLORERS):
-            runs = [
-                HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs).generate(
-                    prompts, EXPLORERS[name](), n=2
-                )
-                for graphs in (False, "cuda", "compile")
-            ]
-            m = runs[1].response_mask.bool()
-            with torch.no_grad():  # training rebuilds, on the GPU, the inputs the replayed steps saw
-                logp, _ = response_logprobs(model, runs[1], 1.0)
-            how = how_rollouts_differ(runs[1], runs[0])  # recorded graphs replay eager's kernels
-            if how:
-                differ[f"{name}/cuda"] = how
-            how = compiled_differs(runs[2], runs[0])
-            if how:
-                differ[f"{name}/compile"] = how
-            rebuilt = (logp - runs[1].rollout_logprobs)[m].abs().max().item()
-            if rebuilt >= 1e-3:
-                differ[f"{name}/rebuilt"] = f"training's log-probs {rebuilt:.2g} from the rollout's"
-    finally:
-        model.cpu()
+    for name in sorted(EXPLORERS):
+        runs = [
+            HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs).generate(
+                prompts, EXPLORERS[name](), n=2
+            )
+            for graphs in (False, "cuda", "compile")
+        ]
+        m = runs[1].response_mask.bool()
+        with torch.no_grad():  # training rebuilds, on the GPU, the inputs the replayed steps saw
+            logp, _ = response_logprobs(model, runs[1], 1.0)
+        how = how_rollouts_differ(runs[1], runs[0])  # recorded graphs replay eager's kernels
+        if how:
+            differ[f"{name}/cuda"] = how
+        how = compiled_differs(runs[2], runs[0])
+        if how:
+            differ[f"{name}/compile"] = how
+        rebuilt = (logp - runs[1].rollout_logprobs)[m].abs().max().item()
+        if rebuilt >= 1e-3:
+            differ[f"{name}/rebuilt"] = f"training's log-probs {rebuilt:.2g} from the rollout's"
     assert not differ, differ
 
 

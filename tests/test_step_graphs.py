@@ -190,32 +190,25 @@ def test_an_explorers_fingerprint_holds_its_settings_and_where_its_tensors_lie()
     assert fingerprint(a) != before
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (benchmarks/gpu_checks.sh runs this)"
-)
-def test_recorded_whole_steps_give_the_eager_rollouts_on_a_gpu(tiny):  # pragma: no cover - no GPU in CI
+def test_recorded_whole_steps_give_the_eager_rollouts_on_a_gpu(tiny_on_a_gpu):  # pragma: no cover - no GPU in CI
     """Recorded whole steps replay eager's kernels and draw the generator's next numbers: the same
     rollouts as the static cache run eagerly, rows leaving in buckets, for every built-in explorer;
     a second rollout replays the kept graphs without recording again."""
-    model, tok = tiny
-    model = model.cuda()
+    model, tok = tiny_on_a_gpu
     prompts = chat_prompt_ids(tok, QUESTIONS)
     differ = {}  # explorer -> how its replayed rollouts differed (all named at once: a GPU run is rare)
-    try:
-        for name in sorted(CAPTURABLE):
-            runs = {}
-            for graphs in (False, "cuda"):
-                engine = HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs)
-                explorer = EndsOnTheDevice(CAPTURABLE[name](), ENDS, engine.eos_ids[0])
-                explorer.ends, explorer.count = explorer.ends.cuda(), explorer.count.cuda()
-                runs[graphs] = [engine.generate(prompts, explorer, n=2) for _ in range(2)]
-            assert isinstance(engine._caches.graphs[6], StepGraphs)
-            warmups = [run.stats["rollout/graph_warmup_s"] for run in runs["cuda"]]
-            assert warmups[0] > 0 == warmups[1], warmups  # the second rollout replays the kept graphs
-            for i, (replayed, eager) in enumerate(zip(runs["cuda"], runs[False])):
-                how = how_rollouts_differ(replayed, eager)
-                if how:
-                    differ[f"{name}/{i}"] = how
-    finally:
-        model.cpu()
+    for name in sorted(CAPTURABLE):
+        runs = {}
+        for graphs in (False, "cuda"):
+            engine = HFEngine(model, tok, max_new_tokens=12, seed=0, static_cache=True, graphs=graphs)
+            explorer = EndsOnTheDevice(CAPTURABLE[name](), ENDS, engine.eos_ids[0])
+            explorer.ends, explorer.count = explorer.ends.cuda(), explorer.count.cuda()
+            runs[graphs] = [engine.generate(prompts, explorer, n=2) for _ in range(2)]
+        assert isinstance(engine._caches.graphs[6], StepGraphs)
+        warmups = [run.stats["rollout/graph_warmup_s"] for run in runs["cuda"]]
+        assert warmups[0] > 0 == warmups[1], warmups  # the second rollout replays the kept graphs
+        for i, (replayed, eager) in enumerate(zip(runs["cuda"], runs[False])):
+            how = how_rollouts_differ(replayed, eager)
+            if how:
+                differ[f"{name}/{i}"] = how
     assert not differ, differ
