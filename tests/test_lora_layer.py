@@ -150,7 +150,8 @@ def test_gradient_checkpointing_gives_the_adapters_the_same_gradients(dtype):
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
     if dtype == "bfloat16":
         adapted = next(m for m in policy.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
-        assert type(adapted(embeds).grad_fn).__name__ == "LoraProductBackward"  # one node per layer
+        # one node per layer, the frozen base product inside it
+        assert type(adapted(embeds).grad_fn).__name__ == "LoraLinearProductBackward"
 
 
 def test_an_unpacked_rollout_multiplies_by_merged_weights():
@@ -204,6 +205,76 @@ def test_the_fused_lora_product_s_gradients_are_the_derivatives_of_its_output():
         expected = base + 0.75 * x_a @ A.t() @ B.t()
     torch.testing.assert_close(product(base, x_a, A, B), expected)
     assert torch.autograd.gradcheck(product, (base, x_a, A, B))
+
+
+def test_the_lora_linear_product_s_gradients_are_the_derivatives_of_its_output():
+    """``LoraLinearProduct`` computes the frozen base product too and writes the adapter's share of
+    the input's gradient into the base's: checked against finite differences in float64, with and
+    without a bias, the frozen weight and bias given no gradient."""
+    from ngrpo_lightning.backends.lora import LoraLinearProduct
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    W, b = torch.randn(5, 4, generator=g).double(), torch.randn(5, generator=g).double()
+    A = torch.randn(2, 4, generator=g).double().requires_grad_()
+    B = torch.randn(5, 2, generator=g).double().requires_grad_()
+    for bias in (b, None):
+
+        def product(x, A, B, bias=bias):
+            return LoraLinearProduct.apply(x, W, bias, A.detach(), B.detach(), A, B, 0.75)
+
+        with torch.no_grad():
+            expected = torch.nn.functional.linear(x, W, bias) + 0.75 * x @ A.t() @ B.t()
+        torch.testing.assert_close(product(x, A, B), expected)
+        assert torch.autograd.gradcheck(product, (x, A, B))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"), id="on_a_gpu"
+        ),
+    ],
+)
+def test_the_adapter_s_gradients_are_products_in_its_own_dtype(device):
+    """``product_in``: ``alpha * a @ b`` of half inputs in float32, the value of the product cast
+    after (the CPU's way; a GPU's products write float32 themselves)."""
+    from ngrpo_lightning.backends.lora import product_in
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 9, generator=g).bfloat16().to(device), torch.randn(9, 4, generator=g).bfloat16().to(device)
+    for alpha in (1.0, 0.5):
+        out = product_in(torch.float32, a, b, alpha)
+        assert out.dtype == torch.float32 and out.shape == (6, 4)
+        torch.testing.assert_close(out, (alpha * (a.float() @ b.float())), rtol=1e-2, atol=1e-2)
+
+
+def test_the_base_product_goes_into_the_adapter_s_node_only_when_it_is_a_frozen_plain_product():
+    """The base layer's product moves into ``LoraLinearProduct`` only where its forward is
+    ``F.linear`` on weights nothing trains: not a layer with hooks, a trained weight or bias, or a
+    CPU backend's packed products."""
+    from ngrpo_lightning.backends.linear import BackendLinear
+    from ngrpo_lightning.backends.lora import _frozen_product
+
+    def frozen(**change):
+        layer = torch.nn.Linear(4, 3)
+        layer.requires_grad_(False)
+        if "packed" in change:
+            BackendLinear.swap_in(layer, pack_once=False, pack_per_product=change["packed"], why="test")
+        if change.get("bias_trained"):
+            layer.bias.requires_grad_(True)
+        if change.get("hooked"):
+            layer.register_forward_hook(lambda *args: None)
+        return _frozen_product(layer)
+
+    weight, bias = frozen()
+    assert weight.shape == (3, 4) and bias.shape == (3,)
+    assert frozen(packed=False) is not None
+    assert frozen(packed=True) is None and frozen(bias_trained=True) is None and frozen(hooked=True) is None
+    trained = torch.nn.Linear(4, 3)
+    assert _frozen_product(trained) is None
 
 
 def test_float32_adapters_are_cast_once_per_change_and_never_read_stale():
