@@ -289,6 +289,27 @@ def test_fused_rotation_launches_six_kernels_fewer_per_layer_on_a_gpu(tiny):
     assert kernels(fused) <= kernels(own) - 4, (kernels(fused), kernels(own))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: kernels are counted there")
+def test_a_rollout_s_rotation_of_its_strided_queries_and_keys_is_three_kernels_on_a_gpu():
+    """In a rollout the queries and keys are a strided slice of the one q, k, v product: the
+    rotation reads it as it is (a product, a swap of halves, a fused multiply-add), where CUDA's
+    ``roll`` copied it first; ``sin'`` is kept from the first call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ngrpo_lightning.backends.fused import rotated
+
+    qkv = torch.randn(32, 1, 15, 64, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(32, 1, 32, device="cuda")
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    both = qkv[..., :12, :]
+    expected = both * cos.unsqueeze(-2) + torch.cat([-both[..., 32:], both[..., :32]], -1) * sin.unsqueeze(-2)
+    torch.testing.assert_close(rotated(both, cos, sin), expected)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        rotated(both, cos, sin)
+        torch.cuda.synchronize()
+    assert sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) == 3
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2-biases", "lora"])
 def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, arch):
     """In a rollout (``packed_for_pass`` decoding) a fused attention multiplies by one concatenated

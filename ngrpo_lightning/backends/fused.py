@@ -21,8 +21,10 @@ fused backward keeps the input and one reciprocal root per row, not the normaliz
 same projections, cache update and attention, with the rotary embedding of queries and keys done
 together in four kernels instead of ten (transformers rotates each with a negation, a
 concatenation, two products and a sum): the two are concatenated along the heads, and
-``x * cos + roll(x) * sin'`` is one product, one roll and one fused multiply-add, with ``sin'``
-(``sin`` with its first half negated) made once per forward and shared by the layers. Probed on one
+``x * cos + swap(x) * sin'`` is one product, one swap of the halves and one fused multiply-add,
+with ``sin'`` (``sin`` with its first half negated) made once per forward and shared by the
+layers. The halves are swapped by ``flip`` over a (2, d / 2) view, one kernel on any layout, where
+``roll`` on CUDA first copied the strided slice of queries and keys it is given. Probed on one
 H200 at the packaged shape: 21.0 us replayed for transformers' rotation of one layer's queries
 and keys, 14.6 us for six kernels of this kind. The fused multiply-add rounds once where
 transformers rounds its two products and their sum: the same float rounding as the fused norm.
@@ -90,7 +92,7 @@ SIGNED_SIN = "_ngrpo_signed_sin"  # the attribute of a forward's ``sin`` that ho
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated (``rotate_half(x) * sin == roll(x) * sin'``), made once per
+    """``sin`` with its first half negated (``rotate_half(x) * sin == swap_halves(x) * sin'``), made once per
     forward: every layer is handed the same ``sin`` tensor, so it is kept on it."""
     cached = None if torch.compiler.is_compiling() else sin.__dict__.get(SIGNED_SIN)
     if cached is None:
@@ -101,10 +103,16 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return cached
 
 
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the two halves of its last dimension swapped (``roll`` by half of it): one kernel
+    on a strided ``x`` too, where CUDA's ``roll`` copies a non-contiguous input first."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of ``x`` [N, L, H, d] at ``cos``, ``sin`` [N, L, d]: transformers'
-    ``x * cos + rotate_half(x) * sin`` as one product, one roll and one fused multiply-add."""
-    return torch.addcmul(x * cos.unsqueeze(-2), x.roll(x.shape[-1] // 2, -1), signed_sin(sin).unsqueeze(-2))
+    ``x * cos + rotate_half(x) * sin`` as one product, one swap of halves and one fused multiply-add."""
+    return torch.addcmul(x * cos.unsqueeze(-2), swap_halves(x), signed_sin(sin).unsqueeze(-2))
 
 
 def _plain_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
