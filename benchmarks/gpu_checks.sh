@@ -38,7 +38,10 @@
 # The GPU tests build the tiny model from the packaged model's tokenizer: on a machine without a
 # network, carry a cache holding the built tiny model (NGRPO_CACHE=<carried dir>, with tiny/ in it).
 # No step has run since whole decoding steps are recorded (rollout/step_graphs.py): every figure
-# before it had the explorer and bookkeeping launched between replays. What the next session runs:
+# before it had the explorer and bookkeeping launched between replays. Nor since the rotation swaps
+# halves by flip (no copy per layer) and LoRA's node takes in the base product (its float32
+# gradients from out_dtype products: step 2's test_lora_layer checks them, step 3's LoRA row shows
+# the update). What the next session runs:
 #   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
