@@ -9,7 +9,7 @@
 #      recorded; else cuda_model_step, the model's step alone; else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
-#      waits per token (tests.txt)
+#      waits per token, the sampler's blockwise scan (tests.txt)
 #   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND: s/step,
 #      its phases, generation against its bandwidth floor (gen_x_floor), memory, warm-up; each run's
 #      last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
@@ -66,7 +66,7 @@ gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
-    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_lora_layer.py tests/test_step_graphs.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_lora_layer.py tests/test_step_graphs.py tests/test_sampling.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \

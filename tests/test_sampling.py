@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 from ngrpo_lightning.build.components import build_explorer
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.explorers import TemperatureExplorer, filter_logits
+from ngrpo_lightning.explorers.sampling import blockwise_cumsum, cumulative
 
 
 def test_filters_keep_the_right_tokens():
@@ -40,6 +41,38 @@ def test_filtered_and_zero_probability_tokens_are_never_sampled():
     assert torch.allclose(freq[[1, 3, 4]], torch.tensor([0.45, 0.35, 0.2]), atol=0.01)
     top2 = TemperatureExplorer(temperature=1.0, top_k=2).step(logits, gen).tokens
     assert set(top2.tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("width, block", [(49152, 1024), (151936, 128), (4096, 64)])
+def test_a_blockwise_scan_gives_the_cumulative_sums(width, block):
+    """The GPU's scan of a vocabulary's probabilities (sums within blocks, plus the blocks before)
+    gives ``cumsum``'s values up to float rounding, zero-probability entries included; the CPU
+    keeps ``cumsum`` itself."""
+    g = torch.Generator().manual_seed(0)
+    probs = (3 * torch.randn(4, width, generator=g)).softmax(-1)
+    probs[:, ::block] = 0.0  # each block starts with a token that must never be drawn
+    probs /= probs.sum(-1, keepdim=True)
+    flat, blocks = probs.cumsum(-1), blockwise_cumsum(probs, block)
+    torch.testing.assert_close(blocks, flat, rtol=0, atol=2e-6)
+    assert torch.equal(cumulative(probs), flat)  # on the CPU: cumsum
+    u = (1.0 - torch.rand(4, 2000, generator=g)) * blocks[:, -1:]  # in (0, total], as the sampler draws
+    drawn = torch.searchsorted(blocks, u).clamp(max=width - 1)
+    assert (probs.gather(-1, drawn) > 0).all()  # never a zero-probability token
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: its scans are blockwise")
+def test_sampling_on_a_gpu_draws_the_right_frequencies_and_never_a_zero_probability_token():
+    """On a GPU the sampler scans a vocabulary's width in blocks (``cumulative``): the frequencies
+    are still the probabilities, and tokens of probability zero (here at blocks' starts) are never drawn."""
+    width = 4096
+    probs = torch.zeros(width)
+    probs[[1, 1024, 1025, 4095]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().repeat(50000, 1).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = TemperatureExplorer(temperature=1.0).step(logits, gen).tokens.cpu()
+    freq = torch.bincount(tokens, minlength=width).float() / len(tokens)
+    assert freq[[1, 1024, 1025, 4095]].sum() == 1.0
+    assert torch.allclose(freq[[1, 1024, 1025, 4095]], torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.01)
 
 
 def test_explorer_step_is_discrete():
