@@ -73,7 +73,7 @@ $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b -
   ${SOURCE:+--source $SOURCE} || exit 1
 G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
   $(gpu && echo --bandwidth-gbs $BW)"
-DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-model graphs-sdpa graphs-unfused)
+DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-model graphs-sdpa graphs-unfused graphs-efficient graphs-math)
 D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)
 
