@@ -10,8 +10,8 @@ step: ``rollout/step_graphs.py``). ``graphs-efficient`` and ``graphs-math`` reco
 steps with PyTorch's memory-efficient attention kernel or its matmuls instead of the kernel it
 picks itself (cuDNN's on an H100, 13 us per layer and step at the 1.5B shape for about 2 us of
 keys and values to read). ``graphs-unfused`` (and ``static-unfused``, its eager step)
-records them with transformers' own norms and attention in place of the CUDA backend's fused ones
-(``backends/fused.py``): the kernels those save, measured in the same process.
+records them with transformers' own norms, attention and MLPs in place of the CUDA backend's fused
+ones (``backends/fused.py``): the kernels those save, measured in the same process.
 
 Every mode decodes the same prompts greedily for exactly ``--new-tokens`` tokens per row (EOS
 suppressed), fastest of ``--repeats`` runs, interleaved, each mode on one engine all along (it
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.backends import backend_for  # noqa: E402
-from ngrpo_lightning.backends.fused import FusedRMSNorm, FusedRotaryAttention  # noqa: E402
+from ngrpo_lightning.backends.fused import FusedGatedMLP, FusedRMSNorm, FusedRotaryAttention  # noqa: E402
 from ngrpo_lightning.backends.swap import original_class  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy  # noqa: E402
@@ -69,7 +69,7 @@ MODES = {
     # PyTorch's choice on an H100 was cuDNN's, 13 us per layer for 32 rows at the 1.5B shape
     "graphs-efficient": ("static + graphs, memory-efficient attention", {"static_cache": True, "graphs": "cuda"}),
     "graphs-math": ("static + graphs, attention as matmuls", {"static_cache": True, "graphs": "cuda"}),
-    # transformers' norms and attention instead of the backend's fused ones (their classes put back)
+    # transformers' norms, attention and MLPs instead of the backend's fused ones (their classes put back)
     "graphs-unfused": ("static + graphs, unfused", {"static_cache": True, "graphs": "cuda"}),
     "static-unfused": ("static, unfused", {"static_cache": True, "graphs": False}),
 }
@@ -120,8 +120,9 @@ def main() -> None:
     backend = backend_for(model)
     if "compile" in (args.modes or []) and not args.device.startswith("cuda"):
         backend = type(backend)(backend.dtype, packing="off")
-    backend.prepare(model)
-    fused = [(m, type(m)) for m in model.modules() if isinstance(m, FusedRMSNorm | FusedRotaryAttention)]
+    backend.on_device(backend.prepare(model, trains=True))  # as a policy: on a GPU q|k|v, gate|up joined
+    kinds = FusedRMSNorm | FusedRotaryAttention | FusedGatedMLP
+    fused = [(m, type(m)) for m in model.modules() if isinstance(m, kinds)]
     prompts = arithmetic_prompt_ids(tok, args.batch_size, problems=args.problems)
     cuda = args.device.startswith("cuda")
     chosen = args.modes or ["growing", "static", *(["graphs"] if cuda else [])]

@@ -11,7 +11,7 @@ import torch
 
 from ngrpo_lightning.backends.base import Backend
 from ngrpo_lightning.backends.cuda import CUDABackend
-from ngrpo_lightning.backends.fused import FusedRMSNorm, FusedRotaryAttention, fused_modules
+from ngrpo_lightning.backends.fused import FusedGatedMLP, FusedRMSNorm, FusedRotaryAttention, fused_mlps, fused_modules
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm, recomputes
 from ngrpo_lightning.backends.swap import describe, original_class
 
@@ -37,6 +37,10 @@ def attentions(model):
     return [layer.self_attn for layer in model.model.layers]
 
 
+def mlps(model):
+    return [layer.mlp for layer in model.model.layers]
+
+
 def same_outputs_and_gradients(own, fused, rtol=1e-5, atol=1e-6):
     ids = torch.randint(0, own.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -54,8 +58,10 @@ def test_fused_norms_and_rotation_give_transformers_outputs_and_gradients(tiny):
     own, fused = copy.deepcopy(model), copy.deepcopy(model)
     layers = len(fused.model.layers)
     assert fused_modules(fused) == len(norms(fused)) + layers == 3 * layers + 1
-    pairs = zip(norms(fused) + attentions(fused), norms(own) + attentions(own), strict=True)
-    assert all(isinstance(m, (FusedRMSNorm, FusedRotaryAttention)) and original_class(m) is type(n) for m, n in pairs)
+    assert fused_mlps(fused) == layers and fused_mlps(fused) == 0
+    pairs = zip(norms(fused) + attentions(fused) + mlps(fused), norms(own) + attentions(own) + mlps(own), strict=True)
+    kinds = (FusedRMSNorm, FusedRotaryAttention, FusedGatedMLP)
+    assert all(isinstance(m, kinds) and original_class(m) is type(n) for m, n in pairs)
     same_outputs_and_gradients(own, fused)
     assert fused_modules(fused) == 0  # idempotent
 
@@ -353,19 +359,129 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
     with packed_for_pass(model, rows=2, decoding=True):
         merged, merged_products = forward()
         attention = next(m for m in model.modules() if isinstance(m, FusedRotaryAttention))
-        weight = attention._qkv[0]
-    # per layer q|k|v, o, gate, up, down (LoRA: merged; outside a rollout three products each), and the head
-    assert merged_products == 5 * layers + 1 and plain_products == (7 if arch != "lora" else 21) * layers + 1
+        weight = attention._joint[0]
+    # per layer q|k|v, o, gate, up, down, and the head; LoRA's gate|up is one product too (merged copies
+    # written into one; outside a rollout three products each), a frozen model's plain gate and up are not
+    # copied for it (nothing here trains: its weights were not joined)
+    merged_per_layer = 4 if arch == "lora" else 5
+    assert merged_products == merged_per_layer * layers + 1
+    assert plain_products == (7 if arch != "lora" else 21) * layers + 1
     torch.testing.assert_close(merged, plain, rtol=1e-5, atol=1e-5)
     assert weight.shape[0] == sum(p.out_features for p in (attention.q_proj, attention.k_proj, attention.v_proj))
-    assert attention._qkv is None and attention._qkv_kept is None
+    assert attention._joint is None and attention._joint_kept is None
     if arch == "lora":
         assert attention.q_proj._merged is None and attention.q_proj._kept is None  # went with the copy
     hook = attention.k_proj.register_forward_hook(lambda *args: None)
     with packed_for_pass(model, rows=2, decoding=True):
-        assert attention._qkv is None  # a hook on k_proj: three products, as the model defines them
+        assert attention._joint is None  # a hook on k_proj: three products, as the model defines them
         assert (
-            sum(a._qkv is not None for a in attentions(model.base_model.model if arch == "lora" else model))
+            sum(a._joint is not None for a in attentions(model.base_model.model if arch == "lora" else model))
             == layers - 1
         )
     hook.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-biases"])
+def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_place(tiny, arch, tmp_path):
+    """On its device the CUDA backend re-homes a policy's q, k, v (and biases) and gate, up weights as
+    row blocks of one tensor (``on_device``; a second call moves nothing): the same parameters,
+    state dict and saved model, the same optimizer steps as the model not joined; in a rollout
+    q|k|v and gate|up are one product each, read in place (no copy), so after an optimizer step the
+    next rollout multiplies by the new weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+    from ngrpo_lightning.backends.passes import packed_for_pass
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = copy.deepcopy(tiny[0])
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**small_shape(attn_implementation="sdpa")))
+        with torch.no_grad():
+            for a in attentions(model):
+                for p in (a.q_proj, a.k_proj, a.v_proj):
+                    p.bias.normal_()
+    before = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    backend = CUDABackend(torch.float32)
+    backend.on_device(backend.prepare(model, trains=True))  # as RLModule.on_fit_start does
+    own = copy.deepcopy(model)  # the same modules, each weight in a storage of its own (a deep copy)
+    assert rows_of_one_tensor([mlps(own)[0].gate_proj.weight, mlps(own)[0].up_proj.weight]) is None
+    assert [n for n, _ in model.named_parameters()] == names
+    joint = mlps(model)[0].gate_proj.weight.data_ptr()
+    backend.on_device(model)  # joined already: nothing moves
+    assert mlps(model)[0].gate_proj.weight.data_ptr() == joint
+    for a, m in zip(attentions(model), mlps(model), strict=True):
+        assert rows_of_one_tensor([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) is not None
+        assert rows_of_one_tensor([m.gate_proj.weight, m.up_proj.weight]) is not None
+        if arch != "llama":
+            assert rows_of_one_tensor([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) is not None
+    for (name, a), b in zip(model.state_dict().items(), before.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    for m in (model, own):  # one AdamW step each: views of one tensor train as separate parameters
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(input_ids=ids).logits.square().mean().backward()
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), own.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert rows_of_one_tensor([mlps(model)[0].gate_proj.weight, mlps(model)[0].up_proj.weight]) is not None
+
+    class Products(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    model.eval()
+    with packed_for_pass(model, rows=2, decoding=True), Products() as products, torch.no_grad():
+        merged = model(input_ids=ids).logits
+        attention, mlp = attentions(model)[0], mlps(model)[0]
+        assert attention._joint[0].data_ptr() == attention.q_proj.weight.data_ptr()  # the parameters' own rows
+        assert mlp._joint[0].data_ptr() == mlp.gate_proj.weight.data_ptr()
+    assert products.count == 4 * model.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the head
+    assert attention._joint_kept is None and mlp._joint_kept is None  # nothing copied, nothing kept
+    with torch.no_grad():
+        torch.testing.assert_close(merged, own.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path, safe_serialization=True)  # the joined tensor saves as separate weights
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for (name, a), b in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_weights_moved_since_they_were_joined_are_multiplied_apart_not_copied(tiny):
+    """A gated MLP never copies plain weights for a rollout: weights no longer row blocks of one
+    tensor (moved or replaced after the backend joined them) are multiplied as the model defines them."""
+    from ngrpo_lightning.backends.passes import packed_for_pass
+
+    model = copy.deepcopy(tiny[0])
+    backend = CUDABackend(torch.float32)
+    backend.on_device(backend.prepare(model, trains=True))
+    mlp = mlps(model)[0]
+    with torch.no_grad():
+        mlp.up_proj.weight.data = mlp.up_proj.weight.detach().clone()  # as a move to another device would
+    with packed_for_pass(model, rows=2, decoding=True):
+        assert mlp._joint is None and mlps(model)[1]._joint is not None
+
+
+def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny):
+    """``RLModule.on_fit_start`` hands the policy, on its device by then, to the backend's
+    ``on_device``: with the CUDA backend's modules (here on the CPU, decoding eagerly) the trained
+    policy's gate and up weights are joined, and its training steps go on from there."""
+    from conftest import ScriptedReward, tiny_rl, tiny_trainer
+
+    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+
+    backend = CUDAEagerBackend(torch.float32)
+    module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
+    backend.prepare(module.policy, trains=True)
+    mlp = mlps(module.policy)[0]
+    assert isinstance(mlp, FusedGatedMLP) and rows_of_one_tensor([mlp.gate_proj.weight, mlp.up_proj.weight]) is None
+    before = mlp.up_proj.weight.detach().clone()
+    tiny_trainer(2).fit(module, datamodule=datamodule)
+    assert rows_of_one_tensor([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
+    assert not torch.equal(mlp.up_proj.weight, before)  # trained, in its joined rows

@@ -296,11 +296,12 @@ def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_rea
         assert_same_rollouts(a, b)
         graphs.append(replayed._caches.graphs[6])
     assert graphs[0] is graphs[1] is graphs[2]  # never recorded again
-    # o, gate, up and down keep their own; q, k and v write theirs into their attention's one copy
+    # o and down keep their own; q, k and v write theirs into their attention's one copy, gate and up
+    # into their MLP's
     kept = [getattr(m, "_kept", None) for m in policy.modules()] + [
-        getattr(m, "_qkv_kept", None) for m in policy.modules()
+        getattr(m, "_joint_kept", None) for m in policy.modules()
     ]
-    assert sum(t is not None for t in kept) == 5 * policy.config.num_hidden_layers
+    assert sum(t is not None for t in kept) == 4 * policy.config.num_hidden_layers
 
 
 def test_the_tensor_addresses_graphs_rely_on_cover_weights_and_a_layers_kept_merged_copy():

@@ -141,6 +141,12 @@ class Backend:
                 BackendLinear.swap_in(m, once, per_product, why, pack_frozen=frozen)
         return model
 
+    def on_device(self, model: torch.nn.Module) -> torch.nn.Module:
+        """What the backend does to the policy once it sits on the device it trains or decodes on
+        (Lightning has moved it, its optimizer exists), before its first rollout: nothing here.
+        Never under FSDP2. Returns ``model``."""
+        return model
+
     def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, tuple[bool, bool, bool, str]]:
         """``id(layer) -> (pack_once, pack_frozen, pack_per_product, why)`` for the plain linear layers
         of a model: pack for a rollout, for a frozen pass, per product in training (see

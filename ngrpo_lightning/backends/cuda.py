@@ -19,7 +19,11 @@ recording a step through FSDP2's hooks has not been measured on several GPUs.
 
 Its RMSNorms run torch's fused kernel, one kernel each way instead of eight forward and about
 twenty in backward, and its attentions rotate queries and keys together, four kernels instead of
-ten (:mod:`.fused`). Everything the base :class:`~.base.Backend` does applies
+ten (:mod:`.fused`). In a rollout queries, keys and values are one product, and so are a gated
+MLP's gate and up projections (:mod:`.joined`): once a policy sits on its GPU (not sharded),
+those weights are re-homed as row blocks of one tensor (:meth:`CUDABackend.on_device`), so the
+product reads them in place.
+Everything the base :class:`~.base.Backend` does applies
 (LoRA's lean layers and merged decoding, chunked log-probs), with the LM head's softmax
 recomputed in backward, never kept, and two choices made by size: the MLP's activations are
 recomputed in backward only where keeping them would take a sizeable share of the GPU
@@ -35,7 +39,7 @@ import torch
 
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.backends.base import BACKENDS, Backend
-from ngrpo_lightning.backends.fused import fused_modules
+from ngrpo_lightning.backends.fused import fused_mlps, fused_modules, join_projections
 
 
 @BACKENDS.register("cuda")
@@ -109,7 +113,17 @@ class CUDABackend(Backend):
             self.static_decoding, self.decode_graphs = False, None
             self._notes.append("decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)")
         fused_modules(model)  # before the base's recomputation, which then leaves the fused norms alone
-        return super().prepare(model, trains=trains, sharded=sharded)
+        model = super().prepare(model, trains=trains, sharded=sharded)
+        fused_mlps(model)  # after it: in front of a recomputing MLP, which keeps recomputing outside rollouts
+        return model
+
+    def on_device(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The weights of each attention's q, k, v and each gated MLP's gate, up re-homed as row blocks
+        of one tensor (:func:`~.fused.join_projections`): a rollout multiplies each group as one product
+        reading them in place. The same ``Parameter`` objects, so the optimizer made before keeps them;
+        done on the device, since moving a model gives each weight a storage of its own again."""
+        join_projections(model)
+        return model
 
     def startup_notes(self) -> list[str]:
         return list(self._notes)

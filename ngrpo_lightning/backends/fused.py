@@ -44,9 +44,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ngrpo_lightning.backends.linear import BackendLinear
-from ngrpo_lightning.backends.lora import LeanLoraLinear
-from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
+from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
+from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked
 
 
 class FusedRMSNorm:
@@ -115,87 +114,25 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(x * cos.unsqueeze(-2), swap_halves(x), signed_sin(sin).unsqueeze(-2))
 
 
-def _plain_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
-    """The linear layer whose weight (merged, for a LoRA layer) ``projection`` multiplies by in a
-    rollout, where its forward is just that product; else ``None``."""
-    if projection._forward_hooks or projection._forward_pre_hooks:
-        return None
-    if isinstance(projection, LeanLoraLinear):
-        return projection.base_layer if projection.can_merge() else None
-    if isinstance(projection, torch.nn.Linear) and not getattr(projection, "pack_once", False):
-        return projection if type(projection).forward in (torch.nn.Linear.forward, BackendLinear.forward) else None
-    return None
-
-
-class FusedRotaryAttention:
+class FusedRotaryAttention(JoinedProjections):
     """Mixin in front of a Llama-style attention: queries and keys rotated together (:func:`rotated`),
-    and inside a rollout queries, keys and values from one product (:meth:`start_merged_pass`)."""
+    and inside a rollout queries, keys and values from one product (:mod:`.joined`)."""
 
     prefix = "Fused"
     why = "queries and keys rotated together in four kernels instead of ten; q, k, v in one product in rollouts"
-    _qkv: tuple | None = None  # (weight, bias, query heads, key heads) inside a rollout
-    _qkv_kept: tuple | None = None  # (weight, bias) storage kept across rollouts (``keep``)
-    _qkv_lora: tuple = ()  # the LoRA projections writing their merged copies into it, this rollout
-    _qkv_keeps: bool = False  # this rollout's copy is the kept one
 
     def projections(self) -> tuple[torch.nn.Module, ...]:
         """The query, key and value projections, which a rollout's one product stands for."""
         return (self.q_proj, self.k_proj, self.v_proj)
-
-    def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
-        """Multiply queries, keys and values by one concatenated copy of their weights (and biases)
-        until :meth:`end_pass`: three products and a concatenation fewer per layer and decoding step.
-        A LoRA projection writes its merged copy ``W + scale B A`` into its rows of the copy (it
-        needs none of its own). ``keep``: the copy keeps its storage across rollouts, rewritten in
-        place, for graphs recorded on it. ``False`` where a projection is not a plain product."""
-        projections = self.projections()
-        bases = [_plain_weight(p) for p in projections]
-        if any(b is None for b in bases) or len({(b.weight.dtype, b.weight.device) for b in bases}) != 1:
-            return False
-        if len({b.bias is None for b in bases}) != 1 or len({b.weight.shape[1] for b in bases}) != 1:
-            return False
-        w0 = bases[0].weight
-        sizes = [b.weight.shape[0] for b in bases]
-        shape, has_bias = (sum(sizes), w0.shape[1]), bases[0].bias is not None
-        kept = self._qkv_kept if keep else None
-        if kept is None or kept[0].shape != shape or kept[0].dtype != w0.dtype or kept[0].device != w0.device:
-            kept = (torch.empty(shape, dtype=w0.dtype, device=w0.device),)
-            kept += (torch.empty(shape[0], dtype=w0.dtype, device=w0.device) if has_bias else None,)
-            if keep:
-                self._qkv_kept = kept
-                for t in kept:
-                    if t is not None:
-                        torch._dynamo.mark_static_address(t)  # a compiled step reads it in place
-        weight, bias = kept
-        lora = []
-        with torch.no_grad():
-            for projection, base, rows_of in zip(projections, bases, weight.split(sizes), strict=True):
-                if isinstance(projection, LeanLoraLinear):
-                    projection._kept = rows_of  # its merged copy, written in place
-                    projection.start_merged_pass(rows, keep=True)
-                    lora.append(projection)
-                else:
-                    rows_of.copy_(base.weight)
-            if has_bias:
-                torch.cat([b.bias.detach() for b in bases], out=bias)
-        self._qkv_lora, self._qkv_keeps = tuple(lora), keep
-        self._qkv = (weight, bias, sizes[0] // self.head_dim, sizes[1] // self.head_dim)
-        return True
-
-    def end_pass(self) -> None:
-        for projection in self._qkv_lora:
-            projection.end_pass()
-            if not self._qkv_keeps:
-                projection._kept = None  # a view of this rollout's own copy: let it go with it
-        self._qkv, self._qkv_lora = None, ()
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
         if position_embeddings is None or attend is None:  # e.g. eager attention: transformers' own forward
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        if getattr(self, "_qkv", None) is not None:  # in a rollout: [N, L, H + 2 H_kv, d], q and k adjacent
-            weight, bias, heads, kv_heads = self._qkv
+        if getattr(self, "_joint", None) is not None:  # in a rollout: [N, L, H + 2 H_kv, d], q and k adjacent
+            weight, bias, sizes = self._joint
+            heads, kv_heads = sizes[0] // self.head_dim, sizes[1] // self.head_dim
             qkv = torch.nn.functional.linear(hidden_states, weight, bias).view(hidden_shape)
             both = rotated(qkv[..., : heads + kv_heads, :], *position_embeddings)
             value = qkv[..., heads + kv_heads :, :].transpose(1, 2)
@@ -248,6 +185,57 @@ def _attention_matches(module: torch.nn.Module) -> bool:
     )
 
 
+class FusedGatedMLP(JoinedProjections):
+    """Mixin in front of a gated MLP (``down(act(gate(x)) * up(x))``: Llama, Qwen2, Mistral, Gemma):
+    inside a rollout the gate and up projections are one product (:mod:`.joined`), one kernel fewer
+    per layer and decoding step. Plain weights are never copied for it (gate and up are two thirds
+    of a layer): they are read in place where the backend joined them, else multiplied apart."""
+
+    prefix = "Fused"
+    why = "gate and up projections in one product in rollouts"
+    copies_plain = False
+
+    def projections(self) -> tuple[torch.nn.Module, ...]:
+        return (self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._joint is None:
+            return super().forward(x)
+        weight, bias, sizes = self._joint
+        return gated(self, torch.nn.functional.linear(x, weight, bias), sizes[0])
+
+
+def gated(mlp: torch.nn.Module, gate_up: torch.Tensor, split: int) -> torch.Tensor:
+    """``down(act(gate) * up)`` from the gate's and up's outputs side by side (``split``: the gate's width)."""
+    return mlp.down_proj(mlp.act_fn(gate_up[..., :split]) * gate_up[..., split:])
+
+
+def _is_gated_mlp(module: torch.nn.Module) -> bool:
+    names = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    return type(module).__name__.endswith("MLP") and all(hasattr(module, a) for a in names)
+
+
+def _mlp_matches(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is ``down(act(gate(x)) * up(x))``, up to rounding, on a random
+    input: what :class:`FusedGatedMLP` computes from the gate's and up's outputs side by side (one
+    product gives those outputs' dot products). An MLP that computes something else keeps its forward."""
+    weight = getattr(module.gate_proj, "weight", None)
+    if weight is None:
+        weight = getattr(getattr(module.gate_proj, "base_layer", None), "weight", None)  # a LoRA layer
+    if not isinstance(weight, torch.Tensor) or weight.is_meta:
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            own, gate = module(x), module.gate_proj(x)
+            new = gated(module, torch.cat([gate, module.up_proj(x)], -1), gate.shape[-1])
+    except Exception:  # noqa: BLE001 - a module whose shape only looked familiar
+        return False
+    eps = _eps(weight.dtype)
+    return own.shape == new.shape and bool((own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max())
+
+
 def _fusible(module: torch.nn.Module):
     if _is_norm(module):
         return FusedRMSNorm, _norm_matches
@@ -261,3 +249,28 @@ def fused_modules(model: torch.nn.Module) -> int:
     for :class:`FusedRotaryAttention`, where these give their output up to rounding (checked once
     per class); returns how many modules were swapped."""
     return swap_checked(model, _fusible)
+
+
+def fused_mlps(model: torch.nn.Module) -> int:
+    """Put :class:`FusedGatedMLP` in front of each of ``model``'s gated MLPs where one product gives
+    its output up to rounding (checked once per class), in front of whatever class the backend gave
+    it already (recomputation's, which it then keeps outside rollouts); returns how many."""
+    checked: dict[type, bool] = {}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FusedGatedMLP) or not _is_gated_mlp(module):
+            continue
+        if type(module) not in checked:
+            checked[type(module)] = _mlp_matches(module)
+        if checked[type(module)]:
+            swap(module, FusedGatedMLP)
+            count += 1
+    return count
+
+
+def join_projections(model: torch.nn.Module) -> int:
+    """Re-home the weights of each fused module's plain projections as row blocks of one tensor
+    (:func:`~.joined.join_weights`), so that a rollout multiplies by them in place; returns how
+    many modules were joined (already joined ones count, unchanged). For a model on the device it
+    trains or decodes on, not sharded."""
+    return sum(join_weights(m.projections()) for m in model.modules() if isinstance(m, JoinedProjections))

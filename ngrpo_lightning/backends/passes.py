@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from ngrpo_lightning.backends.fused import FusedRotaryAttention
+from ngrpo_lightning.backends.joined import JoinedProjections
 from ngrpo_lightning.backends.linear import BackendLinear, pack
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 
@@ -31,8 +31,9 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
     ``release(layer)``, if given, is
     called once a layer's weight is packed: a frozen model whose weights are read back from a
     file for each pass frees the plain copy there, so the pass holds one copy of each weight,
-    not two. A fused attention (:class:`~.fused.FusedRotaryAttention`) multiplies queries, keys
-    and values by one concatenated copy in a rollout, LoRA's merged copies written into it.
+    not two. A fused attention or gated MLP (:class:`~.joined.JoinedProjections`) multiplies its
+    projections (queries, keys and values; gate and up) as one product in a rollout, on their
+    joined weights in place or on one copy, LoRA's merged copies written into it.
     ``keep`` (a rollout whose step replays from graphs): these copies keep
     their storage for the next pass, rewritten in place, so the graphs' addresses hold. Yields the
     number of layers that multiply by a copy."""
@@ -42,8 +43,8 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
         for m in model.modules():
             if id(m) in merged_inside:
                 continue
-            if decoding and isinstance(m, FusedRotaryAttention):
-                # q, k and v by one copy: its projections (and LoRA's base layers) are not called meanwhile
+            if decoding and isinstance(m, JoinedProjections):
+                # one product: its projections (and LoRA's base layers) are not called meanwhile
                 if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
                     merged_inside.update(id(x) for p in m.projections() for x in p.modules())

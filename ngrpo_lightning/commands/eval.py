@@ -159,7 +159,7 @@ def load_eval_policy(cfg, backend: Backend | None = None):
     device = cfg.get("device", "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return backend.prepare(policy.to(device).eval()), tokenizer
+    return backend.on_device(backend.prepare(policy.to(device).eval())), tokenizer
 
 
 def run_eval(cfg) -> dict:

@@ -213,6 +213,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
 
     def on_fit_start(self) -> None:
+        if self.parallel is None:  # on its device now: what the backend does there (CUDA: joined projections)
+            self.backend.on_device(self.policy)
         if self.dynamic_sampling is not None:
             check_dynamic_sampling_processes(self.trainer.world_size)
         loose = [

@@ -1,0 +1,152 @@
+"""Projections that read the same input, multiplied as one product inside a rollout.
+
+An attention's query, key and value projections read the same activations, and so do a gated
+MLP's gate and up projections. Inside a rollout (:func:`~.passes.packed_for_pass` decoding) a
+module that holds such projections (:class:`JoinedProjections`) multiplies its input once, by
+their weights stacked by rows: the same dot products, one kernel where there were two or three,
+and the larger product reads its weights closer to the memory's speed. Where the stacked weights
+come from:
+
+- **Row blocks of one tensor already** (:func:`join_weights`: the CUDA backend re-homes a policy's
+  projections there once it sits on its device, each parameter a view of its rows): the product
+  reads them in place. Nothing is copied, and nothing goes stale: an optimizer step writes the
+  rows the next rollout reads.
+- **LoRA layers**: each writes its merged copy ``W + scale B A`` into its rows of one copy (the
+  copy it needed anyway, :mod:`.lora`).
+- **Other plain weights** (a frozen model, weights moved since they were joined): copied into one,
+  where the module accepts the copy's memory (``copies_plain``: an attention's q, k and v are a
+  small share of a layer); otherwise no joint product, and the projections run as defined.
+
+``keep`` (a rollout whose steps replay from CUDA graphs): a copy keeps its storage for the next
+rollout, rewritten in place, so the graphs' addresses hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ngrpo_lightning.backends.linear import BackendLinear
+from ngrpo_lightning.backends.lora import LeanLoraLinear
+
+
+def _plain(projection: torch.nn.Module) -> bool:
+    """Whether ``projection``'s forward is ``F.linear`` on its own weight and bias."""
+    if projection._forward_hooks or projection._forward_pre_hooks or not isinstance(projection, torch.nn.Linear):
+        return False
+    return type(projection).forward is torch.nn.Linear.forward or (
+        type(projection).forward is BackendLinear.forward and not projection.pack_once
+    )
+
+
+def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
+    """The linear layer whose weight (merged, for a LoRA layer) ``projection`` multiplies by in a
+    rollout, where its forward is just that product; else ``None``."""
+    if isinstance(projection, LeanLoraLinear):
+        hooked = projection._forward_hooks or projection._forward_pre_hooks
+        return projection.base_layer if projection.can_merge() and not hooked else None
+    return projection if _plain(projection) else None
+
+
+def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks ``tensors`` are, in order (a view, no copy), or ``None``."""
+    first = tensors[0].detach()
+    if any(not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if t.device != first.device or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
+    """Re-home the weights (and biases) of plain linear ``projections`` reading one input as the
+    row blocks of one tensor, each parameter a view of its rows (the same ``Parameter`` objects:
+    optimizers, state dicts and saving see no change); returns whether they are joined. Meant for a
+    model on the device it trains on (:meth:`~.base.Backend.on_device`): moving a model gives each
+    weight a storage of its own again."""
+    if not all(_plain(p) for p in projections):
+        return False
+    weights = [p.weight for p in projections]
+    biases = [p.bias for p in projections]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return False
+    if rows_of_one_tensor(weights) is not None and (biases[0] is None or rows_of_one_tensor(biases) is not None):
+        return True  # joined already
+    with torch.no_grad():
+        for group in (weights, biases) if biases[0] is not None else (weights,):
+            joint = torch.cat([t.detach() for t in group])
+            for t, rows in zip(group, joint.split([t.shape[0] for t in group]), strict=True):
+                t.data = rows
+    return True
+
+
+class JoinedProjections:
+    """Mixin for a module whose :meth:`projections` read one input: inside a rollout they are one
+    product (the module docstring). The module's forward reads ``_joint``."""
+
+    copies_plain = True  # plain weights not already joined are copied into one for a rollout
+    _joint: tuple | None = None  # (weight, bias, sizes) inside a rollout
+    _joint_kept: tuple | None = None  # (weight, bias) storage kept across rollouts (``keep``)
+    _joint_lora: tuple = ()  # the LoRA projections writing their merged copies into it, this rollout
+    _joint_keeps: bool = False  # this rollout's copy is the kept one
+
+    def projections(self) -> tuple[torch.nn.Module, ...]:
+        raise NotImplementedError
+
+    def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
+        """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False``
+        (the projections run as defined) where one is not a plain product or LoRA's, or where the
+        weights would need a copy the module does not accept."""
+        projections = self.projections()
+        bases = [_product_weight(p) for p in projections]
+        if any(b is None for b in bases):
+            return False
+        if len({(b.weight.dtype, b.weight.device, b.weight.shape[1], b.bias is None) for b in bases}) != 1:
+            return False
+        sizes = [b.weight.shape[0] for b in bases]
+        lora = any(isinstance(p, LeanLoraLinear) for p in projections)
+        weight = None if lora else rows_of_one_tensor([b.weight for b in bases])
+        has_bias = bases[0].bias is not None
+        bias = rows_of_one_tensor([b.bias for b in bases]) if weight is not None and has_bias else None
+        if weight is not None and (bias is not None or not has_bias):  # joined: read in place
+            self._joint, self._joint_lora, self._joint_keeps = (weight, bias, sizes), (), False
+            return True
+        if not lora and not self.copies_plain:
+            return False
+        weight, bias = self._copy_storage((sum(sizes), bases[0].weight.shape[1]), bases[0].weight, has_bias, keep)
+        merged = []
+        with torch.no_grad():
+            for projection, base, rows_of in zip(projections, bases, weight.split(sizes), strict=True):
+                if isinstance(projection, LeanLoraLinear):
+                    projection._kept = rows_of  # its merged copy, written in place
+                    projection.start_merged_pass(rows, keep=True)
+                    merged.append(projection)
+                else:
+                    rows_of.copy_(base.weight)
+            if has_bias:
+                torch.cat([b.bias.detach() for b in bases], out=bias)
+        self._joint, self._joint_lora, self._joint_keeps = (weight, bias, sizes), tuple(merged), keep
+        return True
+
+    def _copy_storage(self, shape: tuple, like: torch.Tensor, has_bias: bool, keep: bool) -> tuple:
+        """``(weight, bias)`` tensors for a copy: the kept ones where ``keep`` and they fit."""
+        kept = self._joint_kept if keep else None
+        if kept is None or kept[0].shape != shape or kept[0].dtype != like.dtype or kept[0].device != like.device:
+            kept = (torch.empty(shape, dtype=like.dtype, device=like.device),)
+            kept += (torch.empty(shape[0], dtype=like.dtype, device=like.device) if has_bias else None,)
+            if keep:
+                self._joint_kept = kept
+                for t in kept:
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t)  # a compiled step reads it in place
+        return kept
+
+    def end_pass(self) -> None:
+        for projection in self._joint_lora:
+            projection.end_pass()
+            if not self._joint_keeps:
+                projection._kept = None  # a view of this rollout's own copy: let it go with it
+        self._joint, self._joint_lora = None, ()
