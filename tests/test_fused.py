@@ -11,7 +11,14 @@ import torch
 
 from ngrpo_lightning.backends.base import Backend
 from ngrpo_lightning.backends.cuda import CUDABackend
-from ngrpo_lightning.backends.fused import FusedGatedMLP, FusedRMSNorm, FusedRotaryAttention, fused_mlps, fused_modules
+from ngrpo_lightning.backends.fused import (
+    FusedDecoderLayer,
+    FusedGatedMLP,
+    FusedRMSNorm,
+    FusedRotaryAttention,
+    fused_mlps,
+    fused_modules,
+)
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm, recomputes
 from ngrpo_lightning.backends.swap import describe, original_class
 
@@ -57,10 +64,11 @@ def test_fused_norms_and_rotation_give_transformers_outputs_and_gradients(tiny):
     model, _ = tiny
     own, fused = copy.deepcopy(model), copy.deepcopy(model)
     layers = len(fused.model.layers)
-    assert fused_modules(fused) == len(norms(fused)) + layers == 3 * layers + 1
+    assert fused_modules(fused) == len(norms(fused)) + 2 * layers == 4 * layers + 1  # norms, attentions, layers
     assert fused_mlps(fused) == layers and fused_mlps(fused) == 0
     pairs = zip(norms(fused) + attentions(fused) + mlps(fused), norms(own) + attentions(own) + mlps(own), strict=True)
     kinds = (FusedRMSNorm, FusedRotaryAttention, FusedGatedMLP)
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in fused.model.layers)
     assert all(isinstance(m, kinds) and original_class(m) is type(n) for m, n in pairs)
     same_outputs_and_gradients(own, fused)
     assert fused_modules(fused) == 0  # idempotent
@@ -234,7 +242,7 @@ def test_the_training_forward_of_a_fused_model_is_the_plain_model_s(share, check
 
     plain = small_llama()
     fused = copy.deepcopy(plain)
-    assert fused_modules(fused) == 3 * len(fused.model.layers) + 1
+    assert fused_modules(fused) == 4 * len(fused.model.layers) + 1  # norms, attentions, decoder layers
     if checkpointed:
         for model in (plain, fused):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -344,18 +352,21 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
 
     class Products(TorchDispatchMode):
-        count = 0
+        count = adds = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            self.adds += func.overloadpacket is torch.ops.aten.add
             return func(*args, **(kwargs or {}))
 
     def forward():
         with Products() as products, torch.no_grad():
             logits = model(input_ids=ids).logits
+        forward.adds = products.adds
         return logits, products.count
 
     plain, plain_products = forward()
+    plain_adds = forward.adds
     with packed_for_pass(model, rows=2, decoding=True):
         merged, merged_products = forward()
         attention = next(m for m in model.modules() if isinstance(m, FusedRotaryAttention))
@@ -365,6 +376,8 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
     # copied for it (nothing here trains: its weights were not joined)
     merged_per_layer = 4 if arch == "lora" else 5
     assert merged_products == merged_per_layer * layers + 1
+    # the residual sums made by the products: o's always, down's where the MLP is one product too
+    assert plain_adds - forward.adds == (2 if arch == "lora" else 1) * layers
     assert plain_products == (7 if arch != "lora" else 21) * layers + 1
     torch.testing.assert_close(merged, plain, rtol=1e-5, atol=1e-5)
     assert weight.shape[0] == sum(p.out_features for p in (attention.q_proj, attention.k_proj, attention.v_proj))
@@ -430,19 +443,23 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     assert rows_of_one_tensor([mlps(model)[0].gate_proj.weight, mlps(model)[0].up_proj.weight]) is not None
 
     class Products(TorchDispatchMode):
-        count = 0
+        count = adds = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            self.adds += func.overloadpacket is torch.ops.aten.add
             return func(*args, **(kwargs or {}))
 
     model.eval()
+    with Products() as outside, torch.no_grad():
+        model(input_ids=ids)
     with packed_for_pass(model, rows=2, decoding=True), Products() as products, torch.no_grad():
         merged = model(input_ids=ids).logits
         attention, mlp = attentions(model)[0], mlps(model)[0]
         assert attention._joint[0].data_ptr() == attention.q_proj.weight.data_ptr()  # the parameters' own rows
         assert mlp._joint[0].data_ptr() == mlp.gate_proj.weight.data_ptr()
     assert products.count == 4 * model.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the head
+    assert outside.adds - products.adds == 2 * model.config.num_hidden_layers  # both residual sums in products
     assert attention._joint_kept is None and mlp._joint_kept is None  # nothing copied, nothing kept
     with torch.no_grad():
         torch.testing.assert_close(merged, own.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,8 @@ twenty in backward, and its attentions rotate queries and keys together, four ke
 ten (:mod:`.fused`). In a rollout queries, keys and values are one product, and so are a gated
 MLP's gate and up projections (:mod:`.joined`): once a policy sits on its GPU (not sharded),
 those weights are re-homed as row blocks of one tensor (:meth:`CUDABackend.on_device`), so the
-product reads them in place.
+product reads them in place; and each decoder layer's two residual sums are made by the output
+and down projections' products (``addmm``).
 Everything the base :class:`~.base.Backend` does applies
 (LoRA's lean layers and merged decoding, chunked log-probs), with the LM head's softmax
 recomputed in backward, never kept, and two choices made by size: the MLP's activations are

@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
+from ngrpo_lightning.backends.joined import JoinedProjections, join_weights, plain_product
+from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked
 
 
@@ -125,10 +126,21 @@ class FusedRotaryAttention(JoinedProjections):
         """The query, key and value projections, which a rollout's one product stands for."""
         return (self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        past_key_values=None,
+        residual=None,
+        **kwargs,
+    ):
+        """transformers' attention; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) the
+        output projection's product is added onto it in one product (:func:`plus_product`)."""
         attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
         if position_embeddings is None or attend is None:  # e.g. eager attention: transformers' own forward
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            out = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return out if residual is None else (residual + out[0], *out[1:])
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         if getattr(self, "_joint", None) is not None:  # in a rollout: [N, L, H + 2 H_kv, d], q and k adjacent
             weight, bias, sizes = self._joint
@@ -157,7 +169,8 @@ class FusedRotaryAttention(JoinedProjections):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return (self.o_proj(out) if residual is None else plus_product(residual, self.o_proj, out)), weights
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -198,16 +211,41 @@ class FusedGatedMLP(JoinedProjections):
     def projections(self) -> tuple[torch.nn.Module, ...]:
         return (self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._joint is None:
-            return super().forward(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) its output is added
+        onto it, by the down projection's product itself where it can (:func:`plus_product`)."""
+        if getattr(self, "_joint", None) is None:
+            return super().forward(x) if residual is None else residual + super().forward(x)
         weight, bias, sizes = self._joint
-        return gated(self, torch.nn.functional.linear(x, weight, bias), sizes[0])
+        return gated(self, torch.nn.functional.linear(x, weight, bias), sizes[0], residual)
 
 
-def gated(mlp: torch.nn.Module, gate_up: torch.Tensor, split: int) -> torch.Tensor:
-    """``down(act(gate) * up)`` from the gate's and up's outputs side by side (``split``: the gate's width)."""
-    return mlp.down_proj(mlp.act_fn(gate_up[..., :split]) * gate_up[..., split:])
+def gated(mlp: torch.nn.Module, gate_up: torch.Tensor, split: int, residual: torch.Tensor | None = None):
+    """``down(act(gate) * up)`` (``+ residual``) from the gate's and up's outputs side by side
+    (``split``: the gate's width)."""
+    hidden = mlp.act_fn(gate_up[..., :split]) * gate_up[..., split:]
+    return mlp.down_proj(hidden) if residual is None else plus_product(residual, mlp.down_proj, hidden)
+
+
+def plus_product(residual: torch.Tensor, projection: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``residual + projection(x)``: one ``addmm`` where ``projection`` multiplies by one weight and
+    no bias (a plain layer, or a LoRA layer's merged copy in a rollout), the sum rounded once with
+    the product where a half model rounded the product, then the sum; else the two apart."""
+    weight = _weight_alone(projection)
+    if weight is None:
+        return residual + projection(x)
+    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(residual.shape)
+
+
+def _weight_alone(projection: torch.nn.Module) -> torch.Tensor | None:
+    """The weight ``projection``'s forward multiplies by, with no bias and nothing else; else ``None``."""
+    if projection._forward_hooks or projection._forward_pre_hooks:
+        return None
+    if isinstance(projection, LeanLoraLinear):
+        merged = projection._merged  # (weight or packed copy, bias, packed?) inside a rollout
+        return merged[0] if merged is not None and merged[1] is None and not merged[2] else None
+    return projection.weight if plain_product(projection) and projection.bias is None else None
 
 
 def _is_gated_mlp(module: torch.nn.Module) -> bool:
@@ -236,18 +274,77 @@ def _mlp_matches(module: torch.nn.Module) -> bool:
     return own.shape == new.shape and bool((own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max())
 
 
+class FusedDecoderLayer:
+    """Mixin in front of a pre-norm decoder layer (``h = x + attn(norm(x))``, ``h + mlp(norm(h))``):
+    inside a rollout, where its attention multiplies q, k and v as one product, each residual sum
+    is made by the output and down projections' products themselves (:func:`plus_product`), two
+    kernels fewer per layer and decoding step. Outside rollouts, the layer's own forward."""
+
+    prefix = "Fused"
+    why = "in rollouts the residual sums made by the output and down projections' products"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        attention = self.self_attn
+        if args or not isinstance(attention, FusedRotaryAttention) or attention._joint is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        normed = self.input_layernorm(hidden_states)
+        hidden_states, _ = attention(hidden_states=normed, residual=hidden_states, **kwargs)
+        if isinstance(self.mlp, FusedGatedMLP):
+            return self.mlp(self.post_attention_layernorm(hidden_states), residual=hidden_states)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _is_decoder_layer(module: torch.nn.Module) -> bool:
+    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    return type(module).__name__.endswith("DecoderLayer") and all(hasattr(module, a) for a in names)
+
+
+def _layer_matches(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s forward is the pre-norm residual structure :class:`FusedDecoderLayer`
+    computes in a rollout (``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``), on a random input
+    (a layer with more, Gemma's extra norms say, keeps its forward)."""
+    attention = layer.self_attn
+    weight = getattr(getattr(attention, "o_proj", None), "weight", None)
+    head_dim = getattr(attention, "head_dim", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or not isinstance(head_dim, int):
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 5, weight.shape[0], generator=gen)
+    angles = torch.rand(2, 5, head_dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x, cos, sin = (t.to(device=weight.device, dtype=weight.dtype) for t in (x, cos, sin))
+    was_training = layer.training
+    layer.eval()
+    try:
+        with torch.no_grad():
+            own = layer(x, attention_mask=None, position_embeddings=(cos, sin))
+            own = own[0] if isinstance(own, tuple) else own
+            normed = layer.input_layernorm(x)
+            h = x + attention(hidden_states=normed, attention_mask=None, position_embeddings=(cos, sin))[0]
+            new = h + layer.mlp(layer.post_attention_layernorm(h))
+    except Exception:  # noqa: BLE001 - a layer whose shape only looked familiar
+        return False
+    finally:
+        layer.train(was_training)
+    eps = _eps(weight.dtype)
+    return own.shape == new.shape and bool((own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max())
+
+
 def _fusible(module: torch.nn.Module):
     if _is_norm(module):
         return FusedRMSNorm, _norm_matches
     if _is_attention(module):
         return FusedRotaryAttention, _attention_matches
+    if _is_decoder_layer(module):
+        return FusedDecoderLayer, _layer_matches
     return None
 
 
 def fused_modules(model: torch.nn.Module) -> int:
-    """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm` and its Llama-style attentions
-    for :class:`FusedRotaryAttention`, where these give their output up to rounding (checked once
-    per class); returns how many modules were swapped."""
+    """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm`, its Llama-style attentions
+    for :class:`FusedRotaryAttention` and its pre-norm decoder layers for :class:`FusedDecoderLayer`,
+    where these give their output up to rounding (checked once per class); returns how many
+    modules were swapped."""
     return swap_checked(model, _fusible)
 
 

@@ -29,7 +29,7 @@ from ngrpo_lightning.backends.linear import BackendLinear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 
 
-def _plain(projection: torch.nn.Module) -> bool:
+def plain_product(projection: torch.nn.Module) -> bool:
     """Whether ``projection``'s forward is ``F.linear`` on its own weight and bias."""
     if projection._forward_hooks or projection._forward_pre_hooks or not isinstance(projection, torch.nn.Linear):
         return False
@@ -44,7 +44,7 @@ def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
     if isinstance(projection, LeanLoraLinear):
         hooked = projection._forward_hooks or projection._forward_pre_hooks
         return projection.base_layer if projection.can_merge() and not hooked else None
-    return projection if _plain(projection) else None
+    return projection if plain_product(projection) else None
 
 
 def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -67,7 +67,7 @@ def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
     optimizers, state dicts and saving see no change); returns whether they are joined. Meant for a
     model on the device it trains on (:meth:`~.base.Backend.on_device`): moving a model gives each
     weight a storage of its own again."""
-    if not all(_plain(p) for p in projections):
+    if not all(plain_product(p) for p in projections):
         return False
     weights = [p.weight for p in projections]
     biases = [p.bias for p in projections]
