@@ -38,6 +38,7 @@ NOT_KERNELS = {  # views and allocations: dispatched, but no kernel runs
     *("t", "view", "_unsafe_view", "detach", "slice", "expand", "transpose", "unsqueeze", "squeeze"),
     *("as_strided", "alias", "permute", "reshape", "select", "split", "split_with_sizes"),
     *("_reshape_alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"),
+    *("flatten", "unflatten", "view_as", "unbind", "chunk", "narrow", "diagonal"),
 }
 
 
