@@ -77,6 +77,12 @@ def _eps(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
 
 
+def within_roundings(own: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``new`` is ``own`` up to a few roundings of ``dtype`` through products, relative to
+    ``own``'s largest value."""
+    return bool((own.float() - new.float()).abs().max() <= 8 * _eps(dtype) * own.float().abs().max())
+
+
 def _norm_matches(module: torch.nn.Module) -> bool:
     """Whether the fused norm gives ``module``'s own output up to one rounding, on a random input."""
     weight = module.weight
@@ -178,20 +184,25 @@ def _is_attention(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and all(hasattr(module, a) for a in names)
 
 
+def _random_inputs(like: torch.Tensor, width: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """A random input of ``width`` features and rotary ``cos``, ``sin`` (2 rows of 5 positions), on
+    ``like``'s device and dtype, the same at every call: what a swap's check runs."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 5, width, generator=gen)
+    angles = torch.rand(2, 5, head_dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return tuple(t.to(device=like.device, dtype=like.dtype) for t in (x, cos, sin))
+
+
 def _attention_matches(module: torch.nn.Module) -> bool:
     """Whether :class:`FusedRotaryAttention` gives ``module``'s own output up to rounding, on a random input."""
     weight = module.q_proj.weight
     if weight.is_meta:
         return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, 5, weight.shape[1], generator=gen)
-    angles = torch.rand(2, 5, module.head_dim // 2, generator=gen) * 6.3
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    x, cos, sin = (t.to(device=weight.device, dtype=weight.dtype) for t in (x, cos, sin))
-    eps = _eps(weight.dtype)
+    x, cos, sin = _random_inputs(weight, weight.shape[1], module.head_dim)
 
-    def agree(own, new):  # relative to the output's largest value: a few roundings through the products
-        return (own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max()
+    def agree(own, new):
+        return within_roundings(own, new, weight.dtype)
 
     return forwards_agree(
         module, FusedRotaryAttention, x, position_embeddings=(cos, sin), attention_mask=None, agree=agree
@@ -270,8 +281,7 @@ def _mlp_matches(module: torch.nn.Module) -> bool:
             new = gated(module, torch.cat([gate, module.up_proj(x)], -1), gate.shape[-1])
     except Exception:  # noqa: BLE001 - a module whose shape only looked familiar
         return False
-    eps = _eps(weight.dtype)
-    return own.shape == new.shape and bool((own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max())
+    return own.shape == new.shape and within_roundings(own, new, weight.dtype)
 
 
 class FusedDecoderLayer:
@@ -308,11 +318,7 @@ def _layer_matches(layer: torch.nn.Module) -> bool:
     head_dim = getattr(attention, "head_dim", None)
     if not isinstance(weight, torch.Tensor) or weight.is_meta or not isinstance(head_dim, int):
         return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, 5, weight.shape[0], generator=gen)
-    angles = torch.rand(2, 5, head_dim // 2, generator=gen) * 6.3
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    x, cos, sin = (t.to(device=weight.device, dtype=weight.dtype) for t in (x, cos, sin))
+    x, cos, sin = _random_inputs(weight, weight.shape[0], head_dim)
     was_training = layer.training
     layer.eval()
     try:
@@ -326,8 +332,7 @@ def _layer_matches(layer: torch.nn.Module) -> bool:
         return False
     finally:
         layer.train(was_training)
-    eps = _eps(weight.dtype)
-    return own.shape == new.shape and bool((own.float() - new.float()).abs().max() <= 8 * eps * own.float().abs().max())
+    return own.shape == new.shape and within_roundings(own, new, weight.dtype)
 
 
 def _fusible(module: torch.nn.Module):
