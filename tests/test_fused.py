@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ngrpo_lightning.backends.base import Backend
 from ngrpo_lightning.backends.cuda import CUDABackend
@@ -46,6 +47,31 @@ def attentions(model):
 
 def mlps(model):
     return [layer.mlp for layer in model.model.layers]
+
+
+class Products(TorchDispatchMode):
+    """Counts the matrix products and the sums dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        self.adds += func.overloadpacket is torch.ops.aten.add
+        return func(*args, **(kwargs or {}))
+
+
+def qwen2_with_biases():
+    """A small random Qwen2 whose q, k and v biases are not zero (transformers starts them at 0)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**small_shape(attn_implementation="sdpa")))
+    with torch.no_grad():
+        for a in attentions(model):
+            for p in (a.q_proj, a.k_proj, a.v_proj):
+                p.bias.normal_()
+    return model
 
 
 def same_outputs_and_gradients(own, fused, rtol=1e-5, atol=1e-6):
@@ -331,8 +357,6 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
     fewer per layer, the same outputs (float32 roundings), the copy gone after the pass unless kept,
     and a projection with a hook left to its own forward."""
     from conftest import trained_lora
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ngrpo_lightning.backends.passes import packed_for_pass
 
@@ -342,22 +366,10 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
     elif arch == "lora":
         model = trained_lora()
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**small_shape(attn_implementation="sdpa")))
-        with torch.no_grad():
-            for a in attentions(model):
-                for p in (a.q_proj, a.k_proj, a.v_proj):
-                    p.bias.normal_()  # transformers starts them at 0
+        model = qwen2_with_biases()
     CUDABackend(torch.float32).prepare(model.eval())
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
-
-    class Products(TorchDispatchMode):
-        count = adds = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-            self.adds += func.overloadpacket is torch.ops.aten.add
-            return func(*args, **(kwargs or {}))
 
     def forward():
         with Products() as products, torch.no_grad():
@@ -401,8 +413,7 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     state dict and saved model, the same optimizer steps as the model not joined; in a rollout
     q|k|v and gate|up are one product each, read in place (no copy), so after an optimizer step the
     next rollout multiplies by the new weights."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ngrpo_lightning.backends.joined import rows_of_one_tensor
     from ngrpo_lightning.backends.passes import packed_for_pass
@@ -411,11 +422,7 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     if arch == "llama":
         model = copy.deepcopy(tiny[0])
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**small_shape(attn_implementation="sdpa")))
-        with torch.no_grad():
-            for a in attentions(model):
-                for p in (a.q_proj, a.k_proj, a.v_proj):
-                    p.bias.normal_()
+        model = qwen2_with_biases()
     before = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
     backend = CUDABackend(torch.float32)
@@ -441,14 +448,6 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     for (name, a), b in zip(model.named_parameters(), own.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert rows_of_one_tensor([mlps(model)[0].gate_proj.weight, mlps(model)[0].up_proj.weight]) is not None
-
-    class Products(TorchDispatchMode):
-        count = adds = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-            self.adds += func.overloadpacket is torch.ops.aten.add
-            return func(*args, **(kwargs or {}))
 
     model.eval()
     with Products() as outside, torch.no_grad():

@@ -189,18 +189,9 @@ class LoraProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_a, d, down, up = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        d2, x2 = d.view(-1, d.shape[-1]), x_a.reshape(-1, x_a.shape[-1])
-        # scale * g B and scale * g^T d: addmm with beta=0 reads nothing from its first argument
-        grad_x = grad_A = grad_B = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
-            grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
-            if ctx.needs_input_grad[1]:
-                grad_x = torch.mm(grad_d, down).view(x_a.shape)
-            if ctx.needs_input_grad[4]:
-                grad_A = product_in(ctx.dtypes[0], grad_d.t(), x2)
-        if ctx.needs_input_grad[5]:
-            grad_B = product_in(ctx.dtypes[1], g.t(), d2, ctx.scale)
+        needs = ctx.needs_input_grad
+        g, grad_d, grad_A, grad_B = adapter_backward(ctx, grad, x_a, d, up, needs[1], needs[4], needs[5])
+        grad_x = None if not needs[1] else torch.mm(grad_d, down).view(x_a.shape)
         return grad, grad_x, None, None, grad_A, grad_B, None
 
 
@@ -223,18 +214,27 @@ class LoraLinearProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, d, down, up, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        d2, x2 = d.view(-1, d.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = grad_A = grad_B = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[5]:
-            grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
-            if ctx.needs_input_grad[0]:
-                grad_x = torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
-            if ctx.needs_input_grad[5]:
-                grad_A = product_in(ctx.dtypes[0], grad_d.t(), x2)
-        if ctx.needs_input_grad[6]:
-            grad_B = product_in(ctx.dtypes[1], g.t(), d2, ctx.scale)
+        needs = ctx.needs_input_grad
+        g, grad_d, grad_A, grad_B = adapter_backward(ctx, grad, x, d, up, needs[0], needs[5], needs[6])
+        grad_x = None if not needs[0] else torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
         return grad_x, None, None, None, None, grad_A, grad_B, None
+
+
+def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_B: bool) -> tuple:
+    """What the adapter's backward shares: ``(g, grad_d, grad_A, grad_B)`` for the output's gradient
+    ``grad`` (``g``: its rows [M, out]), the adapter's input ``x_a`` and ``d = A x_a``: ``grad_d =
+    scale g B`` (where ``x`` or ``A`` needs it; ``addmm`` with ``beta=0`` reads nothing from its first
+    argument), ``A``'s ``grad_d^T x_a`` and ``B``'s ``scale g^T d``, in the adapters' dtypes."""
+    g = grad.reshape(-1, grad.shape[-1])
+    d2 = d.view(-1, d.shape[-1])
+    grad_d = grad_A = grad_B = None
+    if needs_x or needs_A:
+        grad_d = torch.addmm(d2, g, up, beta=0, alpha=ctx.scale)
+        if needs_A:
+            grad_A = product_in(ctx.dtypes[0], grad_d.t(), x_a.reshape(-1, x_a.shape[-1]))
+    if needs_B:
+        grad_B = product_in(ctx.dtypes[1], g.t(), d2, ctx.scale)
+    return g, grad_d, grad_A, grad_B
 
 
 def _frozen_product(base: torch.nn.Module) -> tuple | None:
