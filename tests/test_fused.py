@@ -62,6 +62,14 @@ class Products(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class KeepsActivations(CUDABackend):
+    """The CUDA backend's choices on a GPU large enough to keep the MLPs' activations (the CPU,
+    with no GPU to weigh them against, has its MLPs recompute them)."""
+
+    def recomputes(self, model: torch.nn.Module) -> bool:
+        return False
+
+
 def qwen2_with_biases():
     """A small random Qwen2 whose q, k and v biases are not zero (transformers starts them at 0)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -425,7 +433,7 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
         model = qwen2_with_biases()
     before = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
-    backend = CUDABackend(torch.float32)
+    backend = KeepsActivations(torch.float32)
     backend.on_device(backend.prepare(model, trains=True))  # as RLModule.on_fit_start does
     own = copy.deepcopy(model)  # the same modules, each weight in a storage of its own (a deep copy)
     assert rows_of_one_tensor([mlps(own)[0].gate_proj.weight, mlps(own)[0].up_proj.weight]) is None
@@ -441,12 +449,24 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     for (name, a), b in zip(model.state_dict().items(), before.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
-    for m in (model, own):  # one AdamW step each: views of one tensor train as separate parameters
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        m(input_ids=ids).logits.square().mean().backward()
+    passes = []
+    for m in (model, own):  # two micro-batches and an optimizer step each: the views train as separate parameters
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)  # linear in the gradients: AdamW's
+        # first step is about lr * sign(g), which turns a rounding of a near-zero gradient into lr
+        with Products() as products:
+            for rows in (slice(0, 1), slice(1, 2)):  # gradients accumulate into the joined rows too
+                m(input_ids=ids[rows]).logits.square().mean().backward()
+        passes.append(products.count)
+        grads = [p.grad.clone() for p in m.parameters()]
         opt.step()
+        m.grads = grads
     for (name, a), b in zip(model.named_parameters(), own.parameters(), strict=True):
-        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    for name, a, b in zip(names, model.grads, own.grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
+    # a training pass multiplies q|k|v and gate|up as one product each way: per layer and micro-batch
+    # 3 + 2 products fewer forward, (2 + 1) x 2 fewer backward (input's and weights' gradients)
+    assert passes[1] - passes[0] == 2 * 9 * model.config.num_hidden_layers
     assert rows_of_one_tensor([mlps(model)[0].gate_proj.weight, mlps(model)[0].up_proj.weight]) is not None
 
     model.eval()
@@ -501,3 +521,26 @@ def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny)
     tiny_trainer(2).fit(module, datamodule=datamodule)
     assert rows_of_one_tensor([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
     assert not torch.equal(mlp.up_proj.weight, before)  # trained, in its joined rows
+
+
+def test_a_joint_product_s_gradients_go_to_each_block_s_own_parameter():
+    """``JointLinear``: one product over weights (and biases) that are row blocks of one tensor,
+    each block's gradient its parameter's: checked against finite differences in float64, with a
+    frozen block given none, and its value ``F.linear`` on the blocks concatenated."""
+    from ngrpo_lightning.backends.joined import JointLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight, bias = torch.randn(9, 4, generator=g).double(), torch.randn(9, generator=g).double()
+    blocks = [weight[:4], weight[4:6], weight[6:]]  # q, k, v-like blocks of one tensor
+    parts = [bias[:4], bias[4:6], bias[6:]]
+    params = [t.clone().requires_grad_(i != 1) for i, t in enumerate(blocks + parts)]  # k's weight frozen
+
+    def joint(x, *params):
+        return JointLinear.apply(x, torch.cat(params[:3]).detach(), torch.cat(params[3:]).detach(), 3, *params)
+
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(joint(x, *params), expected)
+    assert torch.autograd.gradcheck(joint, (x, *params))
+    joint(x, *params).sum().backward()
+    assert params[1].grad is None and params[0].grad.shape == (4, 4) and params[4].grad.shape == (2,)

@@ -46,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ngrpo_lightning.backends.joined import JoinedProjections, join_weights, plain_product
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
 from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked
 
 
@@ -148,10 +149,10 @@ class FusedRotaryAttention(JoinedProjections):
             out = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             return out if residual is None else (residual + out[0], *out[1:])
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        if getattr(self, "_joint", None) is not None:  # in a rollout: [N, L, H + 2 H_kv, d], q and k adjacent
-            weight, bias, sizes = self._joint
-            heads, kv_heads = sizes[0] // self.head_dim, sizes[1] // self.head_dim
-            qkv = torch.nn.functional.linear(hidden_states, weight, bias).view(hidden_shape)
+        qkv = self.joint_output(hidden_states) if hasattr(self, "joint_output") else None
+        if qkv is not None:  # [N, L, H + 2 H_kv, d], q and k adjacent
+            heads, kv_heads = (p.out_features // self.head_dim for p in (self.q_proj, self.k_proj))
+            qkv = qkv.view(hidden_shape)
             both = rotated(qkv[..., : heads + kv_heads, :], *position_embeddings)
             value = qkv[..., heads + kv_heads :, :].transpose(1, 2)
         else:
@@ -225,10 +226,14 @@ class FusedGatedMLP(JoinedProjections):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) its output is added
         onto it, by the down projection's product itself where it can (:func:`plus_product`)."""
-        if getattr(self, "_joint", None) is None:
+        gate_up = self.joint_output(x)
+        if gate_up is None:
             return super().forward(x) if residual is None else residual + super().forward(x)
-        weight, bias, sizes = self._joint
-        return gated(self, torch.nn.functional.linear(x, weight, bias), sizes[0], residual)
+        return gated(self, gate_up, self.gate_proj.out_features, residual)
+
+    def joins_in_training(self) -> bool:
+        """Not where the backend recomputes the MLP's activations (its class tags the products)."""
+        return not isinstance(self, RecomputingGatedMLP)
 
 
 def gated(mlp: torch.nn.Module, gate_up: torch.Tensor, split: int, residual: torch.Tensor | None = None):

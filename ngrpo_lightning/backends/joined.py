@@ -96,6 +96,36 @@ class JoinedProjections:
     def projections(self) -> tuple[torch.nn.Module, ...]:
         raise NotImplementedError
 
+    def joins_in_training(self) -> bool:
+        """Whether a pass outside rollouts may multiply the projections as one product too."""
+        return True
+
+    def joint_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The projections' outputs side by side [..., their widths summed] from one product, or
+        ``None`` (the caller runs them as defined): in a rollout on ``_joint``; in another pass where
+        their weights (and biases) are row blocks of one tensor (:func:`join_weights`), through
+        :class:`JointLinear`, each weight getting its own gradient."""
+        if self._joint is not None:
+            weight, bias, _ = self._joint
+            return torch.nn.functional.linear(x, weight, bias)
+        projections = self.projections()
+        if not self.joins_in_training() or not all(plain_product(p) for p in projections):
+            return None
+        weights, biases = [p.weight for p in projections], [p.bias for p in projections]
+        weight = rows_of_one_tensor(weights)
+        has_bias = biases[0] is not None
+        if weight is None or any((b is not None) != has_bias for b in biases):
+            return None
+        bias = rows_of_one_tensor(biases) if has_bias else None
+        if has_bias and bias is None:
+            return None
+        params = weights + (biases if has_bias else [])
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in params):
+            return torch.nn.functional.linear(x, weight, bias)
+        if torch.is_autocast_enabled(x.device.type):  # the products' dtypes are autocast's: run them apart
+            return None
+        return JointLinear.apply(x, weight, bias, len(weights), *params)
+
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
         """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False``
         (the projections run as defined) where one is not a plain product or LoRA's, or where the
@@ -150,3 +180,35 @@ class JoinedProjections:
             if not self._joint_keeps:
                 projection._kept = None  # a view of this rollout's own copy: let it go with it
         self._joint, self._joint_lora = None, ()
+
+
+class JointLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` where ``weight`` (and ``bias``) are the row blocks of the
+    ``blocks`` layers' parameters given after them, each block's gradient going to its own
+    parameter: one product forward and two in backward (the input's gradient summed by its
+    product), where the layers made one product each way per block and autograd summed their
+    input's gradients. A block's weight gradient is its rows of one product, no copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, blocks, *params):
+        ctx.save_for_backward(x, weight)
+        ctx.sizes, ctx.has_bias = [p.shape[0] for p in params[:blocks]], bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needs, blocks = ctx.needs_input_grad, len(ctx.sizes)
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.mm(g, weight).view(x.shape) if needs[0] else None
+        grad_w = [None] * blocks
+        if any(needs[4 : 4 + blocks]):
+            rows = torch.mm(g.t(), x.reshape(-1, x.shape[-1])).split(ctx.sizes)
+            grad_w = [r if n else None for r, n in zip(rows, needs[4 : 4 + blocks], strict=True)]
+        grad_b = []
+        if ctx.has_bias:
+            grad_b = [None] * blocks
+            if any(needs[4 + blocks :]):
+                sums = g.sum(0).split(ctx.sizes)
+                grad_b = [b if n else None for b, n in zip(sums, needs[4 + blocks :], strict=True)]
+        return (grad_x, None, None, None, *grad_w, *grad_b)
