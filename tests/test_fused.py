@@ -270,13 +270,17 @@ def test_a_lora_policy_prepared_by_the_cuda_backend_decodes_and_trains_as_before
 def test_the_training_forward_of_a_fused_model_is_the_plain_model_s(share, checkpointed):
     """The log-prob pass as training runs it (records with noise, a group's prompt run once or per
     row, gradient checkpointing): the fused model's log-probs, entropies and gradients are the plain
-    model's, in float32."""
+    model's, in float32, its q|k|v and gate|up joined and multiplied as one product each way."""
     from test_forward_chunked import small_llama
     from test_prompt_sharing import grouped_batch, run
 
+    from ngrpo_lightning.backends.fused import join_projections
+
     plain = small_llama()
     fused = copy.deepcopy(plain)
-    assert fused_modules(fused) == 4 * len(fused.model.layers) + 1  # norms, attentions, decoder layers
+    layers = len(fused.model.layers)
+    assert fused_modules(fused) == 4 * layers + 1  # norms, attentions, decoder layers
+    assert fused_mlps(fused) == layers and join_projections(fused) == 2 * layers
     if checkpointed:
         for model in (plain, fused):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
