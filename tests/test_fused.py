@@ -548,3 +548,82 @@ def test_a_joint_product_s_gradients_go_to_each_block_s_own_parameter():
     assert torch.autograd.gradcheck(joint, (x, *params))
     joint(x, *params).sum().backward()
     assert params[1].grad is None and params[0].grad.shape == (4, 4) and params[4].grad.shape == (2,)
+
+
+def test_lora_layers_reading_one_input_are_one_node_with_the_gradients_of_the_layers_apart():
+    """``JointLoraProduct``: q, k, v (and gate, up) LoRA layers with frozen base weights joined, their
+    A's stacked and B's in one block-diagonal matrix: checked against finite differences in float64
+    with three adapters of different ranks, widths and scales."""
+    from ngrpo_lightning.backends.lora import JointLoraProduct
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    widths, ranks, scales = [4, 2, 3], [2, 3, 1], [0.5, 2.0, 1.5]
+    weight, bias = torch.randn(sum(widths), 5, generator=g).double(), torch.randn(sum(widths), generator=g).double()
+    A = [torch.randn(r, 5, generator=g).double().requires_grad_() for r in ranks]
+    B = [torch.randn(w, r, generator=g).double().requires_grad_() for w, r in zip(widths, ranks, strict=True)]
+
+    def joint(x, *params):
+        As, Bs = params[:3], params[3:]
+        blocks = torch.block_diag(*(s * b.detach() for s, b in zip(scales, Bs, strict=True)))
+        down = torch.cat([a.detach() for a in As])
+        return JointLoraProduct.apply(x, weight, bias, down, blocks, scales, *params)
+
+    with torch.no_grad():
+        apart = [
+            torch.nn.functional.linear(x, w, b) + s * x @ a.t() @ bb.t()
+            for w, b, a, bb, s in zip(weight.split(widths), bias.split(widths), A, B, scales, strict=True)
+        ]
+    torch.testing.assert_close(joint(x, *A, *B), torch.cat(apart, -1))
+    assert torch.autograd.gradcheck(joint, (x, *A, *B))
+
+
+def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny):
+    """On a bfloat16 policy with float32 adapters (peft's default on a GPU) the CUDA backend joins
+    the frozen base weights of q, k, v and of gate, up once on the device; a training pass then runs
+    each group as one node (``JointLoraProduct``): fewer products, the same outputs and adapter
+    gradients as the layers apart up to bfloat16 rounding; the reference pass (adapters off)
+    multiplies each group's base weights as one product."""
+    from conftest import trained_lora
+
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+    from ngrpo_lightning.models import lora
+
+    policy = trained_lora(std=0.3).to(torch.bfloat16)
+    for p in policy.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # peft's float32 adapters on the bfloat16 model
+    backend = KeepsActivations(torch.bfloat16)
+    backend.prepare(policy, trains=True)
+    apart = copy.deepcopy(policy)  # its base weights each in a storage of its own: the layers run apart
+    backend.on_device(policy)
+    base = policy.base_model.model
+    attention = attentions(base)[0]
+    assert (
+        rows_of_one_tensor([p.base_layer.weight for p in (attention.q_proj, attention.k_proj, attention.v_proj)])
+        is not None
+    )
+    ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for model in (policy, apart):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with Products() as forward:
+            logits = model(input_ids=ids).logits.float()
+        with Products() as backward:
+            logits.log_softmax(-1).mean().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad(), lora.adapters_off(model), Products() as reference:
+            off = model(input_ids=ids).logits.float()
+        runs.append((logits.detach(), grads, (forward.count, backward.count), off, reference.count))
+    (logits, grads, products, off, reference), (logits0, grads0, products0, off0, reference0) = runs
+    layers = base.config.num_hidden_layers
+    # per layer forward: q|k|v's base and A products once, where each layer made its own (2 x 2
+    # fewer), gate|up's (2 fewer), the B sums likewise (addmm_, uncounted); backward fewer still
+    assert products0[0] - products[0] == 6 * layers and products0[1] - products[1] >= 6 * layers
+    assert reference0 - reference == 3 * layers  # adapters off: one base product per group
+    torch.testing.assert_close(logits, logits0, rtol=0, atol=0.01 * logits0.abs().max().item())
+    torch.testing.assert_close(off, off0, rtol=0, atol=0.01 * off0.abs().max().item())
+    assert grads.keys() == grads0.keys() and grads
+    for name in grads0:  # bfloat16 products in a different order: a relative bound, per adapter
+        assert (grads[name] - grads0[name]).norm() <= 0.05 * grads0[name].norm(), name

@@ -256,7 +256,7 @@ def test_the_base_product_goes_into_the_adapter_s_node_only_when_it_is_a_frozen_
     ``F.linear`` on weights nothing trains: not a layer with hooks, a trained weight or bias, or a
     CPU backend's packed products."""
     from ngrpo_lightning.backends.linear import BackendLinear
-    from ngrpo_lightning.backends.lora import _frozen_product
+    from ngrpo_lightning.backends.lora import frozen_product
 
     def frozen(**change):
         layer = torch.nn.Linear(4, 3)
@@ -267,14 +267,14 @@ def test_the_base_product_goes_into_the_adapter_s_node_only_when_it_is_a_frozen_
             layer.bias.requires_grad_(True)
         if change.get("hooked"):
             layer.register_forward_hook(lambda *args: None)
-        return _frozen_product(layer)
+        return frozen_product(layer)
 
     weight, bias = frozen()
     assert weight.shape == (3, 4) and bias.shape == (3,)
     assert frozen(packed=False) is not None
     assert frozen(packed=True) is None and frozen(bias_trained=True) is None and frozen(hooked=True) is None
     trained = torch.nn.Linear(4, 3)
-    assert _frozen_product(trained) is None
+    assert frozen_product(trained) is None
 
 
 def test_float32_adapters_are_cast_once_per_change_and_never_read_stale():

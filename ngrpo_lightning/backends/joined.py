@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.backends.linear import BackendLinear
-from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.lora import JointLoraProduct, LeanLoraLinear, frozen_product, joint_lora_parts
 
 
 def plain_product(projection: torch.nn.Module) -> bool:
@@ -61,12 +61,49 @@ def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+def _bases(projections: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:
+    """The layers whose weights a group's one product reads: a LoRA layer's base layer, else itself."""
+    return [p.base_layer if isinstance(p, LeanLoraLinear) else p for p in projections]
+
+
+def _joined_tensors(layers: list[torch.nn.Module]) -> tuple | None:
+    """``(weight, bias)``: the ``layers``' weights and biases as one tensor each (views), or ``None``
+    where they are not row blocks of one tensor."""
+    weight = rows_of_one_tensor([layer.weight for layer in layers])
+    biases = [layer.bias for layer in layers]
+    if weight is None or any((b is None) != (biases[0] is None) for b in biases):
+        return None
+    bias = None if biases[0] is None else rows_of_one_tensor(biases)
+    return None if biases[0] is not None and bias is None else (weight, bias)
+
+
+def _lora_joint_output(layers: tuple, x: torch.Tensor) -> torch.Tensor | None:
+    """The lean LoRA ``layers``' outputs side by side from one node (:class:`~.lora.JointLoraProduct`),
+    or from one product of their joined base weights where their adapters are off (the reference's
+    pass); ``None`` where neither applies."""
+    bases = [layer.base_layer for layer in layers]
+    joined = _joined_tensors(bases) if all(frozen_product(b) is not None for b in bases) else None
+    if joined is None:
+        return None
+    weight, bias = joined
+    if all(layer._disable_adapters and not layer.merged_adapters for layer in layers):
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):
+        return None
+    parts = joint_lora_parts(layers, x.dtype, weight)
+    if parts is None:
+        return None
+    down, blocks, scales, params = parts
+    return JointLoraProduct.apply(x, weight, bias, down, blocks, scales, *params)
+
+
 def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
     """Re-home the weights (and biases) of plain linear ``projections`` reading one input as the
     row blocks of one tensor, each parameter a view of its rows (the same ``Parameter`` objects:
     optimizers, state dicts and saving see no change); returns whether they are joined. Meant for a
     model on the device it trains on (:meth:`~.base.Backend.on_device`): moving a model gives each
     weight a storage of its own again."""
+    projections = _bases(projections)  # LoRA's frozen base layers, joined for the adapters' one node
     if not all(plain_product(p) for p in projections):
         return False
     weights = [p.weight for p in projections]
@@ -104,27 +141,26 @@ class JoinedProjections:
         """The projections' outputs side by side [..., their widths summed] from one product, or
         ``None`` (the caller runs them as defined): in a rollout on ``_joint``; in another pass where
         their weights (and biases) are row blocks of one tensor (:func:`join_weights`), through
-        :class:`JointLinear`, each weight getting its own gradient."""
+        :class:`JointLinear`, each weight getting its own gradient (LoRA layers: their joined base
+        weights, :func:`_lora_joint_output`)."""
         if self._joint is not None:
             weight, bias, _ = self._joint
             return torch.nn.functional.linear(x, weight, bias)
         projections = self.projections()
-        if not self.joins_in_training() or not all(plain_product(p) for p in projections):
+        if not self.joins_in_training():
             return None
-        weights, biases = [p.weight for p in projections], [p.bias for p in projections]
-        weight = rows_of_one_tensor(weights)
-        has_bias = biases[0] is not None
-        if weight is None or any((b is not None) != has_bias for b in biases):
+        if all(isinstance(p, LeanLoraLinear) for p in projections):
+            return _lora_joint_output(projections, x)
+        joined = _joined_tensors(list(projections)) if all(plain_product(p) for p in projections) else None
+        if joined is None:
             return None
-        bias = rows_of_one_tensor(biases) if has_bias else None
-        if has_bias and bias is None:
-            return None
-        params = weights + (biases if has_bias else [])
+        weight, bias = joined
+        params = [p.weight for p in projections] + ([p.bias for p in projections] if bias is not None else [])
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in params):
             return torch.nn.functional.linear(x, weight, bias)
         if torch.is_autocast_enabled(x.device.type):  # the products' dtypes are autocast's: run them apart
             return None
-        return JointLinear.apply(x, weight, bias, len(weights), *params)
+        return JointLinear.apply(x, weight, bias, len(projections), *params)
 
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
         """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False``
