@@ -270,27 +270,44 @@ def test_the_engine_keeps_the_caches_of_the_two_batch_sizes_used_last(tiny):
         type(kept._caches)(keep=0)
 
 
-def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_read_them(tiny):
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16-float32-adapters"])
+def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_read_them(tiny, half):
     """A LoRA policy decodes on merged copies W + scale B A. Replayed from graphs, those keep their
     storage across rollouts (rewritten in place after an update), so the graphs recorded in the
-    first rollout serve the next ones; the rollouts are those of merging anew each time."""
+    first rollout serve the next ones; the rollouts are those of merging anew each time. On a
+    bfloat16 model with float32 adapters (a GPU's LoRA run) the training passes between rollouts
+    cast the adapters anew after each optimizer step: caches the rollout's step never reads, which
+    must not have the graphs recorded again."""
     from conftest import trained_lora
 
     from ngrpo_lightning.backends.cuda import CUDABackend
 
     _, tok = tiny
     policy = trained_lora()
-    CUDABackend(torch.float32).prepare(policy)  # the lean LoRA layers, plain products (as on a GPU)
+    if half:
+        policy.to(torch.bfloat16)
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # peft's float32 adapters on the bfloat16 model
+    backend = CUDABackend(policy.dtype)
+    backend.on_device(backend.prepare(policy, trains=half))  # the lean LoRA layers, plain products (as on a GPU)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     prompts = chat_prompt_ids(tok, QUESTIONS)
     replayed = HFEngine(policy, tok, max_new_tokens=12, seed=0, static_cache=True, graphs="rerun")
     anew = HFEngine(policy, tok, max_new_tokens=12, seed=0, static_cache=True)
     graphs = []
     for update in range(3):
-        if update == 2:  # a training step changes the adapters in place
+        if update == 2 and not half:  # a training step changes the adapters in place
             with torch.no_grad():
                 for name, param in policy.named_parameters():
                     if "lora_B" in name:
                         param.mul_(-1.5)
+        elif update and half:  # a training step: its passes cast the changed adapters again
+            policy.train()
+            policy(input_ids=ids).logits.float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         a = replayed.generate(prompts, EXPLORERS["gaussian"](), n=2)
         b = anew.generate(prompts, EXPLORERS["gaussian"](), n=2)
         assert_same_rollouts(a, b)

@@ -52,6 +52,9 @@ class LeanLoraLinear:
     _kept: torch.Tensor | None = None  # the merged copy's storage, kept across rollouts (``keep``)
     _cast: tuple | None = None  # (A, B) in the model's dtype, for the key below
     _cast_key: tuple | None = None  # (adapter, dtype, A's and B's versions and addresses)
+    # caches of training passes, remade after each optimizer step, which a rollout's step never reads
+    # (it multiplies by _merged, made from them before the step): graphs need not be recorded again
+    not_read_in_rollouts = ("_cast", "_joint_lora_cast")
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not args and not kwargs:

@@ -188,7 +188,10 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
     backend's layer holds for the pass (a merged copy), with their shapes and dtypes. Only the
     layers a backend swapped (:mod:`ngrpo_lightning.backends.swap`) hold such copies, so only
     their attributes are looked through: a peft model has thousands of modules, and reading all of
-    their attributes at every rollout took longer than the rollout's decoding of a small model."""
+    their attributes at every rollout took longer than the rollout's decoding of a small model.
+    A layer's caches for training passes, which a rollout's step never reads (its
+    ``not_read_in_rollouts``: LoRA's cast adapters, remade after every optimizer step), are left
+    out: counted, they had the graphs recorded again at every rollout of a LoRA run."""
 
     def held(value):
         if isinstance(value, torch.Tensor):
@@ -202,8 +205,9 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
         tensors.extend(t for t in module._parameters.values() if t is not None)
         tensors.extend(t for t in module._buffers.values() if t is not None)
         if type(module) is not original_class(module):
+            skipped = ("_parameters", "_buffers", *getattr(module, "not_read_in_rollouts", ()))
             for name, value in vars(module).items():
-                if name not in ("_parameters", "_buffers"):
+                if name not in skipped:
                     tensors.extend(held(value))
     # oneDNN's packed weights (a CPU backend's) have no storage to point at: the object stands for it
     return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
