@@ -578,7 +578,16 @@ def test_lora_layers_reading_one_input_are_one_node_with_the_gradients_of_the_la
     assert torch.autograd.gradcheck(joint, (x, *A, *B))
 
 
-def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"), id="on_a_gpu"
+        ),
+    ],
+)
+def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, device):
     """On a bfloat16 policy with float32 adapters (peft's default on a GPU) the CUDA backend joins
     the frozen base weights of q, k, v and of gate, up once on the device; a training pass then runs
     each group as one node (``JointLoraProduct``): fewer products, the same outputs and adapter
@@ -594,16 +603,16 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny):
         if p.requires_grad:
             p.data = p.data.float()  # peft's float32 adapters on the bfloat16 model
     backend = KeepsActivations(torch.bfloat16)
-    backend.prepare(policy, trains=True)
+    backend.prepare(policy, trains=True).to(device)
     apart = copy.deepcopy(policy)  # its base weights each in a storage of its own: the layers run apart
-    backend.on_device(policy)
+    backend.on_device(policy)  # on the GPU: the adapters' float32 gradients written by their products
     base = policy.base_model.model
     attention = attentions(base)[0]
     assert (
         rows_of_one_tensor([p.base_layer.weight for p in (attention.q_proj, attention.k_proj, attention.v_proj)])
         is not None
     )
-    ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
     runs = []
     for model in (policy, apart):
         model.train()
