@@ -68,6 +68,8 @@ def test_whole_steps_on_the_graphs_buffers_give_the_rollouts_of_the_plain_static
     (plain,), _, _, _ = rollouts(model, tok, CAPTURABLE[name], graphs=None)
     (replayed,), sizes, engine, _ = rollouts(model, tok, CAPTURABLE[name], graphs="rerun")
     assert isinstance(engine._caches.graphs[6], StepGraphs)  # the whole step, not the model's only
+    with pytest.raises(TypeError, match="step"):  # never the model's step alone
+        engine._caches.graphs[6](None, None, None, None)
     assert replayed.stats["rollout/graphs_whole_step"] == 1.0 and "rollout/graphs_whole_step" not in plain.stats
     assert_same_rollouts(replayed, plain)
     assert torch.equal(replayed.rollout_logprobs, plain.rollout_logprobs)  # the same kernels on the same values

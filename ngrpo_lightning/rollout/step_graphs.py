@@ -85,6 +85,9 @@ class StepGraphs(DecodeGraphs):
             and fingerprint(explorer) == self.explorer_print
         )
 
+    def __call__(self, *args, **kwargs):
+        raise TypeError("StepGraphs replays whole decoding steps: call step(batch), not the model's step alone")
+
     def batch(self, rows: int) -> Batch:
         """The buffers of the ``rows``-row bucket's step (the whole batch: ``rows == R``)."""
         if rows not in self.batches:
