@@ -22,6 +22,7 @@ graphs checks them), the switch to eval mode and back (every rollout), ``adapter
 
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --dtype bfloat16   # a GPU run's dtypes: LoRA's fused product
+    python benchmarks/host_overhead.py --dtype bfloat16 --modules cuda   # and the CUDA backend's modules
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, copy_tokenizer, print_table, write_json  # noqa: E402
 
 from ngrpo_lightning.backends.base import Backend  # noqa: E402
+from ngrpo_lightning.backends.cuda import CUDABackend  # noqa: E402
 from ngrpo_lightning.backends.passes import packed_for_pass  # noqa: E402
 from ngrpo_lightning.backends.recompute import recomputing  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
@@ -91,20 +93,28 @@ def python_calls(fn) -> int:
     return pstats.Stats(profile).total_calls
 
 
-def measure(path: Path, mode: str, repeats: int, dtype: str = "float32") -> list[dict]:
+class OnAGPU(CUDABackend):
+    """The CUDA backend's modules as on a GPU that keeps the MLPs' activations (the packaged shape
+    on an 80 GB GPU): the CPU, with no GPU memory to weigh them against, would recompute them."""
+
+    def recomputes(self, model: torch.nn.Module) -> bool:
+        return False
+
+
+def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules: str = "base") -> list[dict]:
     policy, tok = load_policy(str(path), dtype=dtype, attn_implementation="sdpa")
     reference = None
     if mode == "LoRA":
         policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=16, alpha=32, target_modules="all-linear"))
     else:
         reference = copy.deepcopy(policy)
-    backend = Backend(dtype=policy.dtype)  # what the CUDA backend does outside decoding
-    backend.prepare(policy, trains=True)
+    backend = OnAGPU(policy.dtype) if modules == "cuda" else Backend(dtype=policy.dtype)
+    backend.on_device(backend.prepare(policy, trains=True))
     module = RLModule(
         policy, tok, TemperatureExplorer(temperature=1.0), GRPO(kl_coef=0.01), lambda texts, answers: None,
         reference=reference, adapters=mode == "LoRA", backend=backend,
     )  # fmt: skip
-    engine = HFEngine(policy, tok, max_new_tokens=8, seed=0, backend=backend, static_cache=True)
+    engine = HFEngine(policy, tok, max_new_tokens=8, seed=0, backend=backend, static_cache=True, graphs=False)
     prompts = [[i % NARROW["vocab_size"] for i in ids] for ids in arithmetic_prompt_ids(tok, 6)]
     explorer = TemperatureExplorer(temperature=1.0)
     batch = engine.generate(prompts, explorer, n=2)
@@ -159,20 +169,25 @@ def main() -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16"],
         help="the model's; LoRA's adapters stay float32 (peft's default): bfloat16 is a GPU run's case",
     )  # fmt: skip
+    ap.add_argument(
+        "--modules", default="base", choices=["base", "cuda"],
+        help="the base backend's (what every device gets) or the CUDA backend's (fused, joined) modules",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core: the host's Python is single-threaded
     with tempfile.TemporaryDirectory() as tmp:
         path = narrow_model(resolve_model_path(args.model), Path(tmp))
-        rows = [row for mode in ("full", "LoRA") for row in measure(path, mode, args.repeats, args.dtype)]
+        rows = [row for mode in ("full", "LoRA") for row in measure(path, mode, args.repeats, args.dtype, args.modules)]
     full = {r["what"]: r["ms"] for r in rows if r["mode"] == "full"}
     for row in rows:
         row["x full's"] = round(row["ms"] / full[row["what"]], 2) if row["what"] in full else None
         row["ms"] = round(row["ms"], 2)
-    shape = f"{args.model}'s structure at width 16, vocabulary 1,024, {args.dtype}, one thread"
+    shape = f"{args.model}'s structure at width 16, vocabulary 1,024, {args.dtype}, {args.modules} modules, one thread"
     print(f"{shape}: milliseconds, median of {args.repeats}")
     print_table(rows, ["mode", "modules", "what", "ms", "x full's", "python calls"])
-    write_json("host_overhead", rows, args.out, model=args.model, width=NARROW, threads=1, dtype=args.dtype)
+    meta = dict(model=args.model, width=NARROW, threads=1, dtype=args.dtype, modules=args.modules)
+    write_json("host_overhead", rows, args.out, **meta)
 
 
 if __name__ == "__main__":

@@ -531,7 +531,7 @@ def test_a_joint_product_s_gradients_go_to_each_block_s_own_parameter():
     """``JointLinear``: one product over weights (and biases) that are row blocks of one tensor,
     each block's gradient its parameter's: checked against finite differences in float64, with a
     frozen block given none, and its value ``F.linear`` on the blocks concatenated."""
-    from ngrpo_lightning.backends.joined import JointLinear
+    from ngrpo_lightning.backends.joint_products import JointLinear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -554,7 +554,7 @@ def test_lora_layers_reading_one_input_are_one_node_with_the_gradients_of_the_la
     """``JointLoraProduct``: q, k, v (and gate, up) LoRA layers with frozen base weights joined, their
     A's stacked and B's in one block-diagonal matrix: checked against finite differences in float64
     with three adapters of different ranks, widths and scales."""
-    from ngrpo_lightning.backends.lora import JointLoraProduct
+    from ngrpo_lightning.backends.joint_products import JointLoraProduct
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)

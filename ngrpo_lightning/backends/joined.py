@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from ngrpo_lightning.backends.joint_products import TrainingJoin
 from ngrpo_lightning.backends.linear import BackendLinear
-from ngrpo_lightning.backends.lora import JointLoraProduct, LeanLoraLinear, frozen_product, joint_lora_parts
+from ngrpo_lightning.backends.lora import LeanLoraLinear
 
 
 def plain_product(projection: torch.nn.Module) -> bool:
@@ -64,37 +65,6 @@ def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 def _bases(projections: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:
     """The layers whose weights a group's one product reads: a LoRA layer's base layer, else itself."""
     return [p.base_layer if isinstance(p, LeanLoraLinear) else p for p in projections]
-
-
-def _joined_tensors(layers: list[torch.nn.Module]) -> tuple | None:
-    """``(weight, bias)``: the ``layers``' weights and biases as one tensor each (views), or ``None``
-    where they are not row blocks of one tensor."""
-    weight = rows_of_one_tensor([layer.weight for layer in layers])
-    biases = [layer.bias for layer in layers]
-    if weight is None or any((b is None) != (biases[0] is None) for b in biases):
-        return None
-    bias = None if biases[0] is None else rows_of_one_tensor(biases)
-    return None if biases[0] is not None and bias is None else (weight, bias)
-
-
-def _lora_joint_output(layers: tuple, x: torch.Tensor) -> torch.Tensor | None:
-    """The lean LoRA ``layers``' outputs side by side from one node (:class:`~.lora.JointLoraProduct`),
-    or from one product of their joined base weights where their adapters are off (the reference's
-    pass); ``None`` where neither applies."""
-    bases = [layer.base_layer for layer in layers]
-    joined = _joined_tensors(bases) if all(frozen_product(b) is not None for b in bases) else None
-    if joined is None:
-        return None
-    weight, bias = joined
-    if all(layer._disable_adapters and not layer.merged_adapters for layer in layers):
-        return torch.nn.functional.linear(x, weight, bias)
-    if torch.is_autocast_enabled(x.device.type):
-        return None
-    parts = joint_lora_parts(layers, x.dtype, weight)
-    if parts is None:
-        return None
-    down, blocks, scales, params = parts
-    return JointLoraProduct.apply(x, weight, bias, down, blocks, scales, *params)
 
 
 def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
@@ -140,27 +110,18 @@ class JoinedProjections:
     def joint_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The projections' outputs side by side [..., their widths summed] from one product, or
         ``None`` (the caller runs them as defined): in a rollout on ``_joint``; in another pass where
-        their weights (and biases) are row blocks of one tensor (:func:`join_weights`), through
-        :class:`JointLinear`, each weight getting its own gradient (LoRA layers: their joined base
-        weights, :func:`_lora_joint_output`)."""
+        their weights (LoRA: their base weights) are row blocks of one tensor (:func:`join_weights`),
+        as :class:`~.joint_products.TrainingJoin` decided once for them and this dtype."""
         if self._joint is not None:
             weight, bias, _ = self._joint
             return torch.nn.functional.linear(x, weight, bias)
-        projections = self.projections()
         if not self.joins_in_training():
             return None
-        if all(isinstance(p, LeanLoraLinear) for p in projections):
-            return _lora_joint_output(projections, x)
-        joined = _joined_tensors(list(projections)) if all(plain_product(p) for p in projections) else None
-        if joined is None:
-            return None
-        weight, bias = joined
-        params = [p.weight for p in projections] + ([p.bias for p in projections] if bias is not None else [])
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in params):
-            return torch.nn.functional.linear(x, weight, bias)
-        if torch.is_autocast_enabled(x.device.type):  # the products' dtypes are autocast's: run them apart
-            return None
-        return JointLinear.apply(x, weight, bias, len(projections), *params)
+        projections = self.projections()
+        plan = self.__dict__.get("_training_join")
+        if plan is None or not plan.holds(projections, x.dtype):
+            plan = self.__dict__["_training_join"] = TrainingJoin(projections, x.dtype)
+        return plan(x)
 
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
         """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False``
@@ -216,35 +177,3 @@ class JoinedProjections:
             if not self._joint_keeps:
                 projection._kept = None  # a view of this rollout's own copy: let it go with it
         self._joint, self._joint_lora = None, ()
-
-
-class JointLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` where ``weight`` (and ``bias``) are the row blocks of the
-    ``blocks`` layers' parameters given after them, each block's gradient going to its own
-    parameter: one product forward and two in backward (the input's gradient summed by its
-    product), where the layers made one product each way per block and autograd summed their
-    input's gradients. A block's weight gradient is its rows of one product, no copy."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, blocks, *params):
-        ctx.save_for_backward(x, weight)
-        ctx.sizes, ctx.has_bias = [p.shape[0] for p in params[:blocks]], bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        needs, blocks = ctx.needs_input_grad, len(ctx.sizes)
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.mm(g, weight).view(x.shape) if needs[0] else None
-        grad_w = [None] * blocks
-        if any(needs[4 : 4 + blocks]):
-            rows = torch.mm(g.t(), x.reshape(-1, x.shape[-1])).split(ctx.sizes)
-            grad_w = [r if n else None for r, n in zip(rows, needs[4 : 4 + blocks], strict=True)]
-        grad_b = []
-        if ctx.has_bias:
-            grad_b = [None] * blocks
-            if any(needs[4 + blocks :]):
-                sums = g.sum(0).split(ctx.sizes)
-                grad_b = [b if n else None for b, n in zip(sums, needs[4 + blocks :], strict=True)]
-        return (grad_x, None, None, None, *grad_w, *grad_b)

@@ -54,7 +54,7 @@ class LeanLoraLinear:
     _cast_key: tuple | None = None  # (adapter, dtype, A's and B's versions and addresses)
     # caches of training passes, remade after each optimizer step, which a rollout's step never reads
     # (it multiplies by _merged, made from them before the step): graphs need not be recorded again
-    not_read_in_rollouts = ("_cast", "_joint_lora_cast")
+    not_read_in_rollouts = ("_cast",)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not args and not kwargs:
@@ -238,72 +238,6 @@ def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_
     if needs_B:
         grad_B = product_in(ctx.dtypes[1], g.t(), d2, ctx.scale)
     return g, grad_d, grad_A, grad_B
-
-
-class JointLoraProduct(torch.autograd.Function):
-    """The LoRA layers that read one input (an attention's q, k, v; a gated MLP's gate, up) as one
-    node: ``linear(x, W, b)`` on their frozen base weights joined as row blocks of one tensor, plus
-    ``d = A x`` for their adapters' A stacked by rows, plus ``d`` times their B's in one
-    block-diagonal matrix (each block ``scale B``, cast): three products forward where each layer
-    made three. Backward: ``grad_d = g B``, the input's gradient ``g W + grad_d A`` (two products
-    for all the layers, where each made two and autograd summed them), the A's gradients from one
-    product (each its rows) and each B's from its own. ``params``: the A's, then the B's."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, down, blocks, scales, *params):
-        out = torch.nn.functional.linear(x, weight, bias)
-        d = torch.nn.functional.linear(x, down)
-        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), blocks.t())
-        ctx.save_for_backward(x, d, down, blocks, weight)
-        count = len(params) // 2
-        ctx.scales, ctx.dtypes = scales, [p.dtype for p in params]
-        ctx.ranks, ctx.widths = [a.shape[0] for a in params[:count]], [b.shape[0] for b in params[count:]]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, d, down, blocks, weight = ctx.saved_tensors
-        needs, count = ctx.needs_input_grad, len(ctx.ranks)
-        g = grad.reshape(-1, grad.shape[-1])
-        d2, x2 = d.view(-1, d.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x, grad_a, grad_b = None, [None] * count, [None] * count
-        if needs[0] or any(needs[6 : 6 + count]):
-            grad_d = torch.mm(g, blocks)  # each adapter's scale B g, side by side
-            if needs[0]:
-                grad_x = torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
-            if any(needs[6 : 6 + count]):
-                rows = product_in(ctx.dtypes[0], grad_d.t(), x2).split(ctx.ranks)
-                grad_a = [r if n else None for r, n in zip(rows, needs[6 : 6 + count], strict=True)]
-        outs, ranks = g.split(ctx.widths, dim=1), d2.split(ctx.ranks, dim=1)
-        for i in range(count):
-            if needs[6 + count + i]:
-                grad_b[i] = product_in(ctx.dtypes[count + i], outs[i].t(), ranks[i], ctx.scales[i])
-        return (grad_x, None, None, None, None, None, *grad_a, *grad_b)
-
-
-def joint_lora_parts(layers: tuple, dtype: torch.dtype, weight: torch.Tensor) -> tuple | None:
-    """``(down, blocks, scales, params)`` for :class:`JointLoraProduct` over the lean LoRA ``layers``
-    on inputs of ``dtype``, or ``None`` where one of them is not the fused kind (float32 adapters on
-    a half model, no dropout, a frozen plain base). The stacked A's and the block-diagonal B's are
-    kept on the first layer until an adapter changes (their version counters)."""
-    parts = [layer._fused_parts(dtype) for layer in layers]
-    if any(p is None or type(p[1]) is not torch.nn.Identity or frozen_product(p[0]) is None for p in parts):
-        return None
-    A, B = [p[4] for p in parts], [p[5] for p in parts]
-    scales = [p[6] for p in parts]
-    key = tuple((t._version, t.data_ptr()) for t in A + B) + (dtype,)
-    kept = layers[0].__dict__.get("_joint_lora_cast")
-    if kept is None or kept[0] != key:
-        with torch.inference_mode(False), torch.no_grad():
-            down = torch.cat([p[2] for p in parts])
-            blocks = weight.new_zeros(weight.shape[0], down.shape[0])
-            row = col = 0
-            for part, scale in zip(parts, scales, strict=True):
-                up = part[3]
-                blocks[row : row + up.shape[0], col : col + up.shape[1]] = (part[5].detach().float() * scale).to(dtype)
-                row, col = row + up.shape[0], col + up.shape[1]
-        kept = layers[0].__dict__["_joint_lora_cast"] = (key, down, blocks)
-    return kept[1], kept[2], scales, A + B
 
 
 def frozen_product(base: torch.nn.Module) -> tuple | None:

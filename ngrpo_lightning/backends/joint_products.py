@@ -1,0 +1,172 @@
+"""Training passes that multiply a group of projections reading one input as one product.
+
+Where the CUDA backend joined the weights of an attention's q, k, v and of a gated MLP's gate,
+up as row blocks of one tensor (:func:`~.joined.join_weights`), the policy's log-prob passes and
+its update multiply each group once: :class:`JointLinear` for plain layers (full fine-tuning),
+:class:`JointLoraProduct` for LoRA layers on frozen base weights. Fewer kernels each way, and
+each parameter still gets its own gradient.
+
+Whether a group can go that way is worked out once and kept (:class:`TrainingJoin`): every
+pass checks only that nothing it relied on moved, the parameters' addresses, the layers' hooks
+and adapters, so a small model's host, which a GPU's update waits on, does less work per layer
+than calling the layers apart, not more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ngrpo_lightning.backends.lora import LeanLoraLinear, frozen_product, product_in
+
+
+class TrainingJoin:
+    """What a training pass multiplies for ``projections`` on inputs of ``dtype``, decided once:
+    ``kind`` ``"plain"`` (:class:`JointLinear`), ``"lora"`` (:class:`JointLoraProduct`) or ``None``
+    (the layers run apart). :meth:`holds` says whether the decision still stands."""
+
+    def __init__(self, projections: tuple, dtype: torch.dtype):
+        from ngrpo_lightning.backends.joined import plain_product, rows_of_one_tensor
+
+        self.projections, self.dtype, self.kind = projections, dtype, None
+        self.weight = self.bias = None
+        self.adapters: list[tuple] = []
+        self.params: list[torch.Tensor] = []
+        lora = all(isinstance(p, LeanLoraLinear) for p in projections)
+        layers = [p.base_layer for p in projections] if lora else list(projections)
+        if lora:
+            parts = [p._fused_parts(dtype) for p in projections]
+            if any(part is None or type(part[1]) is not torch.nn.Identity for part in parts):
+                layers = []
+            # (active adapter, A, B, scale) per layer: what a pass multiplies, and what says it changed
+            self.adapters = [(p._active_adapter, *part[4:7]) for p, part in zip(projections, parts)] if layers else []
+        plain = layers and all((frozen_product(b) if lora else plain_product(b)) for b in layers)
+        biases = [b.bias for b in layers] if plain else []
+        if plain and all((b is None) == (biases[0] is None) for b in biases):
+            self.weight = rows_of_one_tensor([b.weight for b in layers])
+            self.bias = None if biases[0] is None else rows_of_one_tensor(biases)
+            if self.weight is not None and (biases[0] is None or self.bias is not None):
+                self.kind = "lora" if lora else "plain"
+                self.params = [b.weight for b in layers] + ([] if biases[0] is None else biases)
+        if self.kind == "lora":
+            self.trained = [a[1] for a in self.adapters] + [a[2] for a in self.adapters]  # the A's, then the B's
+            self.scales = [a[3] for a in self.adapters]
+            self.params += self.trained
+        self.addresses = [t.data_ptr() for t in self.params]
+        self.cast_key, self.down, self.blocks = None, None, None
+
+    def holds(self, projections: tuple, dtype: torch.dtype) -> bool:
+        """Whether the decision still stands: the same layers and dtype, no hook added, every
+        parameter where it was, and (LoRA) the same active adapters, none merged. Plain loops: this
+        runs for every group at every pass, on the host a small model's GPU step waits on."""
+        if dtype != self.dtype or projections != self.projections:
+            return False
+        for p in projections:
+            if p._forward_hooks or p._forward_pre_hooks:
+                return False
+        for p, adapter in zip(projections, self.adapters):  # none for plain layers
+            if p._active_adapter != adapter[0] or p.merged_adapters:
+                return False
+        for t, address in zip(self.params, self.addresses):
+            if t.data_ptr() != address:
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The group's outputs side by side, or ``None`` (run them apart)."""
+        if self.kind is None:
+            return None
+        if self.kind == "lora":
+            return self._lora(x)
+        if not torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled(x.device.type):  # the products' dtypes are autocast's: run them apart
+            return None
+        return JointLinear.apply(x, self.weight, self.bias, len(self.projections), *self.params)
+
+    def _lora(self, x: torch.Tensor) -> torch.Tensor | None:
+        off = [p._disable_adapters for p in self.projections]
+        if all(off):  # the base model (the reference's pass): one product of the joined base weights
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if any(off) or torch.is_autocast_enabled(x.device.type):
+            return None
+        key = [a._version for a in self.trained]
+        if key != self.cast_key:  # the adapters changed (an optimizer step): cast and stack them again
+            with torch.inference_mode(False), torch.no_grad():
+                self.down = torch.cat([a[1].detach().to(self.dtype) for a in self.adapters])
+                scaled = [(a[2].detach() * a[3]).to(self.dtype) for a in self.adapters]  # rounded once
+                self.blocks = torch.block_diag(*scaled)
+            self.cast_key = key
+        return JointLoraProduct.apply(x, self.weight, self.bias, self.down, self.blocks, self.scales, *self.trained)
+
+
+class JointLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` where ``weight`` (and ``bias``) are the row blocks of the
+    ``blocks`` layers' parameters given after them, each block's gradient going to its own
+    parameter: one product forward and two in backward (the input's gradient summed by its
+    product), where the layers made one product each way per block and autograd summed their
+    input's gradients. A block's weight gradient is its rows of one product, no copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, blocks, *params):
+        ctx.save_for_backward(x, weight)
+        ctx.sizes, ctx.has_bias = [p.shape[0] for p in params[:blocks]], bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needs, blocks = ctx.needs_input_grad, len(ctx.sizes)
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.mm(g, weight).view(x.shape) if needs[0] else None
+        grad_w = [None] * blocks
+        if any(needs[4 : 4 + blocks]):
+            rows = torch.mm(g.t(), x.reshape(-1, x.shape[-1])).split(ctx.sizes)
+            grad_w = [r if n else None for r, n in zip(rows, needs[4 : 4 + blocks], strict=True)]
+        grad_b = []
+        if ctx.has_bias:
+            grad_b = [None] * blocks
+            if any(needs[4 + blocks :]):
+                sums = g.sum(0).split(ctx.sizes)
+                grad_b = [b if n else None for b, n in zip(sums, needs[4 + blocks :], strict=True)]
+        return (grad_x, None, None, None, *grad_w, *grad_b)
+
+
+class JointLoraProduct(torch.autograd.Function):
+    """The LoRA layers that read one input (an attention's q, k, v; a gated MLP's gate, up) as one
+    node: ``linear(x, W, b)`` on their frozen base weights joined as row blocks of one tensor, plus
+    ``d = A x`` for their adapters' A stacked by rows, plus ``d`` times their B's in one
+    block-diagonal matrix (each block ``scale B``, cast): three products forward where each layer
+    made three. Backward: ``grad_d = g B``, the input's gradient ``g W + grad_d A`` (two products
+    for all the layers, where each made two and autograd summed them), the A's gradients from one
+    product (each its rows) and each B's from its own. ``params``: the A's, then the B's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, down, blocks, scales, *params):
+        out = torch.nn.functional.linear(x, weight, bias)
+        d = torch.nn.functional.linear(x, down)
+        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), blocks.t())
+        ctx.save_for_backward(x, d, down, blocks, weight)
+        count = len(params) // 2
+        ctx.scales, ctx.dtypes = scales, [p.dtype for p in params]
+        ctx.ranks, ctx.widths = [a.shape[0] for a in params[:count]], [b.shape[0] for b in params[count:]]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, d, down, blocks, weight = ctx.saved_tensors
+        needs, count = ctx.needs_input_grad, len(ctx.ranks)
+        g = grad.reshape(-1, grad.shape[-1])
+        d2, x2 = d.view(-1, d.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x, grad_a, grad_b = None, [None] * count, [None] * count
+        if needs[0] or any(needs[6 : 6 + count]):
+            grad_d = torch.mm(g, blocks)  # each adapter's scale B g, side by side
+            if needs[0]:
+                grad_x = torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
+            if any(needs[6 : 6 + count]):
+                rows = product_in(ctx.dtypes[0], grad_d.t(), x2).split(ctx.ranks)
+                grad_a = [r if n else None for r, n in zip(rows, needs[6 : 6 + count], strict=True)]
+        outs, ranks = g.split(ctx.widths, dim=1), d2.split(ctx.ranks, dim=1)
+        for i in range(count):
+            if needs[6 + count + i]:
+                grad_b[i] = product_in(ctx.dtypes[count + i], outs[i].t(), ranks[i], ctx.scales[i])
+        return (grad_x, None, None, None, None, None, *grad_a, *grad_b)
