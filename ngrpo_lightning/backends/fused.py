@@ -376,8 +376,14 @@ def fused_mlps(model: torch.nn.Module) -> int:
 
 
 def join_projections(model: torch.nn.Module) -> int:
-    """Re-home the weights of each fused module's plain projections as row blocks of one tensor
-    (:func:`~.joined.join_weights`), so that a rollout multiplies by them in place; returns how
-    many modules were joined (already joined ones count, unchanged). For a model on the device it
-    trains or decodes on, not sharded."""
-    return sum(join_weights(m.projections()) for m in model.modules() if isinstance(m, JoinedProjections))
+    """Re-home the weights of each fused module's projections (LoRA's: their base layers') as row
+    blocks of one tensor (:func:`~.joined.join_weights`), so that a rollout multiplies by them in
+    place and a training pass as one product; returns how many modules were joined (already joined
+    ones count, unchanged). For a model on the device it trains or decodes on, not sharded: only
+    the modules joined here take the training passes' one product."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, JoinedProjections):
+            m.joined_on_device = join_weights(m.projections())
+            count += m.joined_on_device
+    return count

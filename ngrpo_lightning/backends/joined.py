@@ -95,6 +95,7 @@ class JoinedProjections:
     product (the module docstring). The module's forward reads ``_joint``."""
 
     copies_plain = True  # plain weights not already joined are copied into one for a rollout
+    joined_on_device = False  # set by the backend's join (fused.join_projections): training passes join too
     _joint: tuple | None = None  # (weight, bias, sizes) inside a rollout
     _joint_kept: tuple | None = None  # (weight, bias) storage kept across rollouts (``keep``)
     _joint_lora: tuple = ()  # the LoRA projections writing their merged copies into it, this rollout
@@ -115,7 +116,7 @@ class JoinedProjections:
         if self._joint is not None:
             weight, bias, _ = self._joint
             return torch.nn.functional.linear(x, weight, bias)
-        if not self.joins_in_training():
+        if not self.joined_on_device or not self.joins_in_training():  # e.g. sharded by FSDP2: never joined
             return None
         projections = self.projections()
         plan = self.__dict__.get("_training_join")
