@@ -38,10 +38,16 @@
 # The GPU tests build the tiny model from the packaged model's tokenizer: on a machine without a
 # network, carry a cache holding the built tiny model (NGRPO_CACHE=<carried dir>, with tiny/ in it).
 # No step has run since whole decoding steps are recorded (rollout/step_graphs.py): every figure
-# before it had the explorer and bookkeeping launched between replays. Nor since the rotation swaps
-# halves by flip (no copy per layer) and LoRA's node takes in the base product (its float32
-# gradients from out_dtype products: step 2's test_lora_layer checks them, step 3's LoRA row shows
-# the update). What the next session runs:
+# before it had the explorer and bookkeeping launched between replays. Nor since (2026-11-27,
+# night; docs/performance.md "Fewer kernels per layer, counted"): the sampler's blockwise scan
+# (223 us per step at 1.5B before), the rotation's flip (no copy per layer), q|k|v and gate|up as
+# one product on weights joined in place and the residual sums inside the products (752 model
+# kernels per step counted where there were 842), the training passes' joined products
+# (JointLinear; LoRA's JointLoraProduct, float32 gradients from out_dtype products), and the fix
+# of LoRA runs recording their graphs again at every rollout. Step 1's graphs-efficient and
+# graphs-math rows say whether another attention kernel beats cuDNN's 13 us per layer at 1.5B; step
+# 3's update column whether full fine-tuning's joined training passes pay on a host-bound GPU
+# update (the CPU proxy had them 2.6% slower, for 17% fewer operations). What the next session runs:
 #   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
