@@ -44,7 +44,7 @@
 # one product on weights joined in place and the residual sums inside the products (752 model
 # kernels per step counted where there were 842), the training passes' joined products
 # (JointLinear; LoRA's JointLoraProduct, float32 gradients from out_dtype products), and the fix
-# of LoRA runs recording their graphs again at every rollout. Step 1's graphs-efficient and
+# of LoRA runs recording their graphs again at every rollout. Steps 1 and 4's graphs-efficient and
 # graphs-math rows say whether another attention kernel beats cuDNN's 13 us per layer at 1.5B; step
 # 3's update column whether full fine-tuning's joined training passes pay on a host-bound GPU
 # update (the CPU proxy had them 2.6% slower, for 17% fewer operations). What the next session runs:
