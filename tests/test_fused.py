@@ -427,7 +427,7 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     next rollout multiplies by the new weights."""
     from transformers import AutoModelForCausalLM
 
-    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
     from ngrpo_lightning.backends.passes import packed_for_pass
 
     torch.manual_seed(0)
@@ -514,7 +514,7 @@ def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny)
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
     from ngrpo_lightning.backends.cuda import CUDAEagerBackend
-    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
 
     backend = CUDAEagerBackend(torch.float32)
     module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
@@ -595,7 +595,7 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
     multiplies each group's base weights as one product."""
     from conftest import trained_lora
 
-    from ngrpo_lightning.backends.joined import rows_of_one_tensor
+    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
     from ngrpo_lightning.models import lora
 
     policy = trained_lora(std=0.3).to(torch.bfloat16)

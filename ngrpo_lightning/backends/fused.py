@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ngrpo_lightning.backends.joined import JoinedProjections, join_weights, plain_product
+from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
+from ngrpo_lightning.backends.joint_products import plain_product
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
 from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked

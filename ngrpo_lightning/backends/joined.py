@@ -25,18 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.backends.joint_products import TrainingJoin
-from ngrpo_lightning.backends.linear import BackendLinear
+from ngrpo_lightning.backends.joint_products import TrainingJoin, plain_product, rows_of_one_tensor
 from ngrpo_lightning.backends.lora import LeanLoraLinear
-
-
-def plain_product(projection: torch.nn.Module) -> bool:
-    """Whether ``projection``'s forward is ``F.linear`` on its own weight and bias."""
-    if projection._forward_hooks or projection._forward_pre_hooks or not isinstance(projection, torch.nn.Linear):
-        return False
-    return type(projection).forward is torch.nn.Linear.forward or (
-        type(projection).forward is BackendLinear.forward and not projection.pack_once
-    )
 
 
 def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
@@ -46,20 +36,6 @@ def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
         hooked = projection._forward_hooks or projection._forward_pre_hooks
         return projection.base_layer if projection.can_merge() and not hooked else None
     return projection if plain_product(projection) else None
-
-
-def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor whose consecutive row blocks ``tensors`` are, in order (a view, no copy), or ``None``."""
-    first = tensors[0].detach()
-    if any(not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in tensors):
-        return None
-    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
-    for t in tensors:
-        if t.device != first.device or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _bases(projections: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:

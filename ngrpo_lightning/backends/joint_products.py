@@ -7,16 +7,42 @@ its update multiply each group once: :class:`JointLinear` for plain layers (full
 each parameter still gets its own gradient.
 
 Whether a group can go that way is worked out once and kept (:class:`TrainingJoin`): every
-pass checks only that nothing it relied on moved, the parameters' addresses, the layers' hooks
-and adapters, so a small model's host, which a GPU's update waits on, does less work per layer
-than calling the layers apart, not more.
+pass checks only that nothing it relied on moved (the parameters' addresses, the layers' hooks
+and adapters), a few attribute reads per group, since a small model's GPU update waits on its
+host. What the decision reads: whether a layer's forward is a plain product
+(:func:`plain_product`) and whether weights are row blocks of one tensor
+(:func:`rows_of_one_tensor`), which the rollouts' joins (:mod:`.joined`) read too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ngrpo_lightning.backends.linear import BackendLinear
 from ngrpo_lightning.backends.lora import LeanLoraLinear, frozen_product, product_in
+
+
+def plain_product(projection: torch.nn.Module) -> bool:
+    """Whether ``projection``'s forward is ``F.linear`` on its own weight and bias."""
+    if projection._forward_hooks or projection._forward_pre_hooks or not isinstance(projection, torch.nn.Linear):
+        return False
+    return type(projection).forward is torch.nn.Linear.forward or (
+        type(projection).forward is BackendLinear.forward and not projection.pack_once
+    )
+
+
+def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks ``tensors`` are, in order (a view, no copy), or ``None``."""
+    first = tensors[0].detach()
+    if any(not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if t.device != first.device or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 class TrainingJoin:
@@ -25,8 +51,6 @@ class TrainingJoin:
     (the layers run apart). :meth:`holds` says whether the decision still stands."""
 
     def __init__(self, projections: tuple, dtype: torch.dtype):
-        from ngrpo_lightning.backends.joined import plain_product, rows_of_one_tensor
-
         self.projections, self.dtype, self.kind = projections, dtype, None
         self.weight = self.bias = None
         self.adapters: list[tuple] = []
