@@ -591,8 +591,9 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
     """On a bfloat16 policy with float32 adapters (peft's default on a GPU) the CUDA backend joins
     the frozen base weights of q, k, v and of gate, up once on the device; a training pass then runs
     each group as one node (``JointLoraProduct``): fewer products, the same outputs and adapter
-    gradients as the layers apart up to bfloat16 rounding; the reference pass (adapters off)
-    multiplies each group's base weights as one product."""
+    gradients as the layers apart up to bfloat16 rounding; the reference pass (adapters off), run
+    first as in a training step, multiplies each group's base weights as one product and leaves
+    the adapters' pass its one node."""
     from conftest import trained_lora
 
     from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
@@ -617,13 +618,13 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
     for model in (policy, apart):
         model.train()
         model.zero_grad(set_to_none=True)
+        with torch.no_grad(), lora.adapters_off(model), Products() as reference:  # first, as in a step
+            off = model(input_ids=ids).logits.float()
         with Products() as forward:
             logits = model(input_ids=ids).logits.float()
         with Products() as backward:
             logits.log_softmax(-1).mean().backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-        with torch.no_grad(), lora.adapters_off(model), Products() as reference:
-            off = model(input_ids=ids).logits.float()
         runs.append((logits.detach(), grads, (forward.count, backward.count), off, reference.count))
     (logits, grads, products, off, reference), (logits0, grads0, products0, off0, reference0) = runs
     layers = base.config.num_hidden_layers

@@ -48,21 +48,25 @@ def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 class TrainingJoin:
     """What a training pass multiplies for ``projections`` on inputs of ``dtype``, decided once:
     ``kind`` ``"plain"`` (:class:`JointLinear`), ``"lora"`` (:class:`JointLoraProduct`) or ``None``
-    (the layers run apart). :meth:`holds` says whether the decision still stands."""
+    (the layers run apart). :meth:`holds` says whether the decision still stands. LoRA layers are
+    judged whatever their adapters' state (off for the reference's pass, often a step's first);
+    :meth:`__call__` reads that state at each pass."""
 
     def __init__(self, projections: tuple, dtype: torch.dtype):
         self.projections, self.dtype, self.kind = projections, dtype, None
         self.weight = self.bias = None
         self.adapters: list[tuple] = []
         self.params: list[torch.Tensor] = []
-        lora = all(isinstance(p, LeanLoraLinear) for p in projections)
+        self.lora = lora = all(isinstance(p, LeanLoraLinear) for p in projections)
         layers = [p.base_layer for p in projections] if lora else list(projections)
-        if lora:
-            parts = [p._fused_parts(dtype) for p in projections]
-            if any(part is None or type(part[1]) is not torch.nn.Identity for part in parts):
+        if lora:  # the adapters whatever their state now (the reference's pass turns them off)
+            self.active = [p._active_adapter for p in projections]
+            parts = [p.adapter_weights(dtype) for p in projections]
+            usable = all(part is not None and type(part[4]) is torch.nn.Identity for part in parts)
+            if not usable or any(p.merged_adapters for p in projections):
                 layers = []
-            # (active adapter, A, B, scale) per layer: what a pass multiplies, and what says it changed
-            self.adapters = [(p._active_adapter, *part[4:7]) for p, part in zip(projections, parts)] if layers else []
+            # (A, B, scale) per layer: what a pass multiplies, and what says it changed
+            self.adapters = [part[1:4] for part in parts] if layers else []
         plain = layers and all((frozen_product(b) if lora else plain_product(b)) for b in layers)
         biases = [b.bias for b in layers] if plain else []
         if plain and all((b is None) == (biases[0] is None) for b in biases):
@@ -72,8 +76,8 @@ class TrainingJoin:
                 self.kind = "lora" if lora else "plain"
                 self.params = [b.weight for b in layers] + ([] if biases[0] is None else biases)
         if self.kind == "lora":
-            self.trained = [a[1] for a in self.adapters] + [a[2] for a in self.adapters]  # the A's, then the B's
-            self.scales = [a[3] for a in self.adapters]
+            self.trained = [a[0] for a in self.adapters] + [a[1] for a in self.adapters]  # the A's, then the B's
+            self.scales = [a[2] for a in self.adapters]
             self.params += self.trained
         self.addresses = [t.data_ptr() for t in self.params]
         self.cast_key, self.down, self.blocks = None, None, None
@@ -87,9 +91,10 @@ class TrainingJoin:
         for p in projections:
             if p._forward_hooks or p._forward_pre_hooks:
                 return False
-        for p, adapter in zip(projections, self.adapters):  # none for plain layers
-            if p._active_adapter != adapter[0] or p.merged_adapters:
-                return False
+        if self.lora:
+            for p, active in zip(projections, self.active):
+                if p._active_adapter != active or p.merged_adapters:
+                    return False
         for t, address in zip(self.params, self.addresses):
             if t.data_ptr() != address:
                 return False
@@ -116,8 +121,8 @@ class TrainingJoin:
         key = [a._version for a in self.trained]
         if key != self.cast_key:  # the adapters changed (an optimizer step): cast and stack them again
             with torch.inference_mode(False), torch.no_grad():
-                self.down = torch.cat([a[1].detach().to(self.dtype) for a in self.adapters])
-                scaled = [(a[2].detach() * a[3]).to(self.dtype) for a in self.adapters]  # rounded once
+                self.down = torch.cat([a[0].detach().to(self.dtype) for a in self.adapters])
+                scaled = [(a[1].detach() * a[2]).to(self.dtype) for a in self.adapters]  # rounded once
                 self.blocks = torch.block_diag(*scaled)
             self.cast_key = key
         return JointLoraProduct.apply(x, self.weight, self.bias, self.down, self.blocks, self.scales, *self.trained)

@@ -96,6 +96,17 @@ class LeanLoraLinear:
         (docs/lora.md), a GPU update of a small model waiting on each."""
         if self._disable_adapters or self.merged_adapters:
             return None
+        adapter = self.adapter_weights(dtype)
+        if adapter is None:
+            return None
+        name, A, B, scale, dropout = adapter
+        down, up = self.adapters_in(name, dtype, A, B)
+        return self._modules["base_layer"], dropout, down, up, A, B, scale
+
+    def adapter_weights(self, dtype: torch.dtype) -> tuple | None:
+        """``(adapter, A, B, scale, dropout)`` of the one plain active adapter, float32 on inputs of
+        half ``dtype``, whether it is on, off or merged just now; else ``None`` (several active, a
+        variant, an adapter bias, adapters already in ``dtype``)."""
         name = self._active_adapter
         if not isinstance(name, str):
             if len(name) != 1:
@@ -108,9 +119,7 @@ class LeanLoraLinear:
         if A.dtype == dtype or not self._casts_to(A.dtype, dtype):
             return None
         B = self._modules["lora_B"]._modules[name]._parameters["weight"]
-        down, up = self.adapters_in(name, dtype, A, B)
-        dropout = self._modules["lora_dropout"]._modules[name]
-        return self._modules["base_layer"], dropout, down, up, A, B, self.scaling[name]
+        return name, A, B, self.scaling[name], self._modules["lora_dropout"]._modules[name]
 
     def adapters_in(self, adapter: str, dtype: torch.dtype, A=None, B=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``adapter``'s A and B (its weights, where the caller has them) in ``dtype``, without
