@@ -563,19 +563,25 @@ def test_lora_layers_reading_one_input_are_one_node_with_the_gradients_of_the_la
     A = [torch.randn(r, 5, generator=g).double().requires_grad_() for r in ranks]
     B = [torch.randn(w, r, generator=g).double().requires_grad_() for w, r in zip(widths, ranks, strict=True)]
 
-    def joint(x, *params):
+    def joint(x, *params, scales=scales):  # several scales: each block scaled, alpha 1
         As, Bs = params[:3], params[3:]
         blocks = torch.block_diag(*(s * b.detach() for s, b in zip(scales, Bs, strict=True)))
         down = torch.cat([a.detach() for a in As])
-        return JointLoraProduct.apply(x, weight, bias, down, blocks, scales, *params)
+        return JointLoraProduct.apply(x, weight, bias, down, blocks, scales, 1.0, *params)
 
-    with torch.no_grad():
-        apart = [
-            torch.nn.functional.linear(x, w, b) + s * x @ a.t() @ bb.t()
-            for w, b, a, bb, s in zip(weight.split(widths), bias.split(widths), A, B, scales, strict=True)
-        ]
-    torch.testing.assert_close(joint(x, *A, *B), torch.cat(apart, -1))
-    assert torch.autograd.gradcheck(joint, (x, *A, *B))
+    def one_scale(x, *params):  # one scale for all: the blocks are the B's, the products apply it
+        blocks = torch.block_diag(*(b.detach() for b in params[3:]))
+        down = torch.cat([a.detach() for a in params[:3]])
+        return JointLoraProduct.apply(x, weight, bias, down, blocks, [0.75] * 3, 0.75, *params)
+
+    for function, used in ((joint, scales), (one_scale, [0.75] * 3)):
+        with torch.no_grad():
+            apart = [
+                torch.nn.functional.linear(x, w, b) + s * x @ a.t() @ bb.t()
+                for w, b, a, bb, s in zip(weight.split(widths), bias.split(widths), A, B, used, strict=True)
+            ]
+        torch.testing.assert_close(function(x, *A, *B), torch.cat(apart, -1))
+        assert torch.autograd.gradcheck(function, (x, *A, *B))
 
 
 @pytest.mark.parametrize(

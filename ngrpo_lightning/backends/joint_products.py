@@ -66,7 +66,7 @@ class TrainingJoin:
             if not usable or any(p.merged_adapters for p in projections):
                 layers = []
             # (A, B, scale) per layer: what a pass multiplies, and what says it changed
-            self.adapters = [part[1:4] for part in parts] if layers else []
+            self.adapters = [part[:4] for part in parts] if layers else []  # (name, A, B, scale)
         plain = layers and all((frozen_product(b) if lora else plain_product(b)) for b in layers)
         biases = [b.bias for b in layers] if plain else []
         if plain and all((b is None) == (biases[0] is None) for b in biases):
@@ -76,8 +76,9 @@ class TrainingJoin:
                 self.kind = "lora" if lora else "plain"
                 self.params = [b.weight for b in layers] + ([] if biases[0] is None else biases)
         if self.kind == "lora":
-            self.trained = [a[0] for a in self.adapters] + [a[1] for a in self.adapters]  # the A's, then the B's
-            self.scales = [a[2] for a in self.adapters]
+            self.trained = [a[1] for a in self.adapters] + [a[2] for a in self.adapters]  # the A's, then the B's
+            self.scales = [a[3] for a in self.adapters]
+            self.alpha = self.scales[0] if len(set(self.scales)) == 1 else None  # one scale: the products apply it
             self.params += self.trained
         self.addresses = [t.data_ptr() for t in self.params]
         self.cast_key, self.down, self.blocks = None, None, None
@@ -121,11 +122,19 @@ class TrainingJoin:
         key = [a._version for a in self.trained]
         if key != self.cast_key:  # the adapters changed (an optimizer step): cast and stack them again
             with torch.inference_mode(False), torch.no_grad():
-                self.down = torch.cat([a[0].detach().to(self.dtype) for a in self.adapters])
-                scaled = [(a[1].detach() * a[2]).to(self.dtype) for a in self.adapters]  # rounded once
+                # the layers' own cast copies (adapters_in), which the rollout's merging made already
+                casts = [p.adapters_in(a[0], self.dtype, a[1], a[2]) for p, a in zip(self.projections, self.adapters)]
+                self.down = torch.cat([c[0] for c in casts])
+                if self.alpha is not None:
+                    scaled = [c[1] for c in casts]
+                else:  # several scales: each B scaled in float32, rounded once
+                    scaled = [(a[2].detach() * a[3]).to(self.dtype) for a in self.adapters]
                 self.blocks = torch.block_diag(*scaled)
             self.cast_key = key
-        return JointLoraProduct.apply(x, self.weight, self.bias, self.down, self.blocks, self.scales, *self.trained)
+        alpha = 1.0 if self.alpha is None else self.alpha
+        return JointLoraProduct.apply(
+            x, self.weight, self.bias, self.down, self.blocks, self.scales, alpha, *self.trained
+        )
 
 
 class JointLinear(torch.autograd.Function):
@@ -164,19 +173,21 @@ class JointLoraProduct(torch.autograd.Function):
     """The LoRA layers that read one input (an attention's q, k, v; a gated MLP's gate, up) as one
     node: ``linear(x, W, b)`` on their frozen base weights joined as row blocks of one tensor, plus
     ``d = A x`` for their adapters' A stacked by rows, plus ``d`` times their B's in one
-    block-diagonal matrix (each block ``scale B``, cast): three products forward where each layer
-    made three. Backward: ``grad_d = g B``, the input's gradient ``g W + grad_d A`` (two products
-    for all the layers, where each made two and autograd summed them), the A's gradients from one
-    product (each its rows) and each B's from its own. ``params``: the A's, then the B's."""
+    block-diagonal matrix, times ``alpha`` (one scale for all the adapters, the usual case: the
+    blocks are their cast B's; several scales: each block is ``scale B``, and ``alpha`` is 1):
+    three products forward where each layer made three. Backward: ``grad_d = alpha g B``, the
+    input's gradient ``g W + grad_d A`` (two products for all the layers, where each made two and
+    autograd summed them), the A's gradients from one product (each its rows) and each B's from its
+    own. ``params``: the A's, then the B's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, down, blocks, scales, *params):
+    def forward(ctx, x, weight, bias, down, blocks, scales, alpha, *params):
         out = torch.nn.functional.linear(x, weight, bias)
         d = torch.nn.functional.linear(x, down)
-        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), blocks.t())
+        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), blocks.t(), alpha=alpha)
         ctx.save_for_backward(x, d, down, blocks, weight)
         count = len(params) // 2
-        ctx.scales, ctx.dtypes = scales, [p.dtype for p in params]
+        ctx.scales, ctx.alpha, ctx.dtypes = scales, alpha, [p.dtype for p in params]
         ctx.ranks, ctx.widths = [a.shape[0] for a in params[:count]], [b.shape[0] for b in params[count:]]
         return out
 
@@ -187,15 +198,16 @@ class JointLoraProduct(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         d2, x2 = d.view(-1, d.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x, grad_a, grad_b = None, [None] * count, [None] * count
-        if needs[0] or any(needs[6 : 6 + count]):
-            grad_d = torch.mm(g, blocks)  # each adapter's scale B g, side by side
+        first = 7  # the A's, then the B's
+        if needs[0] or any(needs[first : first + count]):
+            grad_d = torch.addmm(d2, g, blocks, beta=0, alpha=ctx.alpha)  # each adapter's scale B g, side by side
             if needs[0]:
                 grad_x = torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
-            if any(needs[6 : 6 + count]):
+            if any(needs[first : first + count]):
                 rows = product_in(ctx.dtypes[0], grad_d.t(), x2).split(ctx.ranks)
-                grad_a = [r if n else None for r, n in zip(rows, needs[6 : 6 + count], strict=True)]
+                grad_a = [r if n else None for r, n in zip(rows, needs[first : first + count], strict=True)]
         outs, ranks = g.split(ctx.widths, dim=1), d2.split(ctx.ranks, dim=1)
         for i in range(count):
-            if needs[6 + count + i]:
+            if needs[first + count + i]:
                 grad_b[i] = product_in(ctx.dtypes[count + i], outs[i].t(), ranks[i], ctx.scales[i])
-        return (grad_x, None, None, None, None, None, *grad_a, *grad_b)
+        return (grad_x, None, None, None, None, None, None, *grad_a, *grad_b)
