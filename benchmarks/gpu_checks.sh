@@ -72,7 +72,8 @@ gpu && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(torch.__version__, transformers.__version__, peft.__version__)" || exit 1
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
-    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_lora_layer.py tests/test_step_graphs.py tests/test_sampling.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_joined.py tests/test_lora_layer.py tests/test_step_graphs.py \
+    tests/test_sampling.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
