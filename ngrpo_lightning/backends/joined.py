@@ -23,6 +23,8 @@ rollout, rewritten in place, so the graphs' addresses hold.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from ngrpo_lightning.backends.joint_products import TrainingJoin, plain_product, rows_of_one_tensor
@@ -77,8 +79,10 @@ class JoinedProjections:
     _joint_lora: tuple = ()  # the LoRA projections writing their merged copies into it, this rollout
     _joint_keeps: bool = False  # this rollout's copy is the kept one
 
+    @abc.abstractmethod
     def projections(self) -> tuple[torch.nn.Module, ...]:
-        raise NotImplementedError
+        """The layers that read the module's one input, in the order of their outputs side by side
+        (an attention's q, k, v; a gated MLP's gate, up): each mixin names its own."""
 
     def joins_in_training(self) -> bool:
         """Whether a pass outside rollouts may multiply the projections as one product too."""
