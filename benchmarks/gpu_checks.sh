@@ -28,8 +28,11 @@
 #   9. `ngrpo train experiment=ngrpo trainer=gpu` end to end (validation, checkpoint), then resume=last
 #  10. a group's prompt run once or per row, the log-prob passes timed both ways at both shapes, beside
 #      what the CUDA backend decides (benchmarks/prompt_sharing.py: its "right" column)
+#  11. a new pass width's cost (benchmarks/attention_shapes.py): a training pass at 16 widths never seen,
+#      then again, with transformers' sdpa and with the backend's widths in buckets, at both shapes
+#      (each in a process of its own: about 20 s a shape)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
-# All ten do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
+# All eleven do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
 # that evening "2 3 5" (step 3 with its second full run) took 365 s and "7" 207 s (TRL at 1.5B: 72 s).
 # Reading a profile back (steps 3 and 5) took 18 s per run on the CPU. A session's 15 minutes hold
@@ -47,23 +50,27 @@
 # of LoRA runs recording their graphs again at every rollout. Steps 1 and 4's graphs-efficient and
 # graphs-math rows say whether another attention kernel beats cuDNN's 13 us per layer at 1.5B; step
 # 3's update column whether full fine-tuning's joined training passes pay on a host-bound GPU
-# update (the CPU proxy had them 2.6% slower, for 17% fewer operations). What the next session runs:
+# update (the CPU proxy had them 2.6% slower, for 17% fewer operations). Nor since (2026-11-28):
+# masked passes' attention at a bounded set of widths (backends/width_buckets.py); step 11 says
+# what a new width costs without them, which the fixed-length workloads of steps 3 and 5 never
+# meet (random weights decode to the token limit). What the next session runs:
 #   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
-#   STEPS="4 8 9"     LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to end)
+#   STEPS="4 8 9 11"  LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to end,
+#                     what a new pass width costs with and without the width buckets)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
-#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9 10"); without step 1 later runs use the
+#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9 10 11"); without step 1 later runs use the
 #             default backend (graphs), with it the eager one where recording failed
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B), with MLflow and
 #             reasoning-gym hidden as the GPU image lacks them (HIDE: the packages hidden)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10}
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10 11}
 mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -73,7 +80,7 @@ $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(to
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
     tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_joined.py tests/test_lora_layer.py tests/test_step_graphs.py \
-    tests/test_sampling.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_sampling.py tests/test_width_buckets.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
@@ -157,5 +164,13 @@ if want 10; then
   P="$PY benchmarks/prompt_sharing.py --device $DEV --dtype bfloat16 ${PROBLEMS:+--problems $PROBLEMS}"
   timeout -s INT "$(left 45)" $P --model $MODELS/smollm2-135m-bfloat16 --tokens "$TOK" --out "$OUT/sharing_small.json"
   timeout -s INT "$(left 60)" $P --model $MODELS/qwen2.5-1.5b-bfloat16 --tokens "$LONG" --out "$OUT/sharing_1.5b.json"
+fi
+if want 11; then
+  echo "== 11. a new pass width's cost: transformers' sdpa against the backend's width buckets ($SECONDS s)"
+  S="$PY benchmarks/attention_shapes.py --dtype bfloat16"
+  timeout -s INT "$(left 60)" $S --model $MODELS/smollm2-135m-bfloat16 --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
+    --out "$OUT/shapes_small.json"
+  gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-bfloat16 --widths 150:360 --calls 16 \
+    --out "$OUT/shapes_1.5b.json"
 fi
 echo "== done ($SECONDS s)"

@@ -9,8 +9,9 @@ grouped heads as they are (``enable_gqa=True``) and gives the same values and gr
 without the copies: on the packaged model that is 60 copies of the KV cache per decoding step
 and per forward. So on CPU this function passes ``enable_gqa``. On a GPU a decoding step stacks
 the query heads of a group as queries of their KV head (:func:`stacked_decoding_attention`), and
-every other pass (and attention with dropout, a position bias or returned weights anywhere) is
-transformers' ``sdpa`` unchanged.
+every other pass is transformers' ``sdpa`` at a bounded set of widths (:mod:`.width_buckets`:
+the GPU's attention library builds a plan per shape); attention with dropout, a position bias or
+returned weights is transformers' ``sdpa`` unchanged anywhere.
 
 A decoding step (one query per row) on CPU is two batched matmuls with the query heads of a
 group stacked in one product (:func:`grouped_attention`): each key and value is read once
@@ -47,6 +48,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from ngrpo_lightning.backends.width_buckets import bucketed_attention
+
 NAME = "sdpa_gqa"
 
 
@@ -57,8 +60,10 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
     special = special or kwargs.get("output_attentions", False) or (getattr(module, "training", False) and dropout)
     if query.device.type != "cpu" and not special and query.shape[-2] == 1 and attention_mask is not None:
         return stacked_decoding_attention(query, key, value, attention_mask, scaling), None
-    if query.device.type != "cpu" or special:
+    if special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.device.type != "cpu":  # a GPU's attention plans per shape: a bounded set of widths
+        return bucketed_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.shape[-2] == 1:  # a decoding step
         if attention_mask is not None:
             attention_mask = attention_mask[..., : key.shape[-2]]

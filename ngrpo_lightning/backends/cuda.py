@@ -23,7 +23,9 @@ ten (:mod:`.fused`). In a rollout queries, keys and values are one product, and 
 MLP's gate and up projections (:mod:`.joined`): once a policy sits on its GPU (not sharded),
 those weights are re-homed as row blocks of one tensor (:meth:`CUDABackend.on_device`), so the
 product reads them in place; and each decoder layer's two residual sums are made by the output
-and down projections' products (``addmm``).
+and down projections' products (``addmm``). A masked pass (a rollout's prefill, a log-prob or
+training pass) computes its attention at one of a bounded set of widths (:mod:`.width_buckets`),
+since cuDNN's attention builds a plan for every new shape and passes come at new widths.
 Everything the base :class:`~.base.Backend` does applies
 (LoRA's lean layers and merged decoding, chunked log-probs), with the LM head's softmax
 recomputed in backward, never kept, and two choices made by size: the MLP's activations are

@@ -1,0 +1,90 @@
+"""Attention passes on a GPU at a bounded set of widths, so its attention library builds a
+bounded number of plans.
+
+PyTorch's cuDNN attention, the kernel a GPU ran for every masked pass here (log-prob and training
+passes: the H100 traces in docs/performance.md), builds a plan for each new shape it meets: batch,
+query length and key length exactly, and keeps it for the process. A build takes host time
+(hundreds of milliseconds have been reported), once per shape and direction. A training run meets
+a new width at almost every pass: each pass is cut to its own rows' longest sequence
+(:meth:`~ngrpo_lightning.rollout.batch.RolloutBatch.trim`), and responses end where they end. The
+benchmarks' workloads hide it (random weights decode to the token limit, so every pass has one
+width); the eager decoding row of the H100 table shows it: a new key length at each of 40 steps,
+6.06 s of warm-up where replayed steps (one shape) took 0.96 s.
+
+So a masked pass is padded, inside attention only, to :func:`bucket_width` of its lengths: a
+multiple of 64 up to 512 positions, then eight widths per doubling (at most 12.5% more). The
+linear layers, most of a pass's work, keep the exact width. The result is the same: a padded key
+is masked out of every real query's softmax, and a padded query reads every key (finite values)
+and is cut from the output, so no gradient reaches it. ``benchmarks/attention_shapes.py`` times a
+pass at new widths both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+# Up to this many positions the widths are multiples of SMALLEST_STEP; above it, 8 per doubling.
+SMALLEST_STEP = 64
+STEPS_PER_DOUBLING = 8
+
+
+def bucket_width(n: int) -> int:
+    """The width a pass of ``n`` positions computes attention at: the next multiple of 64 up to
+    512, then the next of eight evenly spaced widths per doubling (513 -> 576, 1,000 -> 1,024,
+    5,000 -> 5,120). At most 63 positions or 12.5% more than ``n``: 8 widths up to 512 and 8 in
+    each doubling after it, 44 up to 12,288 positions."""
+    if n <= SMALLEST_STEP:
+        return SMALLEST_STEP if n > 0 else n
+    below = 1 << ((n - 1).bit_length() - 1)  # the power of two below n
+    step = max(SMALLEST_STEP, below // STEPS_PER_DOUBLING)
+    return -(-n // step) * step
+
+
+def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' ``sdpa`` attention (query [B, H, Lq, d], key/value [B, H_kv, Lk, d]; returns
+    ([B, Lq, H, d], None)) computed at :func:`bucket_width` of Lq and Lk. A pass without a mask is
+    causal, and is padded only where queries and keys are the same positions (padding after the
+    last position changes no causal row); a pass with a mask gets masked key columns and query
+    rows that read every key. Each KV head is copied once per query head of its group straight
+    into the padded width (transformers copies them too, given a mask) and the output is cut in
+    the copy that makes it contiguous: the padding adds a query copy and two fills per layer."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    causal = attention_mask is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
+    wq, wk = bucket_width(lq), bucket_width(lk)
+    if (wq, wk) == (lq, lk) or (attention_mask is None and not (causal and lq == lk)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    query = F.pad(query, (0, 0, 0, wq - lq))
+    key, value = heads_at_width(key, groups, wk), heads_at_width(value, groups, wk)
+    mask = None if attention_mask is None else padded_mask(attention_mask, lk, wq, wk)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=bool(causal)
+    )
+    return out[:, :, :lq].transpose(1, 2).contiguous(), None
+
+
+def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """Keys or values [B, H_kv, L, d] as [B, H_kv x groups, width, d]: each head once per query head
+    of its group, in order (transformers' ``repeat_kv``), the positions after L zero."""
+    rows, heads, length, dim = t.shape
+    out = t.new_zeros(rows, heads, groups, width, dim)
+    out[:, :, :, :length] = t[:, :, None]
+    return out.view(rows, heads * groups, width, dim)
+
+
+def padded_mask(mask: torch.Tensor, lk: int, wq: int, wk: int) -> torch.Tensor:
+    """``mask`` [B, 1, Lq, >= Lk] (boolean, True where a key is read, or additive) for its first
+    ``lk`` keys at [B, 1, wq, wk]: the new keys read by no real query, the new queries reading
+    every key. Made once per forward and kept on the mask, which every layer shares."""
+    cache = mask.__dict__.setdefault("_ngrpo_padded", {})
+    if (lk, wq, wk) not in cache:
+        lq = mask.shape[-2]
+        if mask.dtype == torch.bool:
+            hidden, read = False, True
+        else:
+            hidden, read = float("-inf"), 0.0  # below any masked score: a row that reads no key keeps its values
+        keys = F.pad(mask[..., :lk], (0, wk - lk), value=hidden)
+        cache[lk, wq, wk] = F.pad(keys, (0, 0, 0, wq - lq), value=read)
+    return cache[lk, wq, wk]
