@@ -16,6 +16,7 @@ from test_hf_engine_live_rows import (
     how_rollouts_differ,
 )
 
+from ngrpo_lightning.backends.width_buckets import bucket_width
 from ngrpo_lightning.rollout import HFEngine
 from ngrpo_lightning.rollout.static_cache import RowsStaticLayer, WritePositions, batch_buckets
 from ngrpo_lightning.training.forward import response_logprobs
@@ -228,7 +229,8 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         cache = kept._caches.kept[6]
         storages.append(cache.layers[0].key_buffer.data_ptr())
         graphs.append(kept._caches.graphs[6])
-        assert cache.layers[0].max_cache_len % 64 == 0
+        length = cache.layers[0].max_cache_len
+        assert length % 64 == 0 and bucket_width(length) == length  # a GPU's attention reads it in place
     assert storages[0] == storages[1] and graphs[0] is graphs[1]  # the second rollout fit the kept cache
     assert storages[2] != storages[1] and graphs[2] is not graphs[1]  # the third needed a longer one
     assert kept._caches.kept[6].layers[0].max_cache_len >= max(map(len, long)) + 12

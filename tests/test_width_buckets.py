@@ -3,10 +3,10 @@ padded pass giving transformers' values and gradients."""
 
 import pytest
 import torch
+from test_attention import _attention_module
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attention, padded_mask
-from tests.test_attention import _attention_module
 
 
 def test_bucket_widths_are_few_and_close():
@@ -147,3 +147,17 @@ def test_a_model_with_bucketed_attention_gives_the_same_logits_and_gradients(tin
     torch.testing.assert_close(logits_b, logits_a, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads_b, grads_a):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decoding_step_on_a_growing_cache_reads_keys_at_a_bucket_width():
+    """Eager decoding (FSDP2, cuda_eager) grows its cache one key per step: the stacked step pads the
+    keys to their bucket width, masked out, and gives transformers' values; a static cache, whose
+    kept length is a bucket width, is read in place."""
+    from test_attention import _transformers_sdpa, static_cache_step
+
+    from ngrpo_lightning.backends.attention import stacked_decoding_attention
+
+    q, k, v, keep = static_cache_step()  # 12 keys, a mask of 14 columns
+    got = stacked_decoding_attention(q, k, v, keep, 16**-0.5)
+    torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=1e-6, atol=1e-6)
+    assert all(bucket_width(n) == n for n in (64, 128, 576, 1152, 12288))  # kept static caches' lengths

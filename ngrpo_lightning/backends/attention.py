@@ -44,11 +44,12 @@ with it; ``backend.attention`` can name any attention transformers knows instead
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ngrpo_lightning.backends.width_buckets import bucketed_attention
+from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attention, padded_mask
 
 NAME = "sdpa_gqa"
 
@@ -88,10 +89,19 @@ def stacked_decoding_attention(query, key, value, attention_mask, scaling=None) 
     head, [N, H_kv, H / H_kv, d]: each key and value is read once, where transformers, given a mask
     on a GPU, first copies them once per query head (``repeat_kv``: at the Qwen2.5-1.5B shape, 32
     rows on a static cache of 322 positions, 1.8 GB written and read back per decoding step, where
-    the step's own floor is 3.3 GB read). The same products; returns [N, 1, H, d] in the query's dtype."""
+    the step's own floor is 3.3 GB read). The same products; returns [N, 1, H, d] in the query's dtype.
+    Keys of a growing cache (eager decoding: FSDP2, ``cuda_eager``) are padded to their
+    :func:`~.width_buckets.bucket_width`, masked out: each new key length would be a new shape for
+    cuDNN's attention to plan, at every step (the eager row of docs/performance.md's H100 table)."""
     rows, heads, _, dim = query.shape
     stacked = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
-    mask = attention_mask[..., : key.shape[-2]]  # [N, 1, 1, Lk]: every head, every stacked query
+    length = key.shape[-2]
+    width = bucket_width(length)
+    if width == length:  # a static cache (its length a bucket width): read in place
+        mask = attention_mask[..., :length]  # [N, 1, 1, Lk]: every head, every stacked query
+    else:  # a growing cache, a new key length at every step: keys read at a width planned for
+        key, value = F.pad(key, (0, 0, 0, width - length)), F.pad(value, (0, 0, 0, width - length))
+        mask = padded_mask(attention_mask, length, 1, width)
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
 

@@ -12,7 +12,8 @@ and one set of write positions for all of a cache's layers (:class:`WritePositio
 only takes the sizes of :func:`batch_buckets`, so a graph per bucket covers a rollout.
 
 An engine keeps its caches from one rollout to the next (:class:`StaticCaches`: one per batch
-size, for the two batch sizes used last, its length rounded up to :data:`LENGTH_STEP`), so the
+size, for the two batch sizes used last, its length rounded up to a bucket width:
+:func:`~ngrpo_lightning.backends.width_buckets.bucket_width`, a multiple of 64), so the
 buffers, and the graphs recorded on them, keep their addresses: a graph is recorded once per
 run, not once per rollout.
 
@@ -26,9 +27,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-__all__ = ["LENGTH_STEP", "RowsStaticLayer", "StaticCaches", "WritePositions", "batch_buckets", "rows_static_cache"]
+from ngrpo_lightning.backends.width_buckets import bucket_width
 
-LENGTH_STEP = 64  # a kept cache's length in multiples of this: prompts of other widths reuse it
+__all__ = ["RowsStaticLayer", "StaticCaches", "WritePositions", "batch_buckets", "rows_static_cache"]
 
 
 def batch_buckets(rows: int) -> list[int]:
@@ -145,8 +146,10 @@ def rows_static_cache(model, max_cache_len: int, capacity: int) -> Cache:
 class StaticCaches:
     """An engine's static caches, kept across rollouts with the decoding graphs recorded on them
     (:attr:`graphs`, by the same batch size): one per batch size (training's and validation's
-    rollouts differ), as long as the longest rollout asked for so far, rounded up to
-    :data:`LENGTH_STEP`. A rollout that fits restarts the kept cache; a longer one replaces it.
+    rollouts differ), as long as the longest rollout asked for so far, rounded up to its
+    :func:`~ngrpo_lightning.backends.width_buckets.bucket_width` (prompts of other widths reuse it,
+    and a GPU's attention reads keys at a width it has planned for). A rollout that fits restarts
+    the kept cache; a longer one replaces it.
 
     Only the ``keep`` batch sizes used last are kept (default :data:`KEEP`): a cache holds every
     row's keys and values at full length (at Qwen2.5-7B's shape, 32 rows of 12,288 positions are
@@ -177,6 +180,6 @@ class StaticCaches:
             oldest = next(iter(self.kept))
             del self.kept[oldest]
             self.graphs.pop(oldest, None)
-        length = -(-length // LENGTH_STEP) * LENGTH_STEP
+        length = bucket_width(length)
         self.kept[rows] = cache = rows_static_cache(model, length, rows)
         return cache, False
