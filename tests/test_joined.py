@@ -331,3 +331,23 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
     assert grads.keys() == grads0.keys() and grads
     for name in grads0:  # bfloat16 products in a different order: a relative bound, per adapter
         assert (grads[name] - grads0[name]).norm() <= 0.05 * grads0[name].norm(), name
+
+
+def test_a_plain_linear_multiplies_by_its_own_weight_now_or_in_every_pass():
+    """``plain_linear``: what the joins (kept from pass to pass) and LoRA's base product (this pass)
+    ask of a layer. Hooks, per-product packing outside a pass and a rollout's packed copy say no."""
+    from ngrpo_lightning.backends.linear import BackendLinear, packing_available, plain_linear
+    from ngrpo_lightning.backends.passes import packed_for_pass
+
+    layer = torch.nn.Linear(4, 3)
+    assert plain_linear(layer) and plain_linear(layer, every_pass=True)
+    layer.register_forward_pre_hook(lambda *args: None)
+    assert not plain_linear(layer)
+    per_product = BackendLinear.swap_in(torch.nn.Linear(4, 3), pack_once=False, pack_per_product=True, why="test")
+    once = BackendLinear.swap_in(torch.nn.Linear(4, 3), pack_once=True, pack_per_product=False, why="test")
+    assert not plain_linear(per_product) and plain_linear(once) and not plain_linear(once, every_pass=True)
+    if packing_available(torch.float32):
+        with packed_for_pass(torch.nn.Sequential(per_product, once), rows=2, decoding=True):
+            assert plain_linear(per_product) and not plain_linear(once)  # F.linear; the packed copy
+            assert not plain_linear(per_product, every_pass=True)
+        assert not plain_linear(per_product) and plain_linear(once)

@@ -45,7 +45,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
-from ngrpo_lightning.backends.joint_products import plain_product
+from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
 from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked
@@ -262,7 +262,7 @@ def _weight_alone(projection: torch.nn.Module) -> torch.Tensor | None:
     if isinstance(projection, LeanLoraLinear):
         merged = projection._merged  # (weight or packed copy, bias, packed?) inside a rollout
         return merged[0] if merged is not None and merged[1] is None and not merged[2] else None
-    return projection.weight if plain_product(projection) and projection.bias is None else None
+    return projection.weight if plain_linear(projection, every_pass=True) and projection.bias is None else None
 
 
 def _is_gated_mlp(module: torch.nn.Module) -> bool:

@@ -27,7 +27,8 @@ import abc
 
 import torch
 
-from ngrpo_lightning.backends.joint_products import TrainingJoin, plain_product, rows_of_one_tensor
+from ngrpo_lightning.backends.joint_products import TrainingJoin, rows_of_one_tensor
+from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 
 
@@ -37,7 +38,7 @@ def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
     if isinstance(projection, LeanLoraLinear):
         hooked = projection._forward_hooks or projection._forward_pre_hooks
         return projection.base_layer if projection.can_merge() and not hooked else None
-    return projection if plain_product(projection) else None
+    return projection if plain_linear(projection, every_pass=True) else None
 
 
 def _bases(projections: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:
@@ -52,7 +53,7 @@ def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
     model on the device it trains on (:meth:`~.base.Backend.on_device`): moving a model gives each
     weight a storage of its own again."""
     projections = _bases(projections)  # LoRA's frozen base layers, joined for the adapters' one node
-    if not all(plain_product(p) for p in projections):
+    if not all(plain_linear(p, every_pass=True) for p in projections):
         return False
     weights = [p.weight for p in projections]
     biases = [p.bias for p in projections]

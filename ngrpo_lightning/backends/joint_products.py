@@ -10,7 +10,7 @@ Whether a group can go that way is worked out once and kept (:class:`TrainingJoi
 pass checks only that nothing it relied on moved (the parameters' addresses, the layers' hooks
 and adapters), a few attribute reads per group, since a small model's GPU update waits on its
 host. What the decision reads: whether a layer's forward is a plain product
-(:func:`plain_product`) and whether weights are row blocks of one tensor
+(:func:`~.linear.plain_linear`) and whether weights are row blocks of one tensor
 (:func:`rows_of_one_tensor`), which the rollouts' joins (:mod:`.joined`) read too.
 """
 
@@ -18,17 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.backends.linear import BackendLinear
+from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear, frozen_product, product_in
-
-
-def plain_product(projection: torch.nn.Module) -> bool:
-    """Whether ``projection``'s forward is ``F.linear`` on its own weight and bias."""
-    if projection._forward_hooks or projection._forward_pre_hooks or not isinstance(projection, torch.nn.Linear):
-        return False
-    return type(projection).forward is torch.nn.Linear.forward or (
-        type(projection).forward is BackendLinear.forward and not projection.pack_once
-    )
 
 
 def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -67,7 +58,7 @@ class TrainingJoin:
                 layers = []
             # (A, B, scale) per layer: what a pass multiplies, and what says it changed
             self.adapters = [part[:4] for part in parts] if layers else []  # (name, A, B, scale)
-        plain = layers and all((frozen_product(b) if lora else plain_product(b)) for b in layers)
+        plain = layers and all((frozen_product(b) if lora else plain_linear(b, every_pass=True)) for b in layers)
         biases = [b.bias for b in layers] if plain else []
         if plain and all((b is None) == (biases[0] is None) for b in biases):
             self.weight = rows_of_one_tensor([b.weight for b in layers])

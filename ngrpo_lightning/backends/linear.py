@@ -134,3 +134,17 @@ class BackendLinear(torch.nn.Linear):
         layer.pack_frozen = (pack_once if pack_frozen is None else pack_frozen) and not decode_only
         layer.decode_only = decode_only
         return layer
+
+
+def plain_linear(layer: torch.nn.Module, every_pass: bool = False) -> bool:
+    """Whether ``layer``'s forward is ``F.linear(x, layer.weight, layer.bias)`` and nothing else: an
+    ``nn.Linear`` without hooks, or a :class:`BackendLinear` multiplying by its weight as stored,
+    in the pass under way (no packed copy, no per-product packing) or, ``every_pass`` (a decision
+    kept from one pass to the next), in every pass (not packed for a rollout either)."""
+    if layer._forward_hooks or layer._forward_pre_hooks or not isinstance(layer, torch.nn.Linear):
+        return False
+    forward = type(layer).forward
+    if forward is BackendLinear.forward:
+        packs_now = layer._pass_weight is not None or (layer.pack_per_product and not layer._in_pass)
+        return not (packs_now or (every_pass and (layer.pack_once or layer.pack_per_product)))
+    return forward is torch.nn.Linear.forward

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.backends.linear import BackendLinear, pack, packed_linear
+from ngrpo_lightning.backends.linear import BackendLinear, pack, packed_linear, plain_linear
 from ngrpo_lightning.backends.swap import swap
 
 
@@ -252,13 +252,7 @@ def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_
 def frozen_product(base: torch.nn.Module) -> tuple | None:
     """``(weight, bias)`` of ``base`` where its forward is ``F.linear`` on frozen weights (no hooks,
     no packed products, nothing trained), which :class:`LoraLinearProduct` may compute itself; else ``None``."""
-    forward = type(base).forward
-    if forward is BackendLinear.forward:
-        if base.pack_per_product or base._pass_weight is not None:
-            return None
-    elif forward is not torch.nn.Linear.forward:
-        return None
-    if base._forward_hooks or base._forward_pre_hooks or base.weight.requires_grad:
+    if not plain_linear(base) or base.weight.requires_grad:
         return None
     bias = base.bias
     return None if bias is not None and bias.requires_grad else (base.weight, bias)
