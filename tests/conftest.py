@@ -141,6 +141,7 @@ def tiny_trainer(max_steps, callbacks=(), **kwargs):
     import lightning as L
 
     kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("limit_val_batches", 0)
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -149,7 +150,6 @@ def tiny_trainer(max_steps, callbacks=(), **kwargs):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=list(callbacks),
         **kwargs,
     )

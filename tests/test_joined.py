@@ -215,6 +215,27 @@ def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny)
     assert not torch.equal(mlp.up_proj.weight, before)  # trained, in its joined rows
 
 
+def test_a_validation_on_its_own_joins_them_too(tiny):
+    """``trainer.validate`` (the train command's validation before the fit) rolls out as well: the
+    policy's projections are joined before its first validation rollout."""
+    from conftest import ScriptedReward, tiny_rl, tiny_trainer
+
+    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.data import reasoning_gym_problems
+    from ngrpo_lightning.rollout import RolloutDataModule
+
+    backend = CUDAEagerBackend(torch.float32)
+    module, _ = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
+    backend.prepare(module.policy, trains=True)
+    problems = reasoning_gym_problems(["chain_sum"], 2, seed=0)
+    datamodule = RolloutDataModule(module.tokenizer, problems, problems, prompts_per_step=2, group_size=2, seed=0)
+    mlp = mlps(module.policy)[0]
+    assert rows_of_one_tensor([mlp.gate_proj.weight, mlp.up_proj.weight]) is None
+    tiny_trainer(0, limit_val_batches=1).validate(module, datamodule=datamodule, verbose=False)
+    assert rows_of_one_tensor([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
+
+
 def test_a_joint_product_s_gradients_go_to_each_block_s_own_parameter():
     """``JointLinear``: one product over weights (and biases) that are row blocks of one tensor,
     each block's gradient its parameter's: checked against finite differences in float64, with a

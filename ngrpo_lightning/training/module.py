@@ -212,9 +212,17 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         successes after it and keeps its state in checkpoints)."""
         return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
 
-    def on_fit_start(self) -> None:
-        if self.parallel is None:  # on its device now: what the backend does there (CUDA: joined projections)
+    def _policy_on_device(self) -> None:
+        """What the backend does once the policy sits on its device (CUDA: its projections joined),
+        unsharded; idempotent, so a validation before the fit and the fit share one join."""
+        if self.parallel is None:
             self.backend.on_device(self.policy)
+
+    def on_validation_start(self) -> None:
+        self._policy_on_device()  # a validation on its own (trainer.validate) rolls out too
+
+    def on_fit_start(self) -> None:
+        self._policy_on_device()
         if self.dynamic_sampling is not None:
             check_dynamic_sampling_processes(self.trainer.world_size)
         loose = [
