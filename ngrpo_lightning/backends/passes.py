@@ -15,6 +15,7 @@ import torch
 from ngrpo_lightning.backends.joined import JoinedProjections
 from ngrpo_lightning.backends.linear import BackendLinear, pack
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.swap import modules_of
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
     layers = []
     try:
         merged_inside = set()
-        for m in model.modules():
+        for m in modules_of(model):
             if id(m) in merged_inside:
                 continue
             if decoding and isinstance(m, JoinedProjections):

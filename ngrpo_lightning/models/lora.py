@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ngrpo_lightning.backends.swap import modules_of
 from ngrpo_lightning.checks import check_bool, check_number
 
 ALL_LINEAR = "all-linear"
@@ -126,7 +127,7 @@ def adapters_off(model: torch.nn.Module):
     takes peft's context."""
     from peft.tuners.tuners_utils import AuxiliaryTrainingWrapper, BaseTunerLayer
 
-    modules = list(model.modules())
+    modules = modules_of(model)
     if any(isinstance(m, AuxiliaryTrainingWrapper) for m in modules):
         with model.disable_adapter():
             yield

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrpo_lightning.backends.swap import original_class
+from ngrpo_lightning.backends.swap import modules_of, original_class
 
 __all__ = ["REPLAYS", "DecodeGraphs"]
 
@@ -200,14 +200,14 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
             for item in value:
                 yield from held(item)
 
-    tensors = []
-    for module in model.modules():
-        tensors.extend(t for t in module._parameters.values() if t is not None)
-        tensors.extend(t for t in module._buffers.values() if t is not None)
+    tensors = []  # with the None of unset parameters and buffers, dropped below (a C-level extend per dict)
+    for module in modules_of(model):
+        tensors += module._parameters.values()
+        tensors += module._buffers.values()
         if type(module) is not original_class(module):
             skipped = ("_parameters", "_buffers", *getattr(module, "not_read_in_rollouts", ()))
             for name, value in vars(module).items():
-                if name not in skipped:
+                if name not in skipped and isinstance(value, torch.Tensor | tuple | list):
                     tensors.extend(held(value))
     # oneDNN's packed weights (a CPU backend's) have no storage to point at: the object stands for it
-    return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+    return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors if t is not None)
