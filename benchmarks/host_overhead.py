@@ -49,6 +49,7 @@ from ngrpo_lightning.backends.recompute import recomputing  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
 from ngrpo_lightning.models import lora  # noqa: E402
 from ngrpo_lightning.models.loading import load_policy, resolve_model_path  # noqa: E402
+from ngrpo_lightning.models.walks import set_training  # noqa: E402
 from ngrpo_lightning.objectives import GRPO  # noqa: E402
 from ngrpo_lightning.rollout import HFEngine  # noqa: E402
 from ngrpo_lightning.rollout.decode_graphs import tensor_addresses  # noqa: E402
@@ -131,9 +132,9 @@ def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules
         with recomputing():
             module._logprobs(policy, step.batch, 1.0, with_entropy=True)
 
-    def eval_and_back():
-        policy.eval()
-        policy.train()
+    def eval_and_back():  # as a rollout switches (models/walks.py)
+        set_training(policy, False)
+        set_training(policy, True)
 
     def adapters_off():
         with lora.adapters_off(policy):

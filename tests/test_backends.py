@@ -218,18 +218,3 @@ def test_under_fsdp2_the_cuda_backend_decodes_eagerly_and_says_so(tiny):
     assert not backend.static_decoding and backend.decode_graphs is None
     assert backend.startup_notes() == ["decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)"]
     assert CUDABackend.decode_graphs == "cuda" and CUDABackend(torch.float32).static_decoding  # the class is untouched
-
-
-def test_a_flat_walk_finds_the_modules_modules_finds_in_its_order(tiny):
-    """``modules_of``: the per-pass walks' loop gives ``model.modules()``'s modules, each once (a
-    module shared by two parents, a child set to None) and in the same order, for a peft model too."""
-    from ngrpo_lightning.backends.swap import modules_of
-    from ngrpo_lightning.models import lora
-
-    policy = lora.apply(copy.deepcopy(tiny[0]), lora.LoraSettings(enabled=True, rank=4))
-    assert [id(m) for m in modules_of(policy)] == [id(m) for m in policy.modules()]
-    shared = torch.nn.Linear(2, 2)
-    odd = torch.nn.Sequential(shared, torch.nn.Sequential(shared, torch.nn.ReLU()), shared)
-    odd.register_module("gone", None)
-    assert [id(m) for m in modules_of(odd)] == [id(m) for m in odd.modules()]
-    assert len(modules_of(odd)) == 4

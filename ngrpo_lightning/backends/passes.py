@@ -15,7 +15,7 @@ import torch
 from ngrpo_lightning.backends.joined import JoinedProjections
 from ngrpo_lightning.backends.linear import BackendLinear, pack
 from ngrpo_lightning.backends.lora import LeanLoraLinear
-from ngrpo_lightning.backends.swap import modules_of
+from ngrpo_lightning.models.walks import modules_of
 
 
 @contextlib.contextmanager

@@ -67,21 +67,6 @@ def swap_checked(model: torch.nn.Module, candidate) -> int:
     return count
 
 
-def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """``list(model.modules())``, each module once and in the same order, from one loop: a peft
-    model's modules sit eight deep, and ``modules()`` resumes a generator per level for each, a
-    cost a walk made at every rollout or pass pays thousands of times."""
-    out, seen, stack = [], set(), [model]
-    while stack:
-        module = stack.pop()
-        if module is None or id(module) in seen:
-            continue
-        seen.add(id(module))
-        out.append(module)
-        stack.extend(reversed(module._modules.values()))
-    return out
-
-
 def original_class(module: torch.nn.Module) -> type:
     """The class ``module`` had before any swap (for messages and describe)."""
     return _original(type(module))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrpo_lightning.backends.swap import modules_of
 from ngrpo_lightning.checks import check_bool, check_number
+from ngrpo_lightning.models.walks import modules_of
 
 ALL_LINEAR = "all-linear"
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ngrpo_lightning.backends.swap import modules_of, original_class
+from ngrpo_lightning.backends.swap import original_class
+from ngrpo_lightning.models.walks import modules_of
 
 __all__ = ["REPLAYS", "DecodeGraphs"]
 

@@ -20,6 +20,7 @@ from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.explorers import Explorer, declares_capturable
+from ngrpo_lightning.models.walks import set_training
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
 from ngrpo_lightning.rollout.decode_state import DecodeState
@@ -249,7 +250,7 @@ class HFEngine(RolloutEngine):
         model, pad_id = self.model, self.tokenizer.pad_token_id
         max_new = max_new_tokens or self.max_new_tokens
         was_training = model.training
-        model.eval()
+        set_training(model, False)  # model.eval(), one loop over a peft model's thousands of modules
         embedding = model.get_input_embeddings().weight
         device = embedding.device
         start = self.start(explorer, embedding)
@@ -334,7 +335,7 @@ class HFEngine(RolloutEngine):
                     cache.batch_select_indices(keep)
 
         if was_training:
-            model.train()
+            set_training(model, True)
         if bool(state.finished.all()):  # the loop may have run up to checks_every - 1 steps past the last end
             steps = int(state.lengths.max())
         lengths = state.lengths.clamp(max=steps)
