@@ -48,7 +48,7 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
                 # one product: its projections (and LoRA's base layers) are not called meanwhile
                 if m.start_merged_pass(rows, keep=keep):
                     layers.append(m)
-                    merged_inside.update(id(x) for p in m.projections() for x in p.modules())
+                    merged_inside.update(id(x) for p in m.projections() for x in modules_of(p))
                 continue
             if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
                 if m.start_merged_pass(rows, keep=keep):

@@ -20,7 +20,7 @@ from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.explorers import Explorer, declares_capturable
-from ngrpo_lightning.models.walks import set_training
+from ngrpo_lightning.models.walks import modules_of, set_training
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.decode_graphs import DecodeGraphs
 from ngrpo_lightning.rollout.decode_state import DecodeState
@@ -155,7 +155,7 @@ class HFEngine(RolloutEngine):
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # pragma: no cover
             return []
-        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        modules = [m for m in modules_of(self.model) if isinstance(m, FSDPModule)]
         if isinstance(self.sharded_root, FSDPModule) and self.sharded_root not in modules:
             modules.insert(0, self.sharded_root)
         return modules
