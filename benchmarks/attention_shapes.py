@@ -5,7 +5,7 @@ then at the same widths again, with transformers' ``sdpa`` and with the backend'
 On a GPU, PyTorch's cuDNN attention builds a plan for every new shape it meets (batch, query and
 key lengths), and a run's passes come at a new width almost every time: each pass is cut to its
 own rows' longest sequence. ``sdpa_gqa`` computes such a pass's attention at one of a bounded set
-of widths (``backends/width_buckets.py``: multiples of 64 up to 512, then 8 per doubling). The
+of widths (``backends/width_buckets.py``: multiples of 64 up to 1,024, then 16 per doubling). The
 first time through less the second is what the new shapes cost; each attention runs in a process
 of its own, so neither finds the other's plans. The same widths in the same order both ways.
 

@@ -12,10 +12,10 @@ from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attent
 def test_bucket_widths_are_few_and_close():
     widths = [bucket_width(n) for n in range(1, 8193)]
     assert all(w >= n for n, w in enumerate(widths, 1))
-    assert all(w - n <= max(63, n / 8) for n, w in enumerate(widths, 1))  # at most 63 positions or 12.5% more
+    assert all(w - n <= max(63, n / 16) for n, w in enumerate(widths, 1))  # at most 63 positions or 6.25% more
     assert widths == sorted(widths) and all(bucket_width(w) == w for w in widths)
-    assert len(set(widths[:512])) == 8  # multiples of 64 up to 512
-    assert len(set(widths[512:1024])) == 8 and len(set(widths[4096:8192])) == 8  # then 8 per doubling
+    assert len(set(widths[:1024])) == 16  # multiples of 64 up to 1,024
+    assert len(set(widths[1024:2048])) == 16 and len(set(widths[4096:8192])) == 16  # then 16 per doubling
     assert [bucket_width(n) for n in (1, 64, 65, 300, 513, 1000, 5000)] == [64, 64, 128, 320, 576, 1024, 5120]
 
 
