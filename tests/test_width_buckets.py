@@ -6,7 +6,7 @@ import torch
 from test_attention import _attention_module
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attention, padded_mask
+from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attention
 
 
 def test_bucket_widths_are_few_and_close():
@@ -71,11 +71,14 @@ def test_a_bucketed_pass_gives_transformers_values_and_gradients(lq, lk, kind):
 
 
 def test_a_pass_at_a_bucket_width_or_with_a_cached_prefix_and_no_mask_is_not_padded():
+    """At a bucket width only the mask's bias is made ahead (what PyTorch's attention makes of it
+    at every call): bit for bit transformers' values; without a mask and not causal over its own
+    positions, transformers' own call."""
     q, k, v = _pass(64, 64)
     mask = _padded_rows_mask(64, 64)
     plain, bucketed = _both_ways(q, k, v, mask)
     for got, want in zip(bucketed, plain):
-        assert torch.equal(got, want)  # the same call
+        assert torch.equal(got, want)
     q, k, v = _pass(5, 9)  # no mask and fewer queries than keys: transformers' own handling
     plain, bucketed = _both_ways(q, k, v, None)
     for got, want in zip(bucketed, plain):
@@ -87,17 +90,22 @@ def test_a_pass_at_a_bucket_width_or_with_a_cached_prefix_and_no_mask_is_not_pad
     assert torch.equal(got, sdpa_attention_forward(module, q, k, v, None)[0])
 
 
-def test_the_padded_mask_hides_new_keys_and_lets_new_queries_read():
+def test_the_bias_hides_new_keys_lets_new_queries_read_and_is_made_once_per_forward():
+    """``attention_bias``: the additive bias PyTorch's attention makes of a boolean mask (0 where a
+    key is read, -inf where not), at the padded widths, kept on the mask for every layer."""
+    from ngrpo_lightning.backends.width_buckets import attention_bias
+
     mask = _padded_rows_mask(5, 7)
-    padded = padded_mask(mask, 7, 64, 64)
-    assert padded.shape == (3, 1, 64, 64) and padded.dtype == torch.bool
-    assert padded_mask(mask, 7, 64, 64) is padded  # once per forward: every layer reads the same mask
-    assert torch.equal(padded_mask(mask, 6, 64, 64)[..., :5, :6], mask[..., :6])  # the mask wider than the keys
-    assert torch.equal(padded[..., :5, :7], mask)
-    assert not padded[..., :5, 7:].any() and padded[..., 5:, :].all()
+    bias = attention_bias(mask, 7, 64, 64, torch.bfloat16)
+    assert bias.shape == (3, 1, 64, 64) and bias.dtype == torch.bfloat16
+    assert attention_bias(mask, 7, 64, 64, torch.bfloat16) is bias  # once per forward: every layer reads it
+    assert torch.equal(bias[..., :5, :7] == 0, mask) and (bias[..., :5, :7][~mask] == float("-inf")).all()
+    assert (bias[..., :5, 7:] == float("-inf")).all() and (bias[..., 5:, :] == 0).all()
+    assert torch.equal(attention_bias(mask, 6, 5, 6, torch.float32) == 0, mask[..., :6])  # the mask wider
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    padded = padded_mask(additive, 7, 64, 64)
-    assert (padded[..., :5, 7:] == float("-inf")).all() and (padded[..., 5:, :] == 0).all()
+    bias = attention_bias(additive, 7, 64, 64, torch.bfloat16)
+    assert bias.dtype == torch.float32 and torch.equal(bias[..., :5, :7], additive)  # its own dtype and values
+    assert (bias[..., :5, 7:] == float("-inf")).all() and (bias[..., 5:, :] == 0).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh runs this)")
@@ -158,6 +166,10 @@ def test_a_decoding_step_on_a_growing_cache_reads_keys_at_a_bucket_width():
     from ngrpo_lightning.backends.attention import stacked_decoding_attention
 
     q, k, v, keep = static_cache_step()  # 12 keys, a mask of 14 columns
+    got = stacked_decoding_attention(q, k, v, keep, 16**-0.5)
+    torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=1e-6, atol=1e-6)
+    k, v = (torch.nn.functional.pad(t, (0, 0, 0, 52)) for t in (k, v))  # a static cache of 64 positions
+    keep = torch.nn.functional.pad(keep, (0, 50))
     got = stacked_decoding_attention(q, k, v, keep, 16**-0.5)
     torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=1e-6, atol=1e-6)
     assert all(bucket_width(n) == n for n in (64, 128, 576, 1152, 12288))  # kept static caches' lengths

@@ -49,7 +49,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ngrpo_lightning.backends.width_buckets import bucket_width, bucketed_attention, padded_mask
+from ngrpo_lightning.backends.width_buckets import attention_bias, bucket_width, bucketed_attention
 
 NAME = "sdpa_gqa"
 
@@ -96,12 +96,10 @@ def stacked_decoding_attention(query, key, value, attention_mask, scaling=None) 
     rows, heads, _, dim = query.shape
     stacked = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
     length = key.shape[-2]
-    width = bucket_width(length)
-    if width == length:  # a static cache (its length a bucket width): read in place
-        mask = attention_mask[..., :length]  # [N, 1, 1, Lk]: every head, every stacked query
-    else:  # a growing cache, a new key length at every step: keys read at a width planned for
+    width = bucket_width(length)  # a static cache's length is one: its keys are read in place
+    if width != length:  # a growing cache, a new key length at every step: keys read at a width planned for
         key, value = F.pad(key, (0, 0, 0, width - length)), F.pad(value, (0, 0, 0, width - length))
-        mask = padded_mask(attention_mask, length, 1, width)
+    mask = attention_bias(attention_mask, length, 1, width, query.dtype)  # [N, 1, 1, Lk]: every head and query
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
 

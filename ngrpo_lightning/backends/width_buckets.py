@@ -51,18 +51,21 @@ def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, s
     last position changes no causal row); a pass with a mask gets masked key columns and query
     rows that read every key. Each KV head is copied once per query head of its group straight
     into the padded width (transformers copies them too, given a mask) and the output is cut in
-    the copy that makes it contiguous: the padding adds a query copy and two fills per layer."""
+    the copy that makes it contiguous. The mask becomes the additive bias PyTorch's attention would
+    make of it, once per forward rather than once per layer (:func:`attention_bias`)."""
     lq, lk = query.shape[-2], key.shape[-2]
-    causal = attention_mask is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
     wq, wk = bucket_width(lq), bucket_width(lk)
-    if (wq, wk) == (lq, lk) or (attention_mask is None and not (causal and lq == lk)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask is None:
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) and lq == lk and lq > 1
+        if not causal or wq == lq:  # nothing to pad, or not a causal pass over its own positions
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = query.shape[1] // key.shape[1]
-    query = F.pad(query, (0, 0, 0, wq - lq))
+    if wq != lq:
+        query = F.pad(query, (0, 0, 0, wq - lq))
     key, value = heads_at_width(key, groups, wk), heads_at_width(value, groups, wk)
-    mask = None if attention_mask is None else padded_mask(attention_mask, lk, wq, wk)
+    bias = None if attention_mask is None else attention_bias(attention_mask, lk, wq, wk, query.dtype)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=bool(causal)
+        query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, is_causal=attention_mask is None
     )
     return out[:, :, :lq].transpose(1, 2).contiguous(), None
 
@@ -71,22 +74,27 @@ def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """Keys or values [B, H_kv, L, d] as [B, H_kv x groups, width, d]: each head once per query head
     of its group, in order (transformers' ``repeat_kv``), the positions after L zero."""
     rows, heads, length, dim = t.shape
+    if width == length:  # repeat_kv's own copy (none for one query head per KV head)
+        return t if groups == 1 else t[:, :, None].expand(rows, heads, groups, length, dim).flatten(1, 2)
     out = t.new_zeros(rows, heads, groups, width, dim)
     out[:, :, :, :length] = t[:, :, None]
     return out.view(rows, heads * groups, width, dim)
 
 
-def padded_mask(mask: torch.Tensor, lk: int, wq: int, wk: int) -> torch.Tensor:
-    """``mask`` [B, 1, Lq, >= Lk] (boolean, True where a key is read, or additive) for its first
-    ``lk`` keys at [B, 1, wq, wk]: the new keys read by no real query, the new queries reading
-    every key. Made once per forward and kept on the mask, which every layer shares."""
-    cache = mask.__dict__.setdefault("_ngrpo_padded", {})
-    if (lk, wq, wk) not in cache:
+def attention_bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` [B, 1, Lq, >= Lk] for its first ``lk`` keys, at [B, 1, wq, wk]: the new keys read by no
+    real query, the new queries reading every key. A boolean mask (True where a key is read) becomes
+    the additive bias of ``dtype`` PyTorch's attention makes of it at every call (0 where read, -inf
+    where not); an additive one keeps its dtype. Made once per forward and kept on the mask, which
+    every layer shares."""
+    cache = mask.__dict__.setdefault("_ngrpo_bias", {})
+    key = (lk, wq, wk, dtype)
+    if key not in cache:
         lq = mask.shape[-2]
+        mask = mask[..., :lk]
         if mask.dtype == torch.bool:
-            hidden, read = False, True
-        else:
-            hidden, read = float("-inf"), 0.0  # below any masked score: a row that reads no key keeps its values
-        keys = F.pad(mask[..., :lk], (0, wk - lk), value=hidden)
-        cache[lk, wq, wk] = F.pad(keys, (0, 0, 0, wq - lq), value=read)
-    return cache[lk, wq, wk]
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if wk != lk:  # -inf, below any masked score: a row that reads no key keeps its values
+            mask = F.pad(mask, (0, wk - lk), value=float("-inf"))
+        cache[key] = mask if wq == lq else F.pad(mask, (0, 0, 0, wq - lq), value=0.0)
+    return cache[key]
