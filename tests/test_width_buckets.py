@@ -83,6 +83,13 @@ def test_a_pass_at_a_bucket_width_or_with_a_cached_prefix_and_no_mask_is_not_pad
     plain, bucketed = _both_ways(q, k, v, None)
     for got, want in zip(bucketed, plain):
         assert torch.equal(got, want)
+    q, k, v = _pass(70, 70)  # a padding mask broadcast over the queries, not causal: padded to 128
+    keep = torch.ones(3, 1, 1, 70, dtype=torch.bool)
+    keep[1, ..., :9] = False
+    module = _attention_module(q, k)
+    module.is_causal = False
+    got, _ = bucketed_attention(module, q, k, v, keep)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, keep)[0], rtol=1e-12, atol=1e-12)
     q, k, v = _pass(70, 70)  # no mask, not causal (an encoder's attention): padded keys would be read
     module = _attention_module(q, k)
     module.is_causal = False
