@@ -146,15 +146,15 @@ def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monk
     model.set_attn_implementation("sdpa_gqa")
     caches = []
 
-    def ours(cap, store):
-        caches.append(reserved_cache(cap, store))
+    def ours(cap, store, reads=None):
+        caches.append(reserved_cache(cap, store, reads))
         return caches[-1]
 
     explorer = TemperatureExplorer(1.0)
     narrow = rollouts(model, tok, explorer, ours, monkeypatch)
     assert caches[0].layers[0].key_buffer.dtype == torch.bfloat16
     wide = rollouts(model, tok, explorer, ours, monkeypatch, backend=backend)
-    plain = rollouts(model, tok, explorer, lambda cap, store: DynamicCache(), monkeypatch)
+    plain = rollouts(model, tok, explorer, lambda cap, store, reads=None: DynamicCache(), monkeypatch)
     assert caches[1].layers[0].key_buffer.dtype == torch.float32
     assert narrow.response_ids.shape == wide.response_ids.shape
     assert torch.equal(wide.response_ids, plain.response_ids)
@@ -163,7 +163,7 @@ def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monk
     monkeypatch.setattr(hf_engine, "reserved_cache", ours)
     one = HFEngine(model, tok, max_new_tokens=6, seed=5, backend=backend)
     alone = one.generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer, n=1)
-    monkeypatch.setattr(hf_engine, "reserved_cache", lambda cap, store: DynamicCache())
+    monkeypatch.setattr(hf_engine, "reserved_cache", lambda cap, store, reads=None: DynamicCache())
     alone_plain = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer)
     assert caches[-1].layers[0].key_buffer.dtype == torch.float32
     assert torch.equal(alone.response_ids, alone_plain.response_ids)

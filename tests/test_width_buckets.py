@@ -1,6 +1,8 @@
 """Attention passes at a bounded set of widths (backends/width_buckets.py): the widths, and the
 padded pass giving transformers' values and gradients."""
 
+import copy
+
 import pytest
 import torch
 from test_attention import _attention_module
@@ -180,3 +182,46 @@ def test_a_decoding_step_on_a_growing_cache_reads_keys_at_a_bucket_width():
     got = stacked_decoding_attention(q, k, v, keep, 16**-0.5)
     torch.testing.assert_close(got, _transformers_sdpa(q, k, v, keep), rtol=1e-6, atol=1e-6)
     assert all(bucket_width(n) == n for n in (64, 128, 576, 1152, 12288))  # kept static caches' lengths
+
+
+def _gpu_dispatch(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa_gqa's dispatch on a GPU (decoding steps stacked, other passes bucketed), run on the CPU."""
+    from ngrpo_lightning.backends.attention import stacked_decoding_attention
+
+    if query.shape[-2] == 1 and attention_mask is not None:
+        return stacked_decoding_attention(query, key, value, attention_mask, scaling), None
+    return bucketed_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def test_a_growing_cache_read_at_bucket_widths_decodes_as_one_read_at_its_length(tiny):
+    """Eager decoding on a GPU (FSDP2, cuda_eager) reads its reserved cache at the bucket width of its
+    length, a view whose unwritten keys are masked (``Backend.kv_read_width``): with the GPU's
+    attention dispatch, run here on the CPU, every step's logits are those of the cache read at
+    its length, and the cache's length is still the filled part's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.rollout.kv_cache import reserved_cache
+
+    model = copy.deepcopy(tiny[0]).eval()
+    AttentionInterface.register("sdpa_gpu_dispatch", _gpu_dispatch)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gpu_dispatch", sdpa_mask)
+    model.set_attn_implementation("sdpa_gpu_dispatch")
+    assert CUDAEagerBackend(torch.float32).kv_read_width(model) is None  # on the CPU: read at its length
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for read_width in (None, bucket_width):
+        cache, mask, step_ids, logits = reserved_cache(9 + 12, None, read_width), torch.ones_like(ids), ids, []
+        mask[1, :4] = 0  # left padded
+        with torch.no_grad():
+            for _ in range(12):
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+                logits.append(out.logits[:, -1])
+                step_ids = out.logits[:, -1:].argmax(-1)
+                mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+        runs.append(torch.stack(logits))
+        layer = cache.layers[0]
+        assert cache.get_seq_length() == 9 + 11 and layer.keys.shape[-2] == (64 if read_width else 20)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)

@@ -90,14 +90,15 @@ def stacked_decoding_attention(query, key, value, attention_mask, scaling=None) 
     on a GPU, first copies them once per query head (``repeat_kv``: at the Qwen2.5-1.5B shape, 32
     rows on a static cache of 322 positions, 1.8 GB written and read back per decoding step, where
     the step's own floor is 3.3 GB read). The same products; returns [N, 1, H, d] in the query's dtype.
-    Keys of a growing cache (eager decoding: FSDP2, ``cuda_eager``) are padded to their
-    :func:`~.width_buckets.bucket_width`, masked out: each new key length would be a new shape for
-    cuDNN's attention to plan, at every step (the eager row of docs/performance.md's H100 table)."""
+    Keys are read at their :func:`~.width_buckets.bucket_width`, those past the mask masked out:
+    each new key length would be a new shape for cuDNN's attention to plan, at every step of eager
+    decoding (the eager row of docs/performance.md's H100 table). The rollout's reserved cache
+    gives views of that width (``Backend.kv_read_width``); other keys are padded by a copy."""
     rows, heads, _, dim = query.shape
     stacked = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
     length = key.shape[-2]
     width = bucket_width(length)  # a static cache's length is one: its keys are read in place
-    if width != length:  # a growing cache, a new key length at every step: keys read at a width planned for
+    if width != length:  # a growing cache read at its length: padded to a width planned for
         key, value = F.pad(key, (0, 0, 0, width - length)), F.pad(value, (0, 0, 0, width - length))
     mask = attention_bias(attention_mask, length, 1, width, query.dtype)  # [N, 1, 1, Lk]: every head and query
     out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)

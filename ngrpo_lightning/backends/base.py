@@ -171,6 +171,11 @@ class Backend:
         """The dtype a rollout's KV cache stores (``None``: the model's)."""
         return None
 
+    def kv_read_width(self, model: torch.nn.Module):
+        """How many positions of a growing KV cache a decoding step reads, as a function of its
+        length (``None``: its length; more needs an attention that masks keys past its mask)."""
+        return None
+
     def reference_in_file(self, output_dir, sharded: bool) -> bool:
         """Whether the frozen KL reference lives in a file between its passes (same values)."""
         return False

@@ -43,6 +43,7 @@ import torch
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.backends.base import BACKENDS, Backend
 from ngrpo_lightning.backends.fused import fused_mlps, fused_modules, join_projections
+from ngrpo_lightning.backends.width_buckets import bucket_width
 
 
 @BACKENDS.register("cuda")
@@ -119,6 +120,13 @@ class CUDABackend(Backend):
         model = super().prepare(model, trains=trains, sharded=sharded)
         fused_mlps(model)  # after it: in front of a recomputing MLP, which keeps recomputing outside rollouts
         return model
+
+    def kv_read_width(self, model: torch.nn.Module):
+        """Eager decoding (FSDP2, ``cuda_eager``) reads its growing cache at the bucket width of its
+        length, a view (:func:`~.width_buckets.bucket_width`): cuDNN's attention meets a few key
+        lengths, not a new one at every step, and nothing is copied to pad them."""
+        on_gpu = next(model.parameters()).is_cuda
+        return bucket_width if on_gpu and self.attention == attention.NAME else None
 
     def on_device(self, model: torch.nn.Module) -> torch.nn.Module:
         """The weights of each attention's q, k, v and each gated MLP's gate, up re-homed as row blocks

@@ -82,8 +82,9 @@ def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
 
 
 def attention_bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` [B, 1, Lq or 1, >= Lk] for its first ``lk`` keys, at [B, 1, wq or 1, wk]: the new keys
-    read by no real query, the new queries reading every key. A boolean mask (True where a key is read) becomes
+    """``mask`` [B, 1, Lq or 1, Lm] for its first ``lk`` keys, at [B, 1, wq or 1, wk]: the new keys
+    (and keys past a mask shorter than ``lk``) read by no real query, the new queries reading
+    every key. A boolean mask (True where a key is read) becomes
     the additive bias of ``dtype`` PyTorch's attention makes of it at every call (0 where read, -inf
     where not); an additive one keeps its dtype. Made once per forward and kept on the mask, which
     every layer shares."""
@@ -91,11 +92,11 @@ def attention_bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.d
     key = (lk, wq, wk, dtype)
     if key not in cache:
         lq = mask.shape[-2]
-        mask = mask[..., :lk]
+        mask = mask[..., :lk]  # (keys past a shorter mask, a cache read at a wider width, are hidden too)
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        if wk != lk:  # -inf, below any masked score: a row that reads no key keeps its values
-            mask = F.pad(mask, (0, wk - lk), value=float("-inf"))
+        if wk != mask.shape[-1]:  # -inf, below any masked score: a row that reads no key keeps its values
+            mask = F.pad(mask, (0, wk - mask.shape[-1]), value=float("-inf"))
         if wq != lq and lq > 1:  # (one row, broadcast over the queries, serves new ones as it is)
             mask = F.pad(mask, (0, 0, 0, wq - lq), value=0.0)
         cache[key] = mask

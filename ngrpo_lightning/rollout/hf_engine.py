@@ -271,7 +271,8 @@ class HFEngine(RolloutEngine):
             columns = torch.arange(length, device=device)
         else:  # no per-step concatenation of the whole cache
             store = self.backend.kv_cache_dtype(model) if self.backend is not None else None
-            cache = reserved_cache(width + max_new, store)
+            reads = self.backend.kv_read_width(model) if self.backend is not None else None
+            cache = reserved_cache(width + max_new, store, reads)
         whole_steps = isinstance(graphs, StepGraphs)  # the explorer and the bookkeeping replayed too
         state = graphs.state if whole_steps else self._new_state(rows, max_new, device, start)
         state.restart(max_new, width)

@@ -25,11 +25,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class ReservedLayer(DynamicLayer):
-    """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown)."""
+    """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown).
 
-    def __init__(self, capacity: int, store_dtype: torch.dtype | None = None):
+    ``read_width`` (the backend's, :meth:`~ngrpo_lightning.backends.base.Backend.kv_read_width`):
+    a decoding step reads the first ``read_width(length)`` positions, the unwritten ones zero (an
+    attention that masks the keys past its mask: a GPU's attention plans per key length, and the
+    view at a width it has met costs no copy); the cache's length stays the filled part's."""
+
+    def __init__(self, capacity: int, store_dtype: torch.dtype | None = None, read_width=None):
         super().__init__()
-        self.capacity, self.length, self.store_dtype = capacity, 0, store_dtype
+        self.capacity, self.length, self.store_dtype, self.read_width = capacity, 0, store_dtype, read_width
         self.key_buffer = self.value_buffer = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -54,16 +59,23 @@ class ReservedLayer(DynamicLayer):
         """New buffers of ``capacity`` positions holding the filled part of ``rows``."""
         old_keys, old_values = self.key_buffer, self.value_buffer
         dtype = self.store_dtype or keys.dtype
-        self.key_buffer = keys.new_empty(len(rows), keys.shape[1], capacity, keys.shape[-1], dtype=dtype)
-        self.value_buffer = values.new_empty(len(rows), values.shape[1], capacity, values.shape[-1], dtype=dtype)
+        new = keys.new_empty if self.read_width is None else keys.new_zeros  # read past the length: finite
+        if self.read_width is not None:
+            capacity = self.read_width(capacity)
+        self.key_buffer = new(len(rows), keys.shape[1], capacity, keys.shape[-1], dtype=dtype)
+        self.value_buffer = new(len(rows), values.shape[1], capacity, values.shape[-1], dtype=dtype)
         if old_keys is not None and self.length:
             self.key_buffer[:, :, : self.length] = old_keys[rows, :, : self.length]
             self.value_buffer[:, :, : self.length] = old_values[rows, :, : self.length]
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = self.key_buffer[:, :, : self.length]
-        self.values = self.value_buffer[:, :, : self.length]
+        width = self.length if self.read_width is None else self.read_width(self.length)
+        self.keys = self.key_buffer[:, :, :width]
+        self.values = self.value_buffer[:, :, :width]
         return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         if self.key_buffer is not None:
@@ -95,7 +107,8 @@ class ReservedLayer(DynamicLayer):
         super().reset()
 
 
-def reserved_cache(capacity: int, store_dtype: torch.dtype | None = None) -> Cache:
+def reserved_cache(capacity: int, store_dtype: torch.dtype | None = None, read_width=None) -> Cache:
     """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each, kept in
-    ``store_dtype`` (default: the model's)."""
-    return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity, store_dtype))
+    ``store_dtype`` (default: the model's), read at ``read_width`` of their length (default: the
+    length)."""
+    return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity, store_dtype, read_width))
