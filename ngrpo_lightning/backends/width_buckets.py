@@ -84,20 +84,26 @@ def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
 def attention_bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
     """``mask`` [B, 1, Lq or 1, Lm] for its first ``lk`` keys, at [B, 1, wq or 1, wk]: the new keys
     (and keys past a mask shorter than ``lk``) read by no real query, the new queries reading
-    every key. A boolean mask (True where a key is read) becomes
-    the additive bias of ``dtype`` PyTorch's attention makes of it at every call (0 where read, -inf
-    where not); an additive one keeps its dtype. Made once per forward and kept on the mask, which
-    every layer shares."""
+    every key. A boolean mask (True where a key is read) becomes the additive bias of ``dtype``
+    PyTorch's attention makes of it at every call (0 where read, -inf where not); an additive one
+    keeps its dtype. Made once per forward and kept on the mask, which every layer shares (not
+    while ``torch.compile`` traces: its graph makes it once)."""
+    if torch.compiler.is_compiling():
+        return _bias(mask, lk, wq, wk, dtype)
     cache = mask.__dict__.setdefault("_ngrpo_bias", {})
     key = (lk, wq, wk, dtype)
     if key not in cache:
-        lq = mask.shape[-2]
-        mask = mask[..., :lk]  # (keys past a shorter mask, a cache read at a wider width, are hidden too)
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        if wk != mask.shape[-1]:  # -inf, below any masked score: a row that reads no key keeps its values
-            mask = F.pad(mask, (0, wk - mask.shape[-1]), value=float("-inf"))
-        if wq != lq and lq > 1:  # (one row, broadcast over the queries, serves new ones as it is)
-            mask = F.pad(mask, (0, 0, 0, wq - lq), value=0.0)
-        cache[key] = mask
+        cache[key] = _bias(mask, lk, wq, wk, dtype)
     return cache[key]
+
+
+def _bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
+    lq = mask.shape[-2]
+    mask = mask[..., :lk]  # (keys past a shorter mask, a cache read at a wider width, are hidden too)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if wk != mask.shape[-1]:  # -inf, below any masked score: a row that reads no key keeps its values
+        mask = F.pad(mask, (0, wk - mask.shape[-1]), value=float("-inf"))
+    if wq != lq and lq > 1:  # (one row, broadcast over the queries, serves new ones as it is)
+        mask = F.pad(mask, (0, 0, 0, wq - lq), value=0.0)
+    return mask
