@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 # Widths are multiples of SMALLEST_STEP, and above 1,024 positions 16 per doubling: long passes,
 # where attention is much of the work, pay at most 6.25% more of it (about 13% more products)
@@ -74,8 +74,8 @@ def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """Keys or values [B, H_kv, L, d] as [B, H_kv x groups, width, d]: each head once per query head
     of its group, in order (transformers' ``repeat_kv``), the positions after L zero."""
     rows, heads, length, dim = t.shape
-    if width == length:  # repeat_kv's own copy (none for one query head per KV head)
-        return t if groups == 1 else t[:, :, None].expand(rows, heads, groups, length, dim).flatten(1, 2)
+    if width == length:
+        return repeat_kv(t, groups)
     out = t.new_zeros(rows, heads, groups, width, dim)
     out[:, :, :, :length] = t[:, :, None]
     return out.view(rows, heads * groups, width, dim)
@@ -101,9 +101,15 @@ def _bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> 
     lq = mask.shape[-2]
     mask = mask[..., :lk]  # (keys past a shorter mask, a cache read at a wider width, are hidden too)
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        mask = additive_mask(mask, dtype)
     if wk != mask.shape[-1]:  # -inf, below any masked score: a row that reads no key keeps its values
         mask = F.pad(mask, (0, wk - mask.shape[-1]), value=float("-inf"))
     if wq != lq and lq > 1:  # (one row, broadcast over the queries, serves new ones as it is)
         mask = F.pad(mask, (0, 0, 0, wq - lq), value=0.0)
     return mask
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True where a key is read) as the additive bias PyTorch's attention makes of
+    it at every call: 0 where read, -inf where not, in ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

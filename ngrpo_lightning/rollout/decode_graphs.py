@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ngrpo_lightning.backends.swap import original_class
+from ngrpo_lightning.backends.width_buckets import additive_mask
 from ngrpo_lightning.models.walks import modules_of
 
 __all__ = ["REPLAYS", "DecodeGraphs"]
@@ -158,8 +159,7 @@ def decode_step(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
     a recorded step: docs/performance.md, "Fused norms"), the same values."""
     mask = inputs["attention_mask"]
     if mask.dtype == torch.bool:  # PyTorch's own conversion: 0 where read, -inf where not
-        bias = torch.zeros(mask.shape, dtype=inputs["inputs_embeds"].dtype, device=mask.device)
-        inputs = {**inputs, "attention_mask": bias.masked_fill_(~mask, float("-inf"))}
+        inputs = {**inputs, "attention_mask": additive_mask(mask, inputs["inputs_embeds"].dtype)}
     out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
