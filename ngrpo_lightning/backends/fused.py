@@ -48,7 +48,7 @@ from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
 from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
-from ngrpo_lightning.backends.swap import forwards_agree, swap, swap_checked
+from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
 
 
 class FusedRMSNorm:
@@ -150,6 +150,7 @@ class FusedRotaryAttention(JoinedProjections):
             out = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             return out if residual is None else (residual + out[0], *out[1:])
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        # (the swap's check runs this forward on the module before its class is swapped: no joint_output yet)
         qkv = self.joint_output(hidden_states) if hasattr(self, "joint_output") else None
         if qkv is not None:  # [N, L, H + 2 H_kv, d], q and k adjacent
             heads, kv_heads = (p.out_features // self.head_dim for p in (self.q_proj, self.k_proj))
@@ -363,17 +364,12 @@ def fused_mlps(model: torch.nn.Module) -> int:
     """Put :class:`FusedGatedMLP` in front of each of ``model``'s gated MLPs where one product gives
     its output up to rounding (checked once per class), in front of whatever class the backend gave
     it already (recomputation's, which it then keeps outside rollouts); returns how many."""
-    checked: dict[type, bool] = {}
-    count = 0
-    for module in model.modules():
-        if isinstance(module, FusedGatedMLP) or not _is_gated_mlp(module):
-            continue
-        if type(module) not in checked:
-            checked[type(module)] = _mlp_matches(module)
-        if checked[type(module)]:
-            swap(module, FusedGatedMLP)
-            count += 1
-    return count
+
+    def candidate(module):
+        fusible = _is_gated_mlp(module) and not isinstance(module, FusedGatedMLP)
+        return (FusedGatedMLP, _mlp_matches) if fusible else None
+
+    return swap_checked(model, candidate, over_swapped=True)
 
 
 def join_projections(model: torch.nn.Module) -> int:

@@ -47,14 +47,16 @@ def forwards_agree(module: torch.nn.Module, mixin: type, *args, agree=torch.equa
     return own.shape == new.shape and own.dtype == new.dtype and bool(agree(own, new))
 
 
-def swap_checked(model: torch.nn.Module, candidate) -> int:
+def swap_checked(model: torch.nn.Module, candidate, over_swapped: bool = False) -> int:
     """Swap each module of ``model`` that ``candidate(module)`` gives ``(mixin, check)`` for, where
     ``check(module)`` holds, checked once per class; modules a backend already swapped are left as
-    they are. Returns how many were swapped."""
+    they are, unless ``over_swapped`` (the mixin goes in front of the class they were given).
+    Returns how many were swapped."""
     checked: dict[tuple[type, type], bool] = {}
     count = 0
     for module in model.modules():
-        found = None if getattr(type(module), "prefix", None) is not None else candidate(module)
+        swapped = not over_swapped and getattr(type(module), "prefix", None) is not None
+        found = None if swapped else candidate(module)
         if found is None:
             continue
         mixin, check = found
