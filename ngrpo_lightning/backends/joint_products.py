@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.backends.linear import plain_linear
-from ngrpo_lightning.backends.lora import LeanLoraLinear, frozen_product, product_in
+from ngrpo_lightning.backends.lora import LeanLoraLinear, base_plus_adapter, frozen_product, product_in
 
 
 def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -173,9 +173,7 @@ class JointLoraProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, down, blocks, scales, alpha, *params):
-        out = torch.nn.functional.linear(x, weight, bias)
-        d = torch.nn.functional.linear(x, down)
-        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), blocks.t(), alpha=alpha)
+        out, d = base_plus_adapter(x, weight, bias, down, blocks, alpha)
         ctx.save_for_backward(x, d, down, blocks, weight)
         count = len(params) // 2
         ctx.scales, ctx.alpha, ctx.dtypes = scales, alpha, [p.dtype for p in params]

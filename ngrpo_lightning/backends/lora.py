@@ -216,9 +216,7 @@ class LoraLinearProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, down, up, A, B, scale):
-        out = torch.nn.functional.linear(x, weight, bias)
-        d = torch.nn.functional.linear(x, down)
-        out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), up.t(), alpha=scale)
+        out, d = base_plus_adapter(x, weight, bias, down, up, scale)
         ctx.save_for_backward(x, d, down, up, weight)
         ctx.scale, ctx.dtypes = scale, (A.dtype, B.dtype)
         return out
@@ -230,6 +228,15 @@ class LoraLinearProduct(torch.autograd.Function):
         g, grad_d, grad_A, grad_B = adapter_backward(ctx, grad, x, d, up, needs[0], needs[5], needs[6])
         grad_x = None if not needs[0] else torch.mm(g, weight).addmm_(grad_d, down).view(x.shape)
         return grad_x, None, None, None, None, grad_A, grad_B, None
+
+
+def base_plus_adapter(x, weight, bias, down, up, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(x, weight, bias) + alpha * up(down(x)), down(x))``: the adapter's sum written into
+    the base product by one ``addmm``."""
+    out = torch.nn.functional.linear(x, weight, bias)
+    d = torch.nn.functional.linear(x, down)
+    out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), up.t(), alpha=alpha)
+    return out, d
 
 
 def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_B: bool) -> tuple:
