@@ -41,9 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, arithmetic_prompt_ids, copy_tokenizer, print_table, write_json  # noqa: E402
+from update_ops import KeepingActivations  # noqa: E402
 
 from ngrpo_lightning.backends.base import Backend  # noqa: E402
-from ngrpo_lightning.backends.cuda import CUDABackend  # noqa: E402
 from ngrpo_lightning.backends.passes import packed_for_pass  # noqa: E402
 from ngrpo_lightning.backends.recompute import recomputing  # noqa: E402
 from ngrpo_lightning.explorers import TemperatureExplorer  # noqa: E402
@@ -94,14 +94,6 @@ def python_calls(fn) -> int:
     return pstats.Stats(profile).total_calls
 
 
-class OnAGPU(CUDABackend):
-    """The CUDA backend's modules as on a GPU that keeps the MLPs' activations (the packaged shape
-    on an 80 GB GPU): the CPU, with no GPU memory to weigh them against, would recompute them."""
-
-    def recomputes(self, model: torch.nn.Module) -> bool:
-        return False
-
-
 def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules: str = "base") -> list[dict]:
     policy, tok = load_policy(str(path), dtype=dtype, attn_implementation="sdpa")
     reference = None
@@ -109,7 +101,7 @@ def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules
         policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=16, alpha=32, target_modules="all-linear"))
     else:
         reference = copy.deepcopy(policy)
-    backend = OnAGPU(policy.dtype) if modules == "cuda" else Backend(dtype=policy.dtype)
+    backend = KeepingActivations(policy.dtype) if modules == "cuda" else Backend(dtype=policy.dtype)
     backend.on_device(backend.prepare(policy, trains=True))
     module = RLModule(
         policy, tok, TemperatureExplorer(temperature=1.0), GRPO(kl_coef=0.01), lambda texts, answers: None,
