@@ -55,7 +55,8 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
                     layers.append(m)
                     # its base layer is not called meanwhile (the adapter matrices are plain layers)
                     merged_inside.add(id(m.base_layer))
-            elif isinstance(m, BackendLinear):
+            elif isinstance(m, BackendLinear) and (m.pack_per_product or (m.pack_once if decoding else m.pack_frozen)):
+                # (a layer that packs nothing multiplies as it always does: nothing to switch)
                 m._in_pass = True
                 layers.append(m)
                 if m.pack_once if decoding else m.pack_frozen:
