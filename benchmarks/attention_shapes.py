@@ -6,14 +6,24 @@ On a GPU, PyTorch's cuDNN attention builds a plan for every new shape it meets (
 key lengths), and a run's passes come at a new width almost every time: each pass is cut to its
 own rows' longest sequence. ``sdpa_gqa`` computes such a pass's attention at one of a bounded set
 of widths (``backends/width_buckets.py``: multiples of 64 up to 1,024, then 16 per doubling). The
-first time through less the second is what the new shapes cost; each attention runs in a process
-of its own, so neither finds the other's plans. The same widths in the same order both ways.
+first time through less the second is what the new shapes cost; each run is a process of its own,
+so none finds another's plans. The same widths in the same order every run.
+
+Two more things each run can change, for the first-use costs a run's warm-up pays:
+
+* ``no-cudnn``: cuDNN's attention turned off (``torch.backends.cuda.enable_cudnn_sdp(False)``), so
+  PyTorch takes its memory-efficient kernel for a masked pass, compiled ahead with PyTorch;
+* ``cold``: the driver's on-disk cache of compiled kernels off (``CUDA_CACHE_DISABLE=1``), as for a
+  machine's first process. cuDNN's attention kernels are generated at run time; if the driver's
+  cache is what spares a later process their compilation, the ``cold`` row's first pass
+  (``first pass s``: the process's first, at width 16) and its new widths cost more.
 
 On the CPU both run (a dry run of the script: the CPU plans nothing per shape, and ``sdpa_gqa``
 pads nothing there).
 
     python benchmarks/attention_shapes.py                                  # the packaged model
     python benchmarks/attention_shapes.py --model /tmp/large-shapes/qwen2.5-1.5b-bfloat16 --widths 150:360
+    python benchmarks/attention_shapes.py --runs sdpa sdpa_gqa sdpa_gqa,no-cudnn sdpa_gqa,cold sdpa_gqa,no-cudnn,cold
 
 Prints a table and writes JSON to benchmarks/results/ (git-ignored).
 """
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -44,12 +55,27 @@ def widths_of(spec: str, calls: int, seed: int) -> list[int]:
     return random.Random(seed).sample(range(lo, hi + 1), calls)
 
 
-def one_attention(args) -> dict:
-    """Time the passes with ``args.one``'s attention in this process; returns its row."""
+RUN_OPTIONS = ("no-cudnn", "cold")
+
+
+def parse_run(spec: str) -> tuple[str, set[str]]:
+    """``"sdpa_gqa,no-cudnn,cold"`` -> ``("sdpa_gqa", {"no-cudnn", "cold"})``."""
+    attention, *options = spec.split(",")
+    unknown = set(options) - set(RUN_OPTIONS)
+    if unknown:
+        raise SystemExit(f"--runs {spec}: unknown option(s) {sorted(unknown)}; allowed: {', '.join(RUN_OPTIONS)}")
+    return attention, set(options)
+
+
+def one_run(args) -> dict:
+    """Time the passes of the run ``args.one`` in this process; returns its row."""
     from ngrpo_lightning.models.loading import load_policy
 
+    attention, options = parse_run(args.one)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _ = load_policy(args.model, dtype=args.dtype, device=device, attn_implementation=args.one)
+    if "no-cudnn" in options:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    model, _ = load_policy(args.model, dtype=args.dtype, device=device, attn_implementation=attention)
     decoder, vocab = model.get_decoder(), model.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -69,17 +95,20 @@ def one_attention(args) -> dict:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    one_pass(16)  # the process's own first work (libraries, allocator), at a width not in the run
+    first_pass = one_pass(16)  # the process's own first work (libraries, kernels), at a width not in the run
     widths = widths_of(args.widths, args.calls, args.seed)
     first = [one_pass(w) for w in widths]
     again = [one_pass(w) for w in widths]
-    padded = device == "cuda" and args.one == "sdpa_gqa"
+    padded = device == "cuda" and attention == "sdpa_gqa"
     shapes = len({bucket_width(w) if padded else w for w in widths})
     return {
-        "attention": args.one,
+        "attention": attention,
+        "cuDNN": "off" if "no-cudnn" in options else "on",
+        "driver cache": "off" if "cold" in options else "kept",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "passes": len(widths),
         "attention widths": shapes,
+        "first pass s": round(first_pass, 3),
         "first time s": round(sum(first), 3),
         "again s": round(sum(again), 3),
         "per new width s": round((sum(first) - sum(again)) / shapes, 4),
@@ -95,24 +124,32 @@ def main() -> None:
     ap.add_argument("--widths", default="100:200", help="lo:hi, the pass widths drawn from")
     ap.add_argument("--calls", type=int, default=16, help="passes, each at a width of its own")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attentions", nargs="+", default=["sdpa", "sdpa_gqa"])
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one attention, its row as JSON
+    ap.add_argument(
+        "--runs", nargs="+", default=["sdpa", "sdpa_gqa"],
+        help="each a process: an attention (sdpa, sdpa_gqa), then options after commas: no-cudnn, cold",
+    )  # fmt: skip
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one run, its row as JSON
     ap.add_argument("--out", default=str(RESULTS / "attention_shapes.json"))
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one_attention(args)))
+        print(json.dumps(one_run(args)))
         return
-    widths_of(args.widths, args.calls, args.seed)  # a bad range fails here, not in a child
+    widths_of(args.widths, args.calls, args.seed)  # bad arguments fail here, not in a child
+    for spec in args.runs:
+        parse_run(spec)
     rows = []
-    for name in args.attentions:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--one", name]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{name}: the child process failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for spec in args.runs:
+        env = {**os.environ, **({"CUDA_CACHE_DISABLE": "1"} if "cold" in parse_run(spec)[1] else {})}
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--one", spec]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode:  # reported, and the other runs go on
+            print(f"{spec}: the child process failed:\n{done.stderr[-3000:]}", flush=True)
+            rows.append({"attention": spec, "error": done.stderr[-300:].strip().splitlines()[-1:]})
+        else:
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        write_json("attention_shapes", rows, args.out, model=args.model, dtype=args.dtype, widths=args.widths)
     print(f"{args.model} ({args.dtype}), {args.rows} rows, {args.calls} passes at widths {args.widths}, then again")
-    print_table(rows, list(rows[0]))
-    write_json("attention_shapes", rows, args.out, model=args.model, dtype=args.dtype, widths=args.widths)
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
 
 
 if __name__ == "__main__":

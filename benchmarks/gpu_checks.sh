@@ -29,8 +29,11 @@
 #  10. a group's prompt run once or per row, the log-prob passes timed both ways at both shapes, beside
 #      what the CUDA backend decides (benchmarks/prompt_sharing.py: its "right" column)
 #  11. a new pass width's cost (benchmarks/attention_shapes.py): a training pass at 16 widths never seen,
-#      then again, with transformers' sdpa and with the backend's widths in buckets, at both shapes
-#      (each in a process of its own: about 20 s a shape)
+#      then again, with transformers' sdpa and with the backend's widths in buckets, at both shapes, and
+#      with cuDNN's attention off (PyTorch's memory-efficient kernel instead); at the packaged shape each
+#      also with the driver's kernel cache off (CUDA_CACHE_DISABLE=1), as a machine's first process runs:
+#      whether the first run's warm-up (22.6% on the H100, 4-5% for later processes) is cuDNN's
+#      attention kernels compiled at run time and kept by the driver (each run a process of its own)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 # All eleven do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
@@ -58,7 +61,8 @@
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
 #   STEPS="4 8 9 11"  LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to end,
-#                     what a new pass width costs with and without the width buckets)
+#                     what a new pass width costs with and without the width buckets, and with cuDNN's
+#                     attention and the driver's kernel cache off; step 3 prints its runs' warm-up by phase)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
@@ -168,9 +172,11 @@ fi
 if want 11; then
   echo "== 11. a new pass width's cost: transformers' sdpa against the backend's width buckets ($SECONDS s)"
   S="$PY benchmarks/attention_shapes.py --dtype bfloat16"
-  timeout -s INT "$(left 60)" $S --model $MODELS/smollm2-135m-bfloat16 --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
-    --out "$OUT/shapes_small.json"
+  # and each with cuDNN's attention off, and with the driver's kernel cache off (a machine's first process)
+  timeout -s INT "$(left 90)" $S --model $MODELS/smollm2-135m-bfloat16 --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
+    --runs $(gpu && echo sdpa sdpa_gqa sdpa_gqa,no-cudnn sdpa,cold sdpa_gqa,cold sdpa_gqa,no-cudnn,cold || echo sdpa \
+    sdpa_gqa,no-cudnn,cold) --out "$OUT/shapes_small.json"
   gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-bfloat16 --widths 150:360 --calls 16 \
-    --out "$OUT/shapes_1.5b.json"
+    --runs sdpa sdpa_gqa sdpa_gqa,no-cudnn --out "$OUT/shapes_1.5b.json"
 fi
 echo "== done ($SECONDS s)"

@@ -103,6 +103,8 @@ def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules
         reference = copy.deepcopy(policy)
     backend = KeepingActivations(policy.dtype) if modules == "cuda" else Backend(dtype=policy.dtype)
     backend.on_device(backend.prepare(policy, trains=True))
+    if reference is not None:  # as build/models.py prepares the frozen reference: the same modules
+        backend.prepare(reference)
     module = RLModule(
         policy, tok, TemperatureExplorer(temperature=1.0), GRPO(kl_coef=0.01), lambda texts, answers: None,
         reference=reference, adapters=mode == "LoRA", backend=backend,
@@ -114,11 +116,14 @@ def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules
     step = StepRollouts.fresh(batch, torch.tensor([1.0, 0.0] * 6), tok.pad_token_id or 0)
     step.advantages = torch.tensor([1.0, -1.0] * 6)
 
+    trained = [p for p in policy.parameters() if p.requires_grad]
+
     def update():  # as RLModule's update runs a micro-batch: the cheap activations recomputed in backward
         with recomputing():
             logp, _ = module._logprobs(policy, step.batch, 1.0, with_entropy=True)
         (logp * step.batch.response_mask).sum().backward()
-        policy.zero_grad(set_to_none=True)
+        for p in trained:  # as the optimizer's zero_grad: its parameters' list, not a walk of the modules
+            p.grad = None
 
     def update_forward():  # the same forward alone (its graph dropped)
         with recomputing():

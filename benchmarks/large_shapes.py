@@ -14,9 +14,11 @@ x 8 completions, GRPO with a k3 KL term, one AdamW step per rollout batch, the H
 first step of every run is dropped from the medians and reported as the run's warm-up:
 ``warmup_s`` is how much longer it took than the median step (first calls, kernel selection,
 CUDA graphs recorded: ``graph_record_s`` of it), and ``warmup_pct_50`` its share of a 50-step
-run's wall time. ``graphs`` says what the decoding graphs held: ``whole steps`` (the model, the
-explorer and the bookkeeping: rollout/step_graphs.py), ``model step`` (the model's alone) or
-``none`` (eager decoding). ``cuda_gib`` is the run's peak of allocated GPU memory
+run's wall time; ``warmup_gen_s``, ``warmup_logprobs_s`` and ``warmup_update_s`` split it by phase
+(each phase's first time less its median), ``startup_s`` is the process's time outside its steps
+(imports, loading the models, the fit's setup). ``graphs`` says what the decoding graphs held:
+``whole steps`` (the model, the explorer and the bookkeeping: rollout/step_graphs.py), ``model
+step`` (the model's alone) or ``none`` (eager decoding). ``cuda_gib`` is the run's peak of allocated GPU memory
 (``torch.cuda.max_memory_allocated``), ``reserved_gib`` what PyTorch's caching allocator held
 at most, ``rss_gib`` the process's peak RSS (the figure of a CPU run). ``logprob_diff_max`` is the
 largest gap between a sampled token's log-prob in the rollout and in the training forward that
@@ -183,6 +185,11 @@ def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None)
             row["decode_floor_ms"] = statistics.median(1e3 * r * s["rows"] / s["tokens"] for s, r in zip(steps, reads))
             row["gen_x_floor"] = statistics.median(s["gen_s"] / r for s, r in zip(steps, reads))
     row["warmup_s"] = max(0.0, result["steps"][0]["step_s"] - row["step_s"])
+    first = result["steps"][0]  # where the first step's excess went: each phase's first time less its median
+    split = {p: first[f"{p}_s"] - row[f"{p}_s"] for p in ("gen", "logprobs", "update")}
+    row.update({f"warmup_{p}_s": v for p, v in split.items()})
+    row["warmup_other_s"] = first["step_s"] - row["step_s"] - sum(split.values())
+    row["startup_s"] = result["wall_s"] - sum(s["step_s"] for s in result["steps"])  # imports, loading, teardown
     row["graph_record_s"] = sum(s.get("graph_record_s", 0.0) for s in result["steps"])
     whole = [s["whole_step_graphs"] for s in result["steps"] if "whole_step_graphs" in s]
     row["graphs"] = "none" if not whole else "whole steps" if min(whole) == 1 else "model step"
@@ -269,6 +276,9 @@ def main(argv=None) -> None:
     more += ["logprob_diff_max"]
     more += ["cuda_gib", "reserved_gib", "rss_gib", "error"]
     print_table(rows, [*columns, *more])
+    print("\nthe first step's excess over the median step (warmup_s), by phase; startup_s: outside the steps")
+    warm = ["warmup_s", "warmup_gen_s", "warmup_logprobs_s", "warmup_update_s", "warmup_other_s", "graph_record_s"]
+    print_table([r for r in rows if "error" not in r], ["shape", "mode", *warm, "startup_s"])
     if args.profile:
         print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host)")
         phases = []
