@@ -16,7 +16,10 @@ Two more things each run can change, for the first-use costs a run's warm-up pay
 * ``cold``: the driver's on-disk cache of compiled kernels off (``CUDA_CACHE_DISABLE=1``), as for a
   machine's first process. cuDNN's attention kernels are generated at run time; if the driver's
   cache is what spares a later process their compilation, the ``cold`` row's first pass
-  (``first pass s``: the process's first, at width 16) and its new widths cost more.
+  (``first pass s``: the process's first, at width 16) and its new widths cost more;
+* ``cold-files``: torch's and NVIDIA's shared libraries asked out of the OS page cache first
+  (``posix_fadvise``), so the process reads the kernels it loads from disk, as a machine's first
+  process does (pages another process has mapped stay cached).
 
 On the CPU both run (a dry run of the script: the CPU plans nothing per shape, and ``sdpa_gqa``
 pads nothing there).
@@ -55,7 +58,26 @@ def widths_of(spec: str, calls: int, seed: int) -> list[int]:
     return random.Random(seed).sample(range(lo, hi + 1), calls)
 
 
-RUN_OPTIONS = ("no-cudnn", "cold")
+RUN_OPTIONS = ("no-cudnn", "cold", "cold-files")
+
+
+def drop_libraries_from_os_cache() -> int:
+    """Ask the OS to drop torch's and NVIDIA's shared libraries from its page cache (``posix_fadvise``
+    DONTNEED: no privileges needed; what a process has mapped stays). Returns their size in bytes."""
+    import importlib.util
+
+    folders = [Path(torch.__file__).parent / "lib"]
+    nvidia = importlib.util.find_spec("nvidia")
+    folders += [Path(p) for p in (nvidia.submodule_search_locations or [])] if nvidia else []
+    size = 0
+    for library in (f for folder in folders for f in folder.rglob("*.so*") if f.is_file()):
+        fd = os.open(library, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        size += library.stat().st_size
+    return size
 
 
 def parse_run(spec: str) -> tuple[str, set[str]]:
@@ -105,6 +127,7 @@ def one_run(args) -> dict:
         "attention": attention,
         "cuDNN": "off" if "no-cudnn" in options else "on",
         "driver cache": "off" if "cold" in options else "kept",
+        "libraries": "from disk" if "cold-files" in options else "cached",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "passes": len(widths),
         "attention widths": shapes,
@@ -126,7 +149,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--runs", nargs="+", default=["sdpa", "sdpa_gqa"],
-        help="each a process: an attention (sdpa, sdpa_gqa), then options after commas: no-cudnn, cold",
+        help="each a process: an attention (sdpa, sdpa_gqa), then options after commas: " + ", ".join(RUN_OPTIONS),
     )  # fmt: skip
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one run, its row as JSON
     ap.add_argument("--out", default=str(RESULTS / "attention_shapes.json"))
@@ -139,14 +162,19 @@ def main() -> None:
         parse_run(spec)
     rows = []
     for spec in args.runs:
-        env = {**os.environ, **({"CUDA_CACHE_DISABLE": "1"} if "cold" in parse_run(spec)[1] else {})}
+        options = parse_run(spec)[1]
+        env = {**os.environ, **({"CUDA_CACHE_DISABLE": "1"} if "cold" in options else {})}
+        if "cold-files" in options:
+            print(f"{spec}: {drop_libraries_from_os_cache() / 2**20:,.0f} MiB of libraries dropped from the OS cache")
         cmd = [sys.executable, __file__, *sys.argv[1:], "--one", spec]
+        start = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = round(time.perf_counter() - start, 2)  # the whole process: imports, loading, its passes
         if done.returncode:  # reported, and the other runs go on
             print(f"{spec}: the child process failed:\n{done.stderr[-3000:]}", flush=True)
             rows.append({"attention": spec, "error": done.stderr[-300:].strip().splitlines()[-1:]})
         else:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append({**json.loads(done.stdout.strip().splitlines()[-1]), "process s": wall})
         write_json("attention_shapes", rows, args.out, model=args.model, dtype=args.dtype, widths=args.widths)
     print(f"{args.model} ({args.dtype}), {args.rows} rows, {args.calls} passes at widths {args.widths}, then again")
     print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))

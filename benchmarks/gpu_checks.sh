@@ -31,9 +31,10 @@
 #  11. a new pass width's cost (benchmarks/attention_shapes.py): a training pass at 16 widths never seen,
 #      then again, with transformers' sdpa and with the backend's widths in buckets, at both shapes, and
 #      with cuDNN's attention off (PyTorch's memory-efficient kernel instead); at the packaged shape each
-#      also with the driver's kernel cache off (CUDA_CACHE_DISABLE=1), as a machine's first process runs:
-#      whether the first run's warm-up (22.6% on the H100, 4-5% for later processes) is cuDNN's
-#      attention kernels compiled at run time and kept by the driver (each run a process of its own)
+#      also with the driver's kernel cache off (CUDA_CACHE_DISABLE=1) and once with the CUDA libraries
+#      dropped from the OS page cache, as a machine's first process runs: whether the first run's
+#      warm-up (22.6% on the H100, 4-5% for later processes) is cuDNN's attention kernels compiled at
+#      run time and kept by the driver, or libraries read from disk (each run a process of its own)
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 # All eleven do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
@@ -174,8 +175,8 @@ if want 11; then
   S="$PY benchmarks/attention_shapes.py --dtype bfloat16"
   # and each with cuDNN's attention off, and with the driver's kernel cache off (a machine's first process)
   timeout -s INT "$(left 90)" $S --model $MODELS/smollm2-135m-bfloat16 --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
-    --runs $(gpu && echo sdpa sdpa_gqa sdpa_gqa,no-cudnn sdpa,cold sdpa_gqa,cold sdpa_gqa,no-cudnn,cold || echo sdpa \
-    sdpa_gqa,no-cudnn,cold) --out "$OUT/shapes_small.json"
+    --runs $(gpu && echo sdpa sdpa_gqa sdpa_gqa,no-cudnn sdpa,cold sdpa_gqa,cold sdpa_gqa,no-cudnn,cold \
+    sdpa_gqa,cold-files || echo sdpa sdpa_gqa,no-cudnn,cold,cold-files) --out "$OUT/shapes_small.json"
   gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-bfloat16 --widths 150:360 --calls 16 \
     --runs sdpa sdpa_gqa sdpa_gqa,no-cudnn --out "$OUT/shapes_1.5b.json"
 fi

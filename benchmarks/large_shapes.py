@@ -195,6 +195,10 @@ def summary(shape: str, mode: str, workload: Workload, result: dict, floor=None)
     row["graphs"] = "none" if not whole else "whole steps" if min(whole) == 1 else "model step"
     row["warmup_pct_50"] = 100 * row["warmup_s"] / (50 * row["step_s"] + row["warmup_s"])
     row["logprob_diff_max"] = max(s.get("logprob_diff_max", float("nan")) for s in result["steps"])
+    # every step's phases, the first and a profiled one included: whether a phase settles after the first step
+    row["per_step"] = [
+        {k: round(s[k], 4) for k in ("step_s", "gen_s", "logprobs_s", "update_s")} for s in result["steps"]
+    ]
     profiled = [s for s in result["steps"] if "profile" in s]
     if profiled:
         row["profile"] = {"step_s": profiled[0]["step_s"], "phases": profiled[0]["profile"]}
@@ -269,7 +273,7 @@ def main(argv=None) -> None:
                 result = run_side("ours", workload, Path(work), len(rows))
                 rows.append(summary(shape, mode, workload, result, floor=(model, rate, bandwidth)))
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}
-                print({k: v for k, v in shown.items() if k not in ("log_tail", "profile")}, flush=True)
+                print({k: v for k, v in shown.items() if k not in ("log_tail", "profile", "per_step")}, flush=True)
                 write_json("large_shapes", rows, args.out, **meta)  # after each run: a later failure loses nothing
     columns = ["shape", "mode", "dtype", "graphs", "tokens", "step_s", "gen_s", "logprobs_s", "update_s", "gen_tok_s"]
     more = ["decode_ms", "gen_x_floor", "logprobs_x_floor", "update_x_floor", "warmup_s", "warmup_pct_50"]
