@@ -103,8 +103,8 @@ def measure(path: Path, mode: str, repeats: int, dtype: str = "float32", modules
         reference = copy.deepcopy(policy)
     backend = KeepingActivations(policy.dtype) if modules == "cuda" else Backend(dtype=policy.dtype)
     backend.on_device(backend.prepare(policy, trains=True))
-    if reference is not None:  # as build/models.py prepares the frozen reference: the same modules
-        backend.prepare(reference)
+    if reference is not None:  # as a run prepares the frozen reference (and joins it on its device)
+        backend.on_device(backend.prepare(reference))
     module = RLModule(
         policy, tok, TemperatureExplorer(temperature=1.0), GRPO(kl_coef=0.01), lambda texts, answers: None,
         reference=reference, adapters=mode == "LoRA", backend=backend,

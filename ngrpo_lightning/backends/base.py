@@ -142,9 +142,10 @@ class Backend:
         return model
 
     def on_device(self, model: torch.nn.Module) -> torch.nn.Module:
-        """What the backend does to the policy once it sits on the device it trains or decodes on
-        (Lightning has moved it, its optimizer exists), before its first rollout: nothing here.
-        Never under FSDP2. Returns ``model``."""
+        """What the backend does to the policy (and to the frozen KL reference) once it sits on the
+        device it trains or decodes on (Lightning has moved it, its optimizer exists), before its
+        first rollout: nothing here. Never under FSDP2, nor for a reference held in a file. Returns
+        ``model``."""
         return model
 
     def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, tuple[bool, bool, bool, str]]:

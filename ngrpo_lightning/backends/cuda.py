@@ -131,8 +131,10 @@ class CUDABackend(Backend):
     def on_device(self, model: torch.nn.Module) -> torch.nn.Module:
         """The weights of each attention's q, k, v and each gated MLP's gate, up re-homed as row blocks
         of one tensor (:func:`~.fused.join_projections`): a rollout multiplies each group as one product
-        reading them in place. The same ``Parameter`` objects, so the optimizer made before keeps them;
-        done on the device, since moving a model gives each weight a storage of its own again."""
+        reading them in place, and a training or reference pass as one product. The same ``Parameter``
+        objects, so the optimizer made before keeps them; done on the device, since moving a model
+        gives each weight a storage of its own again. The frozen reference is joined too: its
+        log-prob passes make one product per group, as the policy's do."""
         join_projections(model)
         return model
 

@@ -212,17 +212,20 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         successes after it and keeps its state in checkpoints)."""
         return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
 
-    def _policy_on_device(self) -> None:
-        """What the backend does once the policy sits on its device (CUDA: its projections joined),
-        unsharded; idempotent, so a validation before the fit and the fit share one join."""
+    def _models_on_device(self) -> None:
+        """What the backend does once the policy and the frozen reference sit on their device (CUDA:
+        their projections joined), unsharded; idempotent, so a validation before the fit and the fit
+        share one join. A reference held in a file, read back for each pass, is left as it is."""
         if self.parallel is None:
             self.backend.on_device(self.policy)
+            if self.reference is not None and file_weights.weight_releaser(self.reference) is None:
+                self.backend.on_device(self.reference)
 
     def on_validation_start(self) -> None:
-        self._policy_on_device()  # a validation on its own (trainer.validate) rolls out too
+        self._models_on_device()  # a validation on its own (trainer.validate) rolls out too
 
     def on_fit_start(self) -> None:
-        self._policy_on_device()
+        self._models_on_device()
         if self.dynamic_sampling is not None:
             check_dynamic_sampling_processes(self.trainer.world_size)
         loose = [
