@@ -344,7 +344,9 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
                 assert len(updates) == 1, "old log-probs come from the update's forward only for a single update"
                 reused = torch.zeros_like(update.batch.rollout_logprobs)
             metrics = self._accumulate_gradients(update, temperature, reused)
-            metrics["grad_norm"] = clip_grad_norm(self.policy.parameters(), self.optim.grad_clip or math.inf)
+            # the optimizer's parameters, the trained ones: not a walk over every module (thousands with LoRA)
+            trained = [p for group in opt.param_groups for p in group["params"]]
+            metrics["grad_norm"] = clip_grad_norm(trained, self.optim.grad_clip or math.inf)
             opt.step()
             opt.zero_grad(set_to_none=True)  # freed now: until the next update no pass needs them
             sched.step()
