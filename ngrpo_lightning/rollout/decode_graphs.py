@@ -34,6 +34,7 @@ step, the explorer and the bookkeeping included, is :class:`~.step_graphs.StepGr
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -184,6 +185,11 @@ def compiled_call(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
     return compiled_step(device_type)(model, cache, inputs)
 
 
+_SEQUENCES = (tuple, list)
+_HOLDERS = (torch.Tensor, *_SEQUENCES)
+_HOLD_NO_TENSOR = frozenset({bool, int, float, str, type(None), dict, collections.OrderedDict, set})
+
+
 def tensor_addresses(model: torch.nn.Module) -> tuple:
     """Where every tensor ``model``'s forward reads lies: its parameters and buffers, and tensors a
     backend's layer holds for the pass (a merged copy), with their shapes and dtypes. Only the
@@ -197,7 +203,7 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
     def held(value):
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, tuple | list):
+        elif isinstance(value, _SEQUENCES):
             for item in value:
                 yield from held(item)
 
@@ -208,7 +214,9 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
         if type(module) is not original_class(module):
             skipped = ("_parameters", "_buffers", *getattr(module, "not_read_in_rollouts", ()))
             for name, value in vars(module).items():
-                if name not in skipped and isinstance(value, torch.Tensor | tuple | list):
-                    tensors.extend(held(value))
+                # most attributes are flags, settings and hook dictionaries: ruled out by their exact type
+                if type(value) in _HOLD_NO_TENSOR or not isinstance(value, _HOLDERS) or name in skipped:
+                    continue
+                tensors.extend(held(value))
     # oneDNN's packed weights (a CPU backend's) have no storage to point at: the object stands for it
     return tuple((id(t) if t.is_mkldnn else t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors if t is not None)
