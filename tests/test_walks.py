@@ -21,6 +21,23 @@ def test_a_flat_walk_finds_the_modules_modules_finds_in_its_order(tiny):
     assert len(modules_of(odd)) == 4
 
 
+def test_a_walk_leaves_out_the_children_a_module_prunes_and_nothing_else():
+    """``prune(module)`` is called on each module reached, in order; the children it returns are not
+    walked into (their own children neither), the rest keep ``modules()``'s order."""
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    kept = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(inner, kept), torch.nn.Tanh())
+    reached = []
+
+    def prune(module):
+        reached.append(module)
+        return (inner,) if module is model[0] else None
+
+    walked = modules_of(model, prune=prune)
+    assert [id(m) for m in walked] == [id(m) for m in reached]
+    assert [id(m) for m in walked] == [id(model), id(model[0]), id(kept), id(model[1])]
+
+
 def test_set_training_leaves_every_module_in_the_mode_train_would(tiny):
     policy = lora.apply(copy.deepcopy(tiny[0]), lora.LoraSettings(enabled=True, rank=4))
     policy.train()

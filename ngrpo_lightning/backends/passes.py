@@ -39,30 +39,31 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
     their storage for the next pass, rewritten in place, so the graphs' addresses hold. Yields the
     number of layers that multiply by a copy."""
     layers = []
-    try:
-        merged_inside = set()
-        for m in modules_of(model):
-            if id(m) in merged_inside:
-                continue
-            if decoding and isinstance(m, JoinedProjections):
-                # one product: its projections (and LoRA's base layers) are not called meanwhile
-                if m.start_merged_pass(rows, keep=keep):
-                    layers.append(m)
-                    merged_inside.update(id(x) for p in m.projections() for x in modules_of(p))
-                continue
-            if decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
-                if m.start_merged_pass(rows, keep=keep):
-                    layers.append(m)
-                    # its base layer is not called meanwhile (the adapter matrices are plain layers)
-                    merged_inside.add(id(m.base_layer))
-            elif isinstance(m, BackendLinear) and (m.pack_per_product or (m.pack_once if decoding else m.pack_frozen)):
-                # (a layer that packs nothing multiplies as it always does: nothing to switch)
-                m._in_pass = True
+
+    def start(m: torch.nn.Module):
+        """Start ``m``'s pass; returns the children its pass leaves uncalled (not walked into)."""
+        if decoding and isinstance(m, JoinedProjections):
+            # one product: its projections (and LoRA's base layers) are not called meanwhile
+            if m.start_merged_pass(rows, keep=keep):
                 layers.append(m)
-                if m.pack_once if decoding else m.pack_frozen:
-                    m._pass_weight = pack(m.weight.detach(), rows)
-                    if release is not None:
-                        release(m)
+                return m.projections()
+        elif decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
+            if m.start_merged_pass(rows, keep=keep):
+                layers.append(m)
+                # its base layer is not called meanwhile (the adapter matrices are plain layers)
+                return (m.base_layer,)
+        elif isinstance(m, BackendLinear) and (m.pack_per_product or (m.pack_once if decoding else m.pack_frozen)):
+            # (a layer that packs nothing multiplies as it always does: nothing to switch)
+            m._in_pass = True
+            layers.append(m)
+            if m.pack_once if decoding else m.pack_frozen:
+                m._pass_weight = pack(m.weight.detach(), rows)
+                if release is not None:
+                    release(m)
+        return None
+
+    try:
+        modules_of(model, prune=start)  # one walk; what a merged product covers is left out of it
         yield sum(1 for m in layers if not isinstance(m, BackendLinear) or m._pass_weight is not None)
     finally:
         for m in layers:

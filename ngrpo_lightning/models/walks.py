@@ -13,8 +13,10 @@ import torch
 from transformers import PreTrainedModel
 
 
-def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """``list(model.modules())``: each module once, in the same order."""
+def modules_of(model: torch.nn.Module, prune=None) -> list[torch.nn.Module]:
+    """``list(model.modules())``: each module once, in the same order. ``prune(module)``, if given,
+    is called on each module as it is reached and returns the children not to walk into (or
+    ``None``): a caller that acts on modules leaves out what a module's own action covers."""
     out, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
@@ -22,7 +24,12 @@ def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         seen.add(id(module))
         out.append(module)
-        stack.extend(reversed(module._modules.values()))
+        children = module._modules.values()
+        pruned = None if prune is None else prune(module)
+        if pruned:
+            left_out = {id(child) for child in pruned}
+            children = [child for child in children if id(child) not in left_out]
+        stack.extend(reversed(children))
     return out
 
 
