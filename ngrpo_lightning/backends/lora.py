@@ -140,11 +140,16 @@ class LeanLoraLinear:
         return weights == inputs or (weights == torch.float32 and inputs in (torch.bfloat16, torch.float16))
 
     def merge_adapter_name(self) -> str | None:
-        """The one plain active adapter that can run merged, else ``None``."""
-        base = self.base_layer
-        if not isinstance(base, torch.nn.Linear) or self.disable_adapters or self.merged:
+        """The one plain active adapter that can run merged, else ``None``. Read from the layer's
+        attributes and module dictionaries directly, as :meth:`adapter_weights` reads them: a rollout
+        asks each of a model's adapted layers."""
+        if not isinstance(self._modules["base_layer"], torch.nn.Linear) or self._disable_adapters:
             return None
-        active = [name for name in self.active_adapters if name in self.lora_A]
+        if self.merged_adapters:
+            return None
+        names = self._active_adapter
+        adapters = self._modules["lora_A"]._modules
+        active = [name for name in ([names] if isinstance(names, str) else names) if name in adapters]
         if len(active) != 1 or active[0] in getattr(self, "lora_variant", {}):
             return None
         if getattr(self, "lora_bias", {}).get(active[0]):
@@ -160,9 +165,12 @@ class LeanLoraLinear:
         adapter = self.merge_adapter_name()
         if adapter is None:
             return False
-        w = self.base_layer.weight.detach()
-        bias = None if self.base_layer.bias is None else self.base_layer.bias.detach()
-        down, up = self.adapters_in(adapter, w.dtype)  # as the training forward multiplies them
+        base = self._modules["base_layer"]
+        w = base.weight.detach()
+        bias = None if base.bias is None else base.bias.detach()
+        A = self._modules["lora_A"]._modules[adapter]._parameters["weight"]
+        B = self._modules["lora_B"]._modules[adapter]._parameters["weight"]
+        down, up = self.adapters_in(adapter, w.dtype, A, B)  # as the training forward multiplies them
         kept = None
         if keep:
             kept = self._kept

@@ -47,8 +47,8 @@ def packed_for_pass(model: torch.nn.Module, rows: int, release=None, decoding: b
             if m.start_merged_pass(rows, keep=keep):
                 layers.append(m)
                 return m.projections()
-        elif decoding and isinstance(m, LeanLoraLinear) and m.can_merge():
-            if m.start_merged_pass(rows, keep=keep):
+        elif decoding and isinstance(m, LeanLoraLinear):
+            if m.start_merged_pass(rows, keep=keep):  # False where it cannot run merged
                 layers.append(m)
                 # its base layer is not called meanwhile (the adapter matrices are plain layers)
                 return (m.base_layer,)
