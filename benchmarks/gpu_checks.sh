@@ -57,7 +57,11 @@
 # update (the CPU proxy had them 2.6% slower, for 17% fewer operations). Nor since (2026-11-28):
 # masked passes' attention at a bounded set of widths (backends/width_buckets.py); step 11 says
 # what a new width costs without them, which the fixed-length workloads of steps 3 and 5 never
-# meet (random weights decode to the token limit). What the next session runs:
+# meet (random weights decode to the token limit). Nor since (2026-11-28, later): the frozen
+# reference's projections joined as the policy's (full fine-tuning's logprobs column in steps 3 and
+# 5: 211 -> 121 products a pass at the packaged shape), and host work cut from every rollout and
+# update (LoRA's most: the address check, one walk to start a pass, the clip's parameters); step 3
+# now prints each run's warm-up by phase. What the next session runs:
 #   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
