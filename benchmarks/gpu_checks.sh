@@ -35,8 +35,11 @@
 #      dropped from the OS page cache, as a machine's first process runs: whether the first run's
 #      warm-up (22.6% on the H100, 4-5% for later processes) is cuDNN's attention kernels compiled at
 #      run time and kept by the driver, or libraries read from disk (each run a process of its own)
+#  12. FSDP2 on one GPU (trainer=fsdp trainer.devices=1): rollouts on a copy of the gathered weights,
+#      with graphs (the CUDA backend's choice, rollout/sharded_decoding.py), against through the
+#      sharded policy, eagerly (backend.name=cuda_eager): the rollout phase's mean time each way
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
-# All eleven do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
+# All twelve do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
 # that evening "2 3 5" (step 3 with its second full run) took 365 s and "7" 207 s (TRL at 1.5B: 72 s).
 # Reading a profile back (steps 3 and 5) took 18 s per run on the CPU. A session's 15 minutes hold
@@ -73,13 +76,13 @@
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
 #             (write it elsewhere first: python benchmarks/large_shapes.py --export-problems problems.jsonl)
 #   WHEELS    a directory of wheels the machine lacks, installed first into /tmp/site (a machine without network)
-#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9 10 11"); without step 1 later runs use the
+#   STEPS     the steps to run (default all: "1 2 3 4 5 6 7 8 9 10 11 12"); without step 1 later runs use the
 #             default backend (graphs), with it the eager one where recording failed
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B), with MLflow and
 #             reasoning-gym hidden as the GPU image lacks them (HIDE: the packages hidden)
 set -u
 ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
-PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10 11}
+PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}
 mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -183,5 +186,20 @@ if want 11; then
     sdpa_gqa,cold-files || echo sdpa sdpa_gqa,no-cudnn,cold,cold-files) --out "$OUT/shapes_small.json"
   gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-bfloat16 --widths 150:360 --calls 16 \
     --runs sdpa sdpa_gqa sdpa_gqa,no-cudnn --out "$OUT/shapes_1.5b.json"
+fi
+if want 12; then
+  echo "== 12. FSDP2 on one GPU: rollouts on a copy of the gathered weights against through the policy ($SECONDS s)"
+  # the packaged shape, fixed-length rollouts; Lightning's simple profiler prints each phase's mean
+  # (ngrpo/rollout); rollout/sharded_on_copy says which way the rollouts went (a CPU dry run: fsdp_cpu)
+  DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS}
+  FSDP="$PY -m ngrpo_lightning.commands.launch train experiment=grpo model.name_or_path=$MODELS/smollm2-135m-bfloat16
+    $(gpu && echo trainer=fsdp trainer.devices=1 || echo trainer=fsdp_cpu) $DATA data.prompts_per_step=4
+    rollout.max_new_tokens=$TOK rollout.ignore_eos=true trainer.max_steps=4 validate_before_fit=false
+    checkpoint.every_n_steps=0 trainer.enable_checkpointing=false logger=none trainer.enable_progress_bar=false
+    +trainer.profiler=simple"
+  for b in $(gpu && echo "$BACKEND cuda_eager" || echo cpu); do
+    timeout -s INT "$(left 75)" $FSDP backend.name=$b output_dir=$RUN-fsdp-$b > "$OUT/fsdp_$b.log" 2>&1
+    echo "backend.name=$b rc=$?"; grep -E "ngrpo/(rollout|logprobs|update)|FSDP2|Error" "$OUT/fsdp_$b.log" | head -6
+  done
 fi
 echo "== done ($SECONDS s)"

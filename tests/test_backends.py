@@ -206,15 +206,19 @@ def test_a_gpu_run_decodes_from_cuda_graphs_and_the_alternatives_are_selected_by
         select_backend("cuda_eager", torch.float32, "cpu")
 
 
-def test_under_fsdp2_the_cuda_backend_decodes_eagerly_and_says_so(tiny):
-    """Graphs through FSDP2's hooks are not measured: a sharded policy decodes on the growing cache
-    (the same rollouts), and the run's header says why. Prepared on the CPU: only flags change."""
+def test_under_fsdp2_the_cuda_backend_says_how_rollouts_decode(tiny):
+    """A sharded policy decodes on a copy of its gathered weights where it fits the GPU, else through
+    itself (rollout/sharded_decoding.py, tests/test_sharded_decoding.py): the run's header says so,
+    once, for the policy. Prepared on the CPU: the decoding settings stay those of one GPU."""
     from ngrpo_lightning.backends.cuda import CUDABackend
 
     model, _ = tiny
     backend = CUDABackend(torch.float32)
     assert backend.startup_notes() == []
-    backend.prepare(copy.deepcopy(model), sharded=True)
-    assert not backend.static_decoding and backend.decode_graphs is None
-    assert backend.startup_notes() == ["decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)"]
+    backend.prepare(copy.deepcopy(model), sharded=True)  # the reference: nothing to say
+    assert backend.startup_notes() == []
+    backend.prepare(copy.deepcopy(model), trains=True, sharded=True)
+    assert backend.static_decoding and backend.decode_graphs == "cuda"  # the copy decodes as on one GPU
+    (note,) = backend.startup_notes()
+    assert "under FSDP2 rollouts decode on a copy" in note and "25% of the GPU" in note and "eagerly" in note
     assert CUDABackend.decode_graphs == "cuda" and CUDABackend(torch.float32).static_decoding  # the class is untouched

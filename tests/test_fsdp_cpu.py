@@ -62,6 +62,13 @@ DRIVER = textwrap.dedent("""
     from conftest import ScriptedReward
     import ngrpo_lightning.build.components as build
     build.build_reward = lambda cfg: ScriptedReward((1, 0))  # rows alternate 1/0: real advantages
+    from ngrpo_lightning.backends.base import BACKENDS
+    from ngrpo_lightning.backends.cpu import CPUBackend
+
+    @BACKENDS.register("cpu_copy")
+    class CopyingCPUBackend(CPUBackend):  # decodes a sharded policy on a copy, as the CUDA backend on a GPU
+        def decodes_sharded_on_copy(self, copy_bytes, device):
+            return True
     from ngrpo_lightning.commands.cli import main
     if __name__ == "__main__":
         sys.exit(main(sys.argv[1:]))
@@ -81,14 +88,13 @@ def launch(tmp: Path, name: str, *extra: str) -> Path:
     return out
 
 
-def metrics(out: Path) -> dict[str, list[float]]:
+def metrics(out: Path, *more: str) -> dict[str, list[float]]:
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{out}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
-    return {
-        k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in KEYS
-    }
+    history = {k: client.get_metric_history(run.info.run_id, k) for k in KEYS + list(more)}
+    return {k: [m.value for m in sorted(h, key=lambda m: m.step)] for k, h in history.items()}
 
 
 def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -101,7 +107,10 @@ def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("policy.")}
 
 
-def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("decoding", ["through the policy", "on a copy"])
+def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch, decoding):
+    """Rollouts through the sharded policy (the CPU backend's choice), or on a copy of its gathered
+    weights (the CUDA backend's, rollout/sharded_decoding.py): either way as one process trains."""
     from conftest import ScriptedReward
 
     from ngrpo_lightning.commands.cli import train
@@ -119,8 +128,11 @@ def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch):
             ]
         )
     )
-    two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2")  # per rank: the same global batch
-    m1, m2 = metrics(one), metrics(two)
+    copying = ["backend.name=cpu_copy"] if decoding == "on a copy" else []
+    # per rank: the same global batch
+    two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2", *copying)
+    m1, m2 = metrics(one), metrics(two, "rollout/sharded_on_copy")
+    assert m2["rollout/sharded_on_copy"] == [float(bool(copying))] * 2  # which way each step's rollouts went
     assert m1["train/response_length_mean"] == [6.0, 6.0]  # equal token counts: token-mean losses average exactly
     assert m1["train/loss"][0] != 0.0
     for key in KEYS:

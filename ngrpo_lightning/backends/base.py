@@ -177,6 +177,13 @@ class Backend:
         length (``None``: its length; more needs an attention that masks keys past its mask)."""
         return None
 
+    def decodes_sharded_on_copy(self, copy_bytes: int, device: torch.device) -> bool:
+        """Whether a policy that FSDP2 shards decodes on a copy of its gathered weights, kept between
+        rollouts (``copy_bytes`` of ``device``'s memory), rather than through its own modules
+        unsharded for each rollout (:mod:`ngrpo_lightning.rollout.sharded_decoding`; the same
+        rollouts either way). No: the copy only pays where decoding replays graphs."""
+        return False
+
     def reference_in_file(self, output_dir, sharded: bool) -> bool:
         """Whether the frozen KL reference lives in a file between its passes (same values)."""
         return False

@@ -14,8 +14,10 @@ answer marker and the rows' ends (:mod:`ngrpo_lightning.rollout.step_graphs`). O
 model's step is, and the rest runs between replays, on the device without waiting for the host
 (``benchmarks/host_syncs.py``): a user-written explorer needs nothing to run under graphs.
 
-Under FSDP2 the policy decodes eagerly on the growing cache (:meth:`CUDABackend.prepare`):
-recording a step through FSDP2's hooks has not been measured on several GPUs.
+Under FSDP2 the policy decodes on a plain copy of its gathered weights, rewritten in place at
+each rollout, with graphs as above, where the copy takes at most a quarter of the GPU
+(:meth:`CUDABackend.decodes_sharded_on_copy`, :mod:`ngrpo_lightning.rollout.sharded_decoding`);
+else eagerly on the growing cache through FSDP2's modules, whose hooks graphs cannot record.
 
 Its RMSNorms run torch's fused kernel, one kernel each way instead of eight forward and about
 twenty in backward, and its attentions rotate queries and keys together, four kernels instead of
@@ -85,6 +87,11 @@ class CUDABackend(Backend):
     # opposite of the MLP's choice above, for the same reason: what costs a GPU is kernels, not
     # arithmetic, and this recomputation is few kernels.
     keep_softmax_mib = 0
+    # Under FSDP2 a rollout through the sharded policy runs FSDP2's hooks at every decoding step,
+    # which graphs cannot record: decoding eagerly took 17x its bandwidth floor on one GPU, where
+    # graphs took 4x. A plain copy of the gathered weights decodes from graphs, at the cost of the
+    # full weights held between rollouts too; kept only where that is a minor share of the GPU.
+    copy_within_share = 1 / 4
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -111,11 +118,18 @@ class CUDABackend(Backend):
         kept = 3 * width * layers * self.train_rows * param.element_size()
         return kept > self.recompute_above_share * memory_bytes
 
+    def decodes_sharded_on_copy(self, copy_bytes: int, device: torch.device) -> bool:
+        """Yes where decoding replays graphs and the copy takes at most ``copy_within_share`` of the GPU."""
+        if self.decode_graphs is None or not torch.cuda.is_available():
+            return False
+        return copy_bytes <= self.copy_within_share * torch.cuda.get_device_properties(device).total_memory
+
     def prepare(self, model: torch.nn.Module, trains: bool = False, sharded: bool = False) -> torch.nn.Module:
-        if sharded and self.decode_graphs is not None:
-            # the same rollouts either way; graphs through FSDP2's hooks are not yet measured
-            self.static_decoding, self.decode_graphs = False, None
-            self._notes.append("decoding eagerly under FSDP2 (CUDA graphs are measured on one GPU only)")
+        if sharded and trains and self.decode_graphs is not None:
+            self._notes.append(
+                "under FSDP2 rollouts decode on a copy of the gathered weights, with CUDA graphs, where the "
+                f"copy takes at most {self.copy_within_share:.0%} of the GPU; else eagerly through FSDP2's modules"
+            )
         fused_modules(model)  # before the base's recomputation, which then leaves the fused norms alone
         model = super().prepare(model, trains=trains, sharded=sharded)
         fused_mlps(model)  # after it: in front of a recomputing MLP, which keeps recomputing outside rollouts

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ngrpo_lightning.backends import Backend
+from ngrpo_lightning.backends import Backend, backend_for
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.explorers import Explorer, declares_capturable
@@ -27,6 +27,7 @@ from ngrpo_lightning.rollout.decode_state import DecodeState
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, register_engine
 from ngrpo_lightning.rollout.kv_cache import reserved_cache
 from ngrpo_lightning.rollout.padding import pad_rows
+from ngrpo_lightning.rollout.sharded_decoding import DecodeCopy, unsharded
 from ngrpo_lightning.rollout.static_cache import StaticCaches, batch_buckets
 from ngrpo_lightning.rollout.step_graphs import Batch, StepGraphs
 
@@ -87,7 +88,8 @@ class HFEngine(RolloutEngine):
             buffers, the CPU's check); default: the backend's ``decode_graphs``; ``False``: none,
             whatever the backend's (the static cache run eagerly, a measurement's baseline).
         sharded_root: under FSDP2, the policy's root module (see :mod:`ngrpo_lightning.training.parallel`):
-            a rollout unshards it and the sharded layers once, not once per decoding step.
+            a rollout decodes on a copy of the gathered weights, or unshards the policy once, not once
+            per decoding step (the backend's choice, :mod:`.sharded_decoding`).
     """
 
     settings_key = "hf"  # rollout.hf.*
@@ -121,6 +123,7 @@ class HFEngine(RolloutEngine):
         self._told: set[type] = set()  # explorer classes said not to be sync_free
         self._told_steps: set[type] = set()  # explorer classes said not to be capturable
         self._caches = StaticCaches()  # kept across rollouts with their graphs (static decoding)
+        self._copy: DecodeCopy | None = None  # under FSDP2: the weights decoded, or the backend's refusal
         generation = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.set_eos_ids(eos_token_ids(generation, tokenizer), ignore_eos)
 
@@ -163,38 +166,28 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts, explorer: Explorer, n: int = 1, max_new_tokens: int | None = None) -> RolloutBatch:
         # inference_mode is measurably faster than no_grad per decoding step; its tensors
         # cannot enter autograd, so the (small) outputs are cloned out of it.
-        sharded = self._fsdp_modules()
-        if sharded:  # FSDP2: gather the full weights once per rollout, not once per decoding step
-            return self._generate_unsharded(sharded, prompts, explorer, n, max_new_tokens)
+        model, sharded = self.model, self._fsdp_modules()
+        if sharded:  # FSDP2: on a copy of the gathered weights, or through the policy unsharded (.sharded_decoding)
+            if self._copy is None:
+                self._copy = DecodeCopy(self.model, self.backend or backend_for(self.model))
+            model = self._copy.refresh(sharded)
+            if model is None:  # the policy's modules decode, their FSDP2 hooks at every step: eagerly
+                with unsharded(sharded):
+                    batch = self._generate(prompts, explorer, n, max_new_tokens, self.model, static=False)
+                batch.stats["rollout/sharded_on_copy"] = 0.0
+                return batch
         with torch.inference_mode():
-            batch = self._generate(prompts, explorer, n, max_new_tokens)
+            batch = self._generate(prompts, explorer, n, max_new_tokens, model, self._static())
+        if sharded:
+            batch.stats["rollout/sharded_on_copy"] = 1.0
         return batch.clone()
 
-    def _generate_unsharded(
-        self, modules: list, prompts, explorer: Explorer, n: int, max_new_tokens: int | None
-    ) -> RolloutBatch:
-        # All-gathers are collectives: every rank enters here the same number of times (the
-        # datamodule gives every rank the same number of prompt batches); the decoding loop
-        # itself has none, so ranks may stop after different numbers of steps.
-        for m in modules:
-            m.set_reshard_after_forward(False, recurse=False)
-        for m in modules:
-            m.unshard()
-        try:
-            with torch.no_grad():  # not inference_mode: FSDP2's unsharded parameters are autograd-visible
-                batch = self._generate(prompts, explorer, n, max_new_tokens)
-        finally:
-            for m in modules:
-                m.reshard()
-                # the root keeps its weights (FSDP2's default)
-                m.set_reshard_after_forward(m is not modules[0], recurse=False)
-        return batch
-
-    def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None):
+    def _generate(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, model, static: bool):
         t0 = time.perf_counter()  # the packing counts in the rollout's time
         # graphs read LoRA's merged copies where they were recorded: those keep their storage
-        with packed_for_pass(self.model, rows=len(prompts) * n, decoding=True, keep=self._replay() is not None):
-            return self._decode(prompts, explorer, n, max_new_tokens, t0)
+        keep = static and self._replay() is not None
+        with packed_for_pass(model, rows=len(prompts) * n, decoding=True, keep=keep):
+            return self._decode(model, static, prompts, explorer, n, max_new_tokens, t0)
 
     def _static(self) -> bool:
         """Whether rollouts decode on the static cache (this engine's setting, else the backend's)."""
@@ -246,8 +239,11 @@ class HFEngine(RolloutEngine):
         marker = start.marker.rows(rows, device) if start.marker is not None else None  # on the device
         return DecodeState(rows, capacity, device, self.tokenizer.pad_token_id, eos, start.temperature, marker)
 
-    def _decode(self, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float) -> RolloutBatch:
-        model, pad_id = self.model, self.tokenizer.pad_token_id
+    def _decode(
+        self, model, static: bool, prompts, explorer: Explorer, n: int, max_new_tokens: int | None, t0: float
+    ) -> RolloutBatch:
+        """One rollout with ``model`` (the policy, or a copy of its weights), on the static cache or not."""
+        pad_id = self.tokenizer.pad_token_id
         max_new = max_new_tokens or self.max_new_tokens
         was_training = model.training
         set_training(model, False)  # model.eval(), one loop over a peft model's thousands of modules
@@ -261,7 +257,6 @@ class HFEngine(RolloutEngine):
         rows, width = prompt_ids.shape
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, max_new)], dim=1)  # step t reads width + t columns
         position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        static = self._static()
         graphs, warmup_s = None, 0.0
         if static:  # fixed shapes: a kept cache at least as long as the rollout, the batch in buckets
             cache, graphs = self._static_decoding(model, width + max_new, rows, explorer, start, max_new)

@@ -1,0 +1,154 @@
+"""Decoding a policy that FSDP2 shards, two ways; the backend chooses which
+(:meth:`~ngrpo_lightning.backends.base.Backend.decodes_sharded_on_copy`).
+
+- **Through the policy, unsharded** (:func:`unsharded`): every sharded module gathers its weights
+  once per rollout and keeps them until the rollout ends, and the policy decodes through FSDP2's
+  modules, eagerly: their hooks run at every step and wait on FSDP2's streams, which a CUDA graph
+  cannot record. The full weights are held during rollouts only.
+- **On a copy** (:class:`DecodeCopy`): a plain model of the policy's architecture, kept on the
+  device, into which each rollout writes the policy's current weights (a LoRA layer's merged,
+  ``W + scale B A``), gathering one sharded module at a time. It decodes as a policy on one GPU
+  does: the backend's modules, a static cache, CUDA graphs. Its weights are rewritten in place, so
+  graphs recorded on it stay valid from one rollout to the next. The cost: the full weights are
+  held between rollouts too.
+
+Either way the rollout is the same; the copy multiplies exactly the weights FSDP2 would gather
+(in its compute dtype), LoRA's merged as one-GPU decoding merges them (``tests/test_sharded_decoding.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.models.lora import has_adapters, is_adapter_weight
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "._checkpoint_wrapped_module"  # activation checkpointing's wrapper, not in the copy's names
+
+
+@contextlib.contextmanager
+def unsharded(modules: list):
+    """Within the block the FSDP2 ``modules`` (the root first) hold their full weights, gathered once,
+    not once per decoding step. All-gathers are collectives: every rank enters here as often (the
+    datamodule gives every rank the same number of prompt batches); the decoding inside has none,
+    so ranks may stop after different numbers of steps."""
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    for m in modules:
+        m.unshard()
+    try:
+        with torch.no_grad():  # not inference_mode: FSDP2's unsharded parameters are autograd-visible
+            yield
+    finally:
+        for m in modules:
+            m.reshard()
+            # the root keeps its weights after a forward (FSDP2's default), the layers do not
+            m.set_reshard_after_forward(m is not modules[0], recurse=False)
+
+
+class DecodeCopy:
+    """A sharded ``policy``'s weights written into a plain model of its own for decoding (see the
+    module docstring), built at the first :meth:`refresh` that ``backend`` accepts and prepared by it
+    as it prepares an unsharded policy."""
+
+    def __init__(self, policy: torch.nn.Module, backend):
+        self.policy, self.backend = policy, backend
+        self.model: torch.nn.Module | None = None
+        self.refused = False  # the backend said no: decode through the policy (:func:`unsharded`)
+        self._targets: list[tuple] = []
+
+    def refresh(self, modules: list) -> torch.nn.Module | None:
+        """The copy holding the policy's current weights, or ``None`` where the backend refuses it.
+        Gathers ``modules`` (the policy's FSDP2 modules, the root first) one at a time, a collective:
+        every rank calls this as often."""
+        if self.refused:
+            return None
+        left = None
+        with torch.no_grad():
+            for m in modules:
+                m.unshard()
+                try:
+                    if left is None:
+                        if self.model is None and not self._build(m):
+                            return None
+                        left = list(self._targets)
+                    left = [target for target in left if not _fill(*target)]
+                finally:
+                    m.reshard()
+        if left:
+            raise RuntimeError(f"{len(left)} tensors of the policy stayed sharded after every FSDP2 module gathered")
+        return self.model
+
+    def _build(self, root: torch.nn.Module) -> bool:
+        """Build the copy in the dtype and on the device of ``root``'s gathered weights, if the backend
+        accepts its size (else remember it refused)."""
+        gathered = next(p for p in root.parameters() if not isinstance(p, DTensor))
+        base = self.policy.get_base_model() if has_adapters(self.policy) else self.policy
+        numel = sum(p.numel() for name, p in base.named_parameters() if not is_adapter_weight(name))
+        size = numel * gathered.element_size()
+        if not self.backend.decodes_sharded_on_copy(size, gathered.device):
+            self.refused = True
+            log.info("decoding through the FSDP2 policy unsharded, eagerly (a copy: %.2f GiB)", size / 2**30)
+            return False
+        with torch.device("meta"):
+            model = type(base)._from_config(base.config, dtype=gathered.dtype)
+        model.to_empty(device=gathered.device).requires_grad_(False).eval()
+        model.tie_weights()  # to_empty gives tied weights (an LM head that is the embedding) a tensor each
+        buffers = dict(model.named_buffers())
+        for name, buffer in base.named_buffers():  # not sharded: the rotary frequencies
+            buffers[name.replace(_WRAPPED, "")].copy_(buffer)
+        self.backend.prepare(model)
+        self.model = self.backend.on_device(model)
+        self._targets = list(_targets(base, self.model))
+        log.info("decoding on a copy of the FSDP2 policy's gathered weights (%.2f GiB), as on one device", size / 2**30)
+        return True
+
+
+def _targets(base: torch.nn.Module, copy: torch.nn.Module):
+    """``(source module, what, copy's tensor)`` for every tensor the copy takes from ``base``: what is a
+    parameter's name, or ``None`` for a LoRA layer's merged weight."""
+    copies = dict(copy.named_modules())
+    stack = [("", base)]
+    while stack:
+        name, module = stack.pop()
+        into = copies[name.replace(_WRAPPED, "")]
+        if isinstance(module, LeanLoraLinear):  # its base layer and adapters make one weight
+            yield module, None, into.weight
+            if module.base_layer.bias is not None:
+                yield module.base_layer, "bias", into.bias
+            continue
+        for key, param in module._parameters.items():
+            if param is not None:
+                yield module, key, into._parameters[key]
+        stack.extend((f"{name}.{key}" if name else key, child) for key, child in module._modules.items() if child)
+
+
+def _fill(source: torch.nn.Module, what: str | None, into: torch.Tensor) -> bool:
+    """Write ``source``'s tensor into ``into``; ``False`` while it is still sharded."""
+    if what is not None:
+        value = source._parameters[what]
+        if isinstance(value, DTensor):
+            return False
+        into.copy_(value)
+        return True
+    weight = source.base_layer.weight
+    if isinstance(weight, DTensor):
+        return False
+    adapter = source.merge_adapter_name()
+    if adapter is not None:  # W + scale B A in one product, as one-device decoding merges it
+        A = source.lora_A[adapter].weight.to(weight.dtype)
+        B = source.lora_B[adapter].weight.to(weight.dtype)
+        torch.addmm(weight, B, A, alpha=source.scaling[adapter], out=into)
+        return True
+    into.copy_(weight)  # peft's own delta for what the lean layer does not merge (variants, several adapters)
+    if not source.disable_adapters and not source.merged:
+        for name in source.active_adapters:
+            if name in source.lora_A:
+                into += source.get_delta_weight(name).to(into.dtype)
+    return True
