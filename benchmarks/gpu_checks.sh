@@ -9,7 +9,8 @@
 #      recorded; else cuda_model_step, the model's step alone; else cuda_eager)
 #   2. the GPU tests, beside the models' building: graph and compiled decoding against eager for
 #      every built-in explorer, the training forward rebuilding the replayed rollouts, no host
-#      waits per token, the sampler's blockwise scan (tests.txt)
+#      waits per token, the sampler's blockwise scan, FSDP2's rollouts on a copy from graphs
+#      against through the policy (tests.txt)
 #   3. the side-by-side workload at the packaged shape, full fine-tuning and LoRA on BACKEND: s/step,
 #      its phases, generation against its bandwidth floor (gen_x_floor), memory, warm-up; each run's
 #      last step profiled (the phases' host and device time, kernels: large_shapes.py --profile),
@@ -92,7 +93,7 @@ $PY -c "import torch, transformers, peft, ngrpo_lightning.commands.cli; print(to
 if gpu && want 2; then  # beside the building
   timeout -s INT "$(left 120)" $PY -m pytest -q -p no:cacheprovider --tb=short tests/test_static_decoding.py \
     tests/test_host_syncs.py tests/test_phases.py tests/test_attention.py tests/test_fused.py tests/test_joined.py tests/test_lora_layer.py tests/test_step_graphs.py \
-    tests/test_sampling.py tests/test_width_buckets.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
+    tests/test_sampling.py tests/test_width_buckets.py tests/test_sharded_decoding.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
 $PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
@@ -190,10 +191,11 @@ fi
 if want 12; then
   echo "== 12. FSDP2 on one GPU: rollouts on a copy of the gathered weights against through the policy ($SECONDS s)"
   # the packaged shape, fixed-length rollouts; Lightning's simple profiler prints each phase's mean
-  # (ngrpo/rollout); rollout/sharded_on_copy says which way the rollouts went (a CPU dry run: fsdp_cpu)
+  # (ngrpo/rollout); the header's backend line says which way rollouts decode (a CPU dry run: fsdp_cpu)
   DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS}
   FSDP="$PY -m ngrpo_lightning.commands.launch train experiment=grpo model.name_or_path=$MODELS/smollm2-135m-bfloat16
-    $(gpu && echo trainer=fsdp trainer.devices=1 || echo trainer=fsdp_cpu) $DATA data.prompts_per_step=4
+    $(gpu && echo trainer=fsdp || echo trainer=fsdp_cpu trainer.parallel.data_parallel_size=auto) trainer.devices=1
+    $DATA data.prompts_per_step=4
     rollout.max_new_tokens=$TOK rollout.ignore_eos=true trainer.max_steps=4 validate_before_fit=false
     checkpoint.every_n_steps=0 trainer.enable_checkpointing=false logger=none trainer.enable_progress_bar=false
     +trainer.profiler=simple"

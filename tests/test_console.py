@@ -92,3 +92,22 @@ def test_the_tests_run_the_configuration_libraries_users_get():
     for name, below in (("hydra-core", "1.4"), ("omegaconf", "2.4")):
         installed = Version(version(name))
         assert not installed.is_prerelease and installed < Version(below), (name, installed)
+
+
+def test_the_package_s_own_notes_reach_the_user_once_each_from_the_first_rank():
+    """Python shows a library's INFO lines nowhere by default: a run's notes (how a sharded policy
+    decodes, an explorer whose steps run between replayed graphs) go to stderr as ``ngrpo: ...``,
+    from the first rank only. A fresh process: the logging set-up is per process."""
+    code = (
+        "import logging\n"
+        "from lightning.fabric.utilities.rank_zero import rank_zero_only\n"
+        "from ngrpo_lightning.tracking.console import quiet_libraries\n"
+        "quiet_libraries(); quiet_libraries()\n"  # a second call adds no second handler
+        "log = logging.getLogger('ngrpo_lightning.rollout.hf_engine')\n"
+        "log.info('explorer %s does not declare capturable', 'Mine')\n"
+        "rank_zero_only.rank = 1\n"
+        "log.info('said by a second rank')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["ngrpo: explorer Mine does not declare capturable"]

@@ -65,10 +65,10 @@ DRIVER = textwrap.dedent("""
     from ngrpo_lightning.backends.base import BACKENDS
     from ngrpo_lightning.backends.cpu import CPUBackend
 
-    @BACKENDS.register("cpu_copy")
-    class CopyingCPUBackend(CPUBackend):  # decodes a sharded policy on a copy, as the CUDA backend on a GPU
+    @BACKENDS.register("cpu_through")
+    class ThroughCPUBackend(CPUBackend):  # decodes a sharded policy through itself, never on a copy
         def decodes_sharded_on_copy(self, copy_bytes, device):
-            return True
+            return False
     from ngrpo_lightning.commands.cli import main
     if __name__ == "__main__":
         sys.exit(main(sys.argv[1:]))
@@ -85,6 +85,7 @@ def launch(tmp: Path, name: str, *extra: str) -> Path:
         [sys.executable, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -109,8 +110,8 @@ def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("decoding", ["through the policy", "on a copy"])
 def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch, decoding):
-    """Rollouts through the sharded policy (the CPU backend's choice), or on a copy of its gathered
-    weights (the CUDA backend's, rollout/sharded_decoding.py): either way as one process trains."""
+    """Rollouts on a copy of the sharded policy's gathered weights (the backend's choice for a
+    small model, rollout/sharded_decoding.py), or through the policy: either way as one process trains."""
     from conftest import ScriptedReward
 
     from ngrpo_lightning.commands.cli import train
@@ -128,11 +129,14 @@ def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch, decod
             ]
         )
     )
-    copying = ["backend.name=cpu_copy"] if decoding == "on a copy" else []
+    through = ["backend.name=cpu_through"] if decoding == "through the policy" else []
     # per rank: the same global batch
-    two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2", *copying)
+    two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2", *through)
     m1, m2 = metrics(one), metrics(two, "rollout/sharded_on_copy")
-    assert m2["rollout/sharded_on_copy"] == [float(bool(copying))] * 2  # which way each step's rollouts went
+    assert m2["rollout/sharded_on_copy"] == [float(not through)] * 2  # which way each step's rollouts went
+    said = [line for line in (two / "stderr.txt").read_text().splitlines() if line.startswith("ngrpo: decoding")]
+    assert len(said) == 1, said  # the first rank says it, once
+    assert ("on a copy" in said[0]) == (not through) and ("eagerly" in said[0]) == bool(through)
     assert m1["train/response_length_mean"] == [6.0, 6.0]  # equal token counts: token-mean losses average exactly
     assert m1["train/loss"][0] != 0.0
     for key in KEYS:

@@ -27,9 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precision: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precision: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         from conftest import chat_prompt_ids
@@ -37,6 +37,7 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
 
+        from ngrpo_lightning.backends.base import BACKENDS
         from ngrpo_lightning.explorers import TopKMixExplorer
         from ngrpo_lightning.models import lora
         from ngrpo_lightning.models.loading import load_policy
@@ -45,20 +46,29 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
 
         torch.manual_seed(0)
         policy, tok = load_policy("tiny")
+        policy.to(device)
         if adapters:
             policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=4, alpha=8, target_modules="all-linear"))
             with torch.no_grad():  # B starts at zero: give the adapters something to merge
                 for name, p in policy.named_parameters():
                     if "lora_B" in name:
                         p.normal_(std=0.05)
-        Backend(torch.float32).prepare(policy, trains=True, sharded=True)
-        mesh = init_device_mesh("cpu", (world,))
+        # on the CPU the base backend's modules, the copy's steps on the graphs' buffers; on a GPU the
+        # CUDA backend's choice (a copy: the tiny model is far under its share) and graphs recorded,
+        # against its eager baseline, which decodes through the policy
+        backend, eager, copying, graphs = (
+            (BACKENDS["cuda"], BACKENDS["cuda_eager"], BACKENDS["cuda"], None)
+            if device == "cuda"
+            else (Backend, Backend, CopyingBackend, "rerun")
+        )
+        backend(torch.float32).prepare(policy, trains=True, sharded=True)
+        mesh = init_device_mesh(device, (world,))
         root = shard_fsdp2([policy], ParallelConfig(mixed_precision=precision), mesh)[id(policy)]
         prompts = chat_prompt_ids(tok, QUESTIONS)
-        through = HFEngine(policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=Backend(torch.float32))
+        through = HFEngine(policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=eager(torch.float32))
         on_copy = HFEngine(
-            policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=CopyingBackend(torch.float32),
-            static_cache=True, graphs="rerun",
+            policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=copying(torch.float32),
+            static_cache=True, graphs=graphs,
         )  # fmt: skip
         made, explorers = {}, {}  # one explorer per engine, as a run keeps one
         for step in range(2):
@@ -80,10 +90,11 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
         torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, adapters: bool, precision: str = "fp32") -> list[dict]:
+def _run(tmp_path, adapters: bool, precision: str = "fp32", device: str = "cpu") -> list[dict]:
     pytest.importorskip("peft")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), adapters, precision), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    world = 2 if device == "cpu" else 1  # one GPU: FSDP2 over one process, its modules and hooks all the same
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), adapters, precision, device), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
@@ -97,6 +108,7 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
         for step in range(2):
             copy, through = made["copy", step], made["through", step]
             assert copy.stats["rollout/graphs_whole_step"] == 1.0 and "rollout/graphs_whole_step" not in through.stats
+            assert copy.stats["rollout/sharded_on_copy"] == 1.0 and through.stats["rollout/sharded_on_copy"] == 0.0
             assert bool(copy.records.row.numel())  # the mixtures were recorded
             # the second time after the weights moved: a copy left as it was would give other log-probs
             assert_same_rollouts(copy, through)
@@ -110,6 +122,18 @@ def test_the_copy_holds_the_weights_in_fsdp2s_compute_dtype(tmp_path):
         assert made["copy", 0].response_ids.shape[0] == 6
 
 
+def test_the_cpu_backend_keeps_a_copy_only_where_every_process_s_copy_is_a_minor_share_of_memory():
+    import os
+
+    from ngrpo_lightning.backends.cpu import CPUBackend
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    backend = CPUBackend(torch.float32)
+    assert backend.decodes_sharded_on_copy(memory // 16, torch.device("cpu"))
+    assert not backend.decodes_sharded_on_copy(memory // 4, torch.device("cpu"))
+    assert not Backend(torch.float32).decodes_sharded_on_copy(1, torch.device("cpu"))  # a device nobody weighed
+
+
 def test_the_cuda_backend_keeps_a_copy_only_where_it_is_a_minor_share_of_the_gpu():
     backend = CUDABackend(torch.bfloat16)
     if not torch.cuda.is_available():
@@ -120,3 +144,21 @@ def test_the_cuda_backend_keeps_a_copy_only_where_it_is_a_minor_share_of_the_gpu
     assert not backend.decodes_sharded_on_copy(total // 2, torch.device("cuda", 0))
     backend.decode_graphs = None  # cuda_eager: nothing to record, no copy
     assert not backend.decodes_sharded_on_copy(total // 8, torch.device("cuda", 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_on_a_gpu_a_sharded_policy_decodes_on_a_copy_from_graphs(tmp_path, adapters):  # pragma: no cover - no GPU in CI
+    """FSDP2 over one GPU: the CUDA backend takes the copy and replays whole steps from CUDA graphs;
+    its rollouts are those of its eager baseline through the policy (float32: the copy's joined
+    q|k|v product sums in another order, so log-probs agree to rounding)."""
+    from test_hf_engine_live_rows import assert_same_rollouts
+
+    (made,) = _run(tmp_path, adapters, device="cuda")
+    assert made["refused"]  # cuda_eager: through the policy
+    for step in range(2):
+        copy, through = made["copy", step], made["through", step]
+        assert copy.stats["rollout/graphs_whole_step"] == 1.0 and copy.stats["rollout/sharded_on_copy"] == 1.0
+        assert through.stats["rollout/sharded_on_copy"] == 0.0
+        assert_same_rollouts(copy, through, logprob_tolerance=1e-4)
+    assert made["addresses", 0] == made["addresses", 1] and made["graphs", 0] == made["graphs", 1]

@@ -181,7 +181,7 @@ class Backend:
         """Whether a policy that FSDP2 shards decodes on a copy of its gathered weights, kept between
         rollouts (``copy_bytes`` of ``device``'s memory), rather than through its own modules
         unsharded for each rollout (:mod:`ngrpo_lightning.rollout.sharded_decoding`; the same
-        rollouts either way). No: the copy only pays where decoding replays graphs."""
+        rollouts either way). No: a device's backend weighs the copy's memory against its own."""
         return False
 
     def reference_in_file(self, output_dir, sharded: bool) -> bool:

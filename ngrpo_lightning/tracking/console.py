@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from omegaconf import DictConfig
 
-__all__ = ["StepProgressBar", "header", "quiet_libraries"]
+__all__ = ["StepProgressBar", "header", "quiet_libraries", "show_notes"]
 
 # logger -> the level below which its records are not shown
 QUIET = {
@@ -33,7 +33,9 @@ QUIET = {
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Silence the libraries' routine output, unless ``verbose``."""
+    """Silence the libraries' routine output, unless ``verbose``, and show this package's own notes
+    (:func:`show_notes`)."""
+    show_notes()
     if verbose:
         return
     for name, level in QUIET.items():
@@ -44,6 +46,30 @@ def quiet_libraries(verbose: bool = False) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights: 100%": instant for models on disk
+
+
+class _RankZero(logging.Filter):
+    """Only the first process's records: every rank decodes alike and would say it as many times."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def show_notes() -> None:
+    """This package's INFO lines on stderr, as ``ngrpo: <line>``: what a run decided as it went (how a
+    sharded policy decodes, an explorer whose steps run between replayed graphs), once each. Python
+    shows a library's INFO lines nowhere by default; where a handler on the root logger already
+    shows them (a sweep's), the level is all that is set."""
+    package = logging.getLogger("ngrpo_lightning")
+    package.setLevel(logging.INFO)
+    if logging.getLogger().handlers or any(isinstance(h, logging.StreamHandler) for h in package.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("ngrpo: %(message)s"))
+    handler.addFilter(_RankZero())
+    package.addHandler(handler)  # (Python's last-resort handler prints only where no handler is found)
 
 
 def c_allocator() -> str:
