@@ -65,13 +65,16 @@
 # reference's projections joined as the policy's (full fine-tuning's logprobs column in steps 3 and
 # 5: 211 -> 121 products a pass at the packaged shape), and host work cut from every rollout and
 # update (LoRA's most: the address check, one walk to start a pass, the clip's parameters); step 3
-# now prints each run's warm-up by phase. What the next session runs:
+# now prints each run's warm-up by phase. Nor since (2026-11-28, evening): under FSDP2 rollouts decode
+# on a copy of the gathered weights, from graphs (rollout/sharded_decoding.py; step 2's
+# test_sharded_decoding, step 12). What the next session runs:
 #   STEPS="1 2 3 5"   LIMIT=420 (whole steps against the model's step alone at the packaged shape,
 #                     the GPU tests, then the goals' table at both shapes; "1-5" took 294 s on an
 #                     H200, "2 3 5" 349 s on an H100)
-#   STEPS="4 8 9 11"  LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to end,
-#                     what a new pass width costs with and without the width buckets, and with cuDNN's
-#                     attention and the driver's kernel cache off; step 3 prints its runs' warm-up by phase)
+#   STEPS="4 8 9 11 12" LIMIT=420 (decoding modes at the 1.5B shape, 7B with LoRA, the command end to
+#                     end, what a new pass width costs with and without the width buckets, and with cuDNN's
+#                     attention and the driver's kernel cache off; FSDP2 over one GPU both ways last,
+#                     about 90 s, cut first where time runs out)
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
