@@ -122,6 +122,49 @@ def test_the_copy_holds_the_weights_in_fsdp2s_compute_dtype(tmp_path):
         assert made["copy", 0].response_ids.shape[0] == 6
 
 
+def _gathered_worker(rank: int, world: int, port: int, out: str) -> None:
+    import copy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ngrpo_lightning.models import lora
+        from ngrpo_lightning.models.loading import load_policy
+        from ngrpo_lightning.rollout.engine import full_named_tensors
+        from ngrpo_lightning.training.parallel import ParallelConfig, shard_fsdp2
+
+        torch.manual_seed(0)
+        policy, _ = load_policy("tiny")
+        policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=4, alpha=8, target_modules="all-linear"))
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.05)
+        plain = copy.deepcopy(policy)
+        Backend(torch.float32).prepare(policy, trains=True, sharded=True)
+        shard_fsdp2([policy], ParallelConfig(mixed_precision="fp32"), init_device_mesh("cpu", (world,)))
+        gathered = dict(full_named_tensors(policy))  # a collective, on every rank
+        if rank == 0:
+            torch.save({"sharded": gathered, "plain": dict(full_named_tensors(plain))}, f"{out}/gathered.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_sharded_lora_policy_gives_an_engine_its_whole_merged_weights(tmp_path):
+    """What an engine with weights of its own (vLLM) loads from a LoRA policy FSDP2 shards: whole
+    tensors, the adapters merged, as from the same policy unsharded (they had come out as shards)."""
+    pytest.importorskip("peft")
+    mp.spawn(_gathered_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    made = torch.load(tmp_path / "gathered.pt", weights_only=False)
+    sharded, plain = made["sharded"], made["plain"]
+    assert sharded.keys() == plain.keys() and "model.layers.0.self_attn.q_proj.weight" in sharded
+    for name, tensor in sharded.items():
+        assert type(tensor) is torch.Tensor, name
+        torch.testing.assert_close(tensor, plain[name], msg=name)
+
+
 def test_the_cpu_backend_keeps_a_copy_only_where_every_process_s_copy_is_a_minor_share_of_memory():
     import os
 

@@ -153,8 +153,13 @@ def merged_named_tensors(model: torch.nn.Module):
     merged (``W + (alpha / rank) B A``, peft's ``get_delta_weight``), under the base model's own
     names (``model.layers.0.self_attn.q_proj.weight``): what an engine that loads a plain
     Hugging Face model (vLLM) needs to decode as the adapted policy. The model is not changed
-    (no merge into ``W``); each merged weight is a new tensor."""
+    (no merge into ``W``); each merged weight is a new tensor. Under FSDP2 every tensor is
+    gathered whole (a collective: all ranks iterate together), the adapters' products too."""
     from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor import DTensor
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     base = model.get_base_model()
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
@@ -162,12 +167,13 @@ def merged_named_tensors(model: torch.nn.Module):
         if is_adapter_weight(name):
             continue
         owner, sep, rest = name.partition(".base_layer.")
+        tensor = whole(tensor)
         if sep:
             layer = adapted.get(owner)
             if rest == "weight" and layer is not None and not layer.disable_adapters and not layer.merged:
                 tensor = tensor.detach().clone()
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
-                        tensor += layer.get_delta_weight(adapter).to(tensor.dtype)
+                        tensor += whole(layer.get_delta_weight(adapter)).to(tensor.dtype)
             name = f"{owner}.{rest}"
         yield name, tensor
