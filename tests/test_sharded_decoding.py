@@ -205,3 +205,22 @@ def test_on_a_gpu_a_sharded_policy_decodes_on_a_copy_from_graphs(tmp_path, adapt
         assert through.stats["rollout/sharded_on_copy"] == 0.0
         assert_same_rollouts(copy, through, logprob_tolerance=1e-4)
     assert made["addresses", 0] == made["addresses", 1] and made["graphs", 0] == made["graphs", 1]
+
+
+def test_a_module_no_plain_copy_holds_sends_rollouts_through_the_policy(tiny, caplog):
+    """A policy with a module its architecture's plain copy lacks (a wrapper, an adapter kind the copy
+    cannot merge) decodes through itself, and the run says why, rather than stopping."""
+    import copy
+
+    from ngrpo_lightning.rollout.sharded_decoding import DecodeCopy
+
+    model, _ = tiny
+    policy = copy.deepcopy(model)
+    built = DecodeCopy(policy, CopyingBackend(torch.float32))
+    assert built._build(policy)  # an unsharded policy as its own root: every weight already whole
+    assert len(built._targets) == len(list(policy.parameters()))  # the tied LM head counted once
+    policy.model.extra = torch.nn.Linear(4, 4)
+    refused = DecodeCopy(policy, CopyingBackend(torch.float32))
+    with caplog.at_level("WARNING", logger="ngrpo_lightning.rollout.sharded_decoding"):
+        assert not refused._build(policy)
+    assert refused.refused and refused.model is None and "model.extra" in caplog.text

@@ -103,22 +103,35 @@ class DecodeCopy:
         buffers = dict(model.named_buffers())
         for name, buffer in base.named_buffers():  # not sharded: the rotary frequencies
             buffers[name.replace(_WRAPPED, "")].copy_(buffer)
-        self.backend.prepare(model)
+        try:
+            targets = list(_targets(base, model))
+        except KeyError as err:  # a module the plain architecture lacks (a wrapper, an adapter kind)
+            self.refused = True
+            log.warning("decoding through the FSDP2 policy, eagerly: no plain copy holds its module %s", err)
+            return False
+        self._targets, written = [], set()
+        for source, what, into in targets:  # a tied weight (an LM head that is the embedding) is written once
+            if id(into) not in written:
+                written.add(id(into))
+                self._targets.append((source, what, into))
+        self.backend.prepare(model)  # swaps classes in place: the targets' tensors stay the copy's
         self.model = self.backend.on_device(model)
-        self._targets = list(_targets(base, self.model))
         log.info("decoding on a copy of the FSDP2 policy's gathered weights (%.2f GiB), as on one device", size / 2**30)
         return True
 
 
 def _targets(base: torch.nn.Module, copy: torch.nn.Module):
     """``(source module, what, copy's tensor)`` for every tensor the copy takes from ``base``: what is a
-    parameter's name, or ``None`` for a LoRA layer's merged weight."""
+    parameter's name, or ``None`` for a LoRA layer's merged weight. ``KeyError``: a module of ``base``
+    the copy has no place for."""
+    from peft.tuners.lora import LoraLayer
+
     copies = dict(copy.named_modules())
     stack = [("", base)]
     while stack:
         name, module = stack.pop()
         into = copies[name.replace(_WRAPPED, "")]
-        if isinstance(module, LeanLoraLinear):  # its base layer and adapters make one weight
+        if isinstance(module, LoraLayer):  # its base layer and adapters make one weight
             yield module, None, into.weight
             if module.base_layer.bias is not None:
                 yield module.base_layer, "bias", into.bias
@@ -140,7 +153,7 @@ def _fill(source: torch.nn.Module, what: str | None, into: torch.Tensor) -> bool
     weight = source.base_layer.weight
     if isinstance(weight, DTensor):
         return False
-    adapter = source.merge_adapter_name()
+    adapter = source.merge_adapter_name() if isinstance(source, LeanLoraLinear) else None
     if adapter is not None:  # W + scale B A in one product, as one-device decoding merges it
         A = source.lora_A[adapter].weight.to(weight.dtype)
         B = source.lora_B[adapter].weight.to(weight.dtype)
