@@ -38,7 +38,7 @@
 #      run time and kept by the driver, or libraries read from disk (each run a process of its own)
 #  12. FSDP2 on one GPU (trainer=fsdp trainer.devices=1): rollouts on a copy of the gathered weights,
 #      with graphs (the CUDA backend's choice, rollout/sharded_decoding.py), against through the
-#      sharded policy, eagerly (backend.name=cuda_eager): the rollout phase's mean time each way
+#      sharded policy, eagerly (benchmarks/fsdp_rollouts.py): each phase's mean time each way
 # Each step gets what is left of LIMIT seconds; results (JSON, logs) go to OUT, the run of step 9 to RUN.
 # All twelve do not fit one try: on an H200 on 2026-11-27 steps 1-5 took 294 s; later that day, in a
 # session whose machine started in about 30 s, "2 3 5" with LIMIT=380 took 374 s and "7 8 9" 263 s;
@@ -193,18 +193,9 @@ if want 11; then
 fi
 if want 12; then
   echo "== 12. FSDP2 on one GPU: rollouts on a copy of the gathered weights against through the policy ($SECONDS s)"
-  # the packaged shape, fixed-length rollouts; Lightning's simple profiler prints each phase's mean
-  # (ngrpo/rollout); the header's backend line says which way rollouts decode (a CPU dry run: fsdp_cpu)
-  DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS}
-  FSDP="$PY -m ngrpo_lightning.commands.launch train experiment=grpo model.name_or_path=$MODELS/smollm2-135m-bfloat16
-    $(gpu && echo trainer=fsdp || echo trainer=fsdp_cpu trainer.parallel.data_parallel_size=auto) trainer.devices=1
-    $DATA data.prompts_per_step=4
-    rollout.max_new_tokens=$TOK rollout.ignore_eos=true trainer.max_steps=4 validate_before_fit=false
-    checkpoint.every_n_steps=0 trainer.enable_checkpointing=false logger=none trainer.enable_progress_bar=false
-    +trainer.profiler=simple"
-  for b in $(gpu && echo "$BACKEND cuda_eager" || echo cpu); do
-    timeout -s INT "$(left 75)" $FSDP backend.name=$b output_dir=$RUN-fsdp-$b > "$OUT/fsdp_$b.log" 2>&1
-    echo "backend.name=$b rc=$?"; grep -E "ngrpo/(rollout|logprobs|update)|FSDP2|Error" "$OUT/fsdp_$b.log" | head -6
-  done
+  # the packaged shape, fixed-length rollouts, each way a process of its own: each phase's mean from
+  # Lightning's simple profiler, and the line each run printed about its rollouts (a CPU dry run: fsdp_cpu)
+  timeout -s INT "$(left 150)" $PY benchmarks/fsdp_rollouts.py --accelerator $ACC --model $MODELS/smollm2-135m-bfloat16 \
+    --tokens "$TOK" --runs 1 --timeout 70 ${PROBLEMS:+--problems $PROBLEMS} --out "$OUT/fsdp_rollouts.json" | tail -5
 fi
 echo "== done ($SECONDS s)"

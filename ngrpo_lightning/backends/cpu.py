@@ -22,8 +22,8 @@ Also chosen here, each giving the same values:
 - under FSDP2, rollouts on a copy of the policy's gathered weights, where every process's copy
   together takes at most an eighth of the machine's memory
   (:mod:`ngrpo_lightning.rollout.sharded_decoding`): the copy decodes on packed products and
-  without FSDP2's hooks at every step (the packaged model's rollout phase 1.64-1.67 s against
-  2.87-3.22 s through the policy, docs/performance.md).
+  without FSDP2's hooks at every step (the packaged model's rollout phase 1.8-2.1x faster,
+  ``benchmarks/fsdp_rollouts.py``, docs/performance.md).
 
 A half-precision model on a CPU without native bfloat16 products is warned about at start-up,
 with both rates as this machine measures them (there bfloat16 products can be tens of times
