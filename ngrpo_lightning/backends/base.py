@@ -177,12 +177,19 @@ class Backend:
         length (``None``: its length; more needs an attention that masks keys past its mask)."""
         return None
 
+    # A policy FSDP2 shards may decode on a copy of its gathered weights, kept between rollouts: the
+    # largest share of the device's memory every process's copy together may take (None: never).
+    copy_within_share: float | None = None
+
     def decodes_sharded_on_copy(self, copy_bytes: int, device: torch.device) -> bool:
         """Whether a policy that FSDP2 shards decodes on a copy of its gathered weights, kept between
         rollouts (``copy_bytes`` of ``device``'s memory), rather than through its own modules
         unsharded for each rollout (:mod:`ngrpo_lightning.rollout.sharded_decoding`; the same
-        rollouts either way). No: a device's backend weighs the copy's memory against its own."""
-        return False
+        rollouts either way): where the copies fit ``copy_within_share`` of the device's memory."""
+        if self.copy_within_share is None:
+            return False
+        memory, processes = device_memory(device)
+        return copy_bytes * processes <= self.copy_within_share * memory
 
     def reference_in_file(self, output_dir, sharded: bool) -> bool:
         """Whether the frozen KL reference lives in a file between its passes (same values)."""
@@ -194,3 +201,14 @@ class Backend:
 
     def summary(self) -> str:
         return f"{self.name} backend, attention {self.attention}"
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """``(bytes, processes)``: ``device``'s memory, and how many of the run's processes share it (a
+    GPU is one process's; the host's RAM, at worst, every process's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, 1
+    import psutil
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return psutil.virtual_memory().total, torch.distributed.get_world_size() if distributed else 1

@@ -32,8 +32,6 @@ slower than float32's).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ngrpo_lightning.backends import attention, file_weights
@@ -166,15 +164,6 @@ class CPUBackend(Backend):
         return file_weights.resolve("auto", "cpu", sharded, output_dir) == "file"
 
     copy_within_share = 1 / 8  # of the machine's memory, for every process's copy together
-
-    def decodes_sharded_on_copy(self, copy_bytes: int, device: torch.device) -> bool:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # a platform that does not say: keep the memory
-            return False
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        processes = torch.distributed.get_world_size() if distributed else 1  # at worst all on this machine
-        return copy_bytes * processes <= self.copy_within_share * memory
 
     def startup_notes(self) -> list[str]:
         notes = []

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.backends import attention
-from ngrpo_lightning.backends.base import BACKENDS, Backend
+from ngrpo_lightning.backends.base import BACKENDS, Backend, device_memory
 from ngrpo_lightning.backends.fused import fused_mlps, fused_modules, join_projections
 from ngrpo_lightning.backends.width_buckets import bucket_width
 
@@ -106,7 +106,7 @@ class CUDABackend(Backend):
     def recomputes(self, model: torch.nn.Module) -> bool:
         if not torch.cuda.is_available():
             return True  # no GPU to weigh it against: keep the memory
-        return self.recomputes_within(model, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        return self.recomputes_within(model, device_memory(torch.device("cuda", torch.cuda.current_device()))[0])
 
     def recomputes_within(self, model: torch.nn.Module, memory_bytes: int) -> bool:
         """Whether ``model`` recomputes its MLP activations on a GPU of ``memory_bytes``."""
@@ -119,10 +119,12 @@ class CUDABackend(Backend):
         return kept > self.recompute_above_share * memory_bytes
 
     def decodes_sharded_on_copy(self, copy_bytes: int, device: torch.device) -> bool:
-        """Yes where decoding replays graphs and the copy takes at most ``copy_within_share`` of the GPU."""
-        if self.decode_graphs is None or not torch.cuda.is_available():
-            return False
-        return copy_bytes <= self.copy_within_share * torch.cuda.get_device_properties(device).total_memory
+        """Only where decoding replays graphs, what the copy is for (``cuda_eager``: the baseline)."""
+        return (
+            self.decode_graphs is not None
+            and torch.cuda.is_available()
+            and super().decodes_sharded_on_copy(copy_bytes, device)
+        )
 
     def prepare(self, model: torch.nn.Module, trains: bool = False, sharded: bool = False) -> torch.nn.Module:
         if sharded and trains and self.decode_graphs is not None:

@@ -168,23 +168,29 @@ class LeanLoraLinear:
         base = self._modules["base_layer"]
         w = base.weight.detach()
         bias = None if base.bias is None else base.bias.detach()
-        A = self._modules["lora_A"]._modules[adapter]._parameters["weight"]
-        B = self._modules["lora_B"]._modules[adapter]._parameters["weight"]
-        down, up = self.adapters_in(adapter, w.dtype, A, B)  # as the training forward multiplies them
         kept = None
         if keep:
             kept = self._kept
             if kept is None or kept.shape != w.shape or kept.dtype != w.dtype or kept.device != w.device:
                 kept = self._kept = torch.empty_like(w)
                 torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
-        # W + scale B A in one product (fan_in_fan_out layers are Conv1D, never merged here)
-        weight = torch.addmm(w, up, down, alpha=self.scaling[adapter], out=kept)
+        weight = self.merged_weight(adapter, out=kept)
         if keep:
             self._merged = (weight, bias, False)
             return True
         packs = isinstance(self.base_layer, BackendLinear) and self.base_layer.pack_once
         self._merged = (pack(weight, rows), bias, True) if packs else (weight, bias, False)
         return True
+
+    def merged_weight(self, adapter: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``W + scale B A`` for ``adapter`` (one :meth:`merge_adapter_name` gave) in one product of
+        the adapters cast as the training forward multiplies them, in ``W``'s dtype, into ``out``
+        where given: what decoding multiplies by (fan_in_fan_out layers are Conv1D, never merged here)."""
+        w = self._modules["base_layer"].weight.detach()
+        A = self._modules["lora_A"]._modules[adapter]._parameters["weight"]
+        B = self._modules["lora_B"]._modules[adapter]._parameters["weight"]
+        down, up = self.adapters_in(adapter, w.dtype, A, B)
+        return torch.addmm(w, up, down, alpha=self.scaling[adapter], out=out)
 
     def end_pass(self) -> None:
         self._merged = None

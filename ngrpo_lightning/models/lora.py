@@ -170,10 +170,22 @@ def merged_named_tensors(model: torch.nn.Module):
         tensor = whole(tensor)
         if sep:
             layer = adapted.get(owner)
-            if rest == "weight" and layer is not None and not layer.disable_adapters and not layer.merged:
-                tensor = tensor.detach().clone()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        tensor += whole(layer.get_delta_weight(adapter)).to(tensor.dtype)
+            if rest == "weight" and layer is not None:
+                tensor = add_adapter_deltas(layer, tensor.detach().clone())
             name = f"{owner}.{rest}"
         yield name, tensor
+
+
+def add_adapter_deltas(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (a copy of the peft ``layer``'s base weight, written in place) plus each active
+    adapter's ``scale B A`` (peft's ``get_delta_weight``, gathered whole under FSDP2), unless the
+    adapters are off or already merged into the base weight."""
+    from torch.distributed.tensor import DTensor
+
+    if layer.disable_adapters or layer.merged:
+        return weight
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            delta = layer.get_delta_weight(adapter)
+            weight += (delta.full_tensor() if isinstance(delta, DTensor) else delta).to(weight.dtype)
+    return weight

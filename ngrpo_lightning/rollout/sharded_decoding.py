@@ -25,7 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ngrpo_lightning.backends.lora import LeanLoraLinear
-from ngrpo_lightning.models.lora import has_adapters, is_adapter_weight
+from ngrpo_lightning.models.lora import add_adapter_deltas, has_adapters, is_adapter_weight
+from ngrpo_lightning.models.walks import modules_of
 
 log = logging.getLogger(__name__)
 
@@ -62,28 +63,39 @@ class DecodeCopy:
         self.model: torch.nn.Module | None = None
         self.refused = False  # the backend said no: decode through the policy (:func:`unsharded`)
         self._targets: list[tuple] = []
+        self._by_module: list[list[tuple]] | None = None  # the targets by the module that gathers them
 
     def refresh(self, modules: list) -> torch.nn.Module | None:
         """The copy holding the policy's current weights, or ``None`` where the backend refuses it.
         Gathers ``modules`` (the policy's FSDP2 modules, the root first) one at a time, a collective:
-        every rank calls this as often."""
+        every rank calls this as often; each writes the tensors it holds."""
         if self.refused:
             return None
-        left = None
         with torch.no_grad():
-            for m in modules:
+            for i, m in enumerate(modules):
                 m.unshard()
                 try:
-                    if left is None:
-                        if self.model is None and not self._build(m):
-                            return None
-                        left = list(self._targets)
-                    left = [target for target in left if not _fill(*target)]
+                    if self.model is None and not self._build(m):
+                        return None
+                    for target in self._groups(modules)[i]:
+                        if not _fill(*target):
+                            raise RuntimeError(f"{type(target[0]).__name__}.{target[1]} stayed sharded: not {m}'s")
                 finally:
                     m.reshard()
-        if left:
-            raise RuntimeError(f"{len(left)} tensors of the policy stayed sharded after every FSDP2 module gathered")
         return self.model
+
+    def _groups(self, modules: list) -> list[list[tuple]]:
+        """The targets by the FSDP2 module whose gathering makes them whole: the innermost one that
+        holds their source (an outer module's walk is overridden by the inner ones after it). Worked
+        out once: the modules do not change."""
+        if self._by_module is None:
+            owner = {}
+            for i, m in enumerate(modules):  # the root first
+                owner.update((id(sub), i) for sub in modules_of(m))
+            self._by_module = [[] for _ in modules]
+            for target in self._targets:
+                self._by_module[owner[id(target[0])]].append(target)
+        return self._by_module
 
     def _build(self, root: torch.nn.Module) -> bool:
         """Build the copy in the dtype and on the device of ``root``'s gathered weights, if the backend
@@ -154,14 +166,8 @@ def _fill(source: torch.nn.Module, what: str | None, into: torch.Tensor) -> bool
     if isinstance(weight, DTensor):
         return False
     adapter = source.merge_adapter_name() if isinstance(source, LeanLoraLinear) else None
-    if adapter is not None:  # W + scale B A in one product, as one-device decoding merges it
-        A = source.lora_A[adapter].weight.to(weight.dtype)
-        B = source.lora_B[adapter].weight.to(weight.dtype)
-        torch.addmm(weight, B, A, alpha=source.scaling[adapter], out=into)
-        return True
-    into.copy_(weight)  # peft's own delta for what the lean layer does not merge (variants, several adapters)
-    if not source.disable_adapters and not source.merged:
-        for name in source.active_adapters:
-            if name in source.lora_A:
-                into += source.get_delta_weight(name).to(into.dtype)
+    if adapter is not None:  # as one-device decoding merges it
+        source.merged_weight(adapter, out=into)
+    else:  # peft's own delta where the lean layer does not merge (variants, several adapters)
+        add_adapter_deltas(source, into.copy_(weight))
     return True
