@@ -3,8 +3,11 @@ and gives the rollouts of decoding through the policy itself: two processes on g
 model sharded between them, full fine-tuning and LoRA, the copy's steps replayed on the graphs'
 buffers (``graphs="rerun"``, the CPU's check), and again after the weights moved."""
 
+import contextlib
 import os
 import socket
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precision: str, device: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, out: str, adapters: bool, precision: str, device: str, measuring: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -38,6 +43,8 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
         from torch.distributed.tensor import DTensor
 
         from ngrpo_lightning.backends.base import BACKENDS
+        from ngrpo_lightning.backends.cpu import CPUBackend
+        from ngrpo_lightning.backends.probe import Measurements
         from ngrpo_lightning.explorers import TopKMixExplorer
         from ngrpo_lightning.models import lora
         from ngrpo_lightning.models.loading import load_policy
@@ -61,6 +68,8 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
             if device == "cuda"
             else (Backend, Backend, CopyingBackend, "rerun")
         )
+        if device == "cpu" and measuring:  # the CPU backend's own choice, its products timed afresh at the copy
+            copying = partial(CPUBackend, measurements=Measurements(Path(out)))
         backend(torch.float32).prepare(policy, trains=True, sharded=True)
         mesh = init_device_mesh(device, (world,))
         root = shard_fsdp2([policy], ParallelConfig(mixed_precision=precision), mesh)[id(policy)]
@@ -74,7 +83,10 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
         for step in range(2):
             for name, engine in (("through", through), ("copy", on_copy)):
                 explorer = explorers.setdefault(name, TopKMixExplorer(k=3, rho=0.5))
-                made[name, step] = engine.generate(prompts, explorer, n=2)
+                # the copy is built at its first rollout, as in a run's validation: under inference mode
+                validating = torch.inference_mode() if (name, step) == ("copy", 0) else contextlib.nullcontext()
+                with validating:
+                    made[name, step] = engine.generate(prompts, explorer, n=2)
             kept = on_copy._copy.model
             made["addresses", step] = [p.data_ptr() for p in kept.parameters()]
             made["graphs", step] = id(on_copy._caches.graphs.get(6))
@@ -90,10 +102,11 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, precisio
         torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, adapters: bool, precision: str = "fp32", device: str = "cpu") -> list[dict]:
+def _run(tmp_path, adapters: bool, precision: str = "fp32", device: str = "cpu", measuring: bool = False) -> list[dict]:
     pytest.importorskip("peft")
     world = 2 if device == "cpu" else 1  # one GPU: FSDP2 over one process, its modules and hooks all the same
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), adapters, precision, device), nprocs=world, join=True)
+    args = (world, _free_port(), str(tmp_path), adapters, precision, device, measuring)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
 
 
@@ -114,6 +127,18 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
             assert_same_rollouts(copy, through)
         # rewritten in place, not remade: graphs recorded on the copy stay valid
         assert made["addresses", 0] == made["addresses", 1] and made["graphs", 0] == made["graphs", 1]
+
+
+def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_and_decodes_alike(tmp_path):
+    """A run's first rollout is its validation's, under inference mode: the copy is still a model of
+    normal tensors, and the CPU backend times its products, backward included, as it builds it."""
+    from test_hf_engine_live_rows import assert_same_rollouts
+
+    for made in _run(tmp_path, adapters=False, measuring=True):
+        assert any(tmp_path.glob("cpu-*.json"))  # products timed afresh
+        for step in range(2):
+            assert made["copy", step].stats["rollout/sharded_on_copy"] == 1.0
+            assert_same_rollouts(made["copy", step], made["through", step])
 
 
 def test_the_copy_holds_the_weights_in_fsdp2s_compute_dtype(tmp_path):

@@ -75,8 +75,12 @@ class DecodeCopy:
             for i, m in enumerate(modules):
                 m.unshard()
                 try:
-                    if self.model is None and not self._build(m):
-                        return None
+                    if self.model is None:
+                        # a model of normal tensors whatever pass rolls out (validation runs under
+                        # inference mode), which the backend may time products of, backward included
+                        with torch.inference_mode(False), torch.enable_grad():
+                            if not self._build(m):
+                                return None
                     for target in self._groups(modules)[i]:
                         if not _fill(*target):
                             raise RuntimeError(f"{type(target[0]).__name__}.{target[1]} stayed sharded: not {m}'s")
