@@ -112,3 +112,25 @@ def test_the_datamodule_reads_the_run_through_its_context():
     assert run_context(fake_trainer()).version.value == 0
     with pytest.raises(TypeError, match="object gives no RunContext .*RLModule provides one"):
         run_context(type("T", (), {"lightning_module": object()})())
+
+
+def test_every_rollout_is_told_the_policy_version_it_decodes(tokenizer):
+    """An engine keeping weights of its own without a sync (HFEngine's copy of an FSDP2 policy)
+    rewrites them only when the version moved: the run tells it the version before each rollout."""
+    from ngrpo_lightning.data import reasoning_gym_problems
+    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
+
+    class Recorder(RolloutEngine):
+        told = []
+
+        def generate(self, prompts, explorer, n, max_new_tokens):
+            self.told.append(self.policy_version)
+            return RolloutBatch.__new__(RolloutBatch)
+
+    dm = RolloutDataModule(tokenizer, reasoning_gym_problems(["chain_sum"], 4, seed=0), prompts_per_step=2, seed=0)
+    dm.engines.engine, dm.trainer = Recorder(), fake_trainer()
+    version = dm.trainer.lightning_module.context.version
+    for _ in range(3):
+        dm.more_rollouts()
+        version.advance()
+    assert Recorder.told == [0, 1, 2]

@@ -85,16 +85,24 @@ def _worker(
                 explorer = explorers.setdefault(name, TopKMixExplorer(k=3, rho=0.5))
                 # the copy is built at its first rollout, as in a run's validation: under inference mode
                 validating = torch.inference_mode() if (name, step) == ("copy", 0) else contextlib.nullcontext()
+                engine.policy_version = step  # as the run tells it before each rollout
                 with validating:
                     made[name, step] = engine.generate(prompts, explorer, n=2)
             kept = on_copy._copy.model
+            made["copy sum", step] = sum(p.double().sum().item() for p in kept.parameters())
             made["addresses", step] = [p.data_ptr() for p in kept.parameters()]
             made["graphs", step] = id(on_copy._caches.graphs.get(6))
             with torch.no_grad():  # an optimizer step moves the trained weights (each rank its shards)
                 for p in policy.parameters():
                     if p.requires_grad:
                         (p.to_local() if isinstance(p, DTensor) else p).mul_(1.5)
+        # the weights moved above, but the policy version did not: a rollout at version 1 (a validation's
+        # next batch) gathers nothing, and the next version's rewrites the copy
         copy = on_copy._copy.model
+        for version in ("same", "next"):
+            on_copy.policy_version = 1 if version == "same" else 2
+            on_copy.generate(prompts, explorers["copy"], n=2)
+            made["copy sum", version] = sum(p.double().sum().item() for p in copy.parameters())
         made["dtype"], made["tied"] = copy.dtype, copy.lm_head.weight is copy.get_input_embeddings().weight
         made["refused"] = through._copy.refused
         torch.save(made, f"{out}/rank{rank}.pt")
@@ -127,6 +135,8 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
             assert_same_rollouts(copy, through)
         # rewritten in place, not remade: graphs recorded on the copy stay valid
         assert made["addresses", 0] == made["addresses", 1] and made["graphs", 0] == made["graphs", 1]
+        # rewritten when the policy version moved, not at a rollout of the version it holds
+        assert made["copy sum", 0] != made["copy sum", 1] == made["copy sum", "same"] != made["copy sum", "next"]
 
 
 def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_and_decodes_alike(tmp_path):

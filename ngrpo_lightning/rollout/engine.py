@@ -113,6 +113,10 @@ class RolloutEngine(ABC):
     settings_key: str | None = None  # rollout.<settings_key>.* are the engine's settings (None: it has none)
     needs_sync: bool = False  # True for engines that decode with their own copy of the weights
     weights_version: int | None = None  # the policy version (optimizer steps) of the engine's weights
+    # the live policy's version at the next rollout, told by the run before each (None: not known). An
+    # engine that keeps weights of its own without a sync (HFEngine's copy of an FSDP2 policy) rewrites
+    # them only when it moved: every rank holds the same version, so every rank gathers, or none does
+    policy_version: int | None = None
     tokenizer = None
     eos_ids: list[int] = []
     seed: int = 0

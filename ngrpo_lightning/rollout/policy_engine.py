@@ -54,15 +54,16 @@ class PolicyEngine:
     def ready(self, context: RunContext) -> RolloutEngine:
         """The engine, built at the first call for the context's policy (under FSDP2 its root),
         with a resumed checkpoint's sampling state, and synced: an engine with its own copy of
-        the weights (vLLM) gets the policy's when the policy version moved since its last sync.
-        Under FSDP2 the full tensors are gathered (a collective: every rank rolls out, so every
-        rank syncs)."""
+        the weights (vLLM) gets the policy's when the policy version moved since its last sync,
+        and every engine is told the version (``RolloutEngine.policy_version``). Under FSDP2
+        the full tensors are gathered (a collective: every rank rolls out, so every rank syncs)."""
         if self.engine is None:
             self.engine = self.build(context.policy, context, context.sharded_root(context.policy))
             if self._state is not None:
                 self.engine.load_state_dict(self._state)
             self._state = None
         version = context.version.value
+        self.engine.policy_version = version
         if self.engine.needs_sync and self.engine.weights_version != version:
             self.engine.sync_weights(full_named_tensors(context.policy), version=version)
         return self.engine

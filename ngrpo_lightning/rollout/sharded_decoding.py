@@ -9,8 +9,9 @@
   device, into which each rollout writes the policy's current weights (a LoRA layer's merged,
   ``W + scale B A``), gathering one sharded module at a time. It decodes as a policy on one GPU
   does: the backend's modules, a static cache, CUDA graphs. Its weights are rewritten in place, so
-  graphs recorded on it stay valid from one rollout to the next. The cost: the full weights are
-  held between rollouts too.
+  graphs recorded on it stay valid from one rollout to the next; a rollout at the policy version
+  the copy already holds (a validation's later batches) gathers nothing. The cost: the full
+  weights are held between rollouts too.
 
 Either way the rollout is the same; the copy multiplies exactly the weights FSDP2 would gather
 (in its compute dtype), LoRA's merged as one-GPU decoding merges them (``tests/test_sharded_decoding.py``).
@@ -64,13 +65,19 @@ class DecodeCopy:
         self.refused = False  # the backend said no: decode through the policy (:func:`unsharded`)
         self._targets: list[tuple] = []
         self._by_module: list[list[tuple]] | None = None  # the targets by the module that gathers them
+        self.version: int | None = None  # the policy version the copy holds (None: not known)
 
-    def refresh(self, modules: list) -> torch.nn.Module | None:
+    def refresh(self, modules: list, version: int | None = None) -> torch.nn.Module | None:
         """The copy holding the policy's current weights, or ``None`` where the backend refuses it.
         Gathers ``modules`` (the policy's FSDP2 modules, the root first) one at a time, a collective:
-        every rank calls this as often; each writes the tensors it holds."""
+        every rank calls this as often; each writes the tensors it holds. Where ``version`` (the
+        policy version, the same on every rank) is the one the copy holds, nothing is gathered: the
+        rollouts of one validation, or a step's extra batches, decode the weights already written."""
         if self.refused:
             return None
+        if version is not None and version == self.version and self.model is not None:
+            return self.model
+        self.version = None  # until every module is written
         with torch.no_grad():
             for i, m in enumerate(modules):
                 m.unshard()
@@ -86,6 +93,7 @@ class DecodeCopy:
                             raise RuntimeError(f"{type(target[0]).__name__}.{target[1]} stayed sharded: not {m}'s")
                 finally:
                     m.reshard()
+        self.version = version
         return self.model
 
     def _groups(self, modules: list) -> list[list[tuple]]:
