@@ -187,7 +187,8 @@ def test_version_errors_say_what_to_install():
 @pytest.mark.parametrize("experiment", ["ngrpo", "ngrpo-lora"])
 def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
     """`ngrpo train rollout.engine=vllm experiment=ngrpo` (in its own process: one vLLM per process);
-    with LoRA adapters (ngrpo-lora), vLLM gets the merged weights after every step."""
+    with LoRA adapters (ngrpo-lora), vLLM gets the merged weights after every step. The run validates
+    first, as by default: vLLM, built at that rollout under inference mode, still takes the syncs."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
@@ -198,8 +199,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
         "data.prompts_per_step=2",
         "rollout.group_size=4",
         "rollout.max_new_tokens=24",
-        "data.val_size=4",
-        "validate_before_fit=false",
+        "data.val_size=4",  # validated before the fit: vLLM starts inside it, under inference mode
         "explorer.rho=0.5",
         "train.tis_cap=2.0",
         f"logger.tracking_uri={store}",

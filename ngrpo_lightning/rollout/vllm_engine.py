@@ -215,7 +215,10 @@ class VLLMEngine(RolloutEngine):
         tensors are copied into the storage vLLM's CUDA graphs were captured with."""
         self._wake(tags=["weights"])
         weights = ((n, t.detach()) for n, t in named_tensors)
-        self.runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        # under inference mode: an engine built inside it (a run's first rollout is its validation's)
+        # holds inference tensors, which only accept writes there; normal tensors accept them too
+        with torch.inference_mode():
+            self.runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.weights_version = version
 
     def _wake(self, tags=("weights", "kv_cache")) -> None:
