@@ -133,6 +133,9 @@ class PassAtK(L.Callback):
                 seed=self.seed,
                 backend=context.backend,
             )
+        # the policy version it decodes: an FSDP2 policy's copy, shared with the rollouts' engine, is
+        # rewritten only when it moved
+        self._engine.policy_version = context.version.value
         return self._engine
 
     def _max_new(self, trainer: L.Trainer) -> int:

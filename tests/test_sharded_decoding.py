@@ -103,6 +103,11 @@ def _worker(
             on_copy.policy_version = 1 if version == "same" else 2
             on_copy.generate(prompts, explorers["copy"], n=2)
             made["copy sum", version] = sum(p.double().sum().item() for p in copy.parameters())
+        # a second engine on the policy (Pass@k's beside the rollouts') decodes the same copy
+        beside = HFEngine(policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=on_copy.backend)
+        beside.policy_version = 2
+        made["beside"] = beside.generate(prompts, TopKMixExplorer(k=3, rho=0.5), n=2).stats["rollout/sharded_on_copy"]
+        made["shared"] = beside._copy is on_copy._copy and beside._copy.model is copy
         made["dtype"], made["tied"] = copy.dtype, copy.lm_head.weight is copy.get_input_embeddings().weight
         made["refused"] = through._copy.refused
         torch.save(made, f"{out}/rank{rank}.pt")
@@ -137,6 +142,7 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
         assert made["addresses", 0] == made["addresses", 1] and made["graphs", 0] == made["graphs", 1]
         # rewritten when the policy version moved, not at a rollout of the version it holds
         assert made["copy sum", 0] != made["copy sum", 1] == made["copy sum", "same"] != made["copy sum", "next"]
+        assert made["beside"] == 1.0 and made["shared"]  # one copy of the weights, not one per engine
 
 
 def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_and_decodes_alike(tmp_path):

@@ -169,7 +169,7 @@ class HFEngine(RolloutEngine):
         model, sharded = self.model, self._fsdp_modules()
         if sharded:  # FSDP2: on a copy of the gathered weights, or through the policy unsharded (.sharded_decoding)
             if self._copy is None:
-                self._copy = DecodeCopy(self.model, self.backend or backend_for(self.model))
+                self._copy = DecodeCopy.of(self.model, self.backend or backend_for(self.model))
             model = self._copy.refresh(sharded, self.policy_version)
             if model is None:  # the policy's modules decode, their FSDP2 hooks at every step: eagerly
                 with unsharded(sharded):

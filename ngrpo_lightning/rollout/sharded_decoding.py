@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -57,10 +58,24 @@ def unsharded(modules: list):
 class DecodeCopy:
     """A sharded ``policy``'s weights written into a plain model of its own for decoding (see the
     module docstring), built at the first :meth:`refresh` that ``backend`` accepts and prepared by it
-    as it prepares an unsharded policy."""
+    as it prepares an unsharded policy. Engines take it from :meth:`of`: one copy per policy and
+    backend in a process, whichever engines decode it (the DataModule's, Pass@k's)."""
+
+    _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy -> {id(backend): copy}
+
+    @classmethod
+    def of(cls, policy: torch.nn.Module, backend) -> DecodeCopy:
+        """The copy of ``policy`` for ``backend``, made at the first call: a second engine on the same
+        policy (an evaluation's beside the rollouts') shares it, and with it its memory and the policy
+        version it holds, rather than keeping the full weights twice."""
+        copies = cls._kept.setdefault(policy, {})
+        kept = copies.get(id(backend))
+        if kept is None or kept.backend is not backend:
+            kept = copies[id(backend)] = cls(policy, backend)
+        return kept
 
     def __init__(self, policy: torch.nn.Module, backend):
-        self.policy, self.backend = policy, backend
+        self._policy, self.backend = weakref.ref(policy), backend  # weakly: the policy keys the kept copies
         self.model: torch.nn.Module | None = None
         self.refused = False  # the backend said no: decode through the policy (:func:`unsharded`)
         self._targets: list[tuple] = []
@@ -113,7 +128,8 @@ class DecodeCopy:
         """Build the copy in the dtype and on the device of ``root``'s gathered weights, if the backend
         accepts its size (else remember it refused)."""
         gathered = next(p for p in root.parameters() if not isinstance(p, DTensor))
-        base = self.policy.get_base_model() if has_adapters(self.policy) else self.policy
+        policy = self._policy()
+        base = policy.get_base_model() if has_adapters(policy) else policy
         numel = sum(p.numel() for name, p in base.named_parameters() if not is_adapter_weight(name))
         size = numel * gathered.element_size()
         if not self.backend.decodes_sharded_on_copy(size, gathered.device):
