@@ -174,6 +174,7 @@ def _gathered_worker(rank: int, world: int, port: int, out: str) -> None:
         from ngrpo_lightning.models import lora
         from ngrpo_lightning.models.loading import load_policy
         from ngrpo_lightning.rollout.engine import full_named_tensors
+        from ngrpo_lightning.rollout.vllm_engine import _made_outside_inference
         from ngrpo_lightning.training.parallel import ParallelConfig, shard_fsdp2
 
         torch.manual_seed(0)
@@ -187,15 +188,20 @@ def _gathered_worker(rank: int, world: int, port: int, out: str) -> None:
         Backend(torch.float32).prepare(policy, trains=True, sharded=True)
         shard_fsdp2([policy], ParallelConfig(mixed_precision="fp32"), init_device_mesh("cpu", (world,)))
         gathered = dict(full_named_tensors(policy))  # a collective, on every rank
+        with torch.inference_mode():  # as vLLM's sync writes them, inside a validation's rollout too
+            in_inference = dict(_made_outside_inference(full_named_tensors(policy)))
         if rank == 0:
-            torch.save({"sharded": gathered, "plain": dict(full_named_tensors(plain))}, f"{out}/gathered.pt")
+            saved = {"sharded": gathered, "plain": dict(full_named_tensors(plain)), "in inference mode": in_inference}
+            torch.save(saved, f"{out}/gathered.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_a_sharded_lora_policy_gives_an_engine_its_whole_merged_weights(tmp_path):
     """What an engine with weights of its own (vLLM) loads from a LoRA policy FSDP2 shards: whole
-    tensors, the adapters merged, as from the same policy unsharded (they had come out as shards)."""
+    tensors, the adapters merged, as from the same policy unsharded (they had come out as shards),
+    also when the sync runs under inference mode (a run's validation; the state dict of FSDP2's
+    DTensors cannot be made there: each tensor is made outside it)."""
     pytest.importorskip("peft")
     mp.spawn(_gathered_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     made = torch.load(tmp_path / "gathered.pt", weights_only=False)
@@ -204,6 +210,7 @@ def test_a_sharded_lora_policy_gives_an_engine_its_whole_merged_weights(tmp_path
     for name, tensor in sharded.items():
         assert type(tensor) is torch.Tensor, name
         torch.testing.assert_close(tensor, plain[name], msg=name)
+        torch.testing.assert_close(made["in inference mode"][name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_the_cpu_backend_keeps_a_copy_only_where_every_process_s_copy_is_a_minor_share_of_memory():

@@ -45,6 +45,18 @@ def _start_in_process() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # never pin the trainer's threads
 
 
+def _made_outside_inference(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """``named_tensors`` one at a time, each made with inference mode off, whatever the caller's
+    mode: a sharded model's state dict cannot gather under it, nor inside a validation's."""
+    tensors = iter(named_tensors)
+    while True:
+        with torch.inference_mode(False):
+            item = next(tensors, None)
+        if item is None:
+            return
+        yield item[0], item[1].detach()
+
+
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM (its own copy of the weights: ``needs_sync``).
@@ -214,11 +226,13 @@ class VLLMEngine(RolloutEngine):
         into vLLM, converting them to vLLM's layout (fused projections, packed kernels). The
         tensors are copied into the storage vLLM's CUDA graphs were captured with."""
         self._wake(tags=["weights"])
-        weights = ((n, t.detach()) for n, t in named_tensors)
-        # under inference mode: an engine built inside it (a run's first rollout is its validation's)
-        # holds inference tensors, which only accept writes there; normal tensors accept them too
+        # written under inference mode: an engine built inside it (a run's first rollout is its
+        # validation's) holds inference tensors, which take writes only there (normal tensors take
+        # them too); each tensor is made outside it, where FSDP2's state dict can gather
         with torch.inference_mode():
-            self.runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            self.runner.reload_weights(
+                weights_iterator=_made_outside_inference(named_tensors), is_checkpoint_format=True
+            )
         self.weights_version = version
 
     def _wake(self, tags=("weights", "kv_cache")) -> None:
