@@ -132,6 +132,7 @@ class PassAtK(L.Callback):
                 max_new_tokens=self._max_new(trainer),
                 seed=self.seed,
                 backend=context.backend,
+                sharded_root=context.sharded_root(context.policy),  # FSDP2's root: gathered with the layers
             )
         # the policy version it decodes: an FSDP2 policy's copy, shared with the rollouts' engine, is
         # rewritten only when it moved

@@ -80,6 +80,7 @@ class DecodeCopy:
         self.refused = False  # the backend said no: decode through the policy (:func:`unsharded`)
         self._targets: list[tuple] = []
         self._by_module: list[list[tuple]] | None = None  # the targets by the module that gathers them
+        self._modules_key: list[int] = []  # the modules they were grouped by
         self.version: int | None = None  # the policy version the copy holds (None: not known)
 
     def refresh(self, modules: list, version: int | None = None) -> torch.nn.Module | None:
@@ -114,13 +115,20 @@ class DecodeCopy:
     def _groups(self, modules: list) -> list[list[tuple]]:
         """The targets by the FSDP2 module whose gathering makes them whole: the innermost one that
         holds their source (an outer module's walk is overridden by the inner ones after it). Worked
-        out once: the modules do not change."""
-        if self._by_module is None:
+        out once per list of modules (each engine sharing the copy hands it the same)."""
+        key = [id(m) for m in modules]
+        if self._by_module is None or key != self._modules_key:
+            self._modules_key = key
             owner = {}
             for i, m in enumerate(modules):  # the root first
                 owner.update((id(sub), i) for sub in modules_of(m))
             self._by_module = [[] for _ in modules]
             for target in self._targets:
+                if id(target[0]) not in owner:
+                    raise RuntimeError(
+                        f"no FSDP2 module the engine was given holds {type(target[0]).__name__}.{target[1]}: "
+                        "build the engine with the run's sharded_root (RunContext.sharded_root)"
+                    )
                 self._by_module[owner[id(target[0])]].append(target)
         return self._by_module
 
