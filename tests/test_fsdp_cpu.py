@@ -216,20 +216,27 @@ def test_a_sharded_lora_run_resumes_exactly(tmp_path):
     assert metrics(two)["train/loss"] == metrics(one_go)["train/loss"]
 
 
-def test_a_sharded_run_validates_in_batches_and_evaluates_pass_at_k(tmp_path):
-    """Validation before the fit in several batches and Pass@k at its end, under FSDP2: the Pass@k
-    callback's engine decodes the rollouts' copy of the gathered weights (it had been handed the
-    layers without FSDP2's root, and failed)."""
+def test_a_sharded_run_validates_in_batches_evaluates_pass_at_k_and_exports(tmp_path):
+    """Validation before the fit in several batches, Pass@k and the final export at its end, under
+    FSDP2. Pass@k's engine decodes the rollouts' copy of the gathered weights (it had been handed
+    the layers without FSDP2's root, and failed); the export reads the sharded checkpoint on the
+    first rank alone (it had waited for the other ranks, gone, and failed)."""
     from mlflow import MlflowClient
+    from safetensors.torch import load_file
 
     out = launch(
         tmp_path, "passk", "trainer=fsdp_cpu", "data.prompts_per_step=2", "trainer.max_steps=1",
         "validate_before_fit=true", "data.val_size=8", "rollout.val_batch_size=2", "pass_at_k.n=2",
+        "export.final=true",
     )  # fmt: skip
     client = MlflowClient(f"sqlite:///{out}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert {"val/accuracy", "val/avg/pass_at_2", "val/avg/pass_at_1"} <= run.data.metrics.keys()
     assert run.data.metrics["rollout/sharded_on_copy"] == 1.0
+    trained = policy_weights(out / "checkpoints/last.ckpt")
+    exported = load_file(out / "hf_model/model.safetensors")
+    assert exported and all(torch.equal(v, trained[f"policy.{k}"]) for k, v in exported.items())
+    assert any(not torch.equal(v, policy_weights_initial()[f"policy.{k}"]) for k, v in exported.items())
 
 
 def policy_weights_initial() -> dict[str, torch.Tensor]:

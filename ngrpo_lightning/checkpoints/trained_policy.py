@@ -170,7 +170,9 @@ def _distributed_policy_weights(path: Path, policy: torch.nn.Module) -> dict[str
 
     state = {"state_dict": {f"policy.{k}": torch.empty_like(v) for k, v in policy.state_dict().items()}}
     # tied weights may be stored once: what is absent is reported by load_state_dict's check
-    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    # no_dist: read by this process alone, also where a run's process group is still up (export.final
+    # on its first rank, while the other ranks have finished)
+    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     return {k.removeprefix("policy."): v for k, v in state["state_dict"].items()}
 
 
