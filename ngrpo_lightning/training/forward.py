@@ -212,7 +212,7 @@ def response_logprobs(
     use_records: bool = True,
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
     keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
-    share_prompts: bool = False,
+    share_prompts: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the
     per-token entropy [N, L] (detached, for metrics; 0 on padding on the chunked path).
@@ -228,7 +228,9 @@ def response_logprobs(
     ``share_prompts``: rows with the same prompt (the G samples of a group) run the prompt's
     tokens once (see :func:`_hidden_with_shared_prompts`); same values and gradients. Chunked
     path only, and not under activation checkpointing (a recomputed layer would append to
-    the shared cache twice): the caller decides.
+    the shared cache twice): the caller decides. ``"always"``: the prompts' pass and the
+    responses' pass apart even where no prompt repeats (several processes: every rank's pass then
+    calls the decoder as often, whatever its rows).
 
     ``use_records=False`` ignores the mixed steps (feeds ``E[token]`` everywhere): only
     useful as a negative control.
@@ -267,7 +269,7 @@ def response_logprobs(
     # all of it (the host would queue nothing meanwhile)
     keep = batch.response_mask.bool()
     where = keep.nonzero(as_tuple=True)
-    shared = shared_prompts(batch) if share_prompts else None
+    shared = shared_prompts(batch, always=share_prompts == "always") if share_prompts else None
     if shared is not None:
         hidden = _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, *shared)
     else:
@@ -286,14 +288,17 @@ def _last_hidden(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def shared_prompts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+def shared_prompts(batch: RolloutBatch, always: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first, inverse)`` when rows repeat a prompt: ``first`` [U] is a row of each distinct
     prompt, ``inverse`` [N] the index into ``first`` of every row's prompt. ``None`` when every
-    prompt is distinct (nothing to share)."""
+    prompt is distinct (nothing to share), unless ``always``: then every row its own."""
     key = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1)
     unique, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(unique) == len(batch):
-        return None
+        if not always:
+            return None
+        rows = torch.arange(len(batch), device=inverse.device)
+        return rows, rows
     rows = torch.arange(len(batch), device=inverse.device)
     first = torch.full((len(unique),), len(batch), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
     return first, inverse

@@ -63,14 +63,24 @@ class LogprobPasses:
         trimmed = batch.trim()
         kwargs.setdefault("chunk_size", self.backend.logprob_chunk_size)
         kwargs.setdefault("keep_softmax_mib", self.backend.keep_softmax_mib)
-        kwargs["share_prompts"] = self._shares_prompts(model) and self.backend.shares_prompts(
+        share = self._shares_prompts(model) and self.backend.shares_prompts(
             shared_prompt_tokens(trimmed), layer_params(model)
         )
+        if self.plan.agree is not None:  # several processes: see _agreed_sharing
+            share = self._agreed_sharing(share)
+        kwargs["share_prompts"] = share
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:
             logp, entropy = response_logprobs(model, trimmed, temperature, **kwargs)
         return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
+
+    def _agreed_sharing(self, share: bool) -> bool | str:
+        """Several processes: a pass that shares its prompts calls the decoder twice, else once, and
+        every rank's pass must enter FSDP2's collectives as often. So a pass shares where every
+        rank's would (``plan.agree``: the most of all ranks, here of refusals), and then splits its
+        prompts from its responses even where its own rows repeat none (``"always"``)."""
+        return "always" if self.plan.agree(int(not share)) == 0 else False
 
     def _shares_prompts(self, model: torch.nn.Module) -> bool:
         """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation

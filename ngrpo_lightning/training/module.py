@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 import lightning as L
 import torch
@@ -54,7 +55,7 @@ from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
 from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
 from ngrpo_lightning.training.logprob_passes import LogprobPasses
-from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, shard_fsdp2
+from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, most_over_ranks, shard_fsdp2
 from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
 from ngrpo_lightning.training.reports import StepReports
 from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
@@ -226,6 +227,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._models_on_device()
+        if self.trainer.world_size > 1:  # every rank runs as many micro-batches (their passes are collectives)
+            self.plan.agree = partial(most_over_ranks, device=self.device)
         if self.dynamic_sampling is not None:
             check_dynamic_sampling_processes(self.trainer.world_size)
         loose = [

@@ -51,7 +51,7 @@ class LogprobsForward(torch.nn.Module):
         detach_mixture: bool = False,
         chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
-        share_prompts: bool = False,
+        share_prompts: bool | str = False,
     ):
         return response_logprobs(
             self.model,
@@ -119,6 +119,14 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
         torch._foreach_mul_([p.grad for p in params], coef)
     return total.detach()
+
+
+def most_over_ranks(n: int, device: torch.device) -> int:
+    """The largest ``n`` of all ranks: an all-reduce, which every rank enters as often (``device``:
+    where the process group's backend reduces, the GPU under NCCL)."""
+    count = torch.tensor([n], device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item())
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

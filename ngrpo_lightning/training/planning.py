@@ -49,7 +49,16 @@ class UpdatePlan:
     size), rows grouped by length so that rows x the micro-batch's longest sequence (prompt +
     response) stays within the budget. The forward cuts each micro-batch to its own longest
     sequence (``RolloutBatch.trim``), so short rows are not padded to the batch's longest.
+
+    Several processes (FSDP2): each micro-batch's forward and backward gather and scatter the
+    shards, collectives every rank must enter as often, but ranks may cut their rows into
+    different numbers of micro-batches (a token budget over other lengths, replayed rows, dynamic
+    sampling's refill). ``agree`` (the module sets it: the most over ranks) makes every rank run
+    as many: a rank with fewer splits its largest micro-batches, and where its rows run out, it
+    runs a row again with weight 0 (its passes' collectives without a gradient).
     """
+
+    agree: Callable[[int], int] | None = None  # micro-batch count -> the most over ranks (several processes)
 
     def __init__(
         self,
@@ -101,6 +110,9 @@ class UpdatePlan:
         otherwise), so that the micro-batch gradients add up to the whole batch's."""
         n = len(batch)
         groups = self._row_groups(batch)
+        pads = 0
+        if self.agree is not None:
+            groups, pads = _to_count(groups, self.agree(len(groups)))
         if not groups:
             return
         if not token_level:
@@ -110,6 +122,8 @@ class UpdatePlan:
             mask = batch.response_mask
             shares = torch.stack([mask[rows.to(mask.device)].sum() / tokens for rows in groups]).tolist()
         yield from zip(groups, shares)
+        for _ in range(pads):  # this rank's rows ran out: a row again, adding nothing to the gradient
+            yield groups[0][:1], 0.0
 
     def _row_groups(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The rows of each micro-batch: in order, ``micro_batch_size`` at a time, or, with a
@@ -137,6 +151,19 @@ class UpdatePlan:
     def load_state_dict(self, state: dict) -> None:
         if "generator" in state:
             self.generator.set_state(state["generator"])
+
+
+def _to_count(groups: list[torch.Tensor], count: int) -> tuple[list[torch.Tensor], int]:
+    """``groups`` split into ``count`` micro-batches where rows allow (the largest halved first, each
+    within the size and token budget its whole kept), and how many passes are still missing."""
+    groups = list(groups)
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]), default=None)
+        if largest is None or len(groups[largest]) < 2:
+            break
+        rows = groups.pop(largest)
+        groups[largest:largest] = list(rows.tensor_split(2))
+    return groups, count - len(groups)
 
 
 class DynamicSampling:
