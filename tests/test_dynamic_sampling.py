@@ -134,3 +134,49 @@ def test_every_rollout_is_told_the_policy_version_it_decodes(tokenizer):
         dm.more_rollouts()
         version.advance()
     assert Recorder.told == [0, 1, 2]
+
+
+def test_every_rank_rolls_out_while_any_rank_is_short():
+    """Several processes: a rollout may be a collective, so a rank already full rolls out as many
+    extra batches as the rank that needs the most, and keeps its first groups."""
+    from ngrpo_lightning.training.planning import DynamicSampling
+
+    full = fake_step(list("aabb"), [1, 0, 0, 1])  # both groups informative
+    extras = []
+
+    def more():
+        extras.append(fake_step(list("ccdd"), [1, 0, 1, 0]))
+        return extras[-1]
+
+    sampling = DynamicSampling(max_extra_rollouts=3)
+    assert sampling.fill(full, more).stats["dynamic/extra_rollouts"] == 0  # one process: nothing more
+    another_short = iter([1, 1, 0])  # the other rank is short for two more batches
+    filled = sampling.fill(full, more, agree=lambda short: max(short, next(another_short)))
+    assert filled.stats["dynamic/extra_rollouts"] == 2 and len(extras) == 2
+    assert filled.batch.problem_ids == list("aabb")  # its own first groups
+    always_short = sampling.fill(full, more, agree=lambda short: 1)
+    assert always_short.stats["dynamic/extra_rollouts"] == 3  # bounded all the same
+
+
+def test_each_rank_rolls_out_its_own_share_of_the_extra_prompts(tokenizer):
+    from ngrpo_lightning.data import reasoning_gym_problems
+    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
+
+    class Recorder(RolloutEngine):
+        def generate(self, prompts, explorer, n, max_new_tokens):
+            self.prompts = prompts
+            return RolloutBatch.__new__(RolloutBatch)
+
+    problems = reasoning_gym_problems(["chain_sum"], 8, seed=0)
+    drawn = {}
+    for rank in (0, 1):
+        dm = RolloutDataModule(tokenizer, problems, prompts_per_step=2, group_size=1, seed=3)
+        trainer = fake_trainer()
+        trainer.global_rank, trainer.world_size = rank, 2
+        dm.engines.engine, dm.trainer = Recorder(), trainer
+        drawn[rank] = []
+        for _ in range(2):  # 8 prompts: one pass over the set by both ranks together
+            dm.more_rollouts()
+            drawn[rank] += [tuple(p) for p in dm.engine.prompts]
+        assert dm.extra_prompts_drawn == 8  # the same position on every rank
+    assert len(drawn[0]) == len(drawn[1]) == 4 and len(set(drawn[0]) | set(drawn[1])) == 8

@@ -75,9 +75,9 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def launch(tmp: Path, name: str, *extra: str) -> Path:
+def launch(tmp: Path, name: str, *extra: str, driver_text: str = DRIVER) -> Path:
     driver = tmp / "driver.py"
-    driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    driver.write_text(driver_text.format(tests=str(Path(__file__).parent)))
     out = tmp / name
     args = RUN + [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db", *extra]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -239,6 +239,26 @@ def test_a_sharded_run_validates_in_batches_evaluates_pass_at_k_and_exports(tmp_
     assert any(not torch.equal(v, policy_weights_initial()[f"policy.{k}"]) for k, v in exported.items())
 
 
+def test_sharded_dynamic_sampling_rolls_out_as_many_extra_batches_on_every_rank(tmp_path):
+    """train.dynamic_sampling over two FSDP2 processes whose rollouts are collectives (through the
+    sharded policy): the first rank's first batch is all correct and needs an extra one, the
+    second's is informative. Both roll out the extra batch (the second rank alone would have left
+    the collectives); each trains on its informative groups."""
+    # the first rank's first batch all correct, then mixed; the second rank's always mixed
+    by_rank = DRIVER.replace(
+        "ScriptedReward((1, 0))",
+        "(ScriptedReward((1, 1), (1, 0)) if int(os.environ.get('LOCAL_RANK', 0)) == 0 else ScriptedReward((1, 0)))",
+    ).replace("import sys\n", "import os, sys\n", 1)
+    out = launch(
+        tmp_path, "dapo", "trainer=fsdp_cpu", "data.prompts_per_step=2", "backend.name=cpu_through",
+        "train.dynamic_sampling=true", driver_text=by_rank,
+    )  # fmt: skip
+    m = metrics(out, "dynamic/extra_rollouts", "dynamic/kept_groups", "dynamic/dropped_groups")
+    assert m["dynamic/extra_rollouts"] == [1.0, 0.0]  # on every rank, averaged over them
+    assert m["dynamic/dropped_groups"] == [1.0, 0.0]  # the first rank's 2 groups, averaged over the 2 ranks
+    assert m["dynamic/kept_groups"] == [2.0, 2.0]
+
+
 def policy_weights_initial() -> dict[str, torch.Tensor]:
     from ngrpo_lightning.models.loading import load_policy
 
@@ -259,8 +279,6 @@ def test_bad_parallel_option_names_the_key():
         check_trainer(compose(["trainer=fsdp_cpu", "trainer.parallel.mixed_precision=fp8"]))
     with pytest.raises(ConfigError, match="trainer.parallel.cpu_offload=true"):
         check_trainer(compose(["trainer=fsdp_cpu", "trainer.parallel.cpu_offload=true"]))
-    with pytest.raises(ConfigError, match="train.dynamic_sampling=true is not supported with several processes"):
-        check_trainer(compose(["trainer=fsdp_cpu", "train.dynamic_sampling=true"]))
     with pytest.raises(ConfigError, match="trainer.parallel: .*unexpected keyword"):
         check_trainer(compose(["trainer=fsdp_cpu", "+trainer.parallel.shards=3"]))
 

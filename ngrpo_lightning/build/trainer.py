@@ -17,7 +17,6 @@ from ngrpo_lightning.checks import check_bool
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.rollout import engine_class
 from ngrpo_lightning.tracking.console import StepProgressBar
-from ngrpo_lightning.training.planning import check_dynamic_sampling_processes
 
 __all__ = ["build_trainer", "check_trainer", "process_count"]
 
@@ -56,12 +55,6 @@ def check_trainer(cfg: DictConfig) -> None:
             )
             raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
     parallel = parallel_config(cfg)
-    processes = process_count(cfg)
-    if (cfg.get("train") or {}).get("dynamic_sampling", False):
-        try:
-            check_dynamic_sampling_processes(processes)
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
     if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
         raise ConfigError(
             "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "

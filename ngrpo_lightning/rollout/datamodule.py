@@ -226,12 +226,14 @@ class RolloutDataModule(L.LightningDataModule):
         explorer (``group_size`` samples each), outside the dataloader.
 
         Prompts come from a second stream over the training set: seeded shuffles, one per
-        pass, independent of the dataloader's order. Its position (``extra_prompts_drawn``)
-        is saved in checkpoints, so a resumed run draws the same prompts.
+        pass, independent of the dataloader's order. With several processes every rank draws
+        the same ``prompts_per_step x world_size`` and rolls out its own share. Its position
+        (``extra_prompts_drawn``) is saved in checkpoints, so a resumed run draws the same prompts.
         """
         context = run_context(self.trainer)
         self.setup("fit")
-        size, count = len(self.train_set), self.prompts_per_step
+        rank, world = self._rank()
+        size, count = len(self.train_set), self.prompts_per_step * world
         rows: list[int] = []
         while len(rows) < count:
             shuffle, start = divmod(self.extra_prompts_drawn, size)
@@ -239,7 +241,8 @@ class RolloutDataModule(L.LightningDataModule):
             take = order[start : start + count - len(rows)].tolist()
             rows += take
             self.extra_prompts_drawn += len(take)
-        prompts = collate_prompts([self.train_set[i] for i in rows])
+        mine = rows[rank * self.prompts_per_step : (rank + 1) * self.prompts_per_step]
+        prompts = collate_prompts([self.train_set[i] for i in mine])
         if self.max_staleness:  # the worker owns the training explorer and its generator: it rolls out, now
             batch = self.ensure_ahead().run_now(
                 self._generation(prompts, context.explorer, self.group_size),

@@ -56,7 +56,7 @@ from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
 from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
 from ngrpo_lightning.training.logprob_passes import LogprobPasses
 from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, most_over_ranks, shard_fsdp2
-from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan, check_dynamic_sampling_processes
+from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan
 from ngrpo_lightning.training.reports import StepReports
 from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
 from ngrpo_lightning.training.updates import StepHook, StepRollouts
@@ -229,8 +229,6 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         self._models_on_device()
         if self.trainer.world_size > 1:  # every rank runs as many micro-batches (their passes are collectives)
             self.plan.agree = partial(most_over_ranks, device=self.device)
-        if self.dynamic_sampling is not None:
-            check_dynamic_sampling_processes(self.trainer.world_size)
         loose = [
             type(cb).__name__
             for cb in self.trainer.callbacks
@@ -298,7 +296,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
             extra = self._more_rollouts()
             return self.mix_in(extra, self.score(extra).scores.to(self.device))
 
-        return self.dynamic_sampling.fill(step, more)
+        return self.dynamic_sampling.fill(step, more, self.plan.agree)
 
     def _more_rollouts(self) -> RolloutBatch:
         datamodule = getattr(self._trainer, "datamodule", None)

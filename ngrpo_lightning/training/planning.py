@@ -24,17 +24,7 @@ from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
 from ngrpo_lightning.training.updates import StepRollouts
 
-__all__ = ["DynamicSampling", "UpdatePlan", "check_dynamic_sampling_processes"]
-
-
-def check_dynamic_sampling_processes(processes: int) -> None:
-    """Dynamic sampling runs in one process only: ranks would roll out different numbers of extra
-    batches, and rollouts under FSDP2 are collectives. ``ValueError`` naming the keys otherwise."""
-    if processes > 1:
-        raise ValueError(
-            f"train.dynamic_sampling=true is not supported with several processes yet ({processes}): use one "
-            "process (e.g. trainer=cpu or trainer=gpu), or train.dynamic_sampling=false"
-        )
+__all__ = ["DynamicSampling", "UpdatePlan"]
 
 
 class UpdatePlan:
@@ -172,7 +162,13 @@ class DynamicSampling:
     the step is refilled with informative groups of extra rollouts, at most
     ``max_extra_rollouts`` prompt batches per step. Surplus groups are discarded; if
     nothing informative is found within the bound, the step trains on its original batch
-    (whose zero-variance groups then have zero advantages)."""
+    (whose zero-variance groups then have zero advantages).
+
+    Several processes: a rollout may be a collective (an FSDP2 policy gathered for it), so every
+    rank rolls out as many extra batches, as many as the rank that needs the most (``agree``: the
+    most over ranks); a rank already full keeps its first ``target`` groups. Ranks may then train
+    on different numbers of groups, which the update's micro-batches allow
+    (:attr:`UpdatePlan.agree`)."""
 
     def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts, drop: str = TrainConfig.drop_groups):
         TrainConfig(max_extra_rollouts=max_extra_rollouts, drop_groups=drop)  # checks both, naming their keys
@@ -189,16 +185,22 @@ class DynamicSampling:
             return (rewards.view(-1, group_size) >= 1.0).all(-1)
         return zero_variance_groups(rewards, group_size)
 
-    def fill(self, step: StepRollouts, more: Callable[[], StepRollouts]) -> StepRollouts:
+    def fill(
+        self, step: StepRollouts, more: Callable[[], StepRollouts], agree: Callable[[int], int] | None = None
+    ) -> StepRollouts:
         """The step with its zero-variance groups replaced; ``more()`` rolls out and scores one
-        more prompt batch. Counts go to ``stats`` as ``dynamic/*``."""
+        more prompt batch; ``agree`` (several processes) gives the most of all ranks. Counts go to
+        ``stats`` as ``dynamic/*``."""
         target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
         while True:
             informative = ~self.uninformative(piece.rewards, piece.group_size)
             dropped += int((~informative).sum())
             if informative.any():
                 kept.append(piece.select_groups(informative.nonzero().squeeze(-1).cpu()))
-            if sum(k.num_groups for k in kept) >= target or extra >= self.max_extra_rollouts:
+            short = sum(k.num_groups for k in kept) < target
+            if agree is not None:  # every rank rolls out while any rank is short
+                short = agree(int(short)) > 0
+            if not short or extra >= self.max_extra_rollouts:
                 break
             piece = more()
             extra += 1
