@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from ngrpo_lightning.models.loading import load_policy
-        from ngrpo_lightning.training.parallel import ParallelConfig, most_over_ranks, shard_fsdp2
+        from ngrpo_lightning.training.parallel import ParallelConfig, most_over_ranks, rank_share, shard_fsdp2
 
         torch.manual_seed(0)
         policy, _ = load_policy("tiny")
@@ -77,6 +77,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         forward = root[id(policy)]
         plan = UpdatePlan(micro_batch_size=2)
         plan.agree = partial(most_over_ranks, device=torch.device("cpu"))
+        plan.rank_share = partial(rank_share, device=torch.device("cpu"))
         step, passes = _rows(rank), 0
         for rows, weight in plan.micro_batches(step.batch, token_level=True):
             (_mean_logprob(forward, step.select(rows).batch) * weight).backward()
@@ -89,8 +90,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_two_ranks_with_different_micro_batch_counts_train_as_their_rows_say(tmp_path):
     """Without the agreement the second rank would leave FSDP2's collectives early: gloo fails,
-    NCCL hangs. With it both run 3 passes, and the gradient is the ranks' mean of their rows' means,
-    as one process computes it."""
+    NCCL hangs. With it both run 3 passes, and the gradient is that of the token mean over both
+    ranks' rows (18 tokens and 6), as one process computes it, not the mean of the ranks' means."""
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     made = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [m["passes"] for m in made] == [3, 3]
@@ -99,8 +100,10 @@ def test_two_ranks_with_different_micro_batch_counts_train_as_their_rows_say(tmp
 
     torch.manual_seed(0)
     plain, _ = load_policy("tiny")
-    for rank in range(2):  # FSDP2 averages the ranks' gradients
-        (_mean_logprob(lambda b, t: response_logprobs(plain, b, t), _rows(rank).batch) / 2).backward()
+    both = [_rows(rank).batch for rank in range(2)]
+    total = sum(batch.response_mask.sum() for batch in both)
+    for batch in both:  # the global batch's token mean
+        (response_logprobs(plain, batch, 1.0)[0].sum() / total).backward()
     assert made[0]["grads"].keys() == {n for n, p in plain.named_parameters() if p.grad is not None}
     for name, p in plain.named_parameters():
         if p.grad is not None:

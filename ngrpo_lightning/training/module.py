@@ -55,7 +55,7 @@ from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import PolicyVersion, RunContext
 from ngrpo_lightning.training.checkpoint_hooks import CheckpointHooks, reference_not_required
 from ngrpo_lightning.training.logprob_passes import LogprobPasses
-from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, most_over_ranks, shard_fsdp2
+from ngrpo_lightning.training.parallel import ParallelConfig, clip_grad_norm, most_over_ranks, rank_share, shard_fsdp2
 from ngrpo_lightning.training.planning import DynamicSampling, UpdatePlan
 from ngrpo_lightning.training.reports import StepReports
 from ngrpo_lightning.training.settings import OptimConfig, TrainConfig
@@ -227,8 +227,9 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._models_on_device()
-        if self.trainer.world_size > 1:  # every rank runs as many micro-batches (their passes are collectives)
+        if self.trainer.world_size > 1:  # as many micro-batches on every rank (collectives), the global batch's mean
             self.plan.agree = partial(most_over_ranks, device=self.device)
+            self.plan.rank_share = partial(rank_share, device=self.device)
         loose = [
             type(cb).__name__
             for cb in self.trainer.callbacks

@@ -129,6 +129,16 @@ def most_over_ranks(n: int, device: torch.device) -> int:
     return int(count.item())
 
 
+def rank_share(count: float, device: torch.device) -> float:
+    """``count`` times the number of ranks over the sum of every rank's ``count``: the factor that
+    turns this rank's mean into its part of the global mean once the ranks' gradients are averaged.
+    An all-reduce, which every rank enters as often."""
+    both = torch.tensor([count, 1.0], device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(both)
+    total, ranks = both.tolist()
+    return count * ranks / total if total > 0 else 1.0
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a transformers causal LM (``model.model.layers`` and the like;
     inside a peft model, its base model's)."""

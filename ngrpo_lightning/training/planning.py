@@ -45,10 +45,14 @@ class UpdatePlan:
     different numbers of micro-batches (a token budget over other lengths, replayed rows, dynamic
     sampling's refill). ``agree`` (the module sets it: the most over ranks) makes every rank run
     as many: a rank with fewer splits its largest micro-batches, and where its rows run out, it
-    runs a row again with weight 0 (its passes' collectives without a gradient).
+    runs a row again with weight 0 (its passes' collectives without a gradient). FSDP2 averages
+    the ranks' gradients, so each rank's shares are scaled by ``rank_share`` (its count of tokens,
+    or rows, times the ranks, over all ranks' count): the gradient is that of the global batch's
+    token mean (or row mean) also where ranks hold different numbers of tokens or rows.
     """
 
     agree: Callable[[int], int] | None = None  # micro-batch count -> the most over ranks (several processes)
+    rank_share: Callable[[float], float] | None = None  # count -> count x ranks / all ranks' count
 
     def __init__(
         self,
@@ -111,6 +115,9 @@ class UpdatePlan:
             tokens = batch.response_mask.sum().clamp(min=1)
             mask = batch.response_mask
             shares = torch.stack([mask[rows.to(mask.device)].sum() / tokens for rows in groups]).tolist()
+        if self.rank_share is not None:  # several processes: this rank's part of the global batch
+            scale = self.rank_share(float(tokens) if token_level else float(n))
+            shares = [share * scale for share in shares]
         yield from zip(groups, shares)
         for _ in range(pads):  # this rank's rows ran out: a row again, adding nothing to the gradient
             yield groups[0][:1], 0.0
