@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import ScriptedReward, fake_step, tiny_rl, tiny_trainer
 
-from ngrpo_lightning.rollout import RolloutBatch
+from ngrpo_lightning.rollout import RolloutBatch, RolloutEngine
 from ngrpo_lightning.training.updates import StepRollouts
 
 
@@ -59,6 +59,19 @@ def test_bad_max_extra_rollouts_names_the_key(tiny):
         tiny_rl(tiny, ScriptedReward([0]), max_extra_rollouts=-1)
 
 
+class Recorder(RolloutEngine):
+    """An engine that rolls out nothing: it keeps the prompts it was given and the policy versions
+    it was told."""
+
+    def __init__(self):
+        self.prompts, self.told = None, []
+
+    def generate(self, prompts, explorer, n, max_new_tokens):
+        self.prompts = prompts
+        self.told.append(self.policy_version)
+        return RolloutBatch.__new__(RolloutBatch)
+
+
 def fake_trainer():
     """A trainer whose module gives the run context the DataModule reads (nothing else)."""
     from ngrpo_lightning.backends import CPUBackend
@@ -74,12 +87,7 @@ def fake_trainer():
 
 def test_more_rollouts_stream_is_seeded_and_covers_the_training_set(tokenizer):
     from ngrpo_lightning.data import reasoning_gym_problems
-    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
-
-    class Recorder(RolloutEngine):
-        def generate(self, prompts, explorer, n, max_new_tokens):
-            self.prompts = prompts
-            return RolloutBatch.__new__(RolloutBatch)
+    from ngrpo_lightning.rollout import RolloutDataModule
 
     problems = reasoning_gym_problems(["chain_sum"], 5, seed=0)
     drawn = []
@@ -118,14 +126,7 @@ def test_every_rollout_is_told_the_policy_version_it_decodes(tokenizer):
     """An engine keeping weights of its own without a sync (HFEngine's copy of an FSDP2 policy)
     rewrites them only when the version moved: the run tells it the version before each rollout."""
     from ngrpo_lightning.data import reasoning_gym_problems
-    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
-
-    class Recorder(RolloutEngine):
-        told = []
-
-        def generate(self, prompts, explorer, n, max_new_tokens):
-            self.told.append(self.policy_version)
-            return RolloutBatch.__new__(RolloutBatch)
+    from ngrpo_lightning.rollout import RolloutDataModule
 
     dm = RolloutDataModule(tokenizer, reasoning_gym_problems(["chain_sum"], 4, seed=0), prompts_per_step=2, seed=0)
     dm.engines.engine, dm.trainer = Recorder(), fake_trainer()
@@ -133,7 +134,7 @@ def test_every_rollout_is_told_the_policy_version_it_decodes(tokenizer):
     for _ in range(3):
         dm.more_rollouts()
         version.advance()
-    assert Recorder.told == [0, 1, 2]
+    assert dm.engine.told == [0, 1, 2]
 
 
 def test_every_rank_rolls_out_while_any_rank_is_short():
@@ -160,12 +161,7 @@ def test_every_rank_rolls_out_while_any_rank_is_short():
 
 def test_each_rank_rolls_out_its_own_share_of_the_extra_prompts(tokenizer):
     from ngrpo_lightning.data import reasoning_gym_problems
-    from ngrpo_lightning.rollout import RolloutDataModule, RolloutEngine
-
-    class Recorder(RolloutEngine):
-        def generate(self, prompts, explorer, n, max_new_tokens):
-            self.prompts = prompts
-            return RolloutBatch.__new__(RolloutBatch)
+    from ngrpo_lightning.rollout import RolloutDataModule
 
     problems = reasoning_gym_problems(["chain_sum"], 8, seed=0)
     drawn = {}
