@@ -294,12 +294,9 @@ def shared_prompts(batch: RolloutBatch, always: bool = False) -> tuple[torch.Ten
     prompt is distinct (nothing to share), unless ``always``: then every row its own."""
     key = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1)
     unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if len(unique) == len(batch):
-        if not always:
-            return None
-        rows = torch.arange(len(batch), device=inverse.device)
-        return rows, rows
     rows = torch.arange(len(batch), device=inverse.device)
+    if len(unique) == len(batch):
+        return (rows, rows) if always else None
     first = torch.full((len(unique),), len(batch), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
     return first, inverse
 
