@@ -259,6 +259,56 @@ def test_sharded_dynamic_sampling_rolls_out_as_many_extra_batches_on_every_rank(
     assert m["dynamic/kept_groups"] == [2.0, 2.0]
 
 
+def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(tmp_path, monkeypatch):
+    """train.max_staleness=1 under FSDP2: each rank's worker decodes a plain model of the gathered
+    weights, queued at the same steps as in one process, so the stale batches and their corrections
+    are one process's; a checkpoint holds every rank's rollouts in flight, and resuming from it gives
+    the same steps and weights again."""
+    from conftest import ScriptedReward
+
+    from ngrpo_lightning.commands.cli import train
+
+    ahead = ["train.max_staleness=1", "trainer.max_steps=3"]
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    one = tmp_path / "one"
+    train(
+        compose(
+            RUN
+            + ahead
+            + [
+                f"output_dir={one}",
+                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
+                "trainer=cpu",
+                "data.prompts_per_step=4",
+            ]
+        )
+    )
+    sharded = [
+        *ahead,
+        "trainer=fsdp_cpu",
+        "data.prompts_per_step=2",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep=-1",
+    ]
+    two = launch(tmp_path, "two", *sharded)
+    more = ("async/weights_version", "train/tis_weight_mean")
+    m1, m2 = metrics(one, *more), metrics(two, *more)
+    assert m1["async/weights_version"] == m2["async/weights_version"] == [0.0, 0.0, 1.0]
+    assert m1["train/tis_weight_mean"][1] != pytest.approx(1.0, abs=1e-6)  # batch 1 is stale, and corrected
+    for key in KEYS + list(more):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
+    final = policy_weights(two / "checkpoints/last.ckpt")
+    w1 = policy_weights(one / "checkpoints/last.ckpt")
+    for k in w1:
+        torch.testing.assert_close(final[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
+    launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-step=2.ckpt")
+    again = policy_weights(two / "checkpoints/last.ckpt")
+    for k in final:
+        assert torch.equal(again[k], final[k]), k
+    resumed = metrics(two, *more)  # step 3 logged twice: by the whole run, then by the resumed one
+    assert {key: values[:2] + values[3:] for key, values in resumed.items()} == m2
+
+
 def policy_weights_initial() -> dict[str, torch.Tensor]:
     from ngrpo_lightning.models.loading import load_policy
 

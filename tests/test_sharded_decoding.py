@@ -110,6 +110,25 @@ def _worker(
         made["shared"] = beside._copy is on_copy._copy and beside._copy.model is copy
         made["dtype"], made["tied"] = copy.dtype, copy.lm_head.weight is copy.get_input_embeddings().weight
         made["refused"] = through._copy.refused
+        # the rollouts-ahead worker's copy: a plain model of the gathered weights (merged adapters), written
+        # from a snapshot the training thread gathers (every rank), decodes what the policy does
+        from ngrpo_lightning.rollout.worker_copy import GatheredCopy
+
+        worker = GatheredCopy(policy, eager(torch.float32))
+        snapshot = worker.snapshot(policy)
+        worker.load(snapshot)
+        for name, model, sharded in (("worker", worker.model, None), ("worker's reference", policy, root)):
+            engine = HFEngine(
+                model, tok, max_new_tokens=8, seed=rank, sharded_root=sharded, backend=eager(torch.float32)
+            )
+            made[name] = engine.generate(prompts, TopKMixExplorer(k=3, rho=0.5), n=2)
+        with torch.no_grad():  # the trainer moves on: the snapshot's tensors are its own, not the policy's
+            for p in policy.parameters():
+                if p.requires_grad:
+                    (p.to_local() if isinstance(p, DTensor) else p).mul_(1.5)
+        before = sum(t.double().sum().item() for t in worker.model.parameters())
+        worker.load(snapshot)
+        made["worker kept its version"] = before == sum(t.double().sum().item() for t in worker.model.parameters())
         torch.save(made, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -143,6 +162,8 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
         # rewritten when the policy version moved, not at a rollout of the version it holds
         assert made["copy sum", 0] != made["copy sum", 1] == made["copy sum", "same"] != made["copy sum", "next"]
         assert made["beside"] == 1.0 and made["shared"]  # one copy of the weights, not one per engine
+        assert_same_rollouts(made["worker"], made["worker's reference"])
+        assert made["worker kept its version"]
 
 
 def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_and_decodes_alike(tmp_path):

@@ -279,3 +279,117 @@ def test_no_mixing_after_the_answer_marker_in_vllm(engine, smollm2, prompts):
         lambda text: NeighborMixingExplorer(k=3, rho=0.6, emit="sampled", answer_start=text),
         logprobs_of,
     )
+
+
+def test_rollouts_ahead_drive_the_runs_vllm_from_the_workers_copy(engine, smollm2, prompts):
+    """Rollouts ahead with vLLM use the run's one engine: a job queued at version 0 decodes the
+    version-0 weights (synced from the worker's copy) although the engine was synced to newer ones
+    in between, as a validation does; the job samples from a stream of its own, so the run's other
+    rollouts neither move its draws nor are moved by them; the worker never closes the engine."""
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.rollout.ahead import RolloutsAhead
+    from ngrpo_lightning.rollout.engine import full_named_tensors
+    from ngrpo_lightning.rollout.worker_copy import trainable_snapshot
+
+    policy, _ = smollm2
+    live = copy.deepcopy(policy)  # the trainer's policy, which moves while the job waits
+    before = engine.generate(prompts, greedy(), n=1)
+    greedy_job = lambda e: e.generate(prompts, greedy(), n=1)  # noqa: E731
+    sample_job = lambda e: e.generate(prompts, TemperatureExplorer(temperature=1.0), n=2)  # noqa: E731
+    no_build = lambda model: pytest.fail("the worker built an engine of its own")  # noqa: E731
+    ahead = RolloutsAhead(live, no_build, threads=1, shared_engine=engine)
+    try:
+        ahead.submit((0, 0), greedy_job, trainable_snapshot(live), 0)
+        ahead.settle()  # a validation waits for the worker, then syncs the newer weights
+        with torch.no_grad():
+            for p in live.model.layers[-1].parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05 * p.std())
+        engine.sync_weights(full_named_tensors(live), version=1)
+        newer = engine.generate(prompts, greedy(), n=1)
+        assert not torch.equal(newer.response_ids, before.response_ids)
+        ahead.submit((0, 1), greedy_job, {}, 0)  # version 0 again: the worker syncs its copy back in
+        assert torch.equal(ahead.take((0, 0)).response_ids, before.response_ids)
+        assert torch.equal(ahead.take((0, 1)).response_ids, before.response_ids)
+        assert engine.weights_version == 0
+
+        engine.generate(prompts, TemperatureExplorer(temperature=1.0), n=2)  # the run's other rollouts draw
+        first, again = (RolloutsAhead(live, no_build, threads=1, shared_engine=engine) for _ in range(2))
+        try:  # two workers' first jobs: each starts its own stream at the seed, whatever was drawn between
+            others = engine.state_dict()["generator"]
+            first.submit((1, 0), sample_job, trainable_snapshot(live), 1)
+            sampled = first.take((1, 0)).response_ids
+            assert torch.equal(engine.state_dict()["generator"], others)  # the job drew from its own stream
+            engine.generate(prompts, TemperatureExplorer(temperature=1.0), n=2)
+            again.submit((1, 0), sample_job, {}, 1)
+            assert torch.equal(again.take((1, 0)).response_ids, sampled)
+        finally:
+            first.close()
+            again.close()
+        assert engine.weights_version == 1
+    finally:
+        ahead.close()
+        engine.sync_weights(full_named_tensors(policy), version=None)
+    assert engine.llm is not None  # still open: the run's later rollouts use it
+
+
+def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path):
+    """`ngrpo train rollout.engine=vllm train.max_staleness=1`, validating before the fit and every
+    2 steps: batch b decodes the weights after batch max(0, b - 1) (batch 0's rollout log-probs are
+    the trainer's, later ones are stale and corrected); resuming from the checkpoint after step 2,
+    with batch 3's rollouts in flight, gives the same steps and weights again."""
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [
+        "rollout.engine=vllm",
+        "experiment=ngrpo",
+        "train.max_staleness=1",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "data.train_size=8",
+        "data.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=16",
+        "data.val_size=4",
+        "reward.num_workers=1",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep=-1",
+        f"logger.tracking_uri={store}",
+        f"output_dir={tmp_path}/out",
+        "trainer.enable_progress_bar=false",
+    ]
+
+    def train(*extra):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ngrpo_lightning.commands.cli", "train", *args, *extra],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def history(key):
+        client = MlflowClient(store)
+        [run] = client.search_runs([client.get_experiment_by_name("ngrpo").experiment_id])
+        points = {}  # the latest value per step: the resumed run logs steps 3 and 4 again
+        for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
+            points[m.step] = m.value
+        return [v for _, v in sorted(points.items())]
+
+    def weights():
+        return torch.load(tmp_path / "out/checkpoints/last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+
+    train()
+    keys = ["train/loss", "train/grad_norm", "train/rollout_logprob_diff_max", "async/weights_version"]
+    whole, final = {key: history(key) for key in keys}, weights()
+    assert whole["async/weights_version"] == [0, 0, 1, 2]
+    diffs = whole["train/rollout_logprob_diff_max"]
+    assert diffs[0] < 1e-3 and min(diffs[1:]) > 1e-3  # fresh, then stale by one step
+    assert len(history("val/accuracy")) >= 3  # before the fit, at step 2, after
+    train("resume=out/checkpoints/step-step=2.ckpt")
+    for key, expected in whole.items():
+        assert history(key) == pytest.approx(expected, rel=1e-5, abs=1e-6), key
+    again = weights()
+    for name in final:
+        torch.testing.assert_close(again[name], final[name], rtol=1e-5, atol=1e-6, msg=name)

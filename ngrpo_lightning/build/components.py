@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.build.data import engine_settings
 from ngrpo_lightning.build.models import build_backend, check_model_settings, parallel_config, prepare_models
-from ngrpo_lightning.build.trainer import build_trainer, check_async_save, check_export, check_staleness, check_trainer
+from ngrpo_lightning.build.trainer import build_trainer, check_async_save, check_export, check_trainer
 from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError, named_error
@@ -136,7 +136,6 @@ def check_config(cfg: DictConfig) -> None:
     check_run_settings(cfg)
     build_step_hooks(cfg)
     check_trainer(cfg)
-    check_staleness(cfg)
     check_async_save(cfg)
     check_export(cfg)
     try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own

@@ -1,5 +1,5 @@
 """The Trainer of a run: how many processes it starts, the checks of ``trainer.*`` and of the
-settings that depend on it (rollouts ahead, export, async checkpoints), the FSDP2 strategy, and
+settings that depend on it (export, async checkpoints), the FSDP2 strategy, and
 the Trainer with the run's callbacks."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from ngrpo_lightning.checkpoints.io import AtomicModelParallelStrategy, checkpoi
 from ngrpo_lightning.checkpoints.run import build_checkpointing
 from ngrpo_lightning.checks import check_bool
 from ngrpo_lightning.config import ConfigError
-from ngrpo_lightning.rollout import engine_class
 from ngrpo_lightning.tracking.console import StepProgressBar
 
 __all__ = ["build_trainer", "check_trainer", "process_count"]
@@ -59,28 +58,6 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ConfigError(
             "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "
             "everything is in host memory already: set trainer.parallel.cpu_offload=false"
-        )
-
-
-def check_staleness(cfg: DictConfig) -> None:
-    """``train.max_staleness`` > 0 rolls out on a worker thread with its own copy of the policy:
-    one process, an engine that decodes with the model it is given (not one with its own
-    weights, such as vLLM's)."""
-    staleness = (cfg.get("train") or {}).get("max_staleness", 0)
-    if not staleness:
-        return
-    if engine_class(cfg.rollout.engine).needs_sync:
-        raise ConfigError(
-            f"train.max_staleness={staleness} with rollout.engine={cfg.rollout.engine}: rollouts ahead of training "
-            "run on an engine that decodes with a copy of the policy (rollout.engine=hf); an engine with its own "
-            "weights cannot run them yet. Use rollout.engine=hf or train.max_staleness=0"
-        )
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
-    if process_count(cfg) != 1:
-        raise ConfigError(
-            f"train.max_staleness={staleness} runs in one process; trainer.devices={devices}, "
-            f"trainer.num_nodes={nodes}{', trainer.parallel (FSDP2)' if parallel_config(cfg) is not None else ''} "
-            "ask for several: use trainer=cpu or trainer=gpu with one device, or train.max_staleness=0"
         )
 
 

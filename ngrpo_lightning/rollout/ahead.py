@@ -3,14 +3,21 @@
 With ``max_staleness = k > 0`` the rollouts of training step ``b`` are generated from the
 policy's weights after step ``b - k`` (``max(0, b - k)`` optimizer-step versions, one update per
 step), while steps ``b - k .. b - 1`` train. Generation runs on a worker thread with its own
-copy of the policy and its own rollout engine; the training thread hands it a copy of the
-trainable weights with each job, so the worker never reads weights the optimizer is changing.
+copy of the policy and its own rollout engine; the training thread hands it a snapshot of the
+weights with each job, so the worker never reads weights the optimizer is changing (what the
+copy and the snapshots are, in one process and under FSDP2: :mod:`.worker_copy`).
 
 Why a thread: PyTorch's kernels release the GIL, so a decoding loop and a training step run
 side by side, with no second process, no second copy of the libraries and no weight transfer
-beyond one in-memory copy of the trainable parameters per job (LoRA: the adapters only). The
-worker has its own intra-op threads (the backend's ``ahead_threads``); the training thread keeps its own.
-What it costs and when it pays: ``docs/async.md``.
+beyond one in-memory snapshot per job (in one process the trainable parameters: LoRA's adapters
+only). The worker has its own intra-op threads (the backend's ``ahead_threads``); the training
+thread keeps its own. What it costs and when it pays: ``docs/async.md``.
+
+An engine with weights of its own (vLLM: ``needs_sync``) is not built twice: the worker drives
+the run's engine (``shared_engine``), syncing it from the worker's copy of the policy before each
+job whose version it does not hold, and sampling from a generator stream of its own, so that the
+run's other rollouts (validation, Pass@k) neither change the training rollouts' draws nor see
+them. Those other rollouts use the engine only while the worker is idle (:meth:`RolloutsAhead.settle`).
 
 The schedule is a pure function of the step index, not of timing: the job for step ``b + k``
 is submitted when step ``b`` starts (its weights are version ``b``) and jobs run in the order
@@ -21,46 +28,55 @@ waits for them) so that ``resume=last`` continues exactly.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 from ngrpo_lightning.rollout.batch import RolloutBatch
-from ngrpo_lightning.rollout.engine import RolloutEngine
+from ngrpo_lightning.rollout.engine import RolloutEngine, full_named_tensors
+from ngrpo_lightning.rollout.worker_copy import worker_copy
 
-__all__ = ["RolloutsAhead", "trainable_snapshot"]
+__all__ = ["RolloutsAhead"]
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (pass over the data, batch index in it)
 
 
-def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``model``'s trainable parameters by name: what an optimizer step changes (the
-    frozen weights of a LoRA policy are shared with the worker's copy, never copied again)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
 class RolloutsAhead:
     """A worker thread that rolls out training batches ahead of the step that trains on them.
 
     Args:
-        policy: the live policy; the worker decodes with a deep copy of it.
+        policy: the live policy; the worker decodes with a copy of it (:mod:`.worker_copy`).
         make_engine: builds the worker's engine for a model (the DataModule's engine settings).
         threads: intra-op threads of the worker.
+        shared_engine: instead of building one, drive this engine with weights of its own (the
+            run's vLLM): synced from the worker's copy, sampled on a stream of its own, never closed here.
+        backend: the run's backend, which prepares the plain copy of a sharded policy.
+        sharded: FSDP2 shards ``policy`` over several processes: the copy is a plain model of its
+            gathered weights, and every snapshot a gather (a collective).
     """
 
-    def __init__(self, policy: torch.nn.Module, make_engine: Callable[[torch.nn.Module], RolloutEngine], threads: int):
-        # the copy shares what training never changes (a LoRA policy's base weights, buffers)
-        frozen = [p for p in policy.parameters() if not p.requires_grad] + list(policy.buffers())
-        self.model = copy.deepcopy(policy, memo={id(t): t for t in frozen})
-        self.model.requires_grad_(False)
-        self._params = dict(self.model.named_parameters())
-        self.engine = make_engine(self.model)
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        make_engine: Callable[[torch.nn.Module], RolloutEngine],
+        threads: int,
+        shared_engine: RolloutEngine | None = None,
+        backend=None,
+        sharded: bool = False,
+    ):
+        self.policy = policy
+        self.copy = worker_copy(policy, backend, sharded)
+        self.model = self.copy.model
+        self.shared = shared_engine is not None
+        self.engine = shared_engine if self.shared else make_engine(self.model)
+        # the training rollouts' sampling state in a shared engine (seeded as an engine of their own would be)
+        self._stream = {"seed": self.engine.seed, "generator": None}
         self.threads = threads
         self.version: int | None = None  # the policy version of the worker's weights
         self.pending: dict[Key, Future] = {}
@@ -71,7 +87,7 @@ class RolloutsAhead:
     # -------------------------------------------------------------- jobs
     def submit(self, key: Key, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> None:
         """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
-        ``weights`` (a :func:`trainable_snapshot` of policy ``version``)."""
+        ``weights`` (a :meth:`snapshot` of policy ``version``)."""
         self.pending[key] = self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
 
     def _run(self, generate, holder: list[dict], version: int, submitted: float) -> RolloutBatch:
@@ -79,15 +95,36 @@ class RolloutsAhead:
         idle = max(0.0, submitted - self._last_end) if self._last_end is not None else 0.0
         weights = holder.pop()  # the job's only reference: the copy is freed once loaded
         if version != self.version:
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    self._params[name].copy_(tensor)
+            self.copy.load(weights)
             self.version = version
         del weights
-        batch = generate(self.engine)
+        with self._own_stream():
+            if self.shared and self.engine.weights_version != version:
+                self.engine.sync_weights(full_named_tensors(self.model), version=version)
+            batch = generate(self.engine)
         self._last_end = time.perf_counter()
         batch.stats.update({"async/weights_version": float(version), "async/generator_wait_s": idle})
         return batch
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as a job carries them, taken now (on the training thread): the
+        trainable parameters, or under FSDP2 the full weights, gathered (every rank calls it)."""
+        return self.copy.snapshot(self.policy)
+
+    @contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        """A shared engine samples the training rollouts from their own generator state, and the
+        run's other rollouts from theirs: swapped in for the job, and back out after it."""
+        if not self.shared:
+            yield
+            return
+        others = self.engine.state_dict()
+        self.engine.load_state_dict(self._stream)
+        try:
+            yield
+        finally:
+            self._stream = self.engine.state_dict()
+            self.engine.load_state_dict(others)
 
     def rollouts_for(
         self,
@@ -140,7 +177,7 @@ class RolloutsAhead:
     def state_dict(self) -> dict:
         """The rollouts in flight (waited for) and the worker engine's sampling state after them."""
         ready = {key: batch.state_dict() for key, batch in self.settle().items()}
-        return {"ready": ready, "engine": self.engine.state_dict()}
+        return {"ready": ready, "engine": self._stream if self.shared else self.engine.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.ready = {}
@@ -149,13 +186,19 @@ class RolloutsAhead:
                 self.ready[key] = RolloutBatch.from_state_dict(batch)
             except ValueError as err:  # made again when its step comes
                 log.warning("a rollout in flight is dropped from the checkpoint and made again: %s", err)
-        if state.get("engine") is not None:
+        if state.get("engine") is None:
+            return
+        if self.shared:
+            self._stream = dict(state["engine"])
+        else:
             self.engine.load_state_dict(state["engine"])
 
     def close(self) -> None:
-        """Stop the worker; rollouts queued and not started are dropped."""
+        """Stop the worker; rollouts queued and not started are dropped. A shared engine stays open
+        (the run's later rollouts use it)."""
         for future in self.pending.values():
             future.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.pending.clear()
-        self.engine.close()
+        if not self.shared:
+            self.engine.close()

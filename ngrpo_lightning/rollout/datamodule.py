@@ -12,7 +12,8 @@ a batch that lost its zero-variance groups.
 
 With ``max_staleness = k > 0`` training batches are rolled out ``k`` steps ahead, on a worker
 thread with its own copy of the policy (:mod:`.ahead`): the rollouts of step ``b`` come from
-the weights after step ``b - k`` while steps ``b - k .. b - 1`` train.
+the weights after step ``b - k`` while steps ``b - k .. b - 1`` train. An engine with weights
+of its own (vLLM) is the worker's and the run's at once: its other rollouts wait for the worker.
 
 The DataModule composes three parts, each in its own module: the order of the training
 prompts (:class:`~.prompt_order.PromptStream`, which the loader reads and rollouts ahead peek
@@ -33,11 +34,11 @@ from torch.utils.data import DataLoader
 from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.data import PromptDataset, collate_prompts
 from ngrpo_lightning.phases import phase
-from ngrpo_lightning.rollout.ahead import RolloutsAhead, trainable_snapshot
+from ngrpo_lightning.rollout.ahead import RolloutsAhead
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.context import run_context
 from ngrpo_lightning.rollout.engine import RolloutEngine
-from ngrpo_lightning.rollout.policy_engine import PolicyEngine
+from ngrpo_lightning.rollout.policy_engine import PolicyEngine, by_rank
 from ngrpo_lightning.rollout.prompt_order import Key, PromptLoader, PromptStream, RankShare
 
 
@@ -178,9 +179,7 @@ class RolloutDataModule(L.LightningDataModule):
             batch = prompts if k == key else collate_prompts([self.train_set[i] for i in self.stream.rows(k)])
             return self._generation(batch, context.explorer, self.group_size)
 
-        batch = ahead.rollouts_for(
-            key, upcoming, job, lambda: trainable_snapshot(context.policy), context.version.value
-        )
+        batch = ahead.rollouts_for(key, upcoming, job, ahead.snapshot, context.version.value)
         if batch.problem_ids != [i for i in prompts["id"] for _ in range(self.group_size)]:  # restored ones
             raise RuntimeError(
                 f"the rollouts restored for training batch {key} are of other prompts: the checkpoint's "
@@ -200,11 +199,20 @@ class RolloutDataModule(L.LightningDataModule):
         """The rollout worker (built at the first training batch): a copy of the policy, an engine
         of the configured kind on it, and ``ahead_threads`` intra-op threads of its own (the
         training thread keeps its own: halving them slowed the step while the worker idled,
-        docs/async.md)."""
+        docs/async.md). An engine with weights of its own (vLLM) is not started twice: the worker
+        drives the run's, syncing it from its copy."""
         if self.ahead is None:
             context = run_context(self.trainer)
             threads = self.ahead_threads or context.backend.ahead_threads
-            self.ahead = RolloutsAhead(context.policy, lambda model: self.engines.build(model, context), threads)
+            shared = self.engines.ready(context) if self.engines.needs_sync else None
+            self.ahead = RolloutsAhead(
+                context.policy,
+                lambda model: self.engines.build(model, context),
+                threads,
+                shared_engine=shared,
+                backend=context.backend,
+                sharded=context.sharded_root(context.policy) is not None,
+            )
             if self._ahead_state is not None:
                 self.ahead.load_state_dict(self._ahead_state)
                 self._ahead_state = None
@@ -218,7 +226,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def ensure_engine(self) -> RolloutEngine:
         """The rollout engine, built at the first rollout and synced to the policy version
-        (:meth:`PolicyEngine.ready`)."""
+        (:meth:`PolicyEngine.ready`); an engine the rollout worker shares once the worker is idle."""
+        if self.ahead is not None and self.ahead.shared:
+            self.ahead.settle()
         return self.engines.ready(run_context(self.trainer))
 
     def more_rollouts(self) -> RolloutBatch:
@@ -244,10 +254,9 @@ class RolloutDataModule(L.LightningDataModule):
         mine = rows[rank * self.prompts_per_step : (rank + 1) * self.prompts_per_step]
         prompts = collate_prompts([self.train_set[i] for i in mine])
         if self.max_staleness:  # the worker owns the training explorer and its generator: it rolls out, now
-            batch = self.ensure_ahead().run_now(
-                self._generation(prompts, context.explorer, self.group_size),
-                trainable_snapshot(context.policy),
-                context.version.value,
+            ahead = self.ensure_ahead()
+            batch = ahead.run_now(
+                self._generation(prompts, context.explorer, self.group_size), ahead.snapshot(), context.version.value
             )
             batch.stats["async/staleness"] = 0.0
             return batch
@@ -294,13 +303,17 @@ class RolloutDataModule(L.LightningDataModule):
         ``max_staleness`` the rollouts in flight (waited for) and the worker engine's RNG after
         them, so that a resumed run trains on them."""
         position = self.stream.state_dict() if self.stream is not None else self._position
+        # the worker first: it waits for the rollouts in flight, after which a shared engine is idle
+        ahead = self.ahead.state_dict() if self.ahead is not None else self._ahead_state
+        if self.max_staleness:
+            ahead = by_rank(ahead, self._rank()[1])  # each rank's rollouts in flight
         return {
             "seed": self.seed,
             "extra_prompts_drawn": self.extra_prompts_drawn,
             **(position or {"epoch": 0, "batches_in_epoch": 0}),
             "engine": self.engines.state_dict(),
             "world_size": self._rank()[1],
-            "ahead": self.ahead.state_dict() if self.ahead is not None else self._ahead_state,
+            "ahead": ahead,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -317,7 +330,10 @@ class RolloutDataModule(L.LightningDataModule):
                 f"the checkpoint was made by {saved_world} process(es), this run has {world}: "
                 "resume with the same trainer (number of devices)"
             )
-        self._ahead_state = state.get("ahead") if self.max_staleness else None
+        ahead = state.get("ahead") if self.max_staleness else None
+        if isinstance(ahead, list):  # by rank (a checkpoint before that held the one process's)
+            ahead = ahead[self._rank()[0]]
+        self._ahead_state = ahead
         if self.ahead is not None and self._ahead_state is not None:
             self.ahead.load_state_dict(self._ahead_state)
             self._ahead_state = None

@@ -2,7 +2,8 @@
 when the policy version moved, its sampling state saved and restored per rank.
 
 The DataModule keeps one for the rollouts of each step and validation; the rollouts-ahead
-worker builds its own engine with :meth:`PolicyEngine.build` on its copy of the policy.
+worker builds its own engine with :meth:`PolicyEngine.build` on its copy of the policy, or,
+where the engine has weights of its own (``needs_sync``), drives this one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ngrpo_lightning.rollout.context import RunContext
 from ngrpo_lightning.rollout.engine import RolloutEngine, full_named_tensors
 from ngrpo_lightning.rollout.engines import build_engine, engine_class
 
-__all__ = ["PolicyEngine"]
+__all__ = ["PolicyEngine", "by_rank"]
 
 
 class PolicyEngine:
@@ -36,6 +37,11 @@ class PolicyEngine:
         self.rank = rank
         self.engine: RolloutEngine | None = None
         self._state: dict | None = None  # a checkpoint's sampling state, until the engine exists
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether the engine decodes with weights of its own (vLLM), known before it is built."""
+        return engine_class(self.name).needs_sync
 
     def build(self, model: torch.nn.Module, context: RunContext, sharded_root=None) -> RolloutEngine:
         """An engine of this kind for ``model`` (the policy, or a copy of it), computing as the run's
@@ -76,13 +82,7 @@ class PolicyEngine:
 
     def state_dict(self) -> list:
         """Every rank's sampling state (gathered when several processes run)."""
-        state = self.engine.state_dict() if self.engine is not None else self._state
-        _, world = self.rank()
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            states = [None] * world
-            torch.distributed.all_gather_object(states, state)
-            return states
-        return [state]
+        return by_rank(self.engine.state_dict() if self.engine is not None else self._state, self.rank()[1])
 
     def load_state_dict(self, states: list) -> None:
         rank = self.rank()[0]
@@ -90,3 +90,13 @@ class PolicyEngine:
         if self.engine is not None and self._state is not None:
             self.engine.load_state_dict(self._state)
             self._state = None
+
+
+def by_rank(state, world: int) -> list:
+    """Every rank's ``state``, in rank order (gathered: a collective, when several processes run),
+    for a checkpoint that the first rank writes and every rank reads its own from."""
+    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        states = [None] * world
+        torch.distributed.all_gather_object(states, state)
+        return states
+    return [state]

@@ -144,13 +144,7 @@ class DecodeCopy:
             self.refused = True
             log.info("decoding through the FSDP2 policy unsharded, eagerly (a copy: %.2f GiB)", size / 2**30)
             return False
-        with torch.device("meta"):
-            model = type(base)._from_config(base.config, dtype=gathered.dtype)
-        model.to_empty(device=gathered.device).requires_grad_(False).eval()
-        model.tie_weights()  # to_empty gives tied weights (an LM head that is the embedding) a tensor each
-        buffers = dict(model.named_buffers())
-        for name, buffer in base.named_buffers():  # not sharded: the rotary frequencies
-            buffers[name.replace(_WRAPPED, "")].copy_(buffer)
+        model = plain_model(base, gathered.dtype, gathered.device)
         try:
             targets = list(_targets(base, model))
         except KeyError as err:  # a module the plain architecture lacks (a wrapper, an adapter kind)
@@ -168,6 +162,26 @@ class DecodeCopy:
         return True
 
 
+def plain_model(base: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """An empty model of ``base``'s architecture (a sharded policy's, adapters not included) in
+    ``dtype`` on ``device``, frozen, in eval mode, holding ``base``'s buffers (not sharded: the
+    rotary frequencies); its weights are written afterwards."""
+    with torch.device("meta"):
+        model = type(base)._from_config(base.config, dtype=dtype)
+    model.to_empty(device=device).requires_grad_(False).eval()
+    model.tie_weights()  # to_empty gives tied weights (an LM head that is the embedding) a tensor each
+    with torch.no_grad():
+        buffers = dict(model.named_buffers())
+        for name, buffer in base.named_buffers():
+            buffers[plain_name(name)].copy_(buffer)
+    return model
+
+
+def plain_name(name: str) -> str:
+    """A sharded policy's tensor name as a plain model names it (no activation checkpointing wrapper)."""
+    return name.replace(_WRAPPED, "")
+
+
 def _targets(base: torch.nn.Module, copy: torch.nn.Module):
     """``(source module, what, copy's tensor)`` for every tensor the copy takes from ``base``: what is a
     parameter's name, or ``None`` for a LoRA layer's merged weight. ``KeyError``: a module of ``base``
@@ -178,7 +192,7 @@ def _targets(base: torch.nn.Module, copy: torch.nn.Module):
     stack = [("", base)]
     while stack:
         name, module = stack.pop()
-        into = copies[name.replace(_WRAPPED, "")]
+        into = copies[plain_name(name)]
         if isinstance(module, LoraLayer):  # its base layer and adapters make one weight
             yield module, None, into.weight
             if module.base_layer.bias is not None:
