@@ -84,6 +84,24 @@ def test_pass_at_k_from_the_config_is_logged(store, tmp_path):
     assert run.data.metrics["val/reasoning_gym/pass_at_2"] >= run.data.metrics["val/reasoning_gym/pass_at_1"]
 
 
+def test_a_run_validated_only_around_its_fit_keeps_its_final_weights_as_best(store, tmp_path):
+    """Lightning's checkpoint callback looks at validations inside the fit only: a short run, validated
+    before and after it, kept no best.ckpt. The validation after the fit counts; the one before
+    scores the initial weights, which no checkpoint holds, and does not."""
+    import torch
+
+    out = tmp_path / "out"
+    extra = [f"logger.tracking_uri={store}", f"output_dir={out}", "checkpoint.best=val/accuracy"]
+    summary = train(compose(TINY_RUN + extra + ["checkpoint.every_n_steps=0"]))  # validates every 50 steps
+    history = [m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/accuracy")]
+    assert len(history) == 2  # before and after the fit
+    best, last = (torch.load(out / f"checkpoints/{name}.ckpt", weights_only=False) for name in ("best", "last"))
+    (state,) = [v for k, v in best["callbacks"].items() if "val/accuracy" in k]
+    assert float(state["best_model_score"]) == history[-1] and best["global_step"] == 2
+    assert best["state_dict"].keys() == last["state_dict"].keys()
+    assert all(torch.equal(best["state_dict"][k], v) for k, v in last["state_dict"].items())
+
+
 def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
     """checkpoint.best=val/accuracy keeps best.ckpt beside last.ckpt, scored by that metric; the run
     validates before fit and then during it (the validation metrics survive both)."""

@@ -13,6 +13,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -163,6 +164,29 @@ class RunCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """``best.ckpt``: ``ModelCheckpoint`` on a validation metric (``checkpoint.best``) that also counts
+    the validation ``ngrpo train`` runs after the fit. Lightning's counts validations inside the fit
+    only, so a run whose validations all lie outside it (a short run: before and after) kept none,
+    and one whose final weights validated best kept older ones. The validation before the fit is
+    not counted: it scores the initial weights, which no checkpoint holds."""
+
+    _fit_ended = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._fit_ended = False
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._fit_ended = True
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)  # inside the fit: Lightning's own rule
+        if self._fit_ended and trainer.state.fn == TrainerFn.VALIDATING:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 def _drop_next_log_of_step(logger, step: int) -> None:
     """Make ``logger`` ignore its next ``log_metrics`` call if it is for ``step`` (already sent)."""
     original = logger.log_metrics
@@ -181,7 +205,8 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     ``checkpoint.every_n_steps`` optimizer steps (0: none) and ``last.ckpt`` (also at the
     end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept;
     with ``checkpoint.best=<metric>`` also ``best.ckpt``, the checkpoint of the best value of that
-    validation metric (``checkpoint.best_mode``: max or min)."""
+    validation metric (``checkpoint.best_mode``: max or min) over the validations during and after
+    the fit (:class:`BestCheckpoint`)."""
     if not cfg.trainer.get("enable_checkpointing", True):
         return []
     node = cfg.get("checkpoint") or {}
@@ -190,7 +215,7 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     if node.get("best"):  # the best validation checkpoint, as the N-GRPO release keeps by AIME24 mean@32
         mode = check_choice("checkpoint.best_mode", node.get("best_mode", "max"), ("max", "min"))
         best = [
-            ModelCheckpoint(
+            BestCheckpoint(
                 dirpath=str(checkpoint_dir(cfg)),
                 filename="best",
                 monitor=str(node.best),
