@@ -89,6 +89,19 @@ def launch(tmp: Path, name: str, *extra: str, driver_text: str = DRIVER) -> Path
     return out
 
 
+def one_process(tmp: Path, monkeypatch, *extra: str) -> Path:
+    """The reference run: one process, in this one, with the global batch of two ranks' prompts."""
+    from conftest import ScriptedReward
+
+    from ngrpo_lightning.commands.cli import train
+
+    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
+    out = tmp / "one"
+    store = [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db"]
+    train(compose(RUN + [*extra, *store, "trainer=cpu", "data.prompts_per_step=4"]))
+    return out
+
+
 def metrics(out: Path, *more: str) -> dict[str, list[float]]:
     from mlflow import MlflowClient
 
@@ -112,23 +125,7 @@ def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_two_fsdp2_processes_train_like_one_process(tmp_path, monkeypatch, decoding):
     """Rollouts on a copy of the sharded policy's gathered weights (the backend's choice for a
     small model, rollout/sharded_decoding.py), or through the policy: either way as one process trains."""
-    from conftest import ScriptedReward
-
-    from ngrpo_lightning.commands.cli import train
-
-    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
-    one = tmp_path / "one"  # the reference: one process, in this one
-    train(
-        compose(
-            RUN
-            + [
-                f"output_dir={one}",
-                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
-                "trainer=cpu",
-                "data.prompts_per_step=4",
-            ]
-        )
-    )
+    one = one_process(tmp_path, monkeypatch)
     through = ["backend.name=cpu_through"] if decoding == "through the policy" else []
     # per rank: the same global batch
     two = launch(tmp_path, "two", "trainer=fsdp_cpu", "data.prompts_per_step=2", *through)
@@ -163,25 +160,8 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monk
     """model.lora under FSDP2: the same losses and adapter weights as one process; checkpoints
     hold the adapters only, and the sharded one exports to peft's format."""
     pytest.importorskip("peft")
-    from conftest import ScriptedReward
-
-    from ngrpo_lightning.commands.cli import train
-
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2"]
-    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
-    one = tmp_path / "one"
-    train(
-        compose(
-            RUN
-            + lora
-            + [
-                f"output_dir={one}",
-                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
-                "trainer=cpu",
-                "data.prompts_per_step=4",
-            ]
-        )
-    )
+    one = one_process(tmp_path, monkeypatch, *lora)
     two = launch(tmp_path, "two", *lora, "trainer=fsdp_cpu", "data.prompts_per_step=2")
     m1, m2 = metrics(one), metrics(two)
     assert m1["train/loss"][0] != 0.0 and m1["train/kl_ref"][1] > 0  # step 2's policy left its base (the reference)
@@ -264,25 +244,8 @@ def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(
     weights, queued at the same steps as in one process, so the stale batches and their corrections
     are one process's; a checkpoint holds every rank's rollouts in flight, and resuming from it gives
     the same steps and weights again."""
-    from conftest import ScriptedReward
-
-    from ngrpo_lightning.commands.cli import train
-
     ahead = ["train.max_staleness=1", "trainer.max_steps=3"]
-    monkeypatch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
-    one = tmp_path / "one"
-    train(
-        compose(
-            RUN
-            + ahead
-            + [
-                f"output_dir={one}",
-                f"logger.tracking_uri=sqlite:///{one}/mlruns.db",
-                "trainer=cpu",
-                "data.prompts_per_step=4",
-            ]
-        )
-    )
+    one = one_process(tmp_path, monkeypatch, *ahead)
     sharded = [
         *ahead,
         "trainer=fsdp_cpu",
