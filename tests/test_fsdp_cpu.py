@@ -239,12 +239,14 @@ def test_sharded_dynamic_sampling_rolls_out_as_many_extra_batches_on_every_rank(
     assert m["dynamic/kept_groups"] == [2.0, 2.0]
 
 
-def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(tmp_path, monkeypatch, adapters):
     """train.max_staleness=1 under FSDP2: each rank's worker decodes a plain model of the gathered
-    weights, queued at the same steps as in one process, so the stale batches and their corrections
-    are one process's; a checkpoint holds every rank's rollouts in flight, and resuming from it gives
-    the same steps and weights again."""
-    ahead = ["train.max_staleness=1", "trainer.max_steps=3"]
+    weights (LoRA: of the base, with the jobs' adapters), queued at the same steps as in one process,
+    so the stale batches and their corrections are one process's; a checkpoint holds every rank's
+    rollouts in flight, and resuming from it gives the same steps and weights again (full fine-tuning)."""
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2"] if adapters else []
+    ahead = ["train.max_staleness=1", "trainer.max_steps=3", *lora]
     one = one_process(tmp_path, monkeypatch, *ahead)
     sharded = [
         *ahead,
@@ -262,8 +264,11 @@ def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
     final = policy_weights(two / "checkpoints/last.ckpt")
     w1 = policy_weights(one / "checkpoints/last.ckpt")
+    assert w1.keys() == final.keys() and all(".lora_" in k for k in w1) == adapters
     for k in w1:
         torch.testing.assert_close(final[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
+    if adapters:
+        return
     launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-step=2.ckpt")
     again = policy_weights(two / "checkpoints/last.ckpt")
     for k in final:

@@ -110,12 +110,13 @@ def _worker(
         made["shared"] = beside._copy is on_copy._copy and beside._copy.model is copy
         made["dtype"], made["tied"] = copy.dtype, copy.lm_head.weight is copy.get_input_embeddings().weight
         made["refused"] = through._copy.refused
-        # the rollouts-ahead worker's copy: a plain model of the gathered weights (merged adapters), written
-        # from a snapshot the training thread gathers (every rank), decodes what the policy does
-        from ngrpo_lightning.rollout.worker_copy import GatheredCopy
+        # the rollouts-ahead worker's copy: a plain model of the gathered weights (LoRA: of the base, gathered
+        # once, with adapters of its own), written from a snapshot the training thread gathers (every rank)
+        from ngrpo_lightning.rollout.worker_copy import worker_copy
 
-        worker = GatheredCopy(policy, eager(torch.float32))
+        worker = worker_copy(policy, eager(torch.float32), root)
         snapshot = worker.snapshot(policy)
+        made["snapshot"] = {name: tuple(t.shape) for name, t in snapshot.items()}
         worker.load(snapshot)
         for name, model, sharded in (("worker", worker.model, None), ("worker's reference", policy, root)):
             engine = HFEngine(
@@ -164,6 +165,11 @@ def test_a_sharded_policy_decodes_on_a_copy_as_through_itself(tmp_path, adapters
         assert made["beside"] == 1.0 and made["shared"]  # one copy of the weights, not one per engine
         assert_same_rollouts(made["worker"], made["worker's reference"])
         assert made["worker kept its version"]
+        # a LoRA job carries its adapters alone (whole: gathered), a full fine-tuning job every weight
+        shapes = made["snapshot"]
+        assert all(".lora_" in name for name in shapes) == adapters
+        assert ("model.norm.weight" in shapes) != adapters
+        assert all(shape[0] == 4 for name, shape in shapes.items() if "lora_A" in name)  # rank 4: not half of it
 
 
 def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_and_decodes_alike(tmp_path):

@@ -148,13 +148,14 @@ def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name or name.startswith("lora_")
 
 
-def merged_named_tensors(model: torch.nn.Module):
+def merged_named_tensors(model: torch.nn.Module, merge: bool = True):
     """``(name, tensor)`` of the base model's state with every adapted linear layer's weight
     merged (``W + (alpha / rank) B A``, peft's ``get_delta_weight``), under the base model's own
     names (``model.layers.0.self_attn.q_proj.weight``): what an engine that loads a plain
     Hugging Face model (vLLM) needs to decode as the adapted policy. The model is not changed
     (no merge into ``W``); each merged weight is a new tensor. Under FSDP2 every tensor is
-    gathered whole (a collective: all ranks iterate together), the adapters' products too."""
+    gathered whole (a collective: all ranks iterate together), the adapters' products too.
+    ``merge=False``: the base weights as they are, adapters left out."""
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
@@ -170,7 +171,7 @@ def merged_named_tensors(model: torch.nn.Module):
         tensor = whole(tensor)
         if sep:
             layer = adapted.get(owner)
-            if rest == "weight" and layer is not None:
+            if merge and rest == "weight" and layer is not None:
                 tensor = add_adapter_deltas(layer, tensor.detach().clone())
             name = f"{owner}.{rest}"
         yield name, tensor

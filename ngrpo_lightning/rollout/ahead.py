@@ -57,8 +57,8 @@ class RolloutsAhead:
         shared_engine: instead of building one, drive this engine with weights of its own (the
             run's vLLM): synced from the worker's copy, sampled on a stream of its own, never closed here.
         backend: the run's backend, which prepares the plain copy of a sharded policy.
-        sharded: FSDP2 shards ``policy`` over several processes: the copy is a plain model of its
-            gathered weights, and every snapshot a gather (a collective).
+        sharded_root: where FSDP2 shards ``policy``, its root module: the copy is a plain model of
+            its gathered weights, and every snapshot a gather (a collective).
     """
 
     def __init__(
@@ -68,10 +68,10 @@ class RolloutsAhead:
         threads: int,
         shared_engine: RolloutEngine | None = None,
         backend=None,
-        sharded: bool = False,
+        sharded_root: torch.nn.Module | None = None,
     ):
         self.policy = policy
-        self.copy = worker_copy(policy, backend, sharded)
+        self.copy = worker_copy(policy, backend, sharded_root)
         self.model = self.copy.model
         self.shared = shared_engine is not None
         self.engine = shared_engine if self.shared else make_engine(self.model)
@@ -108,7 +108,8 @@ class RolloutsAhead:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The policy's weights as a job carries them, taken now (on the training thread): the
-        trainable parameters, or under FSDP2 the full weights, gathered (every rank calls it)."""
+        trainable parameters; under FSDP2 gathered (every rank calls it), the full weights where
+        they all train."""
         return self.copy.snapshot(self.policy)
 
     @contextmanager

@@ -211,7 +211,7 @@ class RolloutDataModule(L.LightningDataModule):
                 threads,
                 shared_engine=shared,
                 backend=context.backend,
-                sharded=context.sharded_root(context.policy) is not None,
+                sharded_root=context.sharded_root(context.policy),
             )
             if self._ahead_state is not None:
                 self.ahead.load_state_dict(self._ahead_state)

@@ -162,6 +162,17 @@ class DecodeCopy:
         return True
 
 
+def compute_dtype_and_device(root: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype FSDP2 gathers ``root``'s weights to compute in (its mixed precision's, not the
+    shards'), and their device: read off one gathered weight (a collective: every rank calls it)."""
+    root.unshard()
+    try:
+        gathered = next(p for p in root.parameters() if not isinstance(p, DTensor))
+        return gathered.dtype, gathered.device
+    finally:
+        root.reshard()
+
+
 def plain_model(base: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """An empty model of ``base``'s architecture (a sharded policy's, adapters not included) in
     ``dtype`` on ``device``, frozen, in eval mode, holding ``base``'s buffers (not sharded: the

@@ -2,15 +2,17 @@
 
 The worker (:mod:`.ahead`) decodes while the trainer changes the policy, so it decodes a copy,
 and every job carries the weights of the policy version it was queued at (a *snapshot*, taken
-on the training thread), which the worker writes into its copy before rolling out. Two kinds:
+on the training thread), which the worker writes into its copy before rolling out. Three kinds:
 
 - :class:`ModuleCopy`, for a policy in one process: a deep copy sharing what training never
   changes (a LoRA policy's base weights, buffers); a snapshot is the trainable parameters only.
 - :class:`GatheredCopy`, for a policy FSDP2 shards over several processes: a plain model of its
-  architecture holding the full weights on this rank (the worker cannot decode through the
-  sharded policy: every forward there is a collective, which the training thread runs too); a
-  snapshot is the full weights, gathered (a collective: every rank queues the same jobs at the
-  same step, so every rank gathers together), a LoRA layer's merged (``W + scale B A``).
+  architecture holding the full weights on this rank, in FSDP2's compute dtype (the worker cannot
+  decode through the sharded policy: every forward there is a collective, which the training
+  thread runs too); a snapshot is the full weights, gathered. Gathers are collectives: every
+  rank builds its worker and queues the same jobs at the same steps, so every rank gathers together.
+- :class:`GatheredLoraCopy`, for a sharded LoRA policy: the plain model of its base, gathered once
+  (training never changes it), with adapters of its own; a snapshot is the adapters, gathered.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-from ngrpo_lightning.models.lora import has_adapters
-from ngrpo_lightning.rollout.engine import full_named_tensors
-from ngrpo_lightning.rollout.sharded_decoding import plain_model, plain_name
+from ngrpo_lightning.models.lora import has_adapters, is_adapter_weight, merged_named_tensors
+from ngrpo_lightning.rollout.sharded_decoding import compute_dtype_and_device, plain_model, plain_name
 
-__all__ = ["GatheredCopy", "ModuleCopy", "trainable_snapshot", "worker_copy"]
+__all__ = ["GatheredCopy", "GatheredLoraCopy", "ModuleCopy", "trainable_snapshot", "worker_copy"]
 
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -40,60 +41,89 @@ class ModuleCopy:
         frozen = [p for p in policy.parameters() if not p.requires_grad] + list(policy.buffers())
         self.model = copy.deepcopy(policy, memo={id(t): t for t in frozen})
         self.model.requires_grad_(False)
-        self._params = dict(self.model.named_parameters())
+        self._tensors = dict(self.model.named_parameters())
 
-    @staticmethod
-    def snapshot(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
         return trainable_snapshot(policy)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, tensor in weights.items():
-                self._params[name].copy_(tensor)
+                self._tensors[name].copy_(tensor)
 
 
 class GatheredCopy:
-    """A plain model of a sharded policy's architecture, on this rank's device in the policy's
+    """A plain model of a sharded policy's architecture, on this rank's device in FSDP2's compute
     dtype, prepared by the run's ``backend`` as an unsharded policy is; snapshots are the full,
-    gathered weights under the plain model's names."""
+    gathered weights under the plain model's names (a LoRA layer's merged, ``W + scale B A``)."""
 
-    def __init__(self, policy: torch.nn.Module, backend):
-        base = policy.get_base_model() if has_adapters(policy) else policy
-        param = next(base.parameters())
-        local = param.to_local() if isinstance(param, DTensor) else param
-        model = plain_model(base, local.dtype, local.device)
+    def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
+        self.dtype, device = compute_dtype_and_device(root)
+        model = plain_model(policy.get_base_model() if has_adapters(policy) else policy, self.dtype, device)
         # the tensors written by name, taken before the backend swaps module classes (in place: they stay)
         self._tensors = dict(model.state_dict(keep_vars=True))
-        self.written = False
-        backend.prepare(model)
-        self.model = backend.on_device(model)
+        self._complete = False  # the first job writes every tensor
+        self.model = self._prepared(model, backend)
 
     @staticmethod
-    def snapshot(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-        live, out = _live(policy), {}
-        for name, tensor in full_named_tensors(policy):  # gathered: new tensors, merged ones too
-            out[plain_name(name)] = tensor.detach().clone() if tensor.data_ptr() in live else tensor.detach()
-        return out
+    def _prepared(model: torch.nn.Module, backend) -> torch.nn.Module:
+        backend.prepare(model)
+        return backend.on_device(model)
+
+    def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return _whole(merged_named_tensors(policy) if has_adapters(policy) else policy.state_dict().items(), self.dtype)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         unknown = sorted(set(weights) - set(self._tensors))
         if unknown:
             raise RuntimeError(f"the worker's plain copy of the policy has no tensor {unknown[0]!r}")
         missing = sorted(set(self._tensors) - set(weights))
-        if missing and not self.written:
+        if missing and not self._complete:
             raise RuntimeError(f"the sharded policy's gathered weights lack {missing[0]!r} of its plain copy")
         with torch.no_grad():
             for name, tensor in weights.items():
                 self._tensors[name].copy_(tensor)
-        self.written = True
+        self._complete = True
 
 
-def _live(policy: torch.nn.Module) -> set[int]:
-    """Storage addresses of the policy's own tensors that are whole on this rank (a gathered tensor
-    is new; one the policy holds whole is copied, since the optimizer changes it in place)."""
-    return {t.data_ptr() for t in [*policy.parameters(), *policy.buffers()] if not isinstance(t, DTensor)}
+class GatheredLoraCopy(GatheredCopy):
+    """A sharded LoRA policy's base, gathered once into a plain model, with adapters of the policy's
+    configuration; snapshots are the adapters alone, gathered: a job carries megabytes where the
+    merged weights would be the whole model."""
+
+    def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
+        from peft import get_peft_model
+
+        self.dtype, device = compute_dtype_and_device(root)
+        model = plain_model(policy.get_base_model(), self.dtype, device)
+        tensors = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in _whole(merged_named_tensors(policy, merge=False), self.dtype).items():
+                tensors[name].copy_(tensor)
+        model = get_peft_model(model, copy.deepcopy(policy.peft_config[policy.active_adapter]))
+        model.requires_grad_(False).eval()  # the adapters' dropout too
+        self._tensors = {plain_name(n): p for n, p in model.named_parameters() if is_adapter_weight(n)}
+        self._complete = False
+        self.model = self._prepared(model, backend)
+
+    def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return _whole(((n, p) for n, p in policy.named_parameters() if p.requires_grad), None)
 
 
-def worker_copy(policy: torch.nn.Module, backend, sharded: bool) -> ModuleCopy | GatheredCopy:
-    """The worker's copy: gathered into a plain model where FSDP2 shards the policy, else a deep copy."""
-    return GatheredCopy(policy, backend) if sharded else ModuleCopy(policy)
+def _whole(named_tensors, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``named_tensors`` whole on this rank, by the plain model's names, in ``dtype`` (None: as they
+    are), each a tensor of its own: a sharded one is gathered (new), one held whole is copied (the
+    optimizer changes it in place)."""
+    out = {}
+    for name, tensor in named_tensors:
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+        out[plain_name(name)] = whole.detach() if dtype is None else whole.detach().to(dtype)
+    return out
+
+
+def worker_copy(policy: torch.nn.Module, backend, root: torch.nn.Module | None = None):
+    """The worker's copy of ``policy``: a deep copy in one process, or, where FSDP2 shards it
+    (``root``: its FSDP2 root module), a plain model of its gathered weights (LoRA: its base)."""
+    if root is None:
+        return ModuleCopy(policy)
+    return GatheredLoraCopy(policy, root, backend) if has_adapters(policy) else GatheredCopy(policy, root, backend)
