@@ -216,3 +216,35 @@ def test_a_rollout_in_flight_saved_with_other_noise_is_made_again(tiny, caplog):
         assert batch.records.has_noise()
     finally:
         ahead.close()
+
+
+def test_a_job_at_the_version_queued_last_carries_no_weights(tiny):
+    """A snapshot (under FSDP2 a gather of the whole model) is taken once per policy version: the
+    step's extra batches (dynamic sampling), queued after the step's own job at the same version,
+    carry none, and decode the weights that job loaded; a new version takes one again."""
+    from conftest import chat_prompt_ids
+
+    from ngrpo_lightning.explorers import TemperatureExplorer
+    from ngrpo_lightning.rollout import HFEngine
+    from ngrpo_lightning.rollout.ahead import RolloutsAhead
+    from ngrpo_lightning.rollout.worker_copy import trainable_snapshot
+
+    model, tok = tiny
+    prompts = chat_prompt_ids(tok, ["What is 2 + 3?"])
+    ahead = RolloutsAhead(model, lambda m: HFEngine(m, tok, max_new_tokens=4, seed=0), threads=1)
+    taken = []
+
+    def weights():
+        taken.append(len(taken))
+        return trainable_snapshot(model)
+
+    job = lambda engine: engine.generate(prompts, TemperatureExplorer(temperature=0.0), n=1)  # noqa: E731
+    try:
+        first = ahead.rollouts_for((0, 0), [(0, 1)], lambda key: job, weights, 0)  # one snapshot for both jobs
+        assert len(taken) == 1
+        extra = ahead.run_now(job, weights, 0)  # the version queued last: no snapshot
+        assert len(taken) == 1 and torch.equal(extra.response_ids, first.response_ids)
+        ahead.run_now(job, weights, 1)
+        assert len(taken) == 2 and ahead.version == 1
+    finally:
+        ahead.close()

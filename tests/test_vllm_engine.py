@@ -320,7 +320,7 @@ def test_rollouts_ahead_drive_the_runs_vllm_from_the_workers_copy(engine, smollm
             sampled = first.take((1, 0)).response_ids
             assert torch.equal(engine.state_dict()["generator"], others)  # the job drew from its own stream
             engine.generate(prompts, TemperatureExplorer(temperature=1.0), n=2)
-            again.submit((1, 0), sample_job, {}, 1)
+            again.submit((1, 0), sample_job, trainable_snapshot(live), 1)
             assert torch.equal(again.take((1, 0)).response_ids, sampled)
         finally:
             first.close()

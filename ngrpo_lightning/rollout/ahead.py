@@ -79,6 +79,7 @@ class RolloutsAhead:
         self._stream = {"seed": self.engine.seed, "generator": None}
         self.threads = threads
         self.version: int | None = None  # the policy version of the worker's weights
+        self._queued_version: int | None = None  # that of the last job queued
         self.pending: dict[Key, Future] = {}
         self.ready: dict[Key, RolloutBatch] = {}  # restored from a checkpoint
         self._last_end: float | None = None
@@ -87,14 +88,24 @@ class RolloutsAhead:
     # -------------------------------------------------------------- jobs
     def submit(self, key: Key, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> None:
         """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
-        ``weights`` (a :meth:`snapshot` of policy ``version``)."""
+        ``weights`` (a :meth:`snapshot` of policy ``version``, or none where the job queued before
+        it has that version: the worker holds them by then)."""
+        self._queued_version = version
         self.pending[key] = self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
+
+    def _weights_for(self, version: int, weights: Callable[[], dict]) -> dict:
+        """The weights a job of policy ``version`` carries: ``weights()``, or none where the last job
+        queued has that version (jobs run in order). Every rank decides alike (its jobs are queued
+        alike), so under FSDP2 every rank gathers, or none does."""
+        return {} if version == self._queued_version else weights()
 
     def _run(self, generate, holder: list[dict], version: int, submitted: float) -> RolloutBatch:
         # the worker waited for the trainer when this job came after the previous one had ended
         idle = max(0.0, submitted - self._last_end) if self._last_end is not None else 0.0
         weights = holder.pop()  # the job's only reference: the copy is freed once loaded
         if version != self.version:
+            if not weights:
+                raise RuntimeError(f"a rollout job of policy version {version} came without its weights")
             self.copy.load(weights)
             self.version = version
         del weights
@@ -141,21 +152,28 @@ class RolloutsAhead:
         snapshot = None
         for k in [key, *upcoming]:
             if not self.queued(k):
-                snapshot = snapshot if snapshot is not None else weights()
+                snapshot = snapshot if snapshot is not None else self._weights_for(version, weights)
                 self.submit(k, job(k), snapshot, version)
         batch = self.take(key)
         batch.stats["async/staleness"] = float(version - batch.stats["async/weights_version"])
         return batch
 
-    def run_now(self, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> RolloutBatch:
+    def run_now(
+        self, generate: Callable[[RolloutEngine], RolloutBatch], weights: Callable[[], dict], version: int
+    ) -> RolloutBatch:
         """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
-        ones: the worker owns the engine's generator, so its draws stay in one order."""
-        return self._executor.submit(self._run, generate, [weights], version, time.perf_counter()).result()
+        ones: the worker owns the engine's generator, so its draws stay in one order. The step's
+        own jobs were queued at ``version``: the extra batches carry no weights of their own."""
+        snapshot = self._weights_for(version, weights)
+        self._queued_version = version
+        return self._executor.submit(self._run, generate, [snapshot], version, time.perf_counter()).result()
 
     def take(self, key: Key) -> RolloutBatch | None:
         """The rollouts of batch ``key`` (waiting for them), or ``None`` if it was never queued."""
-        if key in self.ready:
-            return self.ready.pop(key)
+        if key in self.ready:  # waited for already (a checkpoint, a validation on a shared engine) or restored
+            batch = self.ready.pop(key)
+            batch.stats.setdefault("async/trainer_wait_s", 0.0)
+            return batch
         future = self.pending.pop(key, None)
         if future is None:
             return None

@@ -256,7 +256,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.max_staleness:  # the worker owns the training explorer and its generator: it rolls out, now
             ahead = self.ensure_ahead()
             batch = ahead.run_now(
-                self._generation(prompts, context.explorer, self.group_size), ahead.snapshot(), context.version.value
+                self._generation(prompts, context.explorer, self.group_size), ahead.snapshot, context.version.value
             )
             batch.stats["async/staleness"] = 0.0
             return batch
