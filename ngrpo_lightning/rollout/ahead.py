@@ -162,8 +162,8 @@ class RolloutsAhead:
         self, generate: Callable[[RolloutEngine], RolloutBatch], weights: Callable[[], dict], version: int
     ) -> RolloutBatch:
         """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
-        ones: the worker owns the engine's generator, so its draws stay in one order. The step's
-        own jobs were queued at ``version``: the extra batches carry no weights of their own."""
+        ones: the worker owns the engine's generator, so its draws stay in one order. Where the job
+        queued last has ``version`` (the step's own, mostly), it carries no weights of its own."""
         snapshot = self._weights_for(version, weights)
         self._queued_version = version
         return self._executor.submit(self._run, generate, [snapshot], version, time.perf_counter()).result()
