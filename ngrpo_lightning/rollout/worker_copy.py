@@ -55,11 +55,11 @@ class ModuleCopy:
 class GatheredCopy:
     """A plain model of a sharded policy's architecture, on this rank's device in FSDP2's compute
     dtype, prepared by the run's ``backend`` as an unsharded policy is; snapshots are the full,
-    gathered weights under the plain model's names (a LoRA layer's merged, ``W + scale B A``)."""
+    gathered weights under the plain model's names (a LoRA policy's: :class:`GatheredLoraCopy`)."""
 
     def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
         self.dtype, device = compute_dtype_and_device(root)
-        model = plain_model(policy.get_base_model() if has_adapters(policy) else policy, self.dtype, device)
+        model = plain_model(policy, self.dtype, device)
         # the tensors written by name, taken before the backend swaps module classes (in place: they stay)
         self._tensors = dict(model.state_dict(keep_vars=True))
         self._complete = False  # the first job writes every tensor
@@ -71,7 +71,7 @@ class GatheredCopy:
         return backend.on_device(model)
 
     def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return _whole(merged_named_tensors(policy) if has_adapters(policy) else policy.state_dict().items(), self.dtype)
+        return _whole(policy.state_dict().items(), self.dtype)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         unknown = sorted(set(weights) - set(self._tensors))
@@ -97,9 +97,9 @@ class GatheredLoraCopy(GatheredCopy):
         self.dtype, device = compute_dtype_and_device(root)
         model = plain_model(policy.get_base_model(), self.dtype, device)
         tensors = model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, tensor in _whole(merged_named_tensors(policy, merge=False), self.dtype).items():
-                tensors[name].copy_(tensor)
+        with torch.no_grad():  # gathered one at a time (each whole already), written (cast) in place
+            for name, tensor in merged_named_tensors(policy, merge=False):
+                tensors[plain_name(name)].copy_(tensor)
         model = get_peft_model(model, copy.deepcopy(policy.peft_config[policy.active_adapter]))
         model.requires_grad_(False).eval()  # the adapters' dropout too
         self._tensors = {plain_name(n): p for n, p in model.named_parameters() if is_adapter_weight(n)}
