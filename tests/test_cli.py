@@ -130,3 +130,25 @@ def test_unknown_rollout_engine_is_a_config_error(capsys):
     assert main(["train", "model=tiny", "rollout.engine=fast"]) == 2
     err = capsys.readouterr().err
     assert "rollout.engine='fast' is unknown" in err and "vllm" in err
+
+
+@pytest.mark.parametrize("entry", ["ngrpo_lightning.commands.cli", "ngrpo_lightning.commands.launch"])
+def test_the_program_exits_with_the_commands_status_after_its_exit_handlers(tmp_path, entry):
+    # the program ends without the collector's last walk (gc.freeze, cli.exit_after) but keeps
+    # the rest of the interpreter's exit: handlers registered during the command still run, in
+    # the frozen interpreter, and the status is the command's
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import atexit, gc, runpy, sys\n"
+        "atexit.register(lambda: print('handler ran; frozen objects:', gc.get_freeze_count() > 0))\n"
+        f"sys.argv = ['ngrpo', *sys.argv[1:]]; runpy.run_module({entry!r}, run_name='__main__')\n"
+    )
+    for argv, code in ((["config", "experiment=ngrpo"], 0), (["train", "explorer=bogus"], 2)):
+        done = subprocess.run([sys.executable, str(probe), *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == code, done.stderr
+        assert "handler ran; frozen objects: True" in done.stdout
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["ngrpo"] == "ngrpo_lightning.commands.launch:program"

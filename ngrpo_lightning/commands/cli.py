@@ -17,7 +17,9 @@ names the key and exit with status 2; nothing is trained.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -185,5 +187,16 @@ def _export(args) -> int:
     return 0
 
 
+def exit_after(code: int) -> NoReturn:
+    """End the process with ``code`` once a command has returned: the interpreter's usual exit
+    (atexit handlers, such as the verifier workers' shutdown, threads joined, modules torn down)
+    without its garbage collector walking, module by module, the 800,000 objects torch,
+    Lightning, transformers and MLflow leave behind: ``gc.freeze()`` takes them out of its reach.
+    A training run's process ended 2.45 s after its summary, 0.74 s with this (docs/performance.md,
+    "A command's exit"). Only the program does this: a caller of :func:`main` keeps its collector."""
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main())

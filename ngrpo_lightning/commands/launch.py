@@ -1,4 +1,5 @@
-"""The ``ngrpo`` command's entry point: OpenMP's spin setting, then the command.
+"""The ``ngrpo`` command's entry point: OpenMP's spin setting, then the command, then an exit
+without the garbage collector's last walk (:func:`program`).
 
 It imports nothing heavy, so that the environment OpenMP reads when torch loads it is set
 first. Nothing here restarts the process or changes its allocator: a smaller peak on mimalloc
@@ -30,5 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     return command(argv)
 
 
+def program() -> None:
+    """The ``ngrpo`` program (pyproject's script): :func:`main`, then the process ends without the
+    garbage collector's last walk over every object (:func:`~ngrpo_lightning.commands.cli.exit_after`)."""
+    code = main()
+    from ngrpo_lightning.commands.cli import exit_after  # loaded by main already
+
+    exit_after(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()
