@@ -17,12 +17,13 @@ Pure Python (no torch, no Hydra): every layer of the package may import it.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TypeVar
 
 from ngrpo_lightning.checks import check_choice
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "import_path"]
 
 T = TypeVar("T")
 
@@ -57,3 +58,21 @@ class Registry(dict):
 
 def _identity(component) -> str:
     return f"{component.__module__}.{component.__qualname__}"
+
+
+def import_path(path: str, key: str):
+    """The object a class path (``my_pkg.module.MyClass``) names, for config ``key``; ``ValueError``
+    naming the key, the path and what failed otherwise. The ``ngrpo`` command finds modules in
+    the current directory, as ``python -m`` does (``commands/cli.py``)."""
+    module, _, attr = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    if not module or not attr:
+        raise ValueError(f"{key}={path!r} is not a class path: give it as <module>.<name>, e.g. my_pkg.MyClass")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise ValueError(
+            f"{key}={path!r} cannot be imported: {err} (the module must be importable: a file in the "
+            "current directory, an installed package, or on PYTHONPATH)"
+        ) from err
+    except AttributeError as err:
+        raise ValueError(f"{key}={path!r} cannot be imported: module {module!r} has no {attr!r}") from err

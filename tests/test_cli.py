@@ -55,6 +55,12 @@ def test_bad_dtype_is_named(capsys):
     assert "model.dtype" in err
 
 
+def test_an_unknown_accelerator_is_named_with_lightnings_names(capsys):
+    assert main(["train", "model=tiny", "trainer.accelerator=gpuu", "logger=none"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.accelerator='gpuu' is unknown: allowed [" in err and "'cpu'" in err and "'gpu'" in err
+
+
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     # rollout.hf.* is not in the config any more (the backend decides), but HFEngine's own settings
     # can still be given, and are checked
@@ -152,3 +158,23 @@ def test_the_program_exits_with_the_commands_status_after_its_exit_handlers(tmp_
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["ngrpo"] == "ngrpo_lightning.commands.launch:program"
+
+
+def test_a_class_path_may_name_a_module_in_the_current_directory_without_shadowing_packages(tmp_path, capsys):
+    # the `ngrpo` program does not put the current directory on the import path as `python -m`
+    # does (-P: neither does this process); the command appends it, after the installed packages
+    (tmp_path / "my_explorer.py").write_text(
+        "from ngrpo_lightning.explorers import TemperatureExplorer\n\n\nclass Mine(TemperatureExplorer):\n    pass\n"
+    )
+    (tmp_path / "omegaconf.py").write_text("raise ImportError('a file of the directory shadowed a package')\n")
+    script = "import sys; from ngrpo_lightning.commands.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["train", "explorer._target_=my_explorer.Mine", "explorer.nope=1", "model=tiny", "logger=none"]
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", script, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "explorer.nope is not a parameter of Mine" in done.stderr  # imported from the directory
+    assert main(["train", "explorer._target_=not_here.Mine", "model=tiny", "logger=none"]) == 2
+    assert "No module named 'not_here' (the module must be importable: a file in the current directory" in (
+        capsys.readouterr().err
+    )

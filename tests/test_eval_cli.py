@@ -83,6 +83,22 @@ def test_k_larger_than_n_is_refused(capsys):
     assert "k=8" in err and "n=4" in err
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("device=gpu", "device='gpu' is unknown: allowed ['auto', 'cpu', 'cuda']"),
+        ("temperature=-1", "ngrpo: error: temperature=-1 is out of range"),  # eval's key, not an explorer's
+        pytest.param(
+            "device=cuda",
+            "device=cuda but this machine has no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPUs"),
+        ),
+    ],
+)
+def test_bad_sampling_and_device_settings_are_named(capsys, override, message):
+    assert message in run_error(capsys, "eval", "model=tiny", override, "logger=none")
+
+
 def test_missing_answer_field_names_field_and_file(capsys, tmp_path):
     bad = write_jsonl(tmp_path / "amc.jsonl", [{"question": "1+1?", "solution": "2"}])
     err = run_error(capsys, "eval", "model=tiny", "data=amc23", f"data.path={bad}", "logger=none")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.build.data import engine_settings
@@ -24,6 +23,7 @@ from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
 from ngrpo_lightning.models.loading import load_policy, parse_dtype
 from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, resolve_advantage
+from ngrpo_lightning.registry import import_path
 from ngrpo_lightning.rewards import MathReward
 from ngrpo_lightning.rollout import check_engine
 from ngrpo_lightning.training.module import RLModule
@@ -50,9 +50,11 @@ def instantiate_component(cfg: DictConfig | dict, registry: dict, group: str):
     target, name = params.pop("_target_", None), params.pop("name", None)
     if target:
         try:
-            cls = get_class(target)
-        except Exception as err:  # ImportError, AttributeError, ValueError from hydra
-            raise ConfigError(f"{group}._target_={target!r} cannot be imported: {err}") from err
+            cls = import_path(target, f"{group}._target_")
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        if not isinstance(cls, type):
+            raise ConfigError(f"{group}._target_={target!r} is not a class")
     elif name in registry:
         cls = registry[name]
     else:

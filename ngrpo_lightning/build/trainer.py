@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
@@ -13,7 +14,7 @@ from ngrpo_lightning.build.models import parallel_config
 from ngrpo_lightning.callbacks import RolloutSamplesLogger, UpdateMemoryCheck
 from ngrpo_lightning.checkpoints.io import AtomicModelParallelStrategy, checkpoint_io
 from ngrpo_lightning.checkpoints.run import build_checkpointing
-from ngrpo_lightning.checks import check_bool
+from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.console import StepProgressBar
 
@@ -45,6 +46,10 @@ def check_trainer(cfg: DictConfig) -> None:
     """Fail early (before model loading) on a trainer the machine cannot run."""
     trainer = cfg.trainer
     accelerator = str(trainer.get("accelerator", "auto"))
+    try:  # Lightning's names, checked here rather than from deep inside the Trainer
+        check_choice("trainer.accelerator", accelerator, {*AcceleratorRegistry.available_accelerators(), "auto", "gpu"})
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if accelerator in ("gpu", "cuda"):
         if not torch.cuda.is_available():
             hint = (

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from typing import NoReturn
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
     p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or key=value")
     argv = list(sys.argv[1:] if argv is None else argv)
+    modules_from_here()
     if argv[:1] == ["train"] and any(a in ("-v", "--verbose") for a in argv):  # anywhere among the overrides
         argv = [a for a in argv if a not in ("-v", "--verbose")] + ["logger.verbose=true"]
     args = parser.parse_args(argv)
@@ -185,6 +187,15 @@ def _export(args) -> int:
         return 2
     print(result["text"])
     return 0
+
+
+def modules_from_here() -> None:
+    """A class path given on the command line (``explorer._target_=my_explorer.MyExplorer``) may
+    name a module in the current directory, as it may under ``python -m``: the directory joins the
+    import path, last, so that a file there never shadows an installed package."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 def exit_after(code: int) -> NoReturn:

@@ -22,6 +22,7 @@ from ngrpo_lightning.checkpoints.trained_policy import (
     load_trained_policy,
     read_checkpoint,
 )
+from ngrpo_lightning.checks import check_choice
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.data import load_problems, reasoning_gym_problems
 from ngrpo_lightning.data.benchmarks import load_benchmark
@@ -118,10 +119,23 @@ def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
         engine.close()
 
 
+def eval_device(cfg) -> str:
+    """``device``: ``cpu``, ``cuda``, or ``auto`` (a CUDA GPU where there is one), checked before
+    any model loads; ``cuda`` where there is none is refused."""
+    device = cfg.get("device", "cpu")
+    try:
+        check_choice("device", device, ["auto", "cpu", "cuda"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but this machine has no CUDA GPU: use device=cpu (or device=auto)")
+    return device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def eval_backend(cfg) -> Backend:
     """How the evaluated model computes (``backend.*``, on ``device``), checked."""
     rows = (cfg.get("batch_size") or 8) * (cfg.get("n") or 1)
-    return backend_for_config(cfg, str(cfg.get("device", "cpu")), decode_rows=rows)
+    return backend_for_config(cfg, eval_device(cfg), decode_rows=rows)
 
 
 def load_eval_policy(cfg, backend: Backend | None = None):
@@ -156,10 +170,7 @@ def load_eval_policy(cfg, backend: Backend | None = None):
             **remote,
             action="eval",
         )
-    device = cfg.get("device", "cpu")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return backend.on_device(backend.prepare(policy.to(device).eval())), tokenizer
+    return backend.on_device(backend.prepare(policy.to(eval_device(cfg)).eval())), tokenizer
 
 
 def run_eval(cfg) -> dict:
@@ -172,8 +183,8 @@ def run_eval(cfg) -> dict:
     try:
         ks = check_ks(cfg.get("ks"), cfg.n)
         explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    except ValueError as err:  # the sampling settings are eval's own keys, not an explorer's
+        raise ConfigError(str(err).removeprefix("explorer.")) from err
     backend = eval_backend(cfg)
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading
     policy, tokenizer = load_eval_policy(cfg, backend)

@@ -9,8 +9,7 @@ A name is a registered engine (``hf``, ``vllm``, or one registered with
 
 from __future__ import annotations
 
-import importlib
-
+from ngrpo_lightning.registry import import_path
 from ngrpo_lightning.rollout.engine import ENGINES, RolloutEngine
 from ngrpo_lightning.rollout.hf_engine import HFEngine
 from ngrpo_lightning.rollout.vllm_engine import VLLMEngine
@@ -24,13 +23,10 @@ def engine_class(name: str, key: str = "rollout.engine") -> type[RolloutEngine]:
     """The engine class ``name`` stands for; ``ValueError`` naming ``key`` otherwise."""
     if name in ENGINES or not isinstance(name, str) or "." not in name:
         return ENGINES.resolve(name, key)
-    module, _, attr = name.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"{key}={name!r} cannot be imported ({err}): allowed {sorted(ENGINES)} or the class path of an engine"
-        ) from err
+        cls = import_path(name, key)
+    except ValueError as err:
+        raise ValueError(f"{err}; allowed {sorted(ENGINES)} or the class path of an engine") from err
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
         raise ValueError(f"{key}={name!r} is not a subclass of ngrpo_lightning.rollout.RolloutEngine")
     return cls
