@@ -102,6 +102,24 @@ def test_a_run_validated_only_around_its_fit_keeps_its_final_weights_as_best(sto
     assert all(torch.equal(best["state_dict"][k], v) for k, v in last["state_dict"].items())
 
 
+def test_a_best_metric_the_run_does_not_log_is_refused_before_training_or_warned_of_during_it(tmp_path, capsys):
+    """checkpoint.best=val/acc (a misspelling): refused at the validation before the fit, naming the
+    metrics the run logs, before any step; without that validation, the first one inside the fit
+    warns and the run finishes without best.ckpt (Lightning's callback had stopped it there)."""
+    common = [*TINY_RUN, "logger=none", "checkpoint.best=val/acc"]
+    assert main(["train", *common, f"output_dir={tmp_path}/a"]) == 2
+    assert (
+        "checkpoint.best='val/acc' is not a validation metric of this run: it logs ['val/accuracy', 'val/reward']"
+        in (capsys.readouterr().err)
+    )
+    assert not (tmp_path / "a/checkpoints/last.ckpt").exists()  # refused before the first step
+    late = [f"output_dir={tmp_path}/b", "validate_before_fit=false", "trainer.val_check_interval=1"]
+    with pytest.warns(UserWarning, match="checkpoint.best='val/acc' is not a validation metric.*without best.ckpt"):
+        summary = train(compose(common + late))
+    assert summary["steps"] == 2 and (tmp_path / "b/checkpoints/last.ckpt").exists()
+    assert not (tmp_path / "b/checkpoints/best.ckpt").exists()
+
+
 def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
     """checkpoint.best=val/accuracy keeps best.ckpt beside last.ckpt, scored by that metric; the run
     validates before fit and then during it (the validation metrics survive both)."""

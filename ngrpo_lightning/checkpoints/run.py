@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.checks import check_choice
@@ -169,9 +169,14 @@ class BestCheckpoint(ModelCheckpoint):
     the validation ``ngrpo train`` runs after the fit. Lightning's counts validations inside the fit
     only, so a run whose validations all lie outside it (a short run: before and after) kept none,
     and one whose final weights validated best kept older ones. The validation before the fit is
-    not counted: it scores the initial weights, which no checkpoint holds."""
+    not counted: it scores the initial weights, which no checkpoint holds. It checks instead that
+    the run logs the metric: a name it does not log (``val/acc``) is refused there, naming the ones
+    it does, before any step trains. Without that validation the first one warns, and the run goes
+    on without ``best.ckpt`` (Lightning's callback stopped it there, its trained steps unsaved)."""
 
     _fit_ended = False
+    _checked = False
+    _known = True  # the run logs the monitored metric
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -182,9 +187,25 @@ class BestCheckpoint(ModelCheckpoint):
         self._fit_ended = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._checked and not trainer.sanity_checking:
+            self._checked = True
+            self._known = self._check_monitor(trainer, trainer.state.fn == TrainerFn.VALIDATING and not self._fit_ended)
+        if not self._known:
+            return
         super().on_validation_end(trainer, pl_module)  # inside the fit: Lightning's own rule
         if self._fit_ended and trainer.state.fn == TrainerFn.VALIDATING:
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _check_monitor(self, trainer: L.Trainer, before_fit: bool) -> bool:
+        """Whether the run logs the metric; before the fit, a config error where it does not."""
+        if self.monitor in trainer.callback_metrics:
+            return True
+        logged = sorted(key for key in trainer.callback_metrics if key.startswith("val/"))
+        message = f"checkpoint.best={self.monitor!r} is not a validation metric of this run: it logs {logged}"
+        if before_fit:  # nothing trained yet: refuse, as a config error
+            raise ConfigError(message)
+        rank_zero_warn(f"{message}; the run goes on without best.ckpt")  # steps trained: not thrown away
+        return False
 
 
 def _drop_next_log_of_step(logger, step: int) -> None:
