@@ -44,9 +44,9 @@ TINY = [*TINY_JOB, "data.val_size=3", "pass_at_k.n=4", "pass_at_k.max_new_tokens
 def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     sweep = ["train", "-m", *TINY, f"logger.tracking_uri={store}", "sweep=cmp"]
     assert main([*sweep, "seed=0,1", "experiment=grpo,stht", "trainer.max_steps=2"]) == 0
-    capsys.readouterr()
+    assert f"compare the arms: ngrpo compare sweep=cmp store={store}" in capsys.readouterr().out
     out = tmp_path / "report"
-    assert main(["compare", "sweep=cmp", f"logger.tracking_uri={store}", f"output_dir={out}"]) == 0
+    assert main(["compare", "sweep=cmp", f"store={store}", f"output_dir={out}"]) == 0  # its own run logged there too
     text = capsys.readouterr().out
     assert "# Comparison: sweep cmp (4 runs, 2 arms)" in text
     assert "| experiment=grpo | 0, 1 | 2 | 6 |" in text and "| experiment=stht | 0, 1 | 2 | 6 |" in text
@@ -103,15 +103,19 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     # refusals
     base = ["compare", f"store={store}", "logger=none"]
     assert main([*base, "sweep=nope"]) == 2
-    assert "sweep='nope' has no runs in this store; sweeps here: ['cmp']" in capsys.readouterr().err
+    assert "sweep='nope' has no runs in " + store + "; sweeps there: ['cmp']" in capsys.readouterr().err
     assert main([*base, "experiments=[grpo,nope]"]) == 2
-    assert "experiment 'nope' is not in this store; experiments here: [" in capsys.readouterr().err
+    assert "experiment 'nope' is not in " + store + "; experiments there: [" in capsys.readouterr().err
     assert main([*base, "experiments=[grpo]"]) == 2
     assert "a comparison needs two arms" in capsys.readouterr().err
     assert main([*base, "sweep=cmp", "detect=5"]) == 2
     assert "detect=5 must be a number in (0, 1] (a fraction, 0.05 = 5 points)" in capsys.readouterr().err
     assert main([*base, "runs=[0123456789abcdef]"]) == 2
-    assert "run '0123456789abcdef' is not in this store" in capsys.readouterr().err
+    assert "run '0123456789abcdef' is not in " + store in capsys.readouterr().err
+    nowhere = f"sqlite:///{tmp_path}/nowhere/mlflow.db"
+    assert main(["compare", f"store={nowhere}", "logger=none", "sweep=cmp"]) == 2
+    assert f"store={nowhere}: no MLflow store there" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()  # read, never created
 
 
 def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differs(tmp_path, monkeypatch):

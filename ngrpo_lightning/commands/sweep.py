@@ -81,7 +81,9 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
         sys.argv = argv
         root_logger.handlers[:], root_logger.level = handlers, level
     jobs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{JOB_FILE}"))]
-    return {"sweep": sweep, "dir": str(sweep_dir), "jobs": jobs, "text": sweep_table(sweep, sweep_dir, jobs)}
+    store = next((o.split("=", 1)[1] for o in args if o.startswith("logger.tracking_uri=")), None)
+    text = sweep_table(sweep, sweep_dir, jobs, store)
+    return {"sweep": sweep, "dir": str(sweep_dir), "jobs": jobs, "text": text}
 
 
 def folder_name(overrides: str) -> str:
@@ -149,8 +151,9 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dic
     return record
 
 
-def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict]) -> str:
-    """A markdown table of a sweep's jobs, and what to do about failed ones."""
+def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict], store: str | None = None) -> str:
+    """A markdown table of a sweep's jobs, what to do about failed ones, and the command that
+    compares its arms (reading ``store``, the runs' MLflow store where it is not the default)."""
     lines = [
         f"Sweep {sweep} ({len(jobs)} runs) in {sweep_dir}:",
         "",
@@ -166,5 +169,5 @@ def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict]) -> str:
     failed = [j for j in jobs if j["status"] != "finished"]
     if failed:
         lines += ["", f"{len(failed)} run(s) did not finish: run the same command with sweep={sweep} to resume them"]
-    lines += ["", f"compare the arms: ngrpo compare sweep={sweep}"]
+    lines += ["", f"compare the arms: ngrpo compare sweep={sweep}" + (f" store={store}" if store else "")]
     return "\n".join(lines)

@@ -8,14 +8,14 @@ import os
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
 from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
 from ngrpo_lightning.commands.compare.sequential import plot_history
 from ngrpo_lightning.config import ConfigError, compose
-from ngrpo_lightning.tracking.logger import log_report_run, resolve_tracking_uri
+from ngrpo_lightning.tracking.logger import SQLITE, log_report_run, resolve_tracking_uri
 
 DEFAULT_STORE = "sqlite:///mlruns/mlflow.db"  # conf/logger/mlflow.yaml's
 
@@ -49,8 +49,12 @@ def run_compare(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per run
     t0 = time.perf_counter()
     store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_STORE
+    if store.startswith(SQLITE) and not Path(store[len(SQLITE) :]).is_file():  # read, never created here
+        raise ConfigError(
+            f"store={store}: no MLflow store there (no run has logged to it); give store=<the runs' store>"
+        )
     client = MlflowClient(resolve_tracking_uri(store))
-    found = select_runs(client, cfg.sweep, list(cfg.experiments), list(cfg.runs))
+    found = select_runs(client, cfg.sweep, list(cfg.experiments), list(cfg.runs), store)
     if cfg.finished_only:
         found = [r for r in found if r.info.status == "FINISHED"]
     runs = [load_run(client, r) for r in found]
@@ -92,6 +96,8 @@ def run_compare(cfg: DictConfig) -> dict:
         files.append(out / "seeds.png")
         plot_history(tables["paired"], tables["detect"], files[-1])
     metrics = {f"compare/{arm}/{m}": v[0] for arm, info in tables["arms"].items() for m, v in info["final"].items()}
+    if cfg.store and cfg.logger.get("tracking_uri") == DEFAULT_STORE:  # the report's run beside the runs it reads
+        cfg = OmegaConf.merge(cfg, {"logger": {"tracking_uri": cfg.store}})
     _, lines = log_report_run(cfg, {**metrics, "compare/seconds": time.perf_counter() - t0}, files)
     footer = [f"Report: {files[0]} (figures beside it)", *lines]
     return {"tables": tables, "warnings": warnings, "text": text + "\n" + "\n".join(footer), "files": files}

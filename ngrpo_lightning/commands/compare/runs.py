@@ -51,9 +51,9 @@ class RunData:
     code: str = ""  # the commit it ran (``+changes`` when the checkout differed), "" where unknown
 
 
-def select_runs(client, sweep: str | None, experiments, runs) -> list:
+def select_runs(client, sweep: str | None, experiments, runs, store: str = "this store") -> list:
     """The MLflow runs named by a sweep id, experiment names and/or run ids; an unknown one is
-    refused with the ones that exist."""
+    refused with the ones that exist (in ``store``, named in the message)."""
     if not (sweep or experiments or runs):
         raise ConfigError("ngrpo compare needs sweep=<id>, experiments=[...] or runs=[...]")
     all_experiments = {e.name: e.experiment_id for e in client.search_experiments()}
@@ -68,17 +68,17 @@ def select_runs(client, sweep: str | None, experiments, runs) -> list:
                     if "ngrpo.sweep" in r.data.tags
                 }
             )
-            raise ConfigError(f"sweep={sweep!r} has no runs in this store; sweeps here: {known or 'none'}")
+            raise ConfigError(f"sweep={sweep!r} has no runs in {store}; sweeps there: {known or 'none'}")
     for name in experiments or []:
         if name not in all_experiments:
-            raise ConfigError(f"experiment {name!r} is not in this store; experiments here: {sorted(all_experiments)}")
+            raise ConfigError(f"experiment {name!r} is not in {store}; experiments there: {sorted(all_experiments)}")
         found += client.search_runs([all_experiments[name]])
     for run_id in runs or []:
         try:
             found.append(client.get_run(run_id))
         except Exception as err:  # noqa: BLE001 - MLflow raises its own exception types per store
             recent = [r.info.run_id for r in client.search_runs(list(all_experiments.values()), max_results=5)]
-            raise ConfigError(f"run {run_id!r} is not in this store ({err}); recent runs: {recent}") from err
+            raise ConfigError(f"run {run_id!r} is not in {store} ({err}); recent runs: {recent}") from err
     unique = {r.info.run_id: r for r in found}
     return [r for r in unique.values() if r.info.run_name not in ("drift", "rollouts")]
 
