@@ -42,6 +42,9 @@ def named_error(err: Exception, key: str) -> ConfigError:
     return ConfigError(msg if msg.startswith(key) else f"{key}: {msg}")
 
 
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"  # conf/logger/mlflow.yaml's: where runs log by default
+
+
 def config_dir() -> Path:
     """The ``conf/`` folder: inside the installed package (a wheel ships ``conf/`` as
     ``ngrpo_lightning/conf``), or the top-level ``conf/`` beside the package in a checkout

@@ -81,7 +81,20 @@ def test_ngrpo_export_of_a_run_equals_the_final_export(trained, capsys):
     assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
     assert "final val/accuracy" in (out / "README.md").read_text()  # read back from the run's MLflow store
     assert main(["export", str(tmp / "nothing-here"), str(tmp / "x")]) == 2
-    assert "is not a checkpoint, a run's output_dir or an MLflow run id" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not a checkpoint, a run's output_dir or " in err and "--tracking-uri <its logger.tracking_uri>" in err
+
+
+def test_a_run_id_is_found_in_the_default_store_or_the_one_named(trained, capsys, monkeypatch, tmp_path):
+    tmp, store, summary = trained
+    monkeypatch.chdir(tmp_path)  # no ./mlruns/mlflow.db here
+    assert main(["export", summary["run_id"], str(tmp_path / "a"), "--no-mlflow"]) == 2
+    assert "is not a checkpoint, a run's output_dir or an MLflow run id (no store here)" in capsys.readouterr().err
+    assert main(["export", summary["run_id"], str(tmp_path / "a"), "--no-mlflow", "--tracking-uri", store]) == 0
+    (tmp_path / "mlruns").mkdir()
+    (tmp_path / "mlruns/mlflow.db").symlink_to(store.removeprefix("sqlite:///"))  # the store runs log to by default
+    assert main(["export", summary["run_id"], str(tmp_path / "b"), "--no-mlflow"]) == 0
+    assert (tmp_path / "b/model.safetensors").is_file()
 
 
 def test_export_never_writes_over_a_folder_or_mixes_two_kinds_of_model(trained, capsys):

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.checkpoints.run import check_base_model, weights_digest
-from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
 
@@ -64,7 +64,8 @@ def is_run_checkpoint(source: str) -> bool:
 def find_checkpoint(source: str, which: str = "last", tracking_uri: str | None = None) -> Path:
     """The checkpoint ``source`` names: a ``.ckpt`` file or distributed checkpoint folder; a run's
     ``output_dir`` or its ``checkpoints/`` folder (``which``: its ``last.ckpt`` or ``best.ckpt``);
-    or an MLflow run id, whose logged ``output_dir`` is then searched (``tracking_uri``: the store)."""
+    or an MLflow run id, whose logged ``output_dir`` is then searched (``tracking_uri``: the store;
+    default: the one runs log to by default, where it exists)."""
     path = Path(source).expanduser()
     if path.is_file() or (path / META_FILE).is_file():
         return path
@@ -73,13 +74,16 @@ def find_checkpoint(source: str, which: str = "last", tracking_uri: str | None =
             return folder / f"{which}.ckpt"
     if path.exists():
         raise ConfigError(f"{source}: no {which}.ckpt there or in {path / 'checkpoints'} (is it a run's output_dir?)")
+    default = Path(DEFAULT_TRACKING_URI.removeprefix("sqlite:///")).absolute()  # absolute: MLflow caches by URI
+    tracking_uri = tracking_uri or (f"sqlite:///{default}" if default.is_file() else None)  # where runs log by default
     if tracking_uri:
         output_dir = _mlflow_output_dir(source, tracking_uri)
         if output_dir is not None:
             return find_checkpoint(output_dir, which)
+    where = f"the id of a run in {tracking_uri}" if tracking_uri else "an MLflow run id (no store here)"
     raise ConfigError(
-        f"{source!r} is not a checkpoint, a run's output_dir or an MLflow run id"
-        + (f" in {tracking_uri}" if tracking_uri else "")
+        f"{source!r} is not a checkpoint, a run's output_dir or {where}: a run logged elsewhere is "
+        "found with --tracking-uri <its logger.tracking_uri>"
     )
 
 

@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--which", choices=("last", "best"), default="last", help="which checkpoint of a run (default: last)"
     )
-    p.add_argument("--tracking-uri", help="MLflow store of the run (default: the run's logger.tracking_uri)")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow store of the run: where a run id is found (default: ./mlruns/mlflow.db) and the export is "
+        "logged (default: the run's logger.tracking_uri)",
+    )
     p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
     p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")

@@ -14,10 +14,8 @@ from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
 from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
 from ngrpo_lightning.commands.compare.sequential import plot_history
-from ngrpo_lightning.config import ConfigError, compose
+from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError, compose
 from ngrpo_lightning.tracking.logger import SQLITE, log_report_run, resolve_tracking_uri
-
-DEFAULT_STORE = "sqlite:///mlruns/mlflow.db"  # conf/logger/mlflow.yaml's
 
 
 def compose_compare(overrides: list[str]) -> DictConfig:
@@ -48,7 +46,7 @@ def run_compare(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per run
     t0 = time.perf_counter()
-    store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_STORE
+    store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_TRACKING_URI
     if store.startswith(SQLITE) and not Path(store[len(SQLITE) :]).is_file():  # read, never created here
         raise ConfigError(
             f"store={store}: no MLflow store there (no run has logged to it); give store=<the runs' store>"
@@ -96,8 +94,8 @@ def run_compare(cfg: DictConfig) -> dict:
         files.append(out / "seeds.png")
         plot_history(tables["paired"], tables["detect"], files[-1])
     metrics = {f"compare/{arm}/{m}": v[0] for arm, info in tables["arms"].items() for m, v in info["final"].items()}
-    if cfg.store and cfg.logger.get("tracking_uri") == DEFAULT_STORE:  # the report's run beside the runs it reads
-        cfg = OmegaConf.merge(cfg, {"logger": {"tracking_uri": cfg.store}})
+    if cfg.store and cfg.logger.get("tracking_uri") == DEFAULT_TRACKING_URI:
+        cfg = OmegaConf.merge(cfg, {"logger": {"tracking_uri": cfg.store}})  # the report beside the runs it read
     _, lines = log_report_run(cfg, {**metrics, "compare/seconds": time.perf_counter() - t0}, files)
     footer = [f"Report: {files[0]} (figures beside it)", *lines]
     return {"tables": tables, "warnings": warnings, "text": text + "\n" + "\n".join(footer), "files": files}
