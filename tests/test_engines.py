@@ -97,6 +97,6 @@ def test_the_docs_engine_trains_from_the_command_line(generate_engine, monkeypat
     monkeypatch.chdir(tmp_path)
     argv = ["train", "rollout.engine=generate_engine.GenerateEngine", *ONE_TINY_STEP]
     assert main(argv) == 0
-    assert "Trained 1 steps" in capsys.readouterr().out
+    assert "Trained 1 step " in capsys.readouterr().out
     assert main([*argv, "explorer=neighbor"]) == 2  # refused before the model loads, naming the key
     assert "rollout.engine: GenerateEngine cannot run NeighborMixingExplorer: use hf" in capsys.readouterr().err

@@ -120,7 +120,7 @@ def test_the_user_explorer_of_the_docs_trains_from_the_command_line(monkeypatch,
     monkeypatch.chdir(tmp_path)
     argv = ["train", "explorer._target_=top_two_blend.TopTwoBlend", "explorer.rho=0.5", *ONE_TINY_STEP]
     assert main(argv) == 0
-    assert "Trained 1 steps" in capsys.readouterr().out
+    assert "Trained 1 step " in capsys.readouterr().out
     assert main(argv[:2] + ["explorer.rho=2.0"] + argv[3:]) == 2  # the example's own check names the key
     assert "explorer.rho=2.0 is out of range" in capsys.readouterr().err
     sys.modules.pop("top_two_blend", None)

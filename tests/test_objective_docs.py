@@ -62,4 +62,4 @@ def test_example_objective_trains_one_step_from_the_cli(example_module, tmp_path
         "objective.clip_high=0.3",
     ]
     assert main(args) == 0
-    assert "Trained 1 steps" in capsys.readouterr().out
+    assert "Trained 1 step " in capsys.readouterr().out

@@ -167,6 +167,10 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
         mp.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
         resumed = train(compose(args[:-1] + [f"trainer.max_steps={STEPS}", "resume=last"]))
     assert resumed["steps"] == STEPS
+    assert (
+        f"Trained {STEPS - kept} step" in resumed["text"]
+        and f"from step {kept} to {STEPS} (resumed)" in resumed["text"]
+    )
     assert resumed["run_id"] == killed.info.run_id
     assert client.get_run(resumed["run_id"]).info.status == "FINISHED"
     return resumed
@@ -236,3 +240,11 @@ def test_overwrite_replaces_the_earlier_runs_checkpoints(tmp_path):
     assert (ckpts / "step-step=2.ckpt").exists()
     assert not (ckpts / "step-step=4.ckpt").exists()  # the earlier run's step files are gone, not mixed in
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["ngrpo"]["mlflow_run_id"] == second["run_id"]
+
+
+def test_the_recorded_command_trains_the_run_from_its_start():
+    # a resumed run's checkpoints and model card record the command without resume= or overwrite=
+    from ngrpo_lightning.commands.train import retrain_command
+
+    given = "ngrpo train experiment=ngrpo resume=last 'output_dir=runs/a b' overwrite=true trainer.max_steps=30"
+    assert retrain_command(given) == "ngrpo train experiment=ngrpo 'output_dir=runs/a b' trainer.max_steps=30"

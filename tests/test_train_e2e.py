@@ -67,7 +67,7 @@ def test_cli_prints_summary_and_run_id(store, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "Trained 1 steps" in out and "MLflow run:" in out
+    assert "Trained 1 step " in out and "MLflow run:" in out
 
 
 def test_pass_at_k_from_the_config_is_logged(store, tmp_path):

@@ -64,7 +64,7 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
     logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
     try:
-        summary = _fit(cfg, logger, problems, ckpt_path, callbacks, command or command_line())
+        summary = _fit(cfg, logger, problems, ckpt_path, callbacks, command or retrain_command(command_line()))
     except BaseException as err:
         if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
             logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
@@ -101,7 +101,7 @@ def _fit(
         datamodule.close()
     if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
         return {"steps": trainer.global_step, "text": "", "run_id": None}
-    summary = summarize_run(trainer, logger, before, after, time.perf_counter() - t0)
+    summary = summarize_run(trainer, logger, before, after, time.perf_counter() - t0, getattr(module, "first_step", 0))
     if cfg.export.final:
         exported = export_final(cfg, module, trainer, logger, after)
         summary["text"] += f"\n  exported:   {exported} (a Hugging Face model; docs/checkpoints.md)"
@@ -121,6 +121,14 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     if logger is not None:
         logger.experiment.log_artifacts(logger.run_id, str(out), "model")
     return out
+
+
+def retrain_command(command: str) -> str:
+    """``command`` as one that trains the run from its start: without ``resume=`` and ``overwrite=``
+    (a resumed run's config is its first one, ``check_resume``), as its checkpoints and model card
+    record it."""
+    words = shlex.split(command)
+    return shlex.join([w for w in words if not w.startswith(("resume=", "overwrite=", "+resume=", "+overwrite="))])
 
 
 def command_line() -> str:

@@ -220,9 +220,14 @@ def _value(x: float) -> str:
     return "not run" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
-def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
+def summarize_run(trainer, logger, before, after, seconds: float, first_step: int = 0) -> dict:
     """A summary dict with a ``text`` field: validation accuracy before/after, reward of the
-    first vs last steps, where the run is stored and how to look at it."""
+    first vs last steps, where the run is stored and how to look at it. ``first_step``: where a
+    resumed run started (its summary counts the steps it trained, to the run's total)."""
     acc = lambda res: res[0].get("val/accuracy", math.nan) if res else math.nan  # noqa: E731
     rewards = metric_history(logger, "train/reward")
     k = max(1, len(rewards) // 3)
@@ -235,15 +240,17 @@ def summarize_run(trainer, logger, before, after, seconds: float) -> dict:
         "reward_last": _mean(rewards[-k:]),
         "run_id": getattr(logger, "run_id", None),
     }
+    trained = _steps(summary["steps"] - first_step)
     lines = [
-        f"Trained {summary['steps']} steps in {seconds / 60:.1f} min.",
+        f"Trained {trained} in {seconds / 60:.1f} min"
+        + (f", from step {first_step} to {summary['steps']} (resumed)." if first_step else "."),
         f"  validation accuracy: {_value(summary['val_accuracy_before'])} before"
         f" -> {_value(summary['val_accuracy_after'])} after",
     ]
     if rewards:
         lines.append(
-            f"  train reward: {summary['reward_first']:.3f} (first {k} steps)"
-            f" -> {summary['reward_last']:.3f} (last {k} steps)"
+            f"  train reward: {summary['reward_first']:.3f} (first {_steps(k)})"
+            f" -> {summary['reward_last']:.3f} (last {_steps(k)})"
         )
     if logger is not None:
         uri = logger._tracking_uri

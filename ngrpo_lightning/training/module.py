@@ -248,6 +248,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     def on_train_start(self) -> None:
         self._fit_start, self._last_step_end = time.perf_counter(), None
+        self.first_step = self.trainer.global_step  # a resumed run's step at its checkpoint
 
     def score(self, batch: RolloutBatch):
         """Rewards of a rollout batch (a :class:`~ngrpo_lightning.rewards.RewardResult`)."""
