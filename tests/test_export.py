@@ -76,8 +76,12 @@ def test_ngrpo_export_of_a_run_equals_the_final_export(trained, capsys):
     tmp, store, summary = trained
     out = tmp / "again"
     assert main(["export", str(tmp / "run"), str(out), "--tracking-uri", store]) == 0
-    assert f"logged to MLflow run {summary['run_id']}" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"logged to MLflow run {summary['run_id']}" in printed.out
+    assert "Writing model shards" not in printed.err  # the libraries' bars stay quiet
     final, again = load_file(tmp / "run" / "hf_model" / "model.safetensors"), load_file(out / "model.safetensors")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"]  # readable as the rest (transformers wrote it 0600)
     assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
     assert "final val/accuracy" in (out / "README.md").read_text()  # read back from the run's MLflow store
     assert main(["export", str(tmp / "nothing-here"), str(tmp / "x")]) == 2

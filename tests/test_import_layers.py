@@ -38,6 +38,8 @@ LAZY_OK = {
             "commands.compare.command",
             "commands.diagnose",
             "commands.diagnose.command",
+            "tracking",
+            "tracking.console",
         )
     },
 }

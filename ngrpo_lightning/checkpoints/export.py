@@ -83,6 +83,11 @@ def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, 
     policy.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(card)
+    # transformers writes the weights through a private temporary file (mode 0600): give them the
+    # mode every other file of the folder got, so that whoever may read the model may read its weights
+    mode = (out_dir / "README.md").stat().st_mode & 0o777
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(mode)
     return out_dir
 
 

@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export(args) -> int:
     from ngrpo_lightning.checkpoints.export import export_checkpoint
+    from ngrpo_lightning.tracking.console import quiet_libraries
+
+    quiet_libraries()  # transformers' loading and writing bars: instant for a model on disk
 
     try:
         result = export_checkpoint(
