@@ -170,4 +170,7 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
             return (
                 f"{lines[0]}: {key}={value} holds '=' or ',', which overrides read as syntax; quote it: {key}='{value}'"
             )
-    return lines[0] + ("\n" + "\n".join(lines[1:]) if "Available options" in msg else "")
+    if "Available options" not in msg:
+        return lines[0]
+    options = msg.split("\nConfig search path:")[0]  # where Hydra looked: its internals, not the user's
+    return options.strip()

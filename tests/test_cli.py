@@ -22,6 +22,7 @@ def test_unknown_key_lists_valid_keys(capsys):
 def test_unknown_group_option_lists_options(capsys):
     err = run_error(capsys, "train", "explorer=bogus")
     assert "bogus" in err and "temperature" in err
+    assert "Config search path" not in err  # Hydra's internals, not the user's
 
 
 def test_missing_model_path_is_named(capsys, tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ KNOWN_WARNINGS = (
     r"Found \d+ module\(s\) in eval mode",  # the frozen reference model, on purpose
     r"Using ModelCheckpoint with manual optimization",  # checkpoints are taken between steps
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Checkpoint directory .* exists and is not empty",  # the run's own: claim_output_dir decided on it first
 )
 
 
