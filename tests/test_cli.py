@@ -118,7 +118,13 @@ def test_config_prints_composed_yaml(capsys):
 
 @pytest.mark.parametrize(
     "argv, code",
-    [(["train", "--help"], 0), (["config", "experiment=ngrpo"], 0), (["train", "explorer=bogus"], 2)],
+    [
+        (["train", "--help"], 0),
+        (["config", "experiment=ngrpo"], 0),
+        (["train", "explorer=bogus"], 2),
+        (["eval", "nn=8"], 2),
+        (["compare", "sweeep=s1"], 2),
+    ],
 )
 def test_cheap_paths_answer_before_torch_loads(argv, code):
     # help, the composed config and a config that does not compose need neither torch nor

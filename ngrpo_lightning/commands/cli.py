@@ -131,15 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.help else 2
     try:
         if args.command == "eval":
-            from ngrpo_lightning.commands.eval import compose_eval, run_eval
+            cfg = compose(args.overrides, "eval", model_paths=True)  # as compose_eval: its errors before torch loads
+            from ngrpo_lightning.commands.eval import run_eval
 
-            cfg = compose_eval(args.overrides)
             print(run_eval(cfg)["text"])
             return 0
         if args.command == "compare":
-            from ngrpo_lightning.commands.compare.command import compose_compare, run_compare
+            cfg = compose(args.overrides, "compare")
+            from ngrpo_lightning.commands.compare.command import run_compare
 
-            print(run_compare(compose_compare(args.overrides))["text"])
+            print(run_compare(cfg)["text"])
             return 0
         if args.command == "diagnose":
             from ngrpo_lightning.commands.diagnose.command import run_diagnose

@@ -14,12 +14,8 @@ from ngrpo_lightning.commands.compare.curves import plot_compute
 from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_curves, plot_pass_at_k
 from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
 from ngrpo_lightning.commands.compare.sequential import plot_history
-from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError, compose
+from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
 from ngrpo_lightning.tracking.logger import SQLITE, log_report_run, resolve_tracking_uri
-
-
-def compose_compare(overrides: list[str]) -> DictConfig:
-    return compose(overrides, "compare")
 
 
 def check_compare_settings(cfg: DictConfig) -> None:
