@@ -3,6 +3,7 @@ a failed arm is reported and the sweep goes on, a re-run skips what finished; th
 joblib launchers."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import TINY_JOB
@@ -47,6 +48,7 @@ def test_basic_sweep_tags_runs_reports_failures_and_skips_finished_jobs(store, t
         assert r.data.params["seed"] == tags["ngrpo.seed"] and r.info.status == "FINISHED"
     folders = {r.data.params["output_dir"] for r in runs}
     assert len(folders) == 2 and all("multirun/s1/" in f for f in folders)
+    assert {Path(f).name.split(",data.")[0] for f in folders} == {"optim.lr=0.01,seed=0", "optim.lr=0.01,seed=1"}
     for folder in folders:  # each job records the command that retrains it, not Hydra's sweep internals
         command = read_checkpoint(find_checkpoint(folder)).meta["command"]
         assert command.startswith("ngrpo train ") and "hydra." not in command and "--multirun" not in command
@@ -66,3 +68,13 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(store, tmp_path, capsys
     runs = sweep_runs(store, "j1")
     assert sorted(r.data.tags["ngrpo.seed"] for r in runs) == ["3", "4"]
     assert all(r.info.status == "FINISHED" and r.data.tags["ngrpo.arm"] == "temperature x grpo" for r in runs)
+
+
+def test_a_jobs_folder_names_the_swept_keys_first_and_stays_within_its_length():
+    from ngrpo_lightning.commands.sweep import folder_name
+
+    common = "data.tasks=[basic_arithmetic,chain_sum],data.val_size=4,model=tiny,rollout.group_size=2"
+    name = folder_name(f"{common},experiment=ngrpo,rollout.max_new_tokens=8,seed=1", {"experiment", "seed"})
+    assert name.startswith("experiment=ngrpo,seed=1,data.tasks=_basic_arithmetic,chain_sum_,data.val_size=4")
+    assert len(name) == 99 and name != folder_name(f"{common},experiment=ngrpo,rollout.max_new_tokens=9,seed=1")
+    assert folder_name("experiment=grpo,seed=0", {"experiment", "seed"}) == "experiment=grpo,seed=0"

@@ -61,7 +61,7 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
         "hydra.sweep.subdir='${ngrpo_folder:${hydra.job.override_dirname}}'",
         "hydra.job.config.override_dirname.exclude_keys=[sweep,output_dir,logger.tracking_uri,logger.artifact_location]",
     ]
-    OmegaConf.register_new_resolver("ngrpo_folder", folder_name, replace=True)
+    OmegaConf.register_new_resolver("ngrpo_folder", lambda dirname: folder_name(dirname, swept), replace=True)
 
     schema.register()  # the typed nodes conf/config.yaml places
 
@@ -86,10 +86,13 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
     return {"sweep": sweep, "dir": str(sweep_dir), "jobs": jobs, "text": text}
 
 
-def folder_name(overrides: str) -> str:
-    """A job's folder: its overrides with path separators and odd characters replaced, cut to
+def folder_name(overrides: str, swept: set[str] = frozenset()) -> str:
+    """A job's folder: its overrides (Hydra's ``key=value,key=value``), the ``swept`` keys first (what
+    tells the sweep's jobs apart stays readable), path separators and odd characters replaced, cut to
     100 characters plus a checksum of the whole when longer."""
-    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", overrides) or "defaults"
+    items = re.split(r",(?=[A-Za-z_+~][\w.+~/-]*=)", overrides) if overrides else []  # a list value keeps its commas
+    items = sorted(items, key=lambda item: item.split("=", 1)[0].lstrip("+~") not in swept)  # stable: Hydra's order
+    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", ",".join(items)) or "defaults"
     return name if len(name) <= 100 else f"{name[:90]}-{zlib.crc32(name.encode()):08x}"
 
 
@@ -119,7 +122,10 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dic
     before = json.loads(record_path.read_text()) if record_path.is_file() else {}
     record = {"overrides": job_overrides, "arm": ",".join(arm) or f"{explorer} x {objective}", "seed": int(cfg.seed)}
     if before.get("status") == "finished":
-        log.info("sweep %s: %s already finished (MLflow run %s): skipped", cfg.sweep, record["arm"], before["run_id"])
+        log.info(
+            "sweep %s: %s, seed %s already finished (MLflow run %s): skipped",
+            cfg.sweep, record["arm"], record["seed"], before["run_id"],
+        )  # fmt: skip
         return before
     OmegaConf.resolve(cfg)
     resume = (out / "checkpoints" / "last.ckpt").exists()
