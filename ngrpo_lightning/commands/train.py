@@ -33,6 +33,7 @@ KNOWN_WARNINGS = (
     r"Using ModelCheckpoint with manual optimization",  # checkpoints are taken between steps
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Checkpoint directory .* exists and is not empty",  # the run's own: claim_output_dir decided on it first
+    r"Total length of `\w+` across ranks is zero",  # a task without a validation set: nothing to validate
 )
 
 
