@@ -169,8 +169,8 @@ class PassAtK(L.Callback):
         if log_to_module:
             for key, value in metrics.items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, logger=False, batch_size=1)
-        else:
-            trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        # now, not after the hook: later callbacks of this hook read them (best.ckpt by a Pass@k metric)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         logger = trainer.logger
         if logger is not None and trainer.is_global_zero:
             logger.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=step)

@@ -120,6 +120,24 @@ def test_a_best_metric_the_run_does_not_log_is_refused_before_training_or_warned
     assert not (tmp_path / "b/checkpoints/best.ckpt").exists()
 
 
+def test_best_checkpoint_by_a_pass_at_k_metric_as_mlflow_names_it(store, tmp_path):
+    """checkpoint.best=val/avg/mean_at_2 (MLflow's name of Lightning's mean@2): scored at each of the
+    Pass@k callback's evaluations, which validations do not see (Lightning's callback kept none)."""
+    import torch
+
+    out = tmp_path / "out"
+    extra = ["pass_at_k.n=2", "pass_at_k.every_n_steps=1", "checkpoint.best=val/avg/mean_at_2", "trainer.max_steps=3"]
+    summary = train(compose(TINY_RUN + [f"logger.tracking_uri={store}", f"output_dir={out}", *extra]))
+    history = {m.step: m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/avg/mean_at_2")}
+    assert sorted(history) == [1, 2, 3]  # one evaluation a step
+    best = torch.load(out / "checkpoints/best.ckpt", weights_only=False)
+    (state,) = [v for k, v in best["callbacks"].items() if "mean@2" in k]
+    first_best = min(step for step, value in history.items() if value == max(history.values()))
+    assert (
+        float(state["best_model_score"]) == pytest.approx(max(history.values())) and best["global_step"] == first_best
+    )
+
+
 def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
     """checkpoint.best=val/accuracy keeps best.ckpt beside last.ckpt, scored by that metric; the run
     validates before fit and then during it (the validation metrics survive both)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -172,21 +173,45 @@ class BestCheckpoint(ModelCheckpoint):
     not counted: it scores the initial weights, which no checkpoint holds. It checks instead that
     the run logs the metric: a name it does not log (``val/acc``) is refused there, naming the ones
     it does, before any step trains. Without that validation the first one warns, and the run goes
-    on without ``best.ckpt`` (Lightning's callback stopped it there, its trained steps unsaved)."""
+    on without ``best.ckpt`` (Lightning's callback stopped it there, its trained steps unsaved).
+    A Pass@k metric (the release keeps its best checkpoint by AIME24's mean@32) is scored at each
+    evaluation of its callback instead (:attr:`scheduled`); Lightning's callback never saw it."""
 
     _fit_ended = False
     _checked = False
     _known = True  # the run logs the monitored metric
+    _seen = None  # the last value of a Pass@k metric considered
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the metric is a Pass@k one (``val/<set>/pass@16``): logged by its callback on
+        that callback's schedule (``pass_at_k.every_n_steps``, the fit's end), not by validations."""
+        return bool(re.search(r"@\d+$", str(self.monitor)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._fit_ended = False
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        self._score_new_evaluation(trainer)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
+        self._score_new_evaluation(trainer)  # a Pass@k evaluation after a fit that stopped early
         self._fit_ended = True
 
+    def _score_new_evaluation(self, trainer: L.Trainer) -> None:
+        """A Pass@k metric is scored whenever its callback has evaluated (a new value; checkpoint
+        callbacks run after the others of a hook), not at validations, which do not change it."""
+        value = trainer.callback_metrics.get(self.monitor)
+        if self.scheduled and value is not None and value is not self._seen:
+            self._seen = value
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.scheduled:
+            return
         if not self._checked and not trainer.sanity_checking:
             self._checked = True
             self._known = self._check_monitor(trainer, trainer.state.fn == TrainerFn.VALIDATING and not self._fit_ended)
@@ -239,7 +264,7 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
             BestCheckpoint(
                 dirpath=str(checkpoint_dir(cfg)),
                 filename="best",
-                monitor=str(node.best),
+                monitor=re.sub(r"_at_(\d+)$", r"@\1", str(node.best)),  # MLflow's pass_at_16 is Lightning's pass@16
                 mode=mode,
                 save_top_k=1,
                 auto_insert_metric_name=False,
