@@ -69,9 +69,9 @@ DRIVER = textwrap.dedent("""
     class ThroughCPUBackend(CPUBackend):  # decodes a sharded policy through itself, never on a copy
         def decodes_sharded_on_copy(self, copy_bytes, device):
             return False
-    from ngrpo_lightning.commands.cli import main
+    from ngrpo_lightning.commands.cli import exit_after, main
     if __name__ == "__main__":
-        sys.exit(main(sys.argv[1:]))
+        exit_after(main(sys.argv[1:]))  # as the program ends
 """)
 
 
@@ -178,22 +178,23 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process(tmp_path, monk
 
 
 def test_a_sharded_lora_run_resumes_exactly(tmp_path):
-    """2 steps under FSDP2 with adapters, then resume=last to 3: the adapters, the optimizer's
-    work and the losses are bit for bit those of 3 sharded steps in one go. (Against one unsharded
-    process the sharded run agrees to summation order only, which AdamW at lr 5e-2 amplifies where
-    a gradient is near 0: 2e-4 after 3 steps on an AVX2 CPU. The test above bounds that.)"""
+    """3 steps under FSDP2 with adapters, then again from its step-2 checkpoint: the adapters, the
+    optimizer's work and the losses are bit for bit those of the 3 sharded steps in one go. (Against
+    one unsharded process the sharded run agrees to summation order only, which AdamW at lr 5e-2
+    amplifies where a gradient is near 0: 2e-4 after 3 steps on an AVX2 CPU. The test above bounds that.)"""
     pytest.importorskip("peft")
     lora = ["model.lora.enabled=true", "model.lora.rank=4", "optim.lr=5e-2", "trainer.max_steps=3"]
-    sharded = [*lora, "trainer=fsdp_cpu", "data.prompts_per_step=2", "checkpoint.every_n_steps=1"]
-    one_go = launch(tmp_path, "one_go", *sharded)
-    two = launch(tmp_path, "two", *sharded, "trainer.max_steps=2")
-    assert launch(tmp_path, "two", *sharded, "resume=last") == two
-    w1, w2 = policy_weights(one_go / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/last.ckpt")
+    sharded = [*lora, "trainer=fsdp_cpu", "data.prompts_per_step=2", "checkpoint.every_n_steps=1", "checkpoint.keep=-1"]
+    run = launch(tmp_path, "run", *sharded)
+    w1, losses = policy_weights(run / "checkpoints/last.ckpt"), metrics(run)["train/loss"]
+    assert launch(tmp_path, "run", *sharded, f"resume={run}/checkpoints/step-step=2.ckpt") == run
+    w2 = policy_weights(run / "checkpoints/last.ckpt")
     assert w1 and w1.keys() == w2.keys() and all(".lora_" in k for k in w1)
     assert any("lora_B" in k and w1[k].abs().sum() > 0 for k in w1)  # B starts at 0: training moved it
     for k in w1:
         assert torch.equal(w2[k], w1[k]), k
-    assert metrics(two)["train/loss"] == metrics(one_go)["train/loss"]
+    again = metrics(run)["train/loss"]  # step 3 logged twice: by the whole run, then by the resumed one
+    assert len(again) == 4 and again[:2] == losses[:2] and again[2] == again[3] == losses[2]
 
 
 def test_a_sharded_run_validates_in_batches_evaluates_pass_at_k_and_exports(tmp_path):

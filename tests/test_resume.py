@@ -119,8 +119,8 @@ DRIVER = textwrap.dedent("""
     from conftest import ScriptedReward
     import ngrpo_lightning.build.components as build
     build.build_reward = lambda cfg: ScriptedReward((1, 0))
-    from ngrpo_lightning.commands.cli import main
-    sys.exit(main(sys.argv[1:]))
+    from ngrpo_lightning.commands.cli import exit_after, main
+    exit_after(main(sys.argv[1:]))  # as the program ends
 """)
 
 
