@@ -18,6 +18,7 @@ from ngrpo_lightning.checkpoints.run import check_base_model, weights_digest
 from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
+from ngrpo_lightning.tracking.logger import existing_store
 
 __all__ = ["TrainedCheckpoint", "find_checkpoint", "is_run_checkpoint", "load_trained_policy", "read_checkpoint"]
 
@@ -74,8 +75,7 @@ def find_checkpoint(source: str, which: str = "last", tracking_uri: str | None =
             return folder / f"{which}.ckpt"
     if path.exists():
         raise ConfigError(f"{source}: no {which}.ckpt there or in {path / 'checkpoints'} (is it a run's output_dir?)")
-    default = Path(DEFAULT_TRACKING_URI.removeprefix("sqlite:///")).absolute()  # absolute: MLflow caches by URI
-    tracking_uri = tracking_uri or (f"sqlite:///{default}" if default.is_file() else None)  # where runs log by default
+    tracking_uri = tracking_uri or existing_store(DEFAULT_TRACKING_URI)  # where runs log by default, if here
     if tracking_uri:
         output_dir = _mlflow_output_dir(source, tracking_uri)
         if output_dir is not None:

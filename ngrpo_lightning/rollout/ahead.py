@@ -90,8 +90,12 @@ class RolloutsAhead:
         """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
         ``weights`` (a :meth:`snapshot` of policy ``version``, or none where the job queued before
         it has that version: the worker holds them by then)."""
+        self.pending[key] = self._queue(generate, weights, version)
+
+    def _queue(self, generate, weights: dict, version: int) -> Future:
+        """The job on the worker, after those queued before it."""
         self._queued_version = version
-        self.pending[key] = self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
+        return self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
 
     def _weights_for(self, version: int, weights: Callable[[], dict]) -> dict:
         """The weights a job of policy ``version`` carries: ``weights()``, or none where the last job
@@ -164,9 +168,7 @@ class RolloutsAhead:
         """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
         ones: the worker owns the engine's generator, so its draws stay in one order. Where the job
         queued last has ``version`` (the step's own, mostly), it carries no weights of its own."""
-        snapshot = self._weights_for(version, weights)
-        self._queued_version = version
-        return self._executor.submit(self._run, generate, [snapshot], version, time.perf_counter()).result()
+        return self._queue(generate, self._weights_for(version, weights), version).result()
 
     def take(self, key: Key) -> RolloutBatch | None:
         """The rollouts of batch ``key`` (waiting for them), or ``None`` if it was never queued."""

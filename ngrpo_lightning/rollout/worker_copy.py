@@ -59,16 +59,16 @@ class GatheredCopy:
 
     def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
         self.dtype, device = compute_dtype_and_device(root)
-        model = plain_model(policy, self.dtype, device)
         # the tensors written by name, taken before the backend swaps module classes (in place: they stay)
-        self._tensors = dict(model.state_dict(keep_vars=True))
+        model, self._tensors = self._plain(policy, device)
         self._complete = False  # the first job writes every tensor
-        self.model = self._prepared(model, backend)
-
-    @staticmethod
-    def _prepared(model: torch.nn.Module, backend) -> torch.nn.Module:
         backend.prepare(model)
-        return backend.on_device(model)
+        self.model = backend.on_device(model)
+
+    def _plain(self, policy: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, dict]:
+        """The plain model, and the tensors a job writes in it by name."""
+        model = plain_model(policy, self.dtype, device)
+        return model, dict(model.state_dict(keep_vars=True))
 
     def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
         return _whole(policy.state_dict().items(), self.dtype)
@@ -91,10 +91,9 @@ class GatheredLoraCopy(GatheredCopy):
     configuration; snapshots are the adapters alone, gathered: a job carries megabytes where the
     merged weights would be the whole model."""
 
-    def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
+    def _plain(self, policy: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, dict]:
         from peft import get_peft_model
 
-        self.dtype, device = compute_dtype_and_device(root)
         model = plain_model(policy.get_base_model(), self.dtype, device)
         tensors = model.state_dict(keep_vars=True)
         with torch.no_grad():  # gathered one at a time (each whole already), written (cast) in place
@@ -102,9 +101,7 @@ class GatheredLoraCopy(GatheredCopy):
                 tensors[plain_name(name)].copy_(tensor)
         model = get_peft_model(model, copy.deepcopy(policy.peft_config[policy.active_adapter]))
         model.requires_grad_(False).eval()  # the adapters' dropout too
-        self._tensors = {plain_name(n): p for n, p in model.named_parameters() if is_adapter_weight(n)}
-        self._complete = False
-        self.model = self._prepared(model, backend)
+        return model, {plain_name(n): p for n, p in model.named_parameters() if is_adapter_weight(n)}
 
     def snapshot(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
         return _whole(((n, p) for n, p in policy.named_parameters() if p.requires_grad), None)

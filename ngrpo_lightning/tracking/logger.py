@@ -43,6 +43,15 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
+def existing_store(uri: str) -> str | None:
+    """``uri`` for reading a store that must already be there: a SQLite file's made absolute (MLflow
+    caches stores by URI), or ``None`` where the file does not exist; any other store as it is."""
+    if not uri.startswith(SQLITE):
+        return uri
+    path = Path(uri[len(SQLITE) :]).absolute()
+    return SQLITE + str(path) if path.is_file() else None
+
+
 def _store_error(uri: str, reason: str) -> ConfigError:
     return ConfigError(
         f"logger.tracking_uri={uri}: {reason}; set logger.tracking_uri to a store you can use, "

@@ -15,7 +15,7 @@ from ngrpo_lightning.commands.compare.report import arm_tables, markdown, plot_c
 from ngrpo_lightning.commands.compare.runs import broken_verifier_runs, budget_mismatches, load_run, select_runs
 from ngrpo_lightning.commands.compare.sequential import plot_history
 from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
-from ngrpo_lightning.tracking.logger import SQLITE, log_report_run, resolve_tracking_uri
+from ngrpo_lightning.tracking.logger import existing_store, log_report_run
 
 
 def check_compare_settings(cfg: DictConfig) -> None:
@@ -43,11 +43,12 @@ def run_compare(cfg: DictConfig) -> dict:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file per run
     t0 = time.perf_counter()
     store = cfg.store or cfg.logger.get("tracking_uri") or DEFAULT_TRACKING_URI
-    if store.startswith(SQLITE) and not Path(store[len(SQLITE) :]).is_file():  # read, never created here
+    readable = existing_store(store)  # read, never created here
+    if readable is None:
         raise ConfigError(
             f"store={store}: no MLflow store there (no run has logged to it); give store=<the runs' store>"
         )
-    client = MlflowClient(resolve_tracking_uri(store))
+    client = MlflowClient(readable)
     found = select_runs(client, cfg.sweep, list(cfg.experiments), list(cfg.runs), store)
     if cfg.finished_only:
         found = [r for r in found if r.info.status == "FINISHED"]
