@@ -79,6 +79,12 @@ class PassAtK(L.Callback):
         self.last_results: dict | None = None
         self._engine = self._rewards = None
 
+    def metric_names(self) -> list[str]:
+        """The metrics an evaluation logs, as Lightning names them (``val/aime24/pass@16``; MLflow's
+        ``pass_at_16``); ``maj@n`` only where the samples' answers could be extracted."""
+        keys = [f"pass@{k}" for k in self.ks] + [f"mean@{self.n}", f"maj@{self.n}"]
+        return [f"{self.prefix}/{name}/{key}" for name in [s.name for s in self.sets] + ["avg"] for key in keys]
+
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"batches_seen": self.batches_seen, "last_eval_step": self.last_eval_step}

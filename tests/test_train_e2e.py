@@ -120,6 +120,19 @@ def test_a_best_metric_the_run_does_not_log_is_refused_before_training_or_warned
     assert not (tmp_path / "b/checkpoints/best.ckpt").exists()
 
 
+def test_a_pass_at_k_best_metric_the_run_does_not_log_is_refused_before_any_step(tmp_path, capsys):
+    """checkpoint.best=val/avg/mean_at_3 with pass_at_k.n=2 (the run logs mean@2): refused at set-up,
+    naming the Pass@k metrics the run logs; and a Pass@k metric in a run without Pass@k."""
+    common = [*TINY_RUN, "logger=none", "checkpoint.best=val/avg/mean_at_3"]
+    assert main(["train", *common, "pass_at_k.n=2", f"output_dir={tmp_path}/a"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.best='val/avg/mean_at_3' is not a Pass@k metric of this run: it logs [" in err
+    assert "'val/avg/mean_at_2'" in err and "'val/avg/pass_at_2'" in err
+    assert main(["train", *common, f"output_dir={tmp_path}/b"]) == 2
+    assert "this run evaluates no Pass@k (pass_at_k.n > 0 and a validation set)" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*/checkpoints/*.ckpt"))  # refused before the first step
+
+
 def test_best_checkpoint_by_a_pass_at_k_metric_as_mlflow_names_it(store, tmp_path):
     """checkpoint.best=val/avg/mean_at_2 (MLflow's name of Lightning's mean@2): scored at each of the
     Pass@k callback's evaluations, which validations do not see (Lightning's callback kept none)."""

@@ -175,7 +175,8 @@ class BestCheckpoint(ModelCheckpoint):
     it does, before any step trains. Without that validation the first one warns, and the run goes
     on without ``best.ckpt`` (Lightning's callback stopped it there, its trained steps unsaved).
     A Pass@k metric (the release keeps its best checkpoint by AIME24's mean@32) is scored at each
-    evaluation of its callback instead (:attr:`scheduled`); Lightning's callback never saw it."""
+    evaluation of its callback instead (:attr:`scheduled`); Lightning's callback never saw it. Its
+    name is checked at set-up against the names that callback will log (``metric_names``)."""
 
     _fit_ended = False
     _checked = False
@@ -187,6 +188,11 @@ class BestCheckpoint(ModelCheckpoint):
         """Whether the metric is a Pass@k one (``val/<set>/pass@16``): logged by its callback on
         that callback's schedule (``pass_at_k.every_n_steps``, the fit's end), not by validations."""
         return bool(re.search(r"@\d+$", str(self.monitor)))
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.scheduled:  # known now, from the callback's config: refused before any step
+            self._check_scheduled(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -220,6 +226,19 @@ class BestCheckpoint(ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)  # inside the fit: Lightning's own rule
         if self._fit_ended and trainer.state.fn == TrainerFn.VALIDATING:
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _check_scheduled(self, trainer: L.Trainer) -> None:
+        """A Pass@k metric must be one that a Pass@k callback of the run logs."""
+        names = [name for cb in trainer.callbacks if hasattr(cb, "metric_names") for name in cb.metric_names()]
+        if self.monitor in names:
+            return
+        as_mlflow = lambda name: str(name).replace("@", "_at_")  # noqa: E731 - as the user reads it in MLflow
+        asked = f"checkpoint.best={as_mlflow(self.monitor)!r}"
+        if not names:
+            raise ConfigError(
+                f"{asked} is a Pass@k metric, but this run evaluates no Pass@k (pass_at_k.n > 0 and a validation set)"
+            )
+        raise ConfigError(f"{asked} is not a Pass@k metric of this run: it logs {[as_mlflow(n) for n in names]}")
 
     def _check_monitor(self, trainer: L.Trainer, before_fit: bool) -> bool:
         """Whether the run logs the metric; before the fit, a config error where it does not."""
