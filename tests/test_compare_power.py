@@ -15,6 +15,7 @@ from ngrpo_lightning.commands.compare.power import (
     detection,
     joint_bound,
     mdd,
+    plan_text,
     problems_needed,
     seeds_needed,
     seeds_to_conclude,
@@ -106,6 +107,11 @@ def test_verdicts_name_the_winner_bound_the_difference_or_say_what_is_missing():
     loose = detection(simulated_sweep(rng, 0.0, 3, 16))
     text = verdict("a", "b", loose, 0.05)["text"]
     assert text.startswith("inconclusive [") and "seeds (or " in text and "would detect 5.0" in text
+    alike = detection([[0.0] * 4, [0.0] * 4])  # both arms wrong on every problem: no spread, no bound
+    found = verdict("a", "b", alike, 0.05)
+    assert found["kind"] == "inconclusive" and "both arms scored alike on every problem" in found["text"]
+    small = dataclasses.replace(loose, seeds=10, var_seed=0.0, var_problem=0.01)  # one problem a seed detects 50
+    assert "(or 1 validation problem per seed at 10 seeds)" in plan_text(small, 0.5)
 
 
 def test_a_saturating_fit_recovers_known_curves_and_tells_pace_from_ceiling():

@@ -161,7 +161,7 @@ def plan_text(d: Detection, wanted: float) -> str:
     more_seeds = f"about {seeds} seeds" if seeds else f"more than {MAX_PLAN} seeds"
     at = max(d.seeds, 2)
     more_problems = (
-        f"{problems} validation problems per seed at {at} seeds"
+        f"{problems} validation problem{'s' if problems > 1 else ''} per seed at {at} seeds"
         if problems
         else f"no number of problems at {at} seeds: their spread alone is too large"
     )
@@ -211,6 +211,8 @@ def verdict_kind(d: Detection, target: float) -> str:
         return "none"
     if d.low > 0 or d.high < 0:
         return "greater"
+    if d.se == 0:  # every paired difference 0 (both arms all wrong, say): no spread to bound one with
+        return "inconclusive"
     return "bounded" if max(abs(d.low), abs(d.high)) <= target else "inconclusive"
 
 
@@ -221,7 +223,8 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     * ``bounded``: it holds 0 and no value beyond ``target``: no difference larger than its
       widest end;
     * ``inconclusive``: it holds 0 and values beyond ``target``, or it cannot be computed (one
-      seed with one problem); the plan says what would detect ``target`` at 80% power."""
+      seed with one problem, or no spread: every paired difference 0, as when both arms score 0
+      everywhere); the plan says what would detect ``target`` at 80% power."""
     pts = lambda v: f"{100 * v:.1f}"  # noqa: E731
     interval = f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
     kind = verdict_kind(d, target)
@@ -234,6 +237,12 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     if kind == "bounded":
         text = f"no difference larger than {pts(max(abs(d.low), abs(d.high)))} points {interval}"
         return {"kind": "bounded", "text": text + (ONE_SEED if d.seeds < 2 else "")}
+    if d.se == 0:
+        return {
+            "kind": "inconclusive",
+            "text": f"inconclusive {interval}: both arms scored alike on every problem of every seed, which "
+            "leaves no spread to bound a difference with; problems the arms solve at different rates would",
+        }
     now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
     return {
         "kind": "inconclusive",
