@@ -111,11 +111,13 @@ def test_run_names_differ_between_runs_of_the_same_seed(tmp_path):
 
 
 CREATE = textwrap.dedent("""
-    import sys, time
+    import pathlib, sys, time
     from ngrpo_lightning.config import compose
     from ngrpo_lightning.tracking.logger import build_logger
-    while time.time() < float(sys.argv[2]):  # start together
-        time.sleep(0.005)
+    here = pathlib.Path(sys.argv[2])
+    (here / f"ready-{sys.argv[3]}").touch()
+    while len(list(here.glob("ready-*"))) < 2:  # start together, once both have imported everything
+        time.sleep(0.002)
     logger = build_logger(compose([f"logger.tracking_uri=sqlite:///{sys.argv[1]}", "experiment_name=race"]))
     print(logger.run_id)
 """)
@@ -125,17 +127,16 @@ def test_two_runs_may_create_the_same_new_store_at_once(tmp_path):
     script = tmp_path / "create.py"
     script.write_text(CREATE)
     db = tmp_path / "new" / "mlflow.db"
-    start = str(time.time() + 15)  # after both interpreters have imported everything
     env = {"MLFLOW_DISABLE_TELEMETRY": "true", "PATH": "/usr/bin:/bin"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(db), start],
+            [sys.executable, str(script), str(db), str(tmp_path), str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for _ in range(2)
+        for i in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
