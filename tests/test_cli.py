@@ -62,6 +62,22 @@ def test_an_unknown_accelerator_is_named_with_lightnings_names(capsys):
     assert "trainer.accelerator='gpuu' is unknown: allowed [" in err and "'cpu'" in err and "'gpu'" in err
 
 
+def test_several_processes_without_fsdp2_point_to_its_presets(capsys):
+    """trainer.devices=2 on the cpu preset would run Lightning's DDP, which the module does not train
+    under (it crashed in DDP's first broadcast): refused, naming the FSDP2 preset."""
+    err = run_error(capsys, "train", "model=tiny", "trainer.devices=2", "logger=none")
+    assert "trainer.devices=2 (2 processes) without trainer.parallel would run Lightning's DDP" in err
+    assert err.rstrip().endswith("use trainer=fsdp_cpu")
+    err = run_error(capsys, "train", "model=tiny", "+trainer.strategy=ddp", "logger=none")
+    assert "trainer.strategy=ddp without trainer.parallel" in err
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("seed, message", [("x", "seed='x' must be an integer"), ("-1", "seed=-1 is out of range")])
+def test_a_bad_seed_is_named(capsys, command, seed, message):
+    assert message in run_error(capsys, command, "model=tiny", f"seed={seed}", "logger=none")
+
+
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     # rollout.hf.* is not in the config any more (the backend decides), but HFEngine's own settings
     # can still be given, and are checked

@@ -111,3 +111,13 @@ def test_the_package_s_own_notes_reach_the_user_once_each_from_the_first_rank():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["ngrpo: explorer Mine does not declare capturable"]
+
+
+def test_the_header_counts_steps_in_words():
+    from ngrpo_lightning.config import compose
+    from ngrpo_lightning.tracking.console import header
+
+    assert header(compose(["model=tiny", "trainer.max_steps=1"])).startswith(
+        "ngrpo train: temperature x grpo, 1 step\n"
+    )
+    assert ", 3 steps\n" in header(compose(["model=tiny", "trainer.max_steps=3"]))

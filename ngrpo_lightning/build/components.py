@@ -152,7 +152,7 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_run_settings(cfg: DictConfig) -> None:
-    """Types and ranges of ``rollout.*``, ``data.*`` counts and ``trainer.max_steps``: a wrong
+    """Types and ranges of ``seed``, ``rollout.*``, ``data.*`` counts and ``trainer.max_steps``: a wrong
     value names its key here, not as a TypeError deep in a run."""
     r, d = cfg.rollout, cfg.data
     estimator = resolve_advantage(cfg.advantage)
@@ -167,6 +167,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     try:
         for key, value, low in checks:
             check_number(key, value, low, integer=True)
+        check_number("seed", cfg.get("seed", 0), 0, 2**32 - 1, integer=True)  # Lightning's range; else a random one
         check_number("rollout.val_temperature", r.val_temperature, 0.0)
         check_bool("rollout.ignore_eos", r.get("ignore_eos", False))
         check_bool("overwrite", cfg.get("overwrite", False))

@@ -59,6 +59,21 @@ def check_trainer(cfg: DictConfig) -> None:
             )
             raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
     parallel = parallel_config(cfg)
+    strategy = trainer.get("strategy")
+    if parallel is None and (process_count(cfg) > 1 or strategy not in (None, "auto", "single_device")):
+        # Lightning would start DDP (or the strategy named); the module shards and agrees over ranks
+        # through FSDP2 only
+        count = process_count(cfg)
+        asked = (
+            f"trainer.strategy={strategy} without trainer.parallel"
+            if strategy not in (None, "auto")
+            else f"trainer.devices={trainer.get('devices')} ({count} processes) without trainer.parallel would run "
+            "Lightning's DDP"
+        )
+        route = "trainer=fsdp_cpu" if accelerator == "cpu" else f"trainer=fsdp trainer.devices={max(count, 2)}"
+        raise ConfigError(
+            f"{asked}: this framework trains over several processes with FSDP2 only (docs/distributed.md); use {route}"
+        )
     if parallel is not None and parallel.cpu_offload and accelerator == "cpu":
         raise ConfigError(
             "trainer.parallel.cpu_offload=true moves GPU state to host memory; with trainer.accelerator=cpu "

@@ -52,9 +52,9 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
     quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     if rank_zero_only.rank == 0:
         print(header(cfg), flush=True)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)

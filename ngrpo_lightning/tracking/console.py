@@ -101,7 +101,7 @@ def header(cfg: DictConfig) -> str:
         else "off (logger=none)"
     )
     lines = [
-        f"ngrpo train: {explorer} x {objective}, {trainer.max_steps} steps",
+        f"ngrpo train: {explorer} x {objective}, {trainer.max_steps} step{'' if trainer.max_steps == 1 else 's'}",
         f"  model:    {model.name_or_path} ({model.dtype})",
         f"  task:     {task}; {data.prompts_per_step} prompts x {r.group_size} samples per step, "
         f"at most {r.max_new_tokens} new tokens",
