@@ -78,6 +78,20 @@ def test_a_bad_seed_is_named(capsys, command, seed, message):
     assert message in run_error(capsys, command, "model=tiny", f"seed={seed}", "logger=none")
 
 
+@pytest.mark.parametrize(
+    "command, key", [("train", "rollout.max_new_tokens"), ("eval", "max_new_tokens")], ids=["train", "eval"]
+)
+def test_a_response_longer_than_the_models_context_is_refused_when_it_loads(capsys, tmp_path, command, key):
+    """The tiny model's context is 8192 tokens: 4096 of prompt and 100000 new ones would have
+    allocated a KV cache of 104096 positions (HF engine), or failed deep inside vLLM."""
+    err = run_error(capsys, command, "model=tiny", f"{key}=100000", "logger=none", f"output_dir={tmp_path}")
+    assert (
+        f"data.max_prompt_tokens=4096 + {key}=100000 = 104096 tokens, longer than the model's context, 8192 tokens "
+        f"(max_position_embeddings in its config): lower {key} to at most 4096, or data.max_prompt_tokens" in err
+    )
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     # rollout.hf.* is not in the config any more (the backend decides), but HFEngine's own settings
     # can still be given, and are checked

@@ -21,7 +21,7 @@ from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
-from ngrpo_lightning.models.loading import load_policy, parse_dtype
+from ngrpo_lightning.models.loading import check_context, load_policy, parse_dtype
 from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, resolve_advantage
 from ngrpo_lightning.registry import import_path
 from ngrpo_lightning.rewards import MathReward
@@ -195,6 +195,14 @@ def build_module(cfg: DictConfig) -> RLModule:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=backend.attention,
     )
+    try:
+        check_context(
+            policy,
+            ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
+            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference, backend)
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
     try:

@@ -35,7 +35,7 @@ from ngrpo_lightning.metrics.evaluate import (
     plot_pass_at_k,
     results_table,
 )
-from ngrpo_lightning.models.loading import load_policy
+from ngrpo_lightning.models.loading import check_context, load_policy
 from ngrpo_lightning.rollout import build_engine
 from ngrpo_lightning.rollout.engine import full_named_tensors
 from ngrpo_lightning.tracking.console import quiet_libraries
@@ -170,6 +170,14 @@ def load_eval_policy(cfg, backend: Backend | None = None):
             **remote,
             action="eval",
         )
+    try:
+        check_context(
+            policy,
+            ("data.max_prompt_tokens", cfg.data.get("max_prompt_tokens", 4096)),
+            ("max_new_tokens", cfg.max_new_tokens),
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     return backend.on_device(backend.prepare(policy.to(eval_device(cfg)).eval())), tokenizer
 
 

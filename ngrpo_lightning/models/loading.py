@@ -268,6 +268,22 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return _ensure_pad(tok)
 
 
+def check_context(model: torch.nn.Module, prompt: tuple[str, int], new: tuple[str, int]) -> None:
+    """A prompt of at most ``prompt`` tokens and a response of at most ``new`` (``(config key,
+    tokens)`` each) fit the model's context, ``max_position_embeddings`` (as vLLM's
+    ``max_model_len`` must): beyond it positions were never trained, and the KV cache of so many
+    tokens would be allocated before the first one decodes."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    (prompt_key, prompt_tokens), (new_key, new_tokens) = prompt, new
+    if limit and prompt_tokens + new_tokens > limit:
+        room = f"{new_key} to at most {limit - prompt_tokens}, or " if prompt_tokens < limit else ""
+        raise ValueError(
+            f"{prompt_key}={prompt_tokens} + {new_key}={new_tokens} = {prompt_tokens + new_tokens} tokens, "
+            f"longer than the model's context, {limit} tokens (max_position_embeddings in its config): "
+            f"lower {room}{prompt_key} (the longest prompt kept)"
+        )
+
+
 def load_policy(
     name_or_path: str,
     dtype: str = "float32",
