@@ -135,7 +135,15 @@ class StepProgressBar(TQDMProgressBar):
             bar_format=bar_format,
         )
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._count_steps(trainer)  # a run resumed mid-epoch gets no on_train_epoch_start
+
     def on_train_epoch_start(self, trainer, *_) -> None:
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer) -> None:
+        """The bar counts rollout batches (steps) out of ``max_steps``, from where the run is."""
         plan = getattr(trainer.lightning_module, "plan", None)  # several optimizer steps per rollout batch
         self._updates = plan.updates_per_step if plan is not None else 1
         total = math.ceil(trainer.max_steps / self._updates) if trainer.max_steps > 0 else None
