@@ -91,3 +91,14 @@ def test_checkpoints_hold_the_base_models_hash_not_the_reference(base_dir, tmp_p
     changed.save_pretrained(base_dir)
     with pytest.raises(ConfigError, match=r"reference is the base model .* but the base model loaded now is .*sha256"):
         run(4, "resume=last")
+
+
+def test_the_newest_k_step_checkpoints_are_kept(tmp_path):
+    """checkpoint.keep=2 (Lightning keeps k > 1 only by a metric: the step) keeps the two newest
+    step checkpoints, last.ckpt linking to the newest; a keep below -1 is named."""
+    train(compose(["model=tiny", *RUN, "trainer.max_steps=4", "checkpoint.keep=2", f"output_dir={tmp_path}"]))
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*.ckpt")) == ["step-step=3.ckpt", "step-step=4.ckpt"]
+    assert (folder / "last.ckpt").resolve().name == "step-step=4.ckpt"
+    with pytest.raises(ConfigError, match=r"checkpoint.keep=-2 is out of range: allowed \[-1, inf\]"):
+        train(compose(["model=tiny", *RUN, "checkpoint.keep=-2", f"output_dir={tmp_path}/b"]))

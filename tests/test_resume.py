@@ -115,12 +115,18 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
 
 def test_a_run_resumed_mid_epoch_shows_its_progress_bar_from_where_it_was(tmp_path, capsys):
     """Lightning gives a run resumed mid-epoch no on_train_epoch_start: the bar is set up at the
-    start of training too (the resume crashed in the bar before)."""
-    run(tmp_path, "out", "trainer.max_steps=2", "checkpoint.every_n_steps=2", "trainer.enable_progress_bar=true")
+    start of training too (the resume crashed in the bar before). A new experiment_name leaves
+    the run in its experiment, and the summary names that one."""
+    first = run(
+        tmp_path, "out", "trainer.max_steps=2", "checkpoint.every_n_steps=2", "trainer.enable_progress_bar=true"
+    )
     capsys.readouterr()
-    resumed = run(tmp_path, "out", "trainer.max_steps=4", "resume=last", "trainer.enable_progress_bar=true")
+    resumed = run(
+        tmp_path, "out", "trainer.max_steps=4", "resume=last", "trainer.enable_progress_bar=true", "experiment_name=new"
+    )
     assert resumed["steps"] == 4  # 2 optimizer steps per rollout batch: batch 2 of 2 done
     assert "step 2/2" in capsys.readouterr().out
+    assert resumed["run_id"] == first["run_id"] and "(experiment 'grpo')" in resumed["text"]
 
 
 DRIVER = textwrap.dedent("""

@@ -17,6 +17,7 @@ from ngrpo_lightning.build.data import engine_settings
 from ngrpo_lightning.build.models import build_backend, check_model_settings, parallel_config, prepare_models
 from ngrpo_lightning.build.trainer import build_trainer, check_async_save, check_export, check_trainer
 from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer
+from ngrpo_lightning.checkpoints.run import build_checkpointing
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
@@ -138,6 +139,7 @@ def check_config(cfg: DictConfig) -> None:
     check_run_settings(cfg)
     build_step_hooks(cfg)
     check_trainer(cfg)
+    build_checkpointing(cfg)  # checkpoint.* checked
     check_async_save(cfg)
     check_export(cfg)
     try:  # the engine exists, runs here (vLLM installed), its rollout.<engine>.* settings are its own

@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.checks import check_choice
+from ngrpo_lightning.checks import check_choice, check_number
 from ngrpo_lightning.config import ConfigError
 
 
@@ -275,7 +275,11 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     if not cfg.trainer.get("enable_checkpointing", True):
         return []
     node = cfg.get("checkpoint") or {}
-    every, keep = int(node.get("every_n_steps", 0) or 0), int(node.get("keep", -1))
+    try:
+        every = check_number("checkpoint.every_n_steps", node.get("every_n_steps", 0) or 0, 0, integer=True)
+        keep = check_number("checkpoint.keep", node.get("keep", -1), -1, integer=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     best = []
     if node.get("best"):  # the best validation checkpoint, as the N-GRPO release keeps by AIME24 mean@32
         mode = check_choice("checkpoint.best_mode", node.get("best_mode", "max"), ("max", "min"))
@@ -297,6 +301,8 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
             filename="step-{step}",
             save_last="link",
             save_top_k=keep if every else 0,
+            # Lightning keeps k > 1 checkpoints by a metric only: the newest k are the highest steps
+            **({"monitor": "step", "mode": "max"} if every and keep > 1 else {}),
             every_n_train_steps=every or None,
             save_on_train_epoch_end=False,
             enable_version_counter=False,

@@ -263,8 +263,9 @@ def summarize_run(trainer, logger, before, after, seconds: float, first_step: in
         )
     if logger is not None:
         uri = logger._tracking_uri
+        experiment = logger.experiment.get_experiment(logger.experiment_id).name  # a resumed run stays in its own
         lines += [
-            f"  MLflow run: {logger.run_id} (experiment {logger._experiment_name!r})",
+            f"  MLflow run: {logger.run_id} (experiment {experiment!r})",
             f"  view it:    mlflow ui --backend-store-uri {uri}",
         ]
     summary["text"] = "\n".join(lines)
