@@ -87,6 +87,26 @@ def test_run_status_is_running_while_training_and_finished_after(tmp_path, monke
     assert name.startswith("grpo-temperature-grpo-seed0-") and len(name.rsplit("-", 1)[-1]) == 6
 
 
+def test_ctrl_c_marks_the_run_killed_and_says_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """Ctrl-C after step 2 (a KeyboardInterrupt, as SIGINT raises it): Lightning tears the fit down
+    and exits with status 1; the run is KILLED, not FAILED, and the command says what resumes it."""
+
+    class CtrlC(components.L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [CtrlC()])
+    store = f"sqlite:///{tmp_path}/mlruns.db"
+    out = tmp_path / "out"
+    args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "trainer.max_steps=4"]
+    assert main(["train", *args, "checkpoint.every_n_steps=1"]) == 130
+    last = out / "checkpoints" / "last.ckpt"
+    assert f"ngrpo train: interrupted at step 2: resume=last continues from {last}" in capsys.readouterr().err
+    (run,) = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("grpo").experiment_id])
+    assert run.info.status == "KILLED"
+
+
 def test_a_failing_run_is_marked_failed(tmp_path, monkeypatch):
     def broken(cfg):
         raise RuntimeError("the reward broke")

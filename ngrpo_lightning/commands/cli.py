@@ -160,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
-        from ngrpo_lightning.commands.train import train
+        from ngrpo_lightning.commands.train import Interrupted, train
 
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        except Interrupted as err:
+            print(f"ngrpo train: {err}", file=sys.stderr)
+            return 130  # a shell's status for Ctrl-C
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2

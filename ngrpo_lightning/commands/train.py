@@ -76,6 +76,16 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     return summary
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; its text says where it stopped and what resumes it."""
+
+
+def interrupted_text(cfg: DictConfig, trainer: L.Trainer) -> str:
+    last = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+    resume = f"resume=last continues from {last}" if last.exists() else "no checkpoint was written"
+    return f"interrupted at step {trainer.global_step}: {resume}"
+
+
 def _fit(
     cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = (), command: str = ""
 ) -> dict:
@@ -95,10 +105,14 @@ def _fit(
         log_config(logger, cfg)
     t0 = time.perf_counter()
     validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
-    before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
     try:
+        before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    except SystemExit:
+        if trainer.interrupted:  # Lightning turns Ctrl-C into exit status 1 after its teardown
+            raise Interrupted(interrupted_text(cfg, trainer)) from None
+        raise
     finally:
         datamodule.close()
     if not trainer.is_global_zero:  # other ranks of a multi-process run: rank 0 reports
