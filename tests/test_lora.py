@@ -96,7 +96,7 @@ def test_adapters_off_gives_peft_disable_adapters_outputs_and_puts_everything_ba
     assert layers[-1].disable_adapters and not any(m.disable_adapters for m in layers[:-1])
 
 
-def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch):
+def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *LORA_JOB, "trainer.max_steps=2"]) == 0
     ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
@@ -119,8 +119,10 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
     torch.save(ckpt, path)
 
     assert main(["export", "outputs", "adapters", "--no-mlflow"]) == 0
+    assert "load it: AutoModelForCausalLM.from_pretrained('adapters') (with peft installed" in capsys.readouterr().out
     assert main(["export", "outputs", "merged", "--no-mlflow", "--merge"]) == 0
     assert (Path("adapters") / "adapter_config.json").exists() and not (Path("adapters") / "config.json").exists()
+    assert "LoRA adapters in peft's format" in (Path("adapters") / "README.md").read_text()
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
     from transformers import AutoModelForCausalLM
 
@@ -129,10 +131,15 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
     trained, _ = load_trained_policy(read_checkpoint(find_checkpoint("outputs")))
     outside = peft.PeftModel.from_pretrained(load_policy("tiny")[0], "adapters")
     merged = AutoModelForCausalLM.from_pretrained("merged")
+    as_printed = AutoModelForCausalLM.from_pretrained("adapters")  # the export's hint: transformers finds the base
+    ours = load_policy("adapters")[0]  # what `ngrpo eval model=adapters` and `ngrpo train` load: merged
+    assert not lora.has_adapters(ours)
     with torch.no_grad():
         expected = trained(input_ids=ids).logits
         torch.testing.assert_close(outside(input_ids=ids).logits, expected, rtol=0, atol=0)
-        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(as_printed(input_ids=ids).logits, expected, rtol=0, atol=0)
+        for model in (merged, ours):
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(load_policy("tiny")[0](input_ids=ids).logits, expected, atol=1e-4)
 
 

@@ -114,24 +114,24 @@ def export_checkpoint(
     if adapters and merge:  # base + (alpha / rank) B A in every adapted layer: a plain model
         policy, adapters = policy.merge_and_unload(), False
     metrics = _mlflow_metrics(ckpt.meta.get("mlflow_run_id"), uri)
-    card = model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics)
+    card = model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics, adapters=adapters)
     out = save_hf_model(policy, tokenizer, Path(out_dir), card, overwrite=overwrite)
     logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out)
-    load = f"AutoModelForCausalLM.from_pretrained({str(out)!r})"
-    if adapters:
-        load = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({ckpt.base_model!r}), {str(out)!r})"
     lines = [
         f"Exported {path} (step {ckpt.global_step}) to {out}"
         + (" (LoRA adapters in peft's format; --merge writes a full model)" if adapters else ""),
-        f"  load it: {load}",
+        f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r})"
+        + (" (with peft installed: its base model with the adapters)" if adapters else ""),
+        f"  evaluate it: ngrpo eval model={out}",
     ]
     if logged:
         lines.append(f"  logged to MLflow run {ckpt.meta['mlflow_run_id']} as artifacts model/")
     return {"out": out, "checkpoint": path, "logged": bool(logged), "text": "\n".join(lines)}
 
 
-def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, float]) -> str:
-    """README.md of an exported policy: where it came from, in the Hub's model-card format."""
+def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, float], adapters: bool = False) -> str:
+    """README.md of an exported policy: where it came from, in the Hub's model-card format, and how
+    to use it (``adapters``: LoRA adapters in peft's format, not a whole model)."""
     model, data = config.get("model") or {}, config.get("data") or {}
     explorer, objective = config.get("explorer") or {}, config.get("objective") or {}
     base = model.get("name_or_path", "unknown")
@@ -160,8 +160,15 @@ def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, f
         f"# {config.get('experiment_name', 'policy')}: {base} trained with ngrpo-lightning\n\n"
         f"| | |\n| --- | --- |\n{table}\n\n"
         f"Trained with:\n\n```\n{command}\n```\n\n"
-        "Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this folder>)`; serve it with "
-        "`vllm serve <this folder>`; evaluate it with `ngrpo eval model=<this folder>`.\n"
+        + (
+            "LoRA adapters in peft's format. Load them with `transformers.AutoModelForCausalLM.from_pretrained("
+            "<this folder>)` (with peft installed: the base model with the adapters); evaluate them with "
+            "`ngrpo eval model=<this folder>` (merged into the base); `ngrpo export <run> <folder> --merge` "
+            "writes a whole model, which `vllm serve` takes.\n"
+            if adapters
+            else "Load it with `transformers.AutoModelForCausalLM.from_pretrained(<this folder>)`; serve it with "
+            "`vllm serve <this folder>`; evaluate it with `ngrpo eval model=<this folder>`.\n"
+        )
     )
 
 

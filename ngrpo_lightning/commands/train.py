@@ -132,7 +132,9 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     if module.parallel is not None:  # sharded weights: the checkpoint written at the end of training holds them whole
         return export_checkpoint(str(cfg.output_dir), out, log_to_mlflow=logger is not None, overwrite=again)["out"]
     metrics = {k: float(v) for k, v in (after[0] if after else {}).items() if k.startswith("val/")}
-    card = model_card(module.run_meta["config"], module.run_meta, trainer.global_step, metrics)
+    card = model_card(
+        module.run_meta["config"], module.run_meta, trainer.global_step, metrics, adapters=module.adapters
+    )
     save_hf_model(module.policy, module.tokenizer, out, card, overwrite=again)
     if logger is not None:
         logger.experiment.log_artifacts(logger.run_id, str(out), "model")

@@ -294,6 +294,10 @@ def load_policy(
     """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode, with
     ``attn_implementation`` (default ``sdpa_gqa``, see :mod:`ngrpo_lightning.backends.attention`;
     ``None``: transformers' choice, also taken for ``sdpa_gqa`` under ``trust_remote_code``)."""
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        settings = {"dtype": dtype, "device": device, "attn_implementation": attn_implementation}
+        return load_merged_adapters(folder, trust_remote_code=trust_remote_code, **settings)
     torch_dtype, path = parse_dtype(dtype), resolve_model_path(name_or_path)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
     kwargs = {_DTYPE_KW: torch_dtype}
@@ -307,3 +311,17 @@ def load_policy(
     model.to(device).train()
     model.generation_config.pad_token_id = tok.pad_token_id  # batched generate pads with it
     return model, tok
+
+
+def load_merged_adapters(folder: Path, **settings) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A folder of LoRA adapters in peft's format (``ngrpo export`` of a LoRA run): the base model
+    its ``adapter_config.json`` names, loaded as :func:`load_policy` does, with the adapters merged
+    in (a plain model, as ``ngrpo export --merge`` writes it)."""
+    from peft import PeftModel
+
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    try:
+        model, tok = load_policy(str(base), **settings)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"{folder} holds LoRA adapters of the base model {base!r}, which does not load: {err}") from err
+    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload().train(), tok
