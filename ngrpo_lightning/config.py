@@ -170,6 +170,13 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
             return (
                 f"{lines[0]}: {key}={value} holds '=' or ',', which overrides read as syntax; quote it: {key}='{value}'"
             )
+    if "LexerNoViableAltException" in msg and len(lines) > 1:  # a character the grammar has no token for
+        override, at = lines[0].split(": ", 1)[-1], lines[1].find("^")  # the caret marks it in lines[0]
+        bad = f"{lines[0][at]!r} " if 0 <= at < len(lines[0]) else ""
+        return (
+            f"cannot read the override {override}: the character {bad}must be inside quotes "
+            "(key='value', or a list's items, key=['a','b']): unquoted values are Hydra's grammar"
+        )
     if "Available options" not in msg:
         return lines[0]
     options = msg.split("\nConfig search path:")[0]  # where Hydra looked: its internals, not the user's

@@ -92,6 +92,12 @@ def test_a_response_longer_than_the_models_context_is_refused_when_it_loads(caps
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_character_overrides_cannot_read_unquoted_is_named_with_how_to_quote_it(capsys):
+    err = run_error(capsys, "diagnose", "drift", "model=tiny", "tokens=[7,+,' the',Ġthe]")
+    assert "cannot read the override tokens=[7,+,' the',Ġthe]: the character 'Ġ' must be inside quotes" in err
+    assert "LexerNoViableAltException" not in err
+
+
 def test_bad_engine_setting_is_named_before_the_model_loads(capsys):
     # rollout.hf.* is not in the config any more (the backend decides), but HFEngine's own settings
     # can still be given, and are checked

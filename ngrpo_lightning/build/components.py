@@ -205,6 +205,10 @@ def build_module(cfg: DictConfig) -> RLModule:
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    try:  # before the first rollout builds the engine
+        check_engine(cfg.rollout.engine, engine_settings(cfg)).check_model(policy)
+    except ValueError as err:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {err}") from err
     policy, reference, adapters = prepare_models(cfg, policy, objective.needs_reference, backend)
     eval_explorer = TemperatureExplorer(temperature=cfg.rollout.val_temperature)
     try:

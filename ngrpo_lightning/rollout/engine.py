@@ -135,6 +135,11 @@ class RolloutEngine(ABC):
         mixed inputs runs plain sampling only). Called before any model loads."""
 
     @classmethod
+    def check_model(cls, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` if the engine cannot decode ``model`` on this machine. Called once
+        the model has loaded, before the first rollout."""
+
+    @classmethod
     def settings_names(cls) -> list[str]:
         """The engine's own settings: its constructor's keyword arguments beyond the common ones."""
         params = inspect.signature(cls.__init__).parameters

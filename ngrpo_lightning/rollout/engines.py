@@ -55,6 +55,7 @@ def build_engine(
     common = ("ignore_eos", "max_prompt_tokens", "sharded_root", "backend")
     context = {k: context_and_settings.pop(k) for k in common if k in context_and_settings}
     cls = check_engine(name, context_and_settings, key)
+    cls.check_model(policy)
     return cls.from_policy(
         policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, **context, **context_and_settings
     )

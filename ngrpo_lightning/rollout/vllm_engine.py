@@ -162,6 +162,23 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"{prefix}.sleep={sleep!r} is out of range: allowed false, true (= 1), 1, 2")
 
     @classmethod
+    def check_model(cls, model: torch.nn.Module) -> None:
+        """vLLM's CPU attention takes a few head sizes only (the tiny test model's 16 is not one of
+        them): refused here, not when vLLM builds its attention after loading the model again."""
+        if torch.cuda.is_available():
+            return
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        config = model.config
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise ValueError(
+                f"vLLM's CPU attention takes head sizes {sizes}; this model's is {head} (the packaged "
+                "model's is 64): decode it with the hf engine, or use another model"
+            )
+
+    @classmethod
     def from_policy(
         cls,
         policy: torch.nn.Module,
