@@ -24,23 +24,27 @@ def check_number(
     high: float | None = None,
     *,
     low_open: bool = False,
+    high_open: bool = False,
     integer: bool = False,
     optional: bool = False,
 ):
     """Return ``value`` if it is a number (an ``int`` when ``integer``) within ``[low, high]``
-    (``(low, high]`` when ``low_open``); ``None`` passes when ``optional``. Otherwise raise
-    ``ValueError`` naming ``key``, the value and what is allowed."""
+    (open at ``low`` when ``low_open``, at ``high`` when ``high_open``); ``None`` passes when
+    ``optional``. Otherwise raise ``ValueError`` naming ``key``, the value and what is allowed."""
     if value is None and optional:
         return None
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise ValueError(f"{key}={value!r} must be {kind}" + (" (or null)" if optional else ""))
-    bad = (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high)
+    bad = (low is not None and (value <= low if low_open else value < low)) or (
+        high is not None and (value >= high if high_open else value > high)
+    )
     if bad:
         lo = "-inf" if low is None else f"{low}"
         hi = "inf" if high is None else f"{high}"
         suffix = " (an integer)" if integer else ""
-        raise ValueError(f"{key}={value!r} is out of range: allowed {'(' if low_open else '['}{lo}, {hi}]{suffix}")
+        interval = f"{'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+        raise ValueError(f"{key}={value!r} is out of range: allowed {interval}{suffix}")
     return value
 
 

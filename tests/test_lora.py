@@ -29,7 +29,8 @@ LORA_JOB = [
     [
         (["model.lora.rank=0"], "model.lora.rank=0 is out of range"),
         (["model.lora.alpha=0"], "model.lora.alpha=0 is out of range"),
-        (["model.lora.dropout=1.0"], "model.lora.dropout=1.0 is out of range: allowed [0, 1)"),
+        (["model.lora.dropout=1.0"], "model.lora.dropout=1.0 is out of range: allowed [0.0, 1.0)"),
+        (["model.lora.dropout=-0.1"], "model.lora.dropout=-0.1 is out of range: allowed [0.0, 1.0)"),
         (["+model.lora.rnak=8"], "model.lora has unknown keys ['rnak']"),
         (["model.lora.target_modules=[q_proj,qkv]"], "['qkv'] are not linear layers of LlamaForCausalLM"),
     ],

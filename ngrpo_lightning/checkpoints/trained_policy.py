@@ -7,6 +7,7 @@ itself (config, base model, MLflow run), and load the policy's weights into its 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,7 +177,9 @@ def _distributed_policy_weights(path: Path, policy: torch.nn.Module) -> dict[str
     # tied weights may be stored once: what is absent is reported by load_state_dict's check
     # no_dist: read by this process alone, also where a run's process group is still up (export.final
     # on its first rank, while the other ranks have finished)
-    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    with warnings.catch_warnings():  # that it reads in one process without a process group: as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     return {k.removeprefix("policy."): v for k, v in state["state_dict"].items()}
 
 

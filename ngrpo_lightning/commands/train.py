@@ -34,6 +34,9 @@ KNOWN_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Checkpoint directory .* exists and is not empty",  # the run's own: claim_output_dir decided on it first
     r"Total length of `\w+` across ranks is zero",  # a task without a validation set: nothing to validate
+    # one process whose vLLM engine started torch.distributed (a group of 1): nothing to reduce over;
+    # several processes log with sync_dist=True and never see it
+    r"It is recommended to use `self\.log\('[\w/]+', \.\.\., sync_dist=True\)`",
 )
 
 

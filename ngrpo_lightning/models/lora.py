@@ -43,9 +43,7 @@ class LoraSettings:
         check_bool("model.lora.enabled", self.enabled)
         check_number("model.lora.rank", self.rank, 1, integer=True)
         check_number("model.lora.alpha", self.alpha, 0.0, low_open=True)
-        check_number("model.lora.dropout", self.dropout, 0.0, 1.0)
-        if self.dropout >= 1.0:
-            raise ValueError(f"model.lora.dropout={self.dropout} is out of range: allowed [0, 1)")
+        check_number("model.lora.dropout", self.dropout, 0.0, 1.0, high_open=True)
         if isinstance(self.target_modules, str):
             if self.target_modules != ALL_LINEAR:
                 self.target_modules = [self.target_modules]

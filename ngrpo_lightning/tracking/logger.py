@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import sqlite3
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,8 +74,13 @@ def check_tracking_store(uri: str, timeout_s: float = 5.0) -> None:
         except sqlite3.Error as err:
             raise _store_error(uri, f"cannot open the SQLite store {path} ({err})") from err
     elif uri.startswith(("http://", "https://")):
+        health = uri.rstrip("/") + "/health"
         try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+            urllib.request.urlopen(health, timeout=timeout_s).close()
+        except urllib.error.HTTPError as err:  # something answered, not as an MLflow server does
+            raise _store_error(
+                uri, f"{health} answered {err.code} {err.reason}: not an MLflow tracking server"
+            ) from err
         except (OSError, ValueError) as err:  # URLError, timeouts, refused connections
             raise _store_error(uri, f"the tracking server does not answer ({err})") from err
 
