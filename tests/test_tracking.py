@@ -2,6 +2,8 @@
 loads, a run's status is RUNNING while it trains and FINISHED / FAILED at its end, runs are named
 after what ran, and two runs may create the same new store at once."""
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -9,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import ScriptedReward
 from mlflow.tracking import MlflowClient
 
@@ -104,22 +107,28 @@ def test_run_status_is_running_while_training_and_finished_after(tmp_path, monke
     assert name.startswith("grpo-temperature-grpo-seed0-") and len(name.rsplit("-", 1)[-1]) == 6
 
 
-def test_ctrl_c_marks_the_run_killed_and_says_where_it_stopped(tmp_path, monkeypatch, capsys):
-    """Ctrl-C after step 2 (a KeyboardInterrupt, as SIGINT raises it): Lightning tears the fit down
-    and exits with status 1; the run is KILLED, not FAILED, and the command says what resumes it."""
+@pytest.mark.parametrize("stop, status, saved", [("Ctrl-C", 130, 1), ("SIGTERM", 143, 2)])
+def test_a_stopped_run_is_killed_and_says_where_it_stopped(tmp_path, monkeypatch, capsys, stop, status, saved):
+    """Ctrl-C after step 2 (a KeyboardInterrupt, as SIGINT raises it: Lightning tears the fit down
+    and exits with status 1), or SIGTERM (Lightning stops after the step under way): the run is
+    KILLED, not FAILED, and the command says what resumes it, with a shell's exit status."""
 
-    class CtrlC(components.L.Callback):
+    class Stop(components.L.Callback):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 2:
-                raise KeyboardInterrupt
+                if stop == "Ctrl-C":
+                    raise KeyboardInterrupt
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [CtrlC()])
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [Stop()])
     store = f"sqlite:///{tmp_path}/mlruns.db"
     out = tmp_path / "out"
     args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "trainer.max_steps=4"]
-    assert main(["train", *args, "checkpoint.every_n_steps=1"]) == 130
+    assert main(["train", *args, "checkpoint.every_n_steps=1"]) == status
     last = out / "checkpoints" / "last.ckpt"
-    assert f"ngrpo train: interrupted at step 2: resume=last continues from {last}" in capsys.readouterr().err
+    message = f"ngrpo train: {stop} stopped the run at step 2: resume=last continues from step {saved} ({last})"
+    assert message in capsys.readouterr().err
+    assert torch.load(last, weights_only=False)["global_step"] == saved  # Ctrl-C: before step 2's checkpoint
     (run,) = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "KILLED"
 

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = train(cfg)
         except Interrupted as err:
             print(f"ngrpo train: {err}", file=sys.stderr)
-            return 130  # a shell's status for Ctrl-C
+            return err.status
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2

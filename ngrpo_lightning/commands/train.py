@@ -8,6 +8,7 @@ Kept apart from :mod:`ngrpo_lightning.commands.cli` so that the command line's c
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.build.components import build_module, build_pass_at_k, check_config
@@ -80,13 +82,20 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C stopped the run; its text says where it stopped and what resumes it."""
+    """Ctrl-C or SIGTERM stopped the run; its text says where it stopped and what resumes it,
+    ``status`` is the command's exit status (a shell's: 128 + the signal)."""
+
+    def __init__(self, text: str, status: int):
+        super().__init__(text)
+        self.status = status
 
 
-def interrupted_text(cfg: DictConfig, trainer: L.Trainer) -> str:
+def interrupted(cfg: DictConfig, trainer: L.Trainer, signal: str, status: int) -> Interrupted:
     last = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
-    resume = f"resume=last continues from {last}" if last.exists() else "no checkpoint was written"
-    return f"interrupted at step {trainer.global_step}: {resume}"
+    saved = re.search(r"step=(\d+)", last.resolve().name)  # a link to a step checkpoint names its step
+    where = f"step {saved[1]} ({last})" if saved else str(last)
+    resume = f"resume=last continues from {where}" if last.exists() else "no checkpoint was written"
+    return Interrupted(f"{signal} stopped the run at step {trainer.global_step}: {resume}", status)
 
 
 def _fit(
@@ -112,9 +121,11 @@ def _fit(
         before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
+    except SIGTERMException:  # Lightning's, at the end of the step under way (a scheduler's stop, `timeout`)
+        raise interrupted(cfg, trainer, "SIGTERM", 143) from None
     except SystemExit:
         if trainer.interrupted:  # Lightning turns Ctrl-C into exit status 1 after its teardown
-            raise Interrupted(interrupted_text(cfg, trainer)) from None
+            raise interrupted(cfg, trainer, "Ctrl-C", 130) from None
         raise
     finally:
         datamodule.close()
