@@ -116,6 +116,11 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert main(["compare", f"store={nowhere}", "logger=none", "sweep=cmp"]) == 2
     assert f"store={nowhere}: no MLflow store there" in capsys.readouterr().err
     assert not (tmp_path / "nowhere").exists()  # read, never created
+    # a path: the SQLite file or the folder holding mlflow.db (./mlruns); MLflow would take it as a file store
+    assert main(["compare", f"store={tmp_path}/mlruns", "logger=none", "sweep=nope"]) == 2
+    assert "sweeps there: ['cmp']" in capsys.readouterr().err
+    assert main(["compare", f"store={tmp_path}/nowhere", "logger=none", "sweep=cmp"]) == 2
+    assert f"store={tmp_path}/nowhere: no MLflow store there" in capsys.readouterr().err
 
 
 def test_runs_are_tagged_with_the_code_they_ran_and_a_report_says_when_it_differs(tmp_path, monkeypatch):

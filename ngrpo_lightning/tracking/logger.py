@@ -46,10 +46,14 @@ def resolve_tracking_uri(uri: str) -> str:
 
 def existing_store(uri: str) -> str | None:
     """``uri`` for reading a store that must already be there: a SQLite file's made absolute (MLflow
-    caches stores by URI), or ``None`` where the file does not exist; any other store as it is."""
-    if not uri.startswith(SQLITE):
+    caches stores by URI), also given as a path (the file, or the folder holding ``mlflow.db``, as
+    ``./mlruns``); a server's as it is; ``None`` where there is no such store (MLflow would read a
+    plain path as a file store, which it no longer supports)."""
+    if uri.startswith(("http://", "https://", "databricks")):
         return uri
-    path = Path(uri[len(SQLITE) :]).absolute()
+    path = Path(uri[len(SQLITE) :] if uri.startswith(SQLITE) else uri).expanduser().absolute()
+    if not uri.startswith(SQLITE) and path.is_dir():
+        path = path / "mlflow.db"
     return SQLITE + str(path) if path.is_file() else None
 
 
