@@ -110,6 +110,11 @@ def test_verdicts_name_the_winner_bound_the_difference_or_say_what_is_missing():
     alike = detection([[0.0] * 4, [0.0] * 4])  # both arms wrong on every problem: no spread, no bound
     found = verdict("a", "b", alike, 0.05)
     assert found["kind"] == "inconclusive" and "both arms scored alike on every problem" in found["text"]
+    assert (
+        math.isnan(alike.mdd)
+        and plan_text(alike, 0.05) == "no plan: the paired differences have no spread to plan with"
+    )
+    assert plan_text(detection([]), 0.05) == "no plan: no problem evaluated by both arms"  # it divided by zero
     small = dataclasses.replace(loose, seeds=10, var_seed=0.0, var_problem=0.01)  # one problem a seed detects 50
     assert "(or 1 validation problem per seed at 10 seeds)" in plan_text(small, 0.5)
 

@@ -76,7 +76,8 @@ def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: flo
     var_problem = float(sum(((g - g.mean()) ** 2).sum() for g in groups) / dof) if dof > 0 else 0.0
     means = np.array([g.mean() for g in groups])
     var_seed = max(float(means.var(ddof=1)) - var_problem / problems, 0.0) if len(groups) > 1 else 0.0
-    mdd_now = _quantiles(interval.dof, level, power) * interval.se if interval.dof else nan
+    # no spread (every paired difference the same): nothing to say what the design detects
+    mdd_now = _quantiles(interval.dof, level, power) * interval.se if interval.dof and interval.se > 0 else nan
     p_value = nan
     if interval.dof:
         p_value = 1.0 if interval.se == 0 and interval.mean == 0 else 0.0 if interval.se == 0 else None
@@ -156,7 +157,12 @@ def _smallest(ok, low: int) -> int | None:
 
 
 def plan_text(d: Detection, wanted: float) -> str:
-    """``about N seeds (or M validation problems per seed at S seeds)``: what detects ``wanted``."""
+    """``about N seeds (or M validation problems per seed at S seeds)``: what detects ``wanted``;
+    no plan without pairs, or without a spread to plan with (every paired difference the same)."""
+    if d.seeds == 0 or d.problems <= 0:
+        return "no plan: no problem evaluated by both arms"
+    if not d.var_seed + d.var_problem > 0:  # 0, or NaN
+        return "no plan: the paired differences have no spread to plan with"
     seeds, problems = seeds_needed(d, wanted), problems_needed(d, wanted)
     more_seeds = f"about {seeds} seeds" if seeds else f"more than {MAX_PLAN} seeds"
     at = max(d.seeds, 2)
