@@ -14,6 +14,7 @@ A leaf module: it imports Hydra and OmegaConf only, so every layer may compose a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -111,13 +112,31 @@ def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> l
     out = [quote_path_value(o) for o in out]
     if model_paths:
         models, expanded = group_options("model"), []
+        dtype_given = any(o.lstrip("+").startswith("model.dtype=") for o in out)
         for o in out:
             key, _, value = o.partition("=")
-            expanded += (
-                ["model=hf", f"model.name_or_path={value}"] if key == "model" and value and value not in models else [o]
-            )
+            if key == "model" and value and value not in models:
+                expanded += ["model=hf", f"model.name_or_path={value}"]
+                saved = None if dtype_given else saved_dtype(value.strip("'\""))
+                expanded += [f"model.dtype={saved}"] if saved else []  # a model on disk: as it was saved
+            else:
+                expanded.append(o)
         out = expanded
     return out
+
+
+def saved_dtype(path: str) -> str | None:
+    """The dtype a model folder's ``config.json`` records (``float32`` for an exported fp32 run),
+    where it is one ``model.dtype`` takes; ``None`` for anything else (a Hub id, a checkpoint)."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        saved = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = saved.get("dtype") or saved.get("torch_dtype")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else None
 
 
 def quote_path_value(override: str) -> str:

@@ -1,6 +1,7 @@
 """A trained policy leaves the framework: ``ngrpo export`` and ``export.final`` write a Hugging Face
 model whose logits are the trained policy's; ``ngrpo eval`` takes any run's checkpoint."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -129,8 +130,11 @@ def test_ngrpo_eval_takes_any_run(trained, which, monkeypatch, capsys):
         "checkpoint file": tmp / "run" / "checkpoints" / "last.ckpt",
         "exported model": tmp / "run" / "hf_model",
     }[which]
-    assert main(["eval", f"model={model}", *EVAL]) == 0, capsys.readouterr().err
-    assert f"Evaluated {model} on reasoning_gym (2 problems x 1 samples)" in capsys.readouterr().out
+    assert main(["eval", f"model={model}", *EVAL, f"output_dir={tmp}/eval"]) == 0, capsys.readouterr().err
+    # in the dtype the run trained in (float32), the exported folder's too, which model=hf's default
+    # (bfloat16, for Hub models) turned into bfloat16 silently
+    assert f"Evaluated {model} (float32) on reasoning_gym (2 problems x 1 samples)" in capsys.readouterr().out
+    assert json.loads((tmp / "eval" / "results.json").read_text())["config"]["model"]["dtype"] == "float32"
 
 
 def test_a_sweep_folder_name_is_a_valid_model_path(trained, monkeypatch, capsys):

@@ -196,6 +196,7 @@ def run_eval(cfg) -> dict:
     backend = eval_backend(cfg)
     sets = build_eval_sets(cfg)  # data errors before minutes of model loading
     policy, tokenizer = load_eval_policy(cfg, backend)
+    dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
     with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
         results = evaluate_sets(
@@ -214,6 +215,7 @@ def run_eval(cfg) -> dict:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = OmegaConf.to_container(cfg, resolve=True)
+    config["model"]["dtype"] = dtype  # what the model computed in (a checkpoint's own dtype)
     payload = {"config": config, "seconds": seconds, **results}
     json_path, table_path, plot_path = out_dir / "results.json", out_dir / "pass_at_k.md", out_dir / "pass_at_k.png"
     json_path.write_text(json.dumps(payload, indent=1))
@@ -224,7 +226,7 @@ def run_eval(cfg) -> dict:
         cfg, {**results["metrics"], "eval/seconds": seconds}, [json_path, table_path, plot_path]
     )
     lines = [
-        f"Evaluated {cfg.model.name_or_path} on {', '.join(s.name for s in sets)} "
+        f"Evaluated {cfg.model.name_or_path} ({dtype}) on {', '.join(s.name for s in sets)} "
         f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.",
         "",
         table,
