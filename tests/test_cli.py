@@ -30,6 +30,10 @@ def test_missing_model_path_is_named(capsys, tmp_path, monkeypatch):
     missing = tmp_path / "no_model_here"
     err = run_error(capsys, "train", "model=hf", f"model.name_or_path={missing}", "logger=none")
     assert str(missing) in err
+    # out/nope with a folder out/ here is a path, not a Hub id (a minute of retries, then a traceback)
+    (tmp_path / "out").mkdir()
+    err = run_error(capsys, "eval", "model=out/nope", "logger=none")
+    assert "model.name_or_path='out/nope': no such model directory" in err
 
 
 def test_malformed_data_file_names_file_and_line(capsys, tmp_path):

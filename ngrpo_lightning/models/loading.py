@@ -245,7 +245,8 @@ def resolve_model_path(name_or_path: str) -> str:
         if not (path / "config.json").is_file():
             raise ValueError(f"model.name_or_path={name_or_path!r} is a directory without config.json")
         return str(path)
-    if name_or_path.startswith(("/", ".", "~")) or not _HUB_ID.match(name_or_path):
+    local = Path(name_or_path.split("/", 1)[0]).is_dir()  # out/nope, with a folder out/ here: a path, not a Hub id
+    if name_or_path.startswith(("/", ".", "~")) or local or not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
             f"model.name_or_path={name_or_path!r}: no such model directory "
             f"({path.absolute()}). Use an existing local directory, a Hugging "
@@ -260,7 +261,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as err:  # typically a Hub id that is misspelled or unreachable offline
-        raise OSError(
+        raise FileNotFoundError(  # an OSError still, which the commands report in one line
             f"model.name_or_path={name_or_path!r} could not be loaded ({err}). Built-in "
             f"models that need no Hub access: {', '.join(BUILTIN_MODELS)}"
         ) from err
