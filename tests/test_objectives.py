@@ -133,6 +133,26 @@ def test_unknown_advantage_estimator_lists_allowed():
         group_advantages(torch.zeros(4), 2, "ppo")
 
 
+def test_an_estimator_by_its_path_is_run_and_its_shape_checked(tmp_path, monkeypatch, capsys):
+    """advantage=<module>.<function> (as explorer._target_): no registry, no package of one's own.
+    One that returns a value per group, not per reward, is refused before any model loads."""
+    from ngrpo_lightning.commands.cli import main
+
+    (tmp_path / "my_adv.py").write_text(
+        "def centered(r, eps):\n    return r - r.mean(-1, keepdim=True)\n\n"
+        "def per_group(r, eps):\n    return r.mean(-1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    assert group_advantages(rewards, 3, "my_adv.centered").tolist() == pytest.approx(
+        [2 / 3, -1 / 3, -1 / 3] + [-2 / 3, 1 / 3, 1 / 3]
+    )
+    with pytest.raises(ValueError, match=r"advantage=my_adv.per_group: the estimator returned shape \(2,\)"):
+        group_advantages(rewards, 3, "my_adv.per_group")
+    assert main(["train", "model=tiny", "advantage=my_adv.per_group", "logger=none", f"output_dir={tmp_path}"]) == 2
+    assert "it must return one advantage per reward, [groups, G]" in capsys.readouterr().err
+
+
 def test_kl_needs_reference_logprobs():
     with pytest.raises(ValueError, match="reference"):
         GRPO(kl_coef=0.1)(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1))

@@ -23,7 +23,7 @@ from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
 from ngrpo_lightning.models.loading import check_context, load_policy, parse_dtype
-from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, resolve_advantage
+from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, check_advantage, resolve_advantage
 from ngrpo_lightning.registry import import_path
 from ngrpo_lightning.rewards import MathReward
 from ngrpo_lightning.rollout import check_engine
@@ -137,6 +137,11 @@ def check_config(cfg: DictConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     check_run_settings(cfg)
+    try:  # a user's estimator, run once on made-up rewards: its shape checked before any model loads
+        check_advantage(cfg.advantage, cfg.rollout.group_size)
+    except (ValueError, TypeError, RuntimeError, IndexError) as err:
+        message = str(err) if str(err).startswith("advantage=") else f"advantage={cfg.advantage}: {err}"
+        raise ConfigError(message) from err
     build_step_hooks(cfg)
     check_trainer(cfg)
     build_checkpointing(cfg)  # checkpoint.* checked

@@ -2,6 +2,7 @@
 
 from ngrpo_lightning.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
+    check_advantage,
     group_advantages,
     register_advantage,
     resolve_advantage,
@@ -31,6 +32,7 @@ __all__ = [
     "aggregate",
     "check_objective_choice",
     "check_objective_key",
+    "check_advantage",
     "group_advantages",
     "grpo_loss",
     "gspo_loss",

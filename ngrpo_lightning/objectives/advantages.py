@@ -2,7 +2,8 @@
 
 Estimators are pure functions ``(rewards [num_groups, G], eps) -> advantages [num_groups, G]``
 in a registry, selected by name with the top-level config key ``advantage`` (like explorers
-and objectives). Rows are stored group by group (G consecutive rows share a prompt). Add one::
+and objectives), or by a function's path (``advantage=my_module.my_estimator``). Rows are
+stored group by group (G consecutive rows share a prompt). Add one::
 
     @register_advantage("my_estimator")
     def my_estimator(r: torch.Tensor, eps: float) -> torch.Tensor:
@@ -15,10 +16,11 @@ from collections.abc import Callable
 
 import torch
 
-from ngrpo_lightning.registry import Registry
+from ngrpo_lightning.registry import Registry, import_path
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "check_advantage",
     "group_advantages",
     "register_advantage",
     "resolve_advantage",
@@ -36,8 +38,32 @@ def register_advantage(name: str, min_group_size: int = 2):
 
 
 def resolve_advantage(name: str) -> Estimator:
-    """The estimator registered as ``name``; ``ValueError`` naming the ``advantage`` key and the allowed names."""
+    """The estimator registered as ``name``, or a function's path (``advantage=my_module.my_estimator``,
+    as ``explorer._target_`` names a class); ``ValueError`` naming the ``advantage`` key and the
+    allowed names otherwise."""
+    if isinstance(name, str) and "." in name and name not in ADVANTAGE_ESTIMATORS:
+        fn = import_path(name, "advantage")
+        if not callable(fn):
+            raise ValueError(f"advantage={name!r} is not a function (rewards [groups, G], eps) -> advantages")
+        return fn
     return ADVANTAGE_ESTIMATORS.resolve(name)
+
+
+def check_advantage(name: str, group_size: int) -> None:
+    """Run the estimator once on made-up rewards of 2 groups of ``group_size``: one advantage per
+    reward, or a ``ValueError`` naming it (a wrong shape failed inside the objective's loss)."""
+    rewards = torch.arange(2 * group_size, dtype=torch.float32).remainder(2).view(2, group_size)
+    out = resolve_advantage(name)(rewards, 1e-6)
+    _check_shape(name, out, rewards)
+
+
+def _check_shape(name: str, out, rewards: torch.Tensor) -> None:
+    if not torch.is_tensor(out) or out.shape != rewards.shape:
+        got = f"shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(
+            f"advantage={name}: the estimator returned {got} for rewards of shape {tuple(rewards.shape)}; "
+            "it must return one advantage per reward, [groups, G]"
+        )
 
 
 @register_advantage("grpo")
@@ -81,7 +107,10 @@ def group_advantages(
     fn = resolve_advantage(estimator)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    return fn(rewards.float().view(-1, group_size), eps).reshape(-1)
+    grouped = rewards.float().view(-1, group_size)
+    out = fn(grouped, eps)
+    _check_shape(estimator, out, grouped)
+    return out.reshape(-1)
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
