@@ -385,3 +385,46 @@ def test_gaussian_embed_noise_scale_is_a_fraction_of_the_mixtures_rms(emb):
     expected = 0.33 * torch.sqrt((mixture**2).mean(-1))
     assert step.mixed.all() and torch.allclose(step.noise_scale, expected, atol=1e-6)
     assert step.noise_seed.unique().numel() == 32  # every row its own recorded noise
+
+
+def test_a_step_that_is_not_what_the_engines_read_is_named_by_field_and_explorer():
+    """A user's explorer's mistakes, caught where the step is made (shapes and dtypes only, no
+    wait for the device): before, each failed deep in the engine's bookkeeping."""
+    from ngrpo_lightning.explorers import Explorer, ExplorerStep, explorer_step
+
+    B, tokens = 3, torch.tensor([1, 2, 3])
+    cases = [
+        (
+            {"tokens": tokens[:, None]},
+            r"`tokens` must be a \[B\] tensor \(integer token ids\).*got torch.int64 \[3, 1\]",
+        ),
+        ({"tokens": tokens.float()}, r"`tokens` must be a \[B\] tensor \(integer token ids\)"),
+        (
+            {"tokens": tokens, "mixed": torch.ones(B), "ids": tokens[:, None], "weights": torch.ones(B, 1)},
+            r"`mixed`.*bool",
+        ),
+        ({"tokens": tokens, "mixed": torch.ones(B, dtype=torch.bool)}, "needs `ids` and `weights`"),
+        ({"tokens": tokens, "ids": tokens[:, None], "weights": torch.ones(B)}, r"`weights` must be a \[B, K\] tensor"),
+        ({"tokens": tokens, "ids": tokens[:, None], "weights": torch.ones(B, 2)}, "must have the shape of `ids`"),
+        ({"tokens": tokens, "noise_seed": 123, "noise_scale": 0.1}, r"`noise_seed` must be a \[B\] tensor.*got int"),
+        ({"tokens": tokens, "noise_seed": tokens}, "come together"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ExplorerStep(**fields)
+
+    class ReturnsTokens(Explorer):
+        def step(self, logits, generator=None):
+            return logits.argmax(-1)
+
+    class FlatWeights(Explorer):
+        def step(self, logits, generator=None):
+            ids = logits.argmax(-1)
+            return ExplorerStep(ids, torch.ones(len(ids), dtype=torch.bool), ids[:, None], torch.ones(len(ids)))
+
+    logits = torch.randn(B, 10)
+    with pytest.raises(TypeError, match="ReturnsTokens.step returned a Tensor, not an ExplorerStep"):
+        explorer_step(ReturnsTokens(), logits, None)
+    with pytest.raises(ValueError, match=r"FlatWeights.step: ExplorerStep: `weights` must be a \[B, K\] tensor"):
+        explorer_step(FlatWeights(), logits, None)
+    assert explorer_step(TemperatureExplorer(1.0), logits, None).tokens.shape == (B,)

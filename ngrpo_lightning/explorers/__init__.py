@@ -14,6 +14,7 @@ from ngrpo_lightning.explorers.base import (
     check_choice,
     check_range,
     declares_capturable,
+    explorer_step,
     register_explorer,
 )
 from ngrpo_lightning.explorers.gaussian import GaussianNoiseExplorer
@@ -41,6 +42,7 @@ __all__ = [
     "NeighborMixingExplorer",
     "OrthogonalNoiseExplorer",
     "TemperatureExplorer",
+    "explorer_step",
     "TopKGumbelMixExplorer",
     "TopKMixExplorer",
     "check_choice",

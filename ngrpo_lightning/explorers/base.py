@@ -39,6 +39,7 @@ from ngrpo_lightning.checks import check_number
 from ngrpo_lightning.registry import Registry
 
 __all__ = [
+    "explorer_step",
     "Explorer",
     "ExplorerStep",
     "EXPLORERS",
@@ -70,8 +71,66 @@ class ExplorerStep:
     noise_scale: torch.Tensor | None = None  # [B] float: std of the additive noise (0 = none)
 
     def __post_init__(self):
-        if self.mixed is not None and (self.ids is None or self.weights is None):
-            raise ValueError("ExplorerStep: a step with `mixed` rows needs `ids` and `weights`")
+        # shapes and dtypes only: nothing here makes the host wait for the device
+        _field("tokens", self.tokens, 1, "integer token ids")
+        rows = self.tokens.shape[0]
+        if self.mixed is not None:
+            _field("mixed", self.mixed, 1, "bool", rows)
+            if self.ids is None or self.weights is None:
+                raise ValueError("ExplorerStep: a step with `mixed` rows needs `ids` and `weights`")
+        if self.ids is not None or self.weights is not None:
+            _field("ids", self.ids, 2, "integer token ids", rows)
+            _field("weights", self.weights, 2, "float", rows)
+            if self.weights.shape != self.ids.shape:
+                raise ValueError(
+                    f"ExplorerStep: `weights` {tuple(self.weights.shape)} must have the shape of `ids` "
+                    f"{tuple(self.ids.shape)}, [B, K]"
+                )
+        if (self.noise_seed is None) != (self.noise_scale is None):
+            raise ValueError(
+                "ExplorerStep: `noise_seed` and `noise_scale` come together (both [B] tensors, or neither)"
+            )
+        if self.noise_seed is not None:
+            _field("noise_seed", self.noise_seed, 1, "integer", rows)
+            _field("noise_scale", self.noise_scale, 1, "float", rows)
+
+
+_KINDS = {
+    "integer token ids": lambda t: not t.is_floating_point() and t.dtype != torch.bool and not t.is_complex(),
+    "integer": lambda t: not t.is_floating_point() and t.dtype != torch.bool and not t.is_complex(),
+    "bool": lambda t: t.dtype == torch.bool,
+    "float": lambda t: t.is_floating_point(),
+}
+
+
+def _field(name: str, value, dims: int, kind: str, rows: int | None = None) -> None:
+    """``ExplorerStep.<name>`` is a tensor of ``dims`` dimensions, of ``kind``, with ``rows`` rows."""
+    shape = "[B]" if dims == 1 else "[B, K]"
+    if not torch.is_tensor(value):
+        raise ValueError(f"ExplorerStep: `{name}` must be a {shape} tensor ({kind}), got {type(value).__name__}")
+    if value.dim() != dims or not _KINDS[kind](value) or (rows is not None and value.shape[0] != rows):
+        raise ValueError(
+            f"ExplorerStep: `{name}` must be a {shape} tensor ({kind}) of the step's {rows or 'B'} rows, "
+            f"got {value.dtype} {list(value.shape)}"
+        )
+
+
+def explorer_step(explorer: Explorer, logits: torch.Tensor, generator: torch.Generator | None) -> ExplorerStep:
+    """``explorer.step`` as the engines call it, its answer checked (shapes and types: no wait for
+    the device), so that a user's explorer that returns something else is named at once."""
+    try:
+        step = explorer.step(logits, generator=generator)
+    except ValueError as err:
+        if str(err).startswith("ExplorerStep:"):
+            raise ValueError(f"{type(explorer).__name__}.step: {err}") from err
+        raise
+    if not isinstance(step, ExplorerStep):
+        raise TypeError(f"{type(explorer).__name__}.step returned a {type(step).__name__}, not an ExplorerStep")
+    if step.tokens.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"{type(explorer).__name__}.step returned {step.tokens.shape[0]} tokens for {logits.shape[0]} rows"
+        )
+    return step
 
 
 class Explorer(ABC):

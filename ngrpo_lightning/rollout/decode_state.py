@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.explorers import Explorer
+from ngrpo_lightning.explorers import Explorer, explorer_step
 from ngrpo_lightning.rollout.padding import pad_to
 from ngrpo_lightning.rollout.reconstruction import mixture_vectors
 from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords
@@ -83,7 +83,7 @@ class DecodeState:
         whole = live is None
         if not whole:  # the explorer sees every row: the ended rows' last logits stay
             self.explorer_logits.index_copy_(0, live, logits)
-        step = explorer.step(logits if whole else self.explorer_logits, generator=generator)
+        step = explorer_step(explorer, logits if whole else self.explorer_logits, generator)
         if self.marker is not None:  # no mixing after a row's answer marker
             self.marker.unmix(step, ~self.finished)
         running = ~(self.finished if whole else self.finished[live])  # all true unless ended rows decode padding

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ngrpo_lightning.explorers import Explorer, ExplorerStep
+from ngrpo_lightning.explorers import Explorer, ExplorerStep, explorer_step
 from ngrpo_lightning.rollout.answer_marker import AnswerMarker
 from ngrpo_lightning.rollout.reconstruction import mixture_embeddings
 from ngrpo_lightning.rollout.records import InputRecords
@@ -103,7 +103,7 @@ class RolloutSession:
             out = native_sample()
             tokens, step = out.sampled_token_ids[:, 0].long(), None
         else:
-            step = self.explorer.step(logits.float(), generator=self.generator)
+            step = explorer_step(self.explorer, logits.float(), self.generator)
             tokens = step.tokens
             out = _sampler_output(tokens)  # the explorer's tokens replace vLLM's sampler
         n = len(tokens)
