@@ -153,6 +153,55 @@ def test_an_estimator_by_its_path_is_run_and_its_shape_checked(tmp_path, monkeyp
     assert "it must return one advantage per reward, [groups, G]" in capsys.readouterr().err
 
 
+BAD_OBJECTIVES = """
+import torch
+from ngrpo_lightning.objectives import PolicyObjective, aggregate
+
+
+class Typo(PolicyObjective):
+    loss_agg = "tokenmean"
+
+    def __call__(self, logp, old_logp, ref_logp, advantages, mask):
+        return aggregate(-advantages[:, None] * logp, mask, "token-mean"), {}
+
+
+class LossOnly(PolicyObjective):
+    def __call__(self, logp, old_logp, ref_logp, advantages, mask):
+        return aggregate(-advantages[:, None] * logp, mask, self.loss_agg)
+
+
+class PerRow(PolicyObjective):
+    def __call__(self, logp, old_logp, ref_logp, advantages, mask):
+        return -(advantages[:, None] * logp).mean(-1), {}
+
+
+class Detached(PolicyObjective):
+    def __call__(self, logp, old_logp, ref_logp, advantages, mask):
+        return aggregate(-advantages[:, None] * old_logp, mask, self.loss_agg), {}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("Typo", "objective: Typo.loss_agg='tokenmean' is unknown: allowed ['token-mean'"),
+        ("LossOnly", "objective: LossOnly returned a Tensor: an objective returns (loss, metrics)"),
+        ("PerRow", "objective: PerRow's loss must be one number (a 0-d tensor; aggregate() reduces per-token"),
+        ("Detached", "objective: Detached's loss has no gradient with respect to logp"),
+    ],
+)
+def test_an_objective_is_run_once_before_anything_loads(tmp_path, monkeypatch, capsys, name, message):
+    """A user's objective that returns something else failed inside the first update (a traceback
+    from the loop); an unknown loss_agg weighed micro-batches as another mode, silently."""
+    from ngrpo_lightning.commands.cli import main
+
+    (tmp_path / "bad_objectives.py").write_text(BAD_OBJECTIVES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["train", "model=tiny", f"objective._target_=bad_objectives.{name}", "logger=none", f"output_dir={tmp_path}"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_kl_needs_reference_logprobs():
     with pytest.raises(ValueError, match="reference"):
         GRPO(kl_coef=0.1)(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1))

@@ -23,7 +23,13 @@ from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
 from ngrpo_lightning.models.loading import check_context, load_policy, parse_dtype
-from ngrpo_lightning.objectives import OBJECTIVES, PolicyObjective, check_advantage, resolve_advantage
+from ngrpo_lightning.objectives import (
+    OBJECTIVES,
+    PolicyObjective,
+    check_advantage,
+    check_objective,
+    resolve_advantage,
+)
 from ngrpo_lightning.registry import import_path
 from ngrpo_lightning.rewards import MathReward
 from ngrpo_lightning.rollout import check_engine
@@ -93,6 +99,10 @@ def build_objective(cfg: DictConfig) -> PolicyObjective:
             "objective._target_ must name a subclass of ngrpo_lightning.objectives.PolicyObjective, "
             f"got {type(objective).__name__}"
         )
+    try:  # run once on made-up tensors: what it returns, and its loss_agg
+        check_objective(objective)
+    except (ValueError, TypeError, RuntimeError, IndexError) as err:
+        raise ConfigError(f"objective: {err}") from err
     return objective
 
 

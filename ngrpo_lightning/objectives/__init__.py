@@ -12,6 +12,7 @@ from ngrpo_lightning.objectives.aggregation import AGGREGATIONS, aggregate, mask
 from ngrpo_lightning.objectives.base import (
     OBJECTIVES,
     PolicyObjective,
+    check_objective,
     check_objective_choice,
     check_objective_key,
     register_objective,
@@ -30,6 +31,7 @@ __all__ = [
     "OBJECTIVES",
     "PolicyObjective",
     "aggregate",
+    "check_objective",
     "check_objective_choice",
     "check_objective_key",
     "check_advantage",

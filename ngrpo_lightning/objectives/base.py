@@ -29,9 +29,17 @@ from abc import ABC, abstractmethod
 import torch
 
 from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.objectives.aggregation import AGGREGATIONS
 from ngrpo_lightning.registry import Registry
 
-__all__ = ["OBJECTIVES", "PolicyObjective", "check_objective_choice", "check_objective_key", "register_objective"]
+__all__ = [
+    "OBJECTIVES",
+    "PolicyObjective",
+    "check_objective",
+    "check_objective_choice",
+    "check_objective_key",
+    "register_objective",
+]
 
 OBJECTIVES = Registry("objective", key="objective.name")
 register_objective = OBJECTIVES.register  # class decorator: selectable as ``objective.name=<name>``
@@ -73,3 +81,28 @@ def check_objective_key(key: str, value: float, low: float = 0.0):
 def check_objective_choice(key: str, value: str, allowed) -> None:
     """Fail with ``objective.<key>`` named and the allowed values."""
     return check_choice(f"objective.{key}", value, allowed)
+
+
+def check_objective(objective: PolicyObjective) -> None:
+    """Run ``objective`` once on made-up tensors (2 rollouts of 3 tokens): its ``loss_agg`` is a
+    known mode and it returns ``(scalar loss with a gradient, dict of metrics)``. ``ValueError``
+    naming the class otherwise: a user's objective that returns something else failed inside the
+    update (``iteration over a 0-d tensor``, ``grad can be implicitly created only for scalar
+    outputs``), and an unknown mode weighed micro-batches silently as another."""
+    name = type(objective).__name__
+    if objective.loss_agg not in AGGREGATIONS:
+        raise ValueError(f"{name}.loss_agg={objective.loss_agg!r} is unknown: allowed {list(AGGREGATIONS)}")
+    logp = torch.linspace(-2.0, -0.5, 6).view(2, 3).requires_grad_()
+    old = logp.detach() - 0.1
+    out = objective(logp, old, old if objective.needs_reference else None, torch.tensor([1.0, -1.0]), torch.ones(2, 3))
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise ValueError(f"{name} returned {got}: an objective returns (loss, metrics), metrics a dict of scalars")
+    loss = out[0]
+    if not torch.is_tensor(loss) or loss.dim() != 0:
+        got = f"shape {list(loss.shape)}" if torch.is_tensor(loss) else type(loss).__name__
+        raise ValueError(
+            f"{name}'s loss must be one number (a 0-d tensor; aggregate() reduces per-token losses), got {got}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(f"{name}'s loss has no gradient with respect to logp: nothing would be learned")
