@@ -428,3 +428,27 @@ def test_a_step_that_is_not_what_the_engines_read_is_named_by_field_and_explorer
     with pytest.raises(ValueError, match=r"FlatWeights.step: ExplorerStep: `weights` must be a \[B, K\] tensor"):
         explorer_step(FlatWeights(), logits, None)
     assert explorer_step(TemperatureExplorer(1.0), logits, None).tokens.shape == (B,)
+
+
+def test_an_explorer_that_samples_through_another_must_say_its_temperature():
+    """Log-probs are recorded at the explorer's own temperature: one that samples at 0.7 through a
+    TemperatureExplorer but leaves its own at the base class's 1.0 trained on the wrong log-probs."""
+    from ngrpo_lightning.build.components import check_temperature
+    from ngrpo_lightning.explorers import Explorer
+
+    class Forgot(Explorer):
+        def __init__(self, t=0.7):
+            self.sampler = TemperatureExplorer(t)
+
+        def step(self, logits, generator=None):
+            return self.sampler.step(logits, generator)
+
+    class Said(Forgot):
+        def __init__(self, t=0.7):
+            super().__init__(t)
+            self.temperature = t
+
+    with pytest.raises(ConfigError, match="Forgot samples through self.sampler at temperature 0.7 but leaves"):
+        check_temperature(Forgot())
+    check_temperature(Said())
+    check_temperature(Forgot(1.0))  # the same temperature: nothing to say

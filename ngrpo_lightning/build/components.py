@@ -89,7 +89,24 @@ def build_explorer(cfg: DictConfig) -> Explorer:
             "explorer._target_ must name a subclass of ngrpo_lightning.explorers.Explorer, "
             f"got {type(explorer).__name__}"
         )
+    check_temperature(explorer)
     return explorer
+
+
+def check_temperature(explorer: Explorer) -> None:
+    """An explorer that samples through another (``self.sampler = TemperatureExplorer(0.7)``) but
+    never sets its own ``temperature`` keeps the base class's 1.0: the engines would record the
+    tokens' log-probs at 1.0 while they were drawn at 0.7, and nothing downstream would notice."""
+    if "temperature" in vars(explorer) or type(explorer).temperature != Explorer.temperature:
+        return
+    inner = [(k, v) for k, v in vars(explorer).items() if isinstance(v, Explorer) and v.temperature != 1.0]
+    if inner:
+        key, sampler = inner[0]
+        raise ConfigError(
+            f"{type(explorer).__name__} samples through self.{key} at temperature {sampler.temperature:g} but "
+            "leaves its own temperature at the base class's 1.0, at which the engines record the tokens' "
+            f"log-probs: set self.temperature = {sampler.temperature:g} in its __init__"
+        )
 
 
 def build_objective(cfg: DictConfig) -> PolicyObjective:
