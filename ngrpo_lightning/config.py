@@ -189,6 +189,8 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
             return (
                 f"{lines[0]}: {key}={value} holds '=' or ',', which overrides read as syntax; quote it: {key}='{value}'"
             )
+    if msg.startswith("Ambiguous value for argument"):  # a sweep's comma list in a single run
+        return f"{lines[0]}: a comma-separated list sweeps its values, which needs -m (ngrpo train -m ...)"
     if "LexerNoViableAltException" in msg and len(lines) > 1:  # a character the grammar has no token for
         override, at = lines[0].split(": ", 1)[-1], lines[1].find("^")  # the caret marks it in lines[0]
         bad = f"{lines[0][at]!r} " if 0 <= at < len(lines[0]) else ""

@@ -28,36 +28,69 @@ def jobs(tmp_path, sweep):
 
 
 def test_basic_sweep_tags_runs_reports_failures_and_skips_finished_jobs(store, tmp_path, capsys):
-    cmd = ["train", "-m", *TINY, f"logger.tracking_uri={store}", "sweep=s1", "seed=0,1", "optim.lr=0.01,-1.0"]
+    # a prompt cap below every prompt fails two of the four runs as they start (their configs pass the
+    # sweep's checks: only the tokenized prompts tell)
+    cmd = [
+        "train",
+        "-m",
+        *TINY,
+        f"logger.tracking_uri={store}",
+        "sweep=s1",
+        "seed=0,1",
+        "data.max_prompt_tokens=4096,8",
+    ]
     assert main(cmd) == 1  # two of the four runs fail: the sweep reports it
     text = capsys.readouterr().out
     assert "Sweep s1 (4 runs)" in text and text.count("| finished |") == 2 and text.count("| failed: ") == 2
-    assert "optim.lr=-1.0" in text and "sweep=s1 to resume them" in text
+    assert "data.max_prompt_tokens=8" in text and "sweep=s1 to try them again" in text
+    assert "2 of them on a setting, which must change first" in text
     done = jobs(tmp_path, "s1")
     assert len(done) == 4 and len({j["arm"] for j in done.values()}) == 2
     ok = {k: j for k, j in done.items() if j["status"] == "finished"}
-    assert {j["seed"] for j in ok.values()} == {0, 1} and {j["arm"] for j in ok.values()} == {"optim.lr=0.01"}
-    assert all("optim.lr=-1.0 is out of range" in j["error"] for j in done.values() if j["status"] == "failed")
-    runs = sweep_runs(store, "s1")
+    assert {j["seed"] for j in ok.values()} == {0, 1} and {j["arm"] for j in ok.values()} == {
+        "data.max_prompt_tokens=4096"
+    }
+    failed = [j["error"] for j in done.values() if j["status"] == "failed"]
+    assert all("longer than data.max_prompt_tokens=8 tokens" in error for error in failed)
+    every = sweep_runs(store, "s1")  # the failed jobs' runs too: they failed after their run started
+    assert sorted(r.info.status for r in every) == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
+    runs = [r for r in every if r.info.status == "FINISHED"]
     assert sorted(r.info.run_id for r in runs) == sorted(j["run_id"] for j in ok.values())
     for r in runs:
         tags = r.data.tags
-        assert tags["ngrpo.arm"] == "optim.lr=0.01" and tags["ngrpo.explorer"] == "temperature"
+        assert tags["ngrpo.arm"] == "data.max_prompt_tokens=4096" and tags["ngrpo.explorer"] == "temperature"
         assert tags["ngrpo.objective"] == "grpo" and tags["ngrpo.seed"] in {"0", "1"}
         assert tags["ngrpo.version"] == ngrpo_lightning.__version__  # and, from a checkout, its commit
         assert r.data.params["seed"] == tags["ngrpo.seed"] and r.info.status == "FINISHED"
     folders = {r.data.params["output_dir"] for r in runs}
     assert len(folders) == 2 and all("multirun/s1/" in f for f in folders)
-    assert {Path(f).name.split(",data.")[0] for f in folders} == {"optim.lr=0.01,seed=0", "optim.lr=0.01,seed=1"}
+    names = {Path(f).name.split(",data.prompts")[0] for f in folders}
+    assert names == {"data.max_prompt_tokens=4096,seed=0", "data.max_prompt_tokens=4096,seed=1"}
     for folder in folders:  # each job records the command that retrains it, not Hydra's sweep internals
         command = read_checkpoint(find_checkpoint(folder)).meta["command"]
         assert command.startswith("ngrpo train ") and "hydra." not in command and "--multirun" not in command
-        assert "optim.lr=0.01" in command and ("seed=0" in command or "seed=1" in command)
+        assert "data.max_prompt_tokens=4096" in command and ("seed=0" in command or "seed=1" in command)
 
     assert main(cmd) == 1  # again: the finished runs are skipped, the failed ones tried again
-    assert len(sweep_runs(store, "s1")) == 2
+    assert sum(r.info.status == "FINISHED" for r in sweep_runs(store, "s1")) == 2
     again = jobs(tmp_path, "s1")
     assert all(again[k]["run_id"] == j["run_id"] and "resumed" in again[k] for k, j in ok.items())
+
+
+def test_a_setting_no_job_can_run_refuses_the_sweep_before_any_job_trains(tmp_path, monkeypatch, capsys):
+    """Every job's config is checked first, as one run's is: a key one arm does not take, or a list
+    where a sweep was meant (seed=[0,1] stopped the sweep with a traceback), refuses the whole sweep,
+    naming the job; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "-m", *TINY, f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "sweep=bad"]
+    assert main([*base, "seed=0,1", "explorer=neighbor,temperature", "explorer.k=4"]) == 2
+    err = capsys.readouterr().err
+    assert "the sweep's job seed=0 explorer=temperature: unknown config key 'explorer.k'" in err
+    assert main([*base, "seed=[0,1]"]) == 2
+    assert "seed=[0, 1] must be an integer" in capsys.readouterr().err
+    assert not (tmp_path / "multirun").exists()
+    assert main(["train", *TINY, "seed=0,1"]) == 2  # a sweep's list without -m
+    assert "a comma-separated list sweeps its values, which needs -m" in capsys.readouterr().err
 
 
 def test_joblib_launcher_runs_jobs_in_parallel_processes(store, tmp_path, capsys):

@@ -18,6 +18,7 @@ SLURM cluster (extras ``sweep``; see docs/sweeps.md). Each job is one ordinary t
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -32,7 +33,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ngrpo_lightning import schema
-from ngrpo_lightning.config import ConfigError, config_dir, normalize_overrides
+from ngrpo_lightning.build.components import check_config
+from ngrpo_lightning.config import ConfigError, compose, config_dir, normalize_overrides
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
     sweep_dir = Path(root) / sweep
     args = [o for o in normalize_overrides(overrides) if not o.startswith("sweep=")]
     swept = swept_keys(args)
+    check_jobs(args)  # every job's config, before any job trains
     args += [
         f"sweep={sweep}",
         f"hydra.sweep.dir={sweep_dir}",
@@ -105,6 +108,30 @@ def swept_keys(overrides: list[str]) -> set[str]:
     except Exception as err:  # noqa: BLE001 - Hydra's parse errors carry the position
         raise ConfigError(f"cannot read the sweep's overrides {overrides}: {err}") from err
     return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def check_jobs(args: list[str]) -> None:
+    """Compose and check the config of every job the overrides sweep (as ``ngrpo train`` checks
+    one run's) before any job trains: a wrong key or value refuses the whole sweep, naming the job,
+    where it failed that arm's jobs after others had trained (or, for a list where a sweep was
+    meant, ``seed=[0,1]``, stopped the sweep with a traceback)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def quoted(value: str) -> str:
+        return value if re.fullmatch(r"[\w./:@+-]*", value) else "'" + value.replace("'", "\\'") + "'"
+
+    choices = [
+        [f"{o.get_key_element()}={quoted(v)}" for v in o.sweep_string_iterator()]
+        if o.is_sweep_override()
+        else [o.input_line]
+        for o in OverridesParser.create().parse_overrides(args)
+    ]
+    for job in itertools.product(*choices):
+        try:
+            check_config(compose(list(job)))
+        except ConfigError as err:
+            swept = [o for o, options in zip(job, choices) if len(options) > 1]
+            raise ConfigError(f"the sweep's job {' '.join(swept) or '(the only one)'}: {err}") from err
 
 
 def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dict:
@@ -174,6 +201,12 @@ def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict], store: str | None
         lines.append(f"| {j['arm']} | {j['seed']} | {status} | {acc} | {j.get('run_id') or ''} |")
     failed = [j for j in jobs if j["status"] != "finished"]
     if failed:
-        lines += ["", f"{len(failed)} run(s) did not finish: run the same command with sweep={sweep} to resume them"]
+        on_settings = sum(str(j.get("error", "")).startswith("ConfigError") for j in failed)
+        lines += [
+            "",
+            f"{len(failed)} run(s) did not finish: run the same command with sweep={sweep} to try them again"
+            " (finished runs are skipped, interrupted ones resume)"
+            + (f"; {on_settings} of them on a setting, which must change first" if on_settings else ""),
+        ]
     lines += ["", f"compare the arms: ngrpo compare sweep={sweep}" + (f" store={store}" if store else "")]
     return "\n".join(lines)

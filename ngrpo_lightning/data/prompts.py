@@ -13,6 +13,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from ngrpo_lightning.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -82,9 +84,11 @@ class PromptDataset(Dataset):
             log.warning(
                 "dropped %d of %d prompts longer than %d tokens", self.num_dropped, self.num_total, max_prompt_tokens
             )
-            if not self.items:
-                raise ValueError(
-                    f"all {self.num_total} prompts are longer than data.max_prompt_tokens={max_prompt_tokens} tokens"
+            if not self.items:  # a setting to change, said before any step (a ConfigError reaches the command line)
+                shortest = min(len(ids) for ids in encoded)
+                raise ConfigError(
+                    f"all {self.num_total} prompts are longer than data.max_prompt_tokens={max_prompt_tokens} tokens "
+                    f"(the shortest has {shortest}): raise data.max_prompt_tokens"
                 )
 
     def __len__(self) -> int:
