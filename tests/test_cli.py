@@ -41,6 +41,9 @@ def test_malformed_data_file_names_file_and_line(capsys, tmp_path):
     bad.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n{not json\n")
     err = run_error(capsys, "train", "model=tiny", "data=files", f"data.train={bad}", "logger=none")
     assert "train.jsonl:2" in err
+    bad.write_text('{"problem": "1+1", "answer": "2"\n')  # its closing brace missing: the line's end, not column 1
+    err = run_error(capsys, "train", "model=tiny", "data=files", f"data.train={bad}", "logger=none")
+    assert "train.jsonl:1: malformed JSON line (Expecting ',' delimiter at column 33)" in err
 
 
 def test_missing_answer_field_is_named(capsys, tmp_path):

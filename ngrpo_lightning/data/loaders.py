@@ -154,7 +154,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a column past the line's end, not one of the next line
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
             yield f"{path}:{lineno}", record
