@@ -200,5 +200,8 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
         )
     if "Available options" not in msg:
         return lines[0]
-    options = msg.split("\nConfig search path:")[0]  # where Hydra looked: its internals, not the user's
-    return options.strip()
+    options = msg.split("\nConfig search path:")[0].strip()  # where Hydra looked: its internals, not the user's
+    asked = re.search(r"Could not find '(\w+)/([\w.]+\.\w+)'", msg)  # explorer=my_mod.MyExplorer: a class path
+    if asked and asked[1] in ("explorer", "objective"):
+        options += f"\n{asked[2]} looks like a class path: give it as {asked[1]}._target_={asked[2]}"
+    return options

@@ -23,6 +23,8 @@ def test_unknown_group_option_lists_options(capsys):
     err = run_error(capsys, "train", "explorer=bogus")
     assert "bogus" in err and "temperature" in err
     assert "Config search path" not in err  # Hydra's internals, not the user's
+    err = run_error(capsys, "train", "explorer=my_mod.MyExplorer")
+    assert "my_mod.MyExplorer looks like a class path: give it as explorer._target_=my_mod.MyExplorer" in err
 
 
 def test_missing_model_path_is_named(capsys, tmp_path, monkeypatch):
