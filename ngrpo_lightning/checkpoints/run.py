@@ -191,11 +191,11 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     try:
         every = check_number("checkpoint.every_n_steps", node.get("every_n_steps", 0) or 0, 0, integer=True)
         keep = check_number("checkpoint.keep", node.get("keep", -1), -1, integer=True)
+        mode = check_choice("checkpoint.best_mode", node.get("best_mode", "max"), ("max", "min"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     best = []
     if node.get("best"):  # the best validation checkpoint, as the N-GRPO release keeps by AIME24 mean@32
-        mode = check_choice("checkpoint.best_mode", node.get("best_mode", "max"), ("max", "min"))
         best = [
             BestCheckpoint(
                 dirpath=str(checkpoint_dir(cfg)),
