@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["check_bool", "check_choice", "check_number"]
+__all__ = ["check_bool", "check_choice", "check_number", "check_seed"]
 
 
 def check_number(
@@ -46,6 +46,12 @@ def check_number(
         interval = f"{'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
         raise ValueError(f"{key}={value!r} is out of range: allowed {interval}{suffix}")
     return value
+
+
+def check_seed(value) -> int:
+    """``seed``: an integer Lightning's ``seed_everything`` takes as it is, ``[0, 2**32 - 1]`` (outside
+    it Lightning warns and draws a random seed: a run that cannot be repeated)."""
+    return check_number("seed", value, 0, 2**32 - 1, integer=True)
 
 
 def check_bool(key: str, value, error: type[ValueError] = ValueError) -> bool:

@@ -18,7 +18,7 @@ from ngrpo_lightning.build.models import build_backend, check_model_settings, pa
 from ngrpo_lightning.build.trainer import build_trainer, check_async_save, check_export, check_trainer
 from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer
 from ngrpo_lightning.checkpoints.run import build_checkpointing
-from ngrpo_lightning.checks import check_bool, check_number
+from ngrpo_lightning.checks import check_bool, check_number, check_seed
 from ngrpo_lightning.config import ConfigError, named_error
 from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
@@ -201,7 +201,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     try:
         for key, value, low in checks:
             check_number(key, value, low, integer=True)
-        check_number("seed", cfg.get("seed", 0), 0, 2**32 - 1, integer=True)  # Lightning's range; else a random one
+        check_seed(cfg.get("seed", 0))
         check_number("rollout.val_temperature", r.val_temperature, 0.0)
         check_bool("rollout.ignore_eos", r.get("ignore_eos", False))
         check_bool("overwrite", cfg.get("overwrite", False))
@@ -229,14 +229,11 @@ def build_module(cfg: DictConfig) -> RLModule:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=backend.attention,
     )
-    try:
-        check_context(
-            policy,
-            ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
-            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    check_context(
+        policy,
+        ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+    )
     try:  # before the first rollout builds the engine
         check_engine(cfg.rollout.engine, engine_settings(cfg)).check_model(policy)
     except ValueError as err:

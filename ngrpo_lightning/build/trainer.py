@@ -59,11 +59,10 @@ def check_trainer(cfg: DictConfig) -> None:
             )
             raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {hint}")
     parallel = parallel_config(cfg)
-    strategy = trainer.get("strategy")
-    if parallel is None and (process_count(cfg) > 1 or strategy not in (None, "auto", "single_device")):
+    strategy, count = trainer.get("strategy"), process_count(cfg)
+    if parallel is None and (count > 1 or strategy not in (None, "auto", "single_device")):
         # Lightning would start DDP (or the strategy named); the module shards and agrees over ranks
         # through FSDP2 only
-        count = process_count(cfg)
         asked = (
             f"trainer.strategy={strategy} without trainer.parallel"
             if strategy not in (None, "auto")

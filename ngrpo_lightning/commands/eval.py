@@ -22,7 +22,7 @@ from ngrpo_lightning.checkpoints.trained_policy import (
     load_trained_policy,
     read_checkpoint,
 )
-from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.checks import check_choice, check_seed
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.data import load_problems, reasoning_gym_problems
 from ngrpo_lightning.data.benchmarks import load_benchmark
@@ -170,14 +170,11 @@ def load_eval_policy(cfg, backend: Backend | None = None):
             **remote,
             action="eval",
         )
-    try:
-        check_context(
-            policy,
-            ("data.max_prompt_tokens", cfg.data.get("max_prompt_tokens", 4096)),
-            ("max_new_tokens", cfg.max_new_tokens),
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    check_context(
+        policy,
+        ("data.max_prompt_tokens", cfg.data.get("max_prompt_tokens", 4096)),
+        ("max_new_tokens", cfg.max_new_tokens),
+    )
     return backend.on_device(backend.prepare(policy.to(eval_device(cfg)).eval())), tokenizer
 
 
@@ -188,7 +185,7 @@ def run_eval(cfg) -> dict:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     quiet_libraries(verbose=bool((cfg.get("logger") or {}).get("verbose", False)))
     try:
-        L.seed_everything(check_number("seed", cfg.seed, 0, 2**32 - 1, integer=True), workers=True, verbose=False)
+        L.seed_everything(check_seed(cfg.seed), workers=True, verbose=False)
         ks = check_ks(cfg.get("ks"), cfg.n)
         explorer = TemperatureExplorer(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     except ValueError as err:  # the sampling settings are eval's own keys, not an explorer's

@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from ngrpo_lightning.backends import attention
-from ngrpo_lightning.config import cache_dir
+from ngrpo_lightning.config import ConfigError, cache_dir
 
 try:  # POSIX only; elsewhere concurrent first builds are simply not guarded
     import fcntl
@@ -273,12 +273,12 @@ def check_context(model: torch.nn.Module, prompt: tuple[str, int], new: tuple[st
     """A prompt of at most ``prompt`` tokens and a response of at most ``new`` (``(config key,
     tokens)`` each) fit the model's context, ``max_position_embeddings`` (as vLLM's
     ``max_model_len`` must): beyond it positions were never trained, and the KV cache of so many
-    tokens would be allocated before the first one decodes."""
+    tokens would be allocated before the first one decodes. A :class:`ConfigError` naming both keys."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     (prompt_key, prompt_tokens), (new_key, new_tokens) = prompt, new
     if limit and prompt_tokens + new_tokens > limit:
         room = f"{new_key} to at most {limit - prompt_tokens}, or " if prompt_tokens < limit else ""
-        raise ValueError(
+        raise ConfigError(
             f"{prompt_key}={prompt_tokens} + {new_key}={new_tokens} = {prompt_tokens + new_tokens} tokens, "
             f"longer than the model's context, {limit} tokens (max_position_embeddings in its config): "
             f"lower {room}{prompt_key} (the longest prompt kept)"
