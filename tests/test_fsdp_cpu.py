@@ -261,8 +261,10 @@ def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(
     m1, m2 = metrics(one, *more), metrics(two, *more)
     assert m1["async/weights_version"] == m2["async/weights_version"] == [0.0, 0.0, 1.0]
     assert m1["train/tis_weight_mean"][1] != pytest.approx(1.0, abs=1e-6)  # batch 1 is stale, and corrected
+    # two ranks sum the gradients in another order than one process; two updates at lr 5e-2 (LoRA)
+    # grow that float32 rounding: 1.1e-4 relative in step 3's grad norm on an AVX2 machine
     for key in KEYS + list(more):
-        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
+        assert m2[key] == pytest.approx(m1[key], rel=5e-4, abs=1e-5), key
     final = policy_weights(two / "checkpoints/last.ckpt")
     w1 = policy_weights(one / "checkpoints/last.ckpt")
     assert w1.keys() == final.keys() and all(".lora_" in k for k in w1) == adapters

@@ -34,12 +34,12 @@ def init_worker(slots, counter) -> None:
     die_with_parent()
     # Ctrl-C goes to the whole process group; the parent handles it and kills the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with counter.get_lock():
+    with counter.get_lock():  # the parent reads the count under this lock: it sees the PID with it
         slot = counter.value
+        if (slot + 1) * SLOT_WIDTH <= len(slots):
+            _slots, _slot = slots, slot
+            _slots[slot * SLOT_WIDTH] = os.getpid()
         counter.value += 1
-    if (slot + 1) * SLOT_WIDTH <= len(slots):
-        _slots, _slot = slots, slot
-        _slots[slot * SLOT_WIDTH] = os.getpid()
 
 
 def die_with_parent() -> None:
