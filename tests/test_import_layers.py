@@ -33,6 +33,7 @@ LAZY_OK = {
             "commands.eval",
             "checkpoints",
             "checkpoints.export",
+            "checkpoints.disk",
             "commands.sweep",
             "commands.compare",
             "commands.compare.command",

@@ -5,7 +5,8 @@ copies that buffer to the file, so a save briefly holds the checkpoint twice mor
 for the packaged model's run that was the run's peak. :class:`StreamingCheckpointIO` has
 ``torch.save`` write straight into a temporary file beside the target, which is renamed into
 place when complete: a process killed during a save leaves the previous checkpoint as it was
-(``os.replace`` is atomic on a local disk). Remote paths (``s3://``, ...) are written through
+(``os.replace`` is atomic on a local disk); one that finds the disk full fails with one line
+saying so (:class:`~ngrpo_lightning.checkpoints.disk.DiskFull`). Remote paths (``s3://``, ...) are written through
 fsspec's transaction, which commits the object only when it is complete.
 
 :class:`AtomicModelParallelStrategy` does the same for FSDP2's distributed checkpoints (a
@@ -28,6 +29,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+
+from ngrpo_lightning.checkpoints.disk import disk_full
 
 __all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io"]
 
@@ -60,8 +63,12 @@ class StreamingCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException as err:
+            written = tmp.stat().st_size if tmp.exists() else 0  # before its space is freed
+            full = disk_full(err, target, written) if isinstance(err, Exception) else None
             tmp.unlink(missing_ok=True)
+            if full is not None:
+                raise full from err
             raise
 
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.checkpoints.best import BestCheckpoint
+from ngrpo_lightning.checkpoints.disk import DiskSpaceCheck
 from ngrpo_lightning.checks import check_choice, check_number
 from ngrpo_lightning.config import ConfigError
 
@@ -184,7 +185,8 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept;
     with ``checkpoint.best=<metric>`` also ``best.ckpt``, the checkpoint of the best value of that
     validation metric (``checkpoint.best_mode``: max or min) over the validations during and after
-    the fit (:class:`BestCheckpoint`)."""
+    the fit (:class:`BestCheckpoint`). A warning before the first step if their disk cannot hold
+    them (:class:`DiskSpaceCheck`)."""
     if not cfg.trainer.get("enable_checkpointing", True):
         return []
     node = cfg.get("checkpoint") or {}
@@ -219,7 +221,8 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
             every_n_train_steps=every or None,
             save_on_train_epoch_end=False,
             enable_version_counter=False,
-        )
+        ),
+        DiskSpaceCheck(checkpoint_dir(cfg), every, keep, best=bool(best)),
     ]
 
 

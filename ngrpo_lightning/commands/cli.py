@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
+        from ngrpo_lightning.checkpoints.disk import DiskFull
         from ngrpo_lightning.commands.train import Interrupted, train
 
         try:
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         except Interrupted as err:
             print(f"ngrpo train: {err}", file=sys.stderr)
             return err.status
+        except DiskFull as err:  # the run is marked failed; its checkpoints so far are kept
+            print(f"ngrpo train: error: {err}", file=sys.stderr)
+            return 1
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2

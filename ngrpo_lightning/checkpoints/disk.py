@@ -1,0 +1,130 @@
+"""Disk space for a run's checkpoints.
+
+A checkpoint of the packaged model's run is about 1 GiB (the policy's weights and AdamW's two
+moments of each trainable weight); a run that keeps several needs several times that. When the
+disk fills during a write, ``torch.save`` fails with ``unexpected pos 497986432 vs 497986320``,
+which names neither the cause nor the file. So:
+
+- :class:`DiskSpaceCheck` warns before the first step when ``output_dir``'s disk cannot hold the
+  checkpoints the run will keep (an estimate: the disk may be freed meanwhile, so the run goes on);
+- :func:`disk_full` turns a write that ran out of space into :class:`DiskFull`, one line naming
+  the file, the space left and what is kept. The writer (``io.py``) writes beside the target and
+  renames, so the checkpoints already written stay as they were.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+from torch.distributed.tensor import DTensor
+
+__all__ = ["DiskFull", "DiskSpaceCheck", "checkpoint_bytes", "disk_full"]
+
+NEARLY_FULL = 64 * 2**20  # bytes free below which a failed write is taken for a full disk
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**27 else f"{n / 2**20:.0f} MiB"
+
+
+class DiskFull(OSError):
+    """A checkpoint was not written: its disk is full. Those written before are unchanged."""
+
+    def __init__(self, text: str):
+        super().__init__(errno.ENOSPC, text)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _no_space(err: BaseException | None) -> bool:
+    """Whether ``err`` or an exception it was raised from or during is 'no space left' (or a quota)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def disk_full(err: BaseException, target: Path, written: int) -> DiskFull | None:
+    """:class:`DiskFull` for a write of ``target`` that failed with ``err`` after ``written`` bytes,
+    if the disk is what failed it (the error says so, or the disk is nearly full: torch's writer
+    reports a short write as a position mismatch); ``None`` for any other failure."""
+    free = shutil.disk_usage(target.parent).free
+    if not (_no_space(err) or free < NEARLY_FULL):
+        return None
+    return DiskFull(
+        f"checkpoint {target} was not written: its disk is full ({gib(free)} free after {gib(written)} of it "
+        "were written, now deleted). The checkpoints written before are unchanged: free space (or lower "
+        "checkpoint.keep), then resume=last continues from the last one"
+    )
+
+
+def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:
+    """About what one checkpoint of ``module`` holds, in bytes: ``(weights, optimizer)``. The
+    weights are those its ``state_dict`` saves (not the frozen reference's), shared ones once; the optimizer's state
+    is AdamW's two moments of each trainable weight, in that weight's dtype."""
+    weights, seen = 0, set()
+    for t in module.state_dict().values():
+        if isinstance(t, DTensor):  # a shard of each: all of it is written, by the ranks together
+            weights += t.numel() * t.element_size()
+        elif t.untyped_storage().data_ptr() not in seen:  # tied weights (embeddings, lm_head) are saved once
+            seen.add(t.untyped_storage().data_ptr())
+            weights += t.untyped_storage().nbytes()
+    optimizer = sum(2 * p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return weights, optimizer
+
+
+class DiskSpaceCheck(L.Callback):
+    """Warns before the first step when ``dirpath``'s disk has less free space than the run's
+    checkpoints need: those it keeps at once (``checkpoint.every_n_steps`` and ``keep``, and
+    ``best.ckpt`` with ``best``) and the one being written beside them. ``free_bytes``: the space
+    to check against (default: what the disk has free at the start of training)."""
+
+    def __init__(
+        self, dirpath: str | Path, every_n_steps: int = 0, keep: int = -1, best: bool = False, free_bytes=None
+    ):
+        self.dirpath = Path(dirpath)
+        self.every_n_steps, self.keep, self.best = every_n_steps, keep, best
+        self.free_bytes = free_bytes
+        self.needed: int | None = None  # bytes, once estimated
+
+    def kept(self, trainer: L.Trainer) -> int | None:
+        """How many checkpoint files the run keeps at once (``None``: all of them, and the run has
+        no step limit)."""
+        if not self.every_n_steps or self.keep == 0:
+            steps = 1  # last.ckpt, a file
+        elif self.keep > 0:
+            steps = self.keep  # last.ckpt links to the newest
+        elif trainer.max_steps is None or trainer.max_steps < 0:
+            return None
+        else:
+            steps = math.ceil(trainer.max_steps / self.every_n_steps) + 1  # and the last step's
+        return steps + int(self.best)
+
+    @rank_zero_only
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights, optimizer = checkpoint_bytes(pl_module)
+        kept = self.kept(trainer)
+        self.needed = ((kept or 1) + 1) * (weights + optimizer)  # + the one being written beside them
+        where = next((p for p in (self.dirpath, *self.dirpath.parents) if p.exists()), Path("."))
+        free = shutil.disk_usage(where).free if self.free_bytes is None else self.free_bytes
+        if free >= self.needed:
+            return
+        many = f"up to {kept} checkpoints" if kept else f"a checkpoint every {self.every_n_steps} steps, all"
+        warnings.warn(
+            f"checkpoints in {self.dirpath}: its disk has {gib(free)} free, and this run keeps {many} of about "
+            f"{gib(weights + optimizer)} each (weights {gib(weights)}, optimizer state {gib(optimizer)}), "
+            f"{gib(self.needed)} with the one being written. A save that finds the disk full stops the run "
+            "(the checkpoints before it are kept): free space, lower checkpoint.keep, or give output_dir= "
+            "another disk",
+            stacklevel=1,
+        )
