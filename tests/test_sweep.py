@@ -3,6 +3,7 @@ a failed arm is reported and the sweep goes on, a re-run skips what finished; th
 joblib launchers."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from mlflow import MlflowClient
 import ngrpo_lightning
 from ngrpo_lightning.checkpoints.trained_policy import find_checkpoint, read_checkpoint
 from ngrpo_lightning.commands.cli import main
+from ngrpo_lightning.commands.sweep import folder_name
 
 TINY = [*TINY_JOB, "trainer.max_steps=1", "data.val_size=2"]
 
@@ -111,3 +113,38 @@ def test_a_jobs_folder_names_the_swept_keys_first_and_stays_within_its_length():
     assert name.startswith("experiment=ngrpo,seed=1,data.tasks=_basic_arithmetic,chain_sum_,data.val_size=4")
     assert len(name) == 99 and name != folder_name(f"{common},experiment=ngrpo,rollout.max_new_tokens=9,seed=1")
     assert folder_name("experiment=grpo,seed=0", {"experiment", "seed"}) == "experiment=grpo,seed=0"
+
+
+def job_folder(sweep: str, args: list[str]) -> Path:
+    """The folder of the sweep's job of ``args`` (one value per swept key), as Hydra names it:
+    its overrides, one per key (the last), sorted, values as Hydra writes them (``False``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    items = {
+        o.get_key_element(): f"{o.get_key_element()}={o.get_value_element_as_str()}"
+        for o in OverridesParser.create().parse_overrides(args)
+        if o.get_key_element() not in ("sweep", "logger.tracking_uri")
+    }
+    return Path("multirun") / sweep / folder_name(",".join(sorted(items.values())), {"seed"})
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_stops_the_sweep_and_a_rerun_trains_what_did_not_finish(store, tmp_path, capsys):
+    """The first job's checkpoint finds the disk full (written to /dev/full): the second job is not
+    started (it would fail at its first checkpoint, its steps lost), the table says to free space;
+    the same command afterwards trains both."""
+    args = [*TINY, "data.val_size=0", "checkpoint.every_n_steps=1", f"logger.tracking_uri={store}"]
+    first = job_folder("full", [*args, "seed=0"]) / "checkpoints"
+    first.mkdir(parents=True)
+    os.symlink("/dev/full", first / ".step-step=1.ckpt.partial")
+    cmd = ["train", "-m", *args, "sweep=full", "seed=0,1"]
+    assert main(cmd) == 1
+    text = capsys.readouterr().out
+    assert "| failed: DiskFull: checkpoint " in text and "| not started: DiskFull: an earlier job's checkpoint" in text
+    assert "the disk of the checkpoints is full: free space first" in text
+    done = {j["seed"]: j for j in jobs(tmp_path, "full").values()}
+    assert done[0]["status"] == "failed" and done[1]["status"] == "not started"
+    assert not (job_folder("full", [*args, "seed=1"]) / "checkpoints").exists()  # nothing trained
+    assert main(cmd) == 0  # the partial file's link went with the failed write: there is room now
+    assert {j["status"] for j in jobs(tmp_path, "full").values()} == {"finished"}
+    assert "| finished | not run -> not run |" in capsys.readouterr().out  # no validation set

@@ -11,16 +11,19 @@ SLURM cluster (extras ``sweep``; see docs/sweeps.md). Each job is one ordinary t
   the job's values of the swept keys other than the seed, e.g. ``experiment=ngrpo``, or
   ``<explorer> x <objective>`` when only seeds are swept), ``ngrpo.seed``, ``ngrpo.explorer``,
   ``ngrpo.objective``;
-* a failure is recorded and reported, and the sweep goes on;
+* a failure is recorded and reported, and the sweep goes on, except when a checkpoint found the
+  disk full: the jobs after it would fail the same way, so they are not started;
 * re-running the same sweep (``sweep=<id>``) skips the jobs that finished and resumes the
   others from their last checkpoint (``resume=last``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import math
 import re
 import shlex
 import sys
@@ -34,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ngrpo_lightning import schema
 from ngrpo_lightning.build.components import check_config
+from ngrpo_lightning.checkpoints.disk import DiskFull
 from ngrpo_lightning.config import ConfigError, compose, config_dir, normalize_overrides
 
 log = logging.getLogger(__name__)
@@ -68,9 +72,11 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
 
     schema.register()  # the typed nodes conf/config.yaml places
 
+    disk_full: list[str] = []  # what a job's checkpoint said when it found the disk full
+
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
     def job(cfg: DictConfig) -> dict:
-        return run_job(cfg, swept, train)
+        return run_job(cfg, swept, train, disk_full)
 
     argv, root_logger = sys.argv, logging.getLogger()
     handlers, level = list(root_logger.handlers), root_logger.level
@@ -134,9 +140,12 @@ def check_jobs(args: list[str]) -> None:
             raise ConfigError(f"the sweep's job {' '.join(swept) or '(the only one)'}: {err}") from err
 
 
-def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dict:
+def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict], disk_full: list[str] | None = None) -> dict:
     """One job of a sweep, inside Hydra's launcher: skip it if it finished before, resume it if
-    it has a checkpoint, train it otherwise; never raise (the sweep goes on)."""
+    it has a checkpoint, train it otherwise; never raise (the sweep goes on). ``disk_full``: the
+    sweep's record of a checkpoint that found the disk full (this job appends to it): while it
+    holds one, jobs are recorded as not started instead of training."""
+    disk_full = [] if disk_full is None else disk_full
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
@@ -154,6 +163,12 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dic
             cfg.sweep, record["arm"], record["seed"], before["run_id"],
         )  # fmt: skip
         return before
+    if disk_full:  # it would fail at its first checkpoint, its steps lost
+        record.update(status="not started", error=f"DiskFull: an earlier job's {disk_full[0]}")
+        with contextlib.suppress(OSError):  # the disk is full: the table reports the job all the same
+            record_path.parent.mkdir(parents=True, exist_ok=True)
+            record_path.write_text(json.dumps(record, indent=1))
+        return record
     OmegaConf.resolve(cfg)
     resume = (out / "checkpoints" / "last.ckpt").exists()
     with open_dict(cfg):
@@ -180,7 +195,10 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict]) -> dic
     except Exception as err:  # noqa: BLE001 - one failed arm must not stop the sweep
         log.error("sweep %s: %s (seed %s) failed: %s", cfg.sweep, record["arm"], cfg.seed, err)
         record.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-    record_path.write_text(json.dumps(record, indent=1))
+        if isinstance(err, DiskFull):
+            disk_full.append(str(err).split(": ", 1)[0])  # "checkpoint <path> was not written"
+    with contextlib.suppress(OSError):  # a full disk: the record in memory still reaches the table
+        record_path.write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -195,18 +213,21 @@ def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict], store: str | None
     ]
     for j in sorted(jobs, key=lambda j: (j["arm"], j["seed"])):
         acc = ""
-        if "val_accuracy_after" in j:
-            acc = f"{j.get('val_accuracy_before', float('nan')):.3f} -> {j['val_accuracy_after']:.3f}"
+        if "val_accuracy_after" in j:  # a run without validation problems: NaN, "not run" as its summary says
+            before, after = (j.get(k, math.nan) for k in ("val_accuracy_before", "val_accuracy_after"))
+            acc = " -> ".join("not run" if math.isnan(v) else f"{v:.3f}" for v in (before, after))
         status = j["status"] + (f": {j['error'][:80]}" if j.get("error") else "")
         lines.append(f"| {j['arm']} | {j['seed']} | {status} | {acc} | {j.get('run_id') or ''} |")
     failed = [j for j in jobs if j["status"] != "finished"]
     if failed:
         on_settings = sum(str(j.get("error", "")).startswith("ConfigError") for j in failed)
+        full = any(str(j.get("error", "")).startswith("DiskFull") for j in failed)
         lines += [
             "",
             f"{len(failed)} run(s) did not finish: run the same command with sweep={sweep} to try them again"
             " (finished runs are skipped, interrupted ones resume)"
-            + (f"; {on_settings} of them on a setting, which must change first" if on_settings else ""),
+            + (f"; {on_settings} of them on a setting, which must change first" if on_settings else "")
+            + ("; the disk of the checkpoints is full: free space first" if full else ""),
         ]
     lines += ["", f"compare the arms: ngrpo compare sweep={sweep}" + (f" store={store}" if store else "")]
     return "\n".join(lines)
