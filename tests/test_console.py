@@ -121,3 +121,30 @@ def test_the_header_counts_steps_in_words():
         "ngrpo train: temperature x grpo, 1 step\n"
     )
     assert ", 3 steps\n" in header(compose(["model=tiny", "trainer.max_steps=3"]))
+
+
+def test_a_failing_step_ends_the_bar_s_line_before_the_error(tiny, capsys):
+    """The error the command prints after a failed step (a full disk, a crash) starts on its own line."""
+    import lightning as L
+    from conftest import ScriptedReward, tiny_rl
+
+    from ngrpo_lightning.tracking.console import StepProgressBar
+
+    class Fail(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            raise RuntimeError("step 1 failed")
+
+    module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[StepProgressBar(), Fail()],
+    )
+    with pytest.raises(RuntimeError, match="step 1 failed"):
+        trainer.fit(module, datamodule)
+    out = capsys.readouterr().out
+    assert "step 1/2" in out and out.endswith("\n")

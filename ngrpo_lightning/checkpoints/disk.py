@@ -84,7 +84,7 @@ def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:
 
 
 class DiskSpaceCheck(L.Callback):
-    """Warns before the first step when ``dirpath``'s disk has less free space than the run's
+    """Warns as the fit is set up when ``dirpath``'s disk has less free space than the run's
     checkpoints need: those it keeps at once (``checkpoint.every_n_steps`` and ``keep``, and
     ``best.ckpt`` with ``best``) and the one being written beside them. ``free_bytes``: the space
     to check against (default: what the disk has free at the start of training)."""
@@ -111,7 +111,12 @@ class DiskSpaceCheck(L.Callback):
         return steps + int(self.best)
 
     @rank_zero_only
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # before the progress bar draws
+            self.check(trainer, pl_module)
+
+    def check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Estimate what the checkpoints need (:attr:`needed`) and warn if the disk has less free."""
         weights, optimizer = checkpoint_bytes(pl_module)
         kept = self.kept(trainer)
         self.needed = ((kept or 1) + 1) * (weights + optimizer)  # + the one being written beside them
@@ -119,10 +124,13 @@ class DiskSpaceCheck(L.Callback):
         free = shutil.disk_usage(where).free if self.free_bytes is None else self.free_bytes
         if free >= self.needed:
             return
-        many = f"up to {kept} checkpoints" if kept else f"a checkpoint every {self.every_n_steps} steps, all"
+        many = {None: f"a checkpoint every {self.every_n_steps} steps, all", 1: "1 checkpoint"}.get(
+            kept, f"up to {kept} checkpoints"
+        )
+        each = "" if kept == 1 else " each"
         warnings.warn(
             f"checkpoints in {self.dirpath}: its disk has {gib(free)} free, and this run keeps {many} of about "
-            f"{gib(weights + optimizer)} each (weights {gib(weights)}, optimizer state {gib(optimizer)}), "
+            f"{gib(weights + optimizer)}{each} (weights {gib(weights)}, optimizer state {gib(optimizer)}), "
             f"{gib(self.needed)} with the one being written. A save that finds the disk full stops the run "
             "(the checkpoints before it are kept): free space, lower checkpoint.keep, or give output_dir= "
             "another disk",

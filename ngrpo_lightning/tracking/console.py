@@ -156,6 +156,12 @@ class StepProgressBar(TQDMProgressBar):
         bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         bar.refresh()
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """End the bars' lines: the error the command prints next starts on a line of its own."""
+        for bar in (self._val_progress_bar, self._train_progress_bar):
+            if bar is not None and not bar.disable:
+                bar.close()
+
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
