@@ -50,22 +50,28 @@ def _no_space(err: BaseException | None) -> bool:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        if "No space left on device" in str(err):  # safetensors' writer: its own error type, the OS's words
+            return True
         err = err.__cause__ or err.__context__
     return False
 
 
-def disk_full(err: BaseException, target: Path, written: int) -> DiskFull | None:
-    """:class:`DiskFull` for a write of ``target`` that failed with ``err`` after ``written`` bytes,
-    if the disk is what failed it (the error says so, or the disk is nearly full: torch's writer
-    reports a short write as a position mismatch); ``None`` for any other failure."""
+KEPT = (
+    "The checkpoints written before are unchanged: free space (or lower checkpoint.keep), then resume=last "
+    "continues from the last one"
+)
+
+
+def disk_full(err: BaseException, target: Path, written: int, what: str = "checkpoint", kept: str = KEPT):
+    """:class:`DiskFull` for a write of ``target`` (a ``what``) that failed with ``err`` after
+    ``written`` bytes, if the disk is what failed it (the error says so, or the disk is nearly full:
+    torch's writer reports a short write as a position mismatch); ``None`` for any other failure.
+    ``kept``: what is as it was, and what to do."""
     free = shutil.disk_usage(target.parent).free
     if not (_no_space(err) or free < NEARLY_FULL):
         return None
-    return DiskFull(
-        f"checkpoint {target} was not written: its disk is full ({gib(free)} free after {gib(written)} of it "
-        "were written, now deleted). The checkpoints written before are unchanged: free space (or lower "
-        "checkpoint.keep), then resume=last continues from the last one"
-    )
+    after = f" after {gib(written)} of it were written, now deleted" if written else ""
+    return DiskFull(f"{what} {target} was not written: its disk is full ({gib(free)} free{after}). {kept}")
 
 
 def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:

@@ -18,10 +18,13 @@ the adapters merged into the base weights instead.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
+from ngrpo_lightning.checkpoints.disk import disk_full
 from ngrpo_lightning.checkpoints.trained_policy import (
     TrainedCheckpoint,
     find_checkpoint,
@@ -52,9 +55,10 @@ MODEL_FILES = (
 MODEL_GLOBS = ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin")
 
 
-def check_target(out_dir: Path, overwrite: bool) -> None:
-    """A non-empty ``out_dir`` is refused unless ``overwrite``; with it, the model files already
-    there are removed first, so the folder never holds two kinds of model (a user's other files stay)."""
+def check_target(out_dir: Path, overwrite: bool) -> list[Path]:
+    """A non-empty ``out_dir`` is refused unless ``overwrite``; with it, the model files there are
+    returned: the export replaces them once it is written, so the folder never holds two kinds of
+    model (a user's other files stay)."""
     held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
@@ -62,10 +66,8 @@ def check_target(out_dir: Path, overwrite: bool) -> None:
             f"export: {out_dir} is not empty (it holds {shown}): name a new folder, or pass --overwrite "
             "to replace the model there (other files are kept; README.md becomes the model card)"
         )
-    for name in held if overwrite else ():
-        path = out_dir / name
-        if path.is_file() and (name in MODEL_FILES or any(path.match(g) for g in MODEL_GLOBS)):
-            path.unlink()
+    paths = [out_dir / name for name in held]
+    return [p for p in paths if p.is_file() and (p.name in MODEL_FILES or any(p.match(g) for g in MODEL_GLOBS))]
 
 
 def is_own_export(out_dir: Path) -> bool:
@@ -76,19 +78,43 @@ def is_own_export(out_dir: Path) -> bool:
 
 def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, overwrite: bool = False) -> Path:
     """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md;
-    a non-empty ``out_dir`` only with ``overwrite`` (:func:`check_target`)."""
+    a non-empty ``out_dir`` only with ``overwrite`` (:func:`check_target`). The files are written to
+    a folder beside ``out_dir`` and moved in when all are written: an export that fails (a full
+    disk) leaves ``out_dir`` as it was, a model exported there before included."""
     out_dir = Path(out_dir)
-    check_target(out_dir, overwrite)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(card)
+    replaced = check_target(out_dir, overwrite)
+    staging = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)  # from an export that was killed
+    try:
+        staging.mkdir(parents=True)
+        policy.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / "README.md").write_text(card)
+    except Exception as err:
+        written = sum(f.stat().st_size for f in staging.iterdir()) if staging.is_dir() else 0
+        full = disk_full(err, out_dir, written, "model export", AGAIN)
+        shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:
+            raise full from err
+        raise
     # transformers writes the weights through a private temporary file (mode 0600): give them the
     # mode every other file of the folder got, so that whoever may read the model may read its weights
-    mode = (out_dir / "README.md").stat().st_mode & 0o777
-    for weights in out_dir.glob("*.safetensors"):
+    mode = (staging / "README.md").stat().st_mode & 0o777
+    for weights in staging.glob("*.safetensors"):
         weights.chmod(mode)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in replaced:
+        path.unlink(missing_ok=True)
+    for path in staging.iterdir():
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
     return out_dir
+
+
+AGAIN = (
+    "The folder is as it was: free space, then export again (ngrpo export <the run's output_dir> <folder> "
+    "writes it from the run's last checkpoint)"
+)
 
 
 def export_checkpoint(

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args) -> int:
+    from ngrpo_lightning.checkpoints.disk import DiskFull
     from ngrpo_lightning.checkpoints.export import export_checkpoint
     from ngrpo_lightning.tracking.console import quiet_libraries
 
@@ -201,6 +202,9 @@ def _export(args) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
+    except DiskFull as err:
+        print(f"ngrpo export: error: {err}", file=sys.stderr)
+        return 1
     print(result["text"])
     return 0
 
