@@ -1,6 +1,8 @@
 """Shared fixtures: real models (the tiny random Llama and the packaged SmolLM2) loaded once."""
 
 import os
+import subprocess
+from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,6 +41,26 @@ def tiny():
     from ngrpo_lightning.models.loading import load_policy
 
     return load_policy("tiny")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk("20m")``: a new file system of that size (tmpfs) under ``tmp_path``, to fill for
+    real; skipped where this process may not mount one. Unmounted after the test."""
+    mounted = []
+
+    def make(size: str) -> Path:
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True)
+        if mount.returncode:
+            pytest.skip("needs to mount a small file system (root, or a container that allows it)")
+        mounted.append(disk)
+        return disk
+
+    yield make
+    for disk in mounted:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a store this process still holds open
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from conftest import ScriptedReward, tiny_rl, tiny_trainer
 from mlflow import MlflowClient
 
-from ngrpo_lightning.checkpoints.disk import DiskFull, DiskSpaceCheck, checkpoint_bytes
+from ngrpo_lightning.checkpoints.disk import DiskFull, DiskSpaceCheck, checkpoint_bytes, no_space
 from ngrpo_lightning.checkpoints.io import StreamingCheckpointIO, partial_path
 from ngrpo_lightning.commands.cli import main
 
@@ -108,3 +108,48 @@ def test_a_disk_with_room_says_nothing(tiny, tmp_path, recwarn):
 def test_how_many_checkpoints_a_run_keeps(every, keep, best, max_steps, kept):
     trainer = tiny_trainer(max_steps)
     assert DiskSpaceCheck(".", every, keep, best).kept(trainer) == kept
+
+
+def test_an_mlflow_store_on_a_full_disk_is_one_line_before_anything_runs(small_disk, tmp_path, capsys):
+    disk = small_disk("600k")  # less than a new MLflow store takes
+    store = f"sqlite:///{disk}/mlflow.db"
+    assert main(["train", *TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]) == 1
+    err = capsys.readouterr().err
+    assert f"ngrpo train: error: MLflow store {disk}/mlflow.db was not written: its disk is full" in err
+    assert "Nothing has run yet" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_what_counts_as_a_full_disk():
+    import sqlite3
+
+    try:
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.Error as inner:
+            raise RuntimeError("the store failed") from inner
+    except RuntimeError as err:
+        assert no_space(err)  # SQLite's words, under another error
+    assert no_space(OSError(28, "No space left on device"))
+    assert not no_space(RuntimeError("unexpected pos 704 vs 598"))  # torch's words alone: the free space decides
+    assert not no_space(OSError(13, "Permission denied"))
+
+
+@needs_dev_full
+def test_any_other_write_that_finds_the_disk_full_is_one_line_too(tmp_path, monkeypatch, capsys):
+    """A write that is not a checkpoint's (here a callback's; MLflow's metrics, a library's file)."""
+    import lightning as L
+
+    from ngrpo_lightning.commands import train as train_job
+
+    class WritesAFile(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            with open(FULL, "w") as f:
+                f.write("a line of a log\n")
+
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [WritesAFile()])
+    store = f"sqlite:///{tmp_path}/mlruns.db"
+    assert main(["train", *TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]) == 1
+    err = capsys.readouterr().err
+    assert "ngrpo train: error: a write found the disk full: [Errno 28] No space left on device." in err
+    assert "resume=last continues from the last one" in err and "Traceback" not in err

@@ -121,20 +121,10 @@ def test_export_never_writes_over_a_folder_or_mixes_two_kinds_of_model(trained, 
     assert (mine / "notes.txt").read_text() == "kept" and "ngrpo-lightning" in (mine / "README.md").read_text()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 20 MiB file system (tmpfs) at ``tmp_path/small``: room for one export of the tiny model."""
-    disk = tmp_path / "small"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("needs to mount a small file system (root, or a container that allows it)")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
 def test_an_export_that_finds_the_disk_full_leaves_the_folder_as_it_was(trained, small_disk, capsys):
     tmp, _, _ = trained
-    out = small_disk / "hf"
+    disk = small_disk("20m")  # room for one export of the tiny model
+    out = disk / "hf"
     assert main(["export", str(tmp / "run"), str(out), "--no-mlflow"]) == 0  # 12 MiB of weights: it fits
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
@@ -143,7 +133,7 @@ def test_an_export_that_finds_the_disk_full_leaves_the_folder_as_it_was(trained,
     assert f"ngrpo export: error: model export {out} was not written: its disk is full" in err
     assert "The folder is as it was" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the first export, whole
-    assert [p.name for p in small_disk.iterdir()] == ["hf"]  # nothing half-written beside it
+    assert [p.name for p in disk.iterdir()] == ["hf"]  # nothing half-written beside it
 
 
 @pytest.mark.parametrize("which", ["output_dir", "checkpoint file", "exported model"])

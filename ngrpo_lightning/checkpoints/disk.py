@@ -24,9 +24,10 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DiskFull", "DiskSpaceCheck", "checkpoint_bytes", "disk_full"]
+__all__ = ["DiskFull", "DiskSpaceCheck", "checkpoint_bytes", "disk_full", "no_space"]
 
 NEARLY_FULL = 64 * 2**20  # bytes free below which a failed write is taken for a full disk
+NO_SPACE = ("No space left on device", "database or disk is full")  # the OS's words, SQLite's
 
 
 def gib(n: float) -> str:
@@ -43,14 +44,14 @@ class DiskFull(OSError):
         return self.strerror
 
 
-def _no_space(err: BaseException | None) -> bool:
+def no_space(err: BaseException | None) -> bool:
     """Whether ``err`` or an exception it was raised from or during is 'no space left' (or a quota)."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(err):  # safetensors' writer: its own error type, the OS's words
+        if any(words in str(err) for words in NO_SPACE):  # safetensors', SQLite's: their own error types
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -68,7 +69,7 @@ def disk_full(err: BaseException, target: Path, written: int, what: str = "check
     torch's writer reports a short write as a position mismatch); ``None`` for any other failure.
     ``kept``: what is as it was, and what to do."""
     free = shutil.disk_usage(target.parent).free
-    if not (_no_space(err) or free < NEARLY_FULL):
+    if not (no_space(err) or free < NEARLY_FULL):
         return None
     after = f" after {gib(written)} of it were written, now deleted" if written else ""
     return DiskFull(f"{what} {target} was not written: its disk is full ({gib(free)} free{after}). {kept}")

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
-        from ngrpo_lightning.checkpoints.disk import DiskFull
+        from ngrpo_lightning.checkpoints.disk import KEPT, DiskFull, no_space
         from ngrpo_lightning.commands.train import Interrupted, train
 
         try:
@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             return err.status
         except DiskFull as err:  # the run is marked failed; its checkpoints so far are kept
             print(f"ngrpo train: error: {err}", file=sys.stderr)
+            return 1
+        except Exception as err:
+            if not no_space(err):
+                raise
+            # another write (MLflow's metrics, a library's file) found the disk full: no traceback either
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"ngrpo train: error: a write found the disk full: {first}. {KEPT}", file=sys.stderr)
             return 1
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from ngrpo_lightning.checkpoints.disk import disk_full
 from ngrpo_lightning.checks import check_bool, check_number
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.code_version import code_tags
@@ -143,6 +144,9 @@ class RunLogger(MLFlowLogger):
         super().finalize(status)
 
 
+NOTHING_RAN = "Nothing has run yet: free space, or give logger.tracking_uri= a store on another disk"
+
+
 def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = False) -> RunLogger | None:
     """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``), its store checked, created
     (under a lock) and its run started, tagged with the code it runs (:mod:`.code_version`), all
@@ -166,17 +170,23 @@ def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = 
     artifacts = cfg.logger.artifact_location
     if artifacts is None and uri.startswith(SQLITE):
         artifacts = (Path(uri[len(SQLITE) :]).parent / "artifacts").as_uri()
-    with store_lock(uri):  # the client opens (and may create) the store, then the experiment and the run
-        logger = RunLogger(
-            experiment_name=cfg.experiment_name,
-            run_name=cfg.logger.run_name or default_run_name(cfg),
-            tracking_uri=uri,
-            artifact_location=artifacts,
-            log_model=False,
-            run_id=run_id,
-            tags=code_tags() | dict(cfg.logger.get("tags") or {}),
-        )
-        client = logger.experiment
+    try:
+        with store_lock(uri):  # the client opens (and may create) the store, then the experiment and the run
+            logger = RunLogger(
+                experiment_name=cfg.experiment_name,
+                run_name=cfg.logger.run_name or default_run_name(cfg),
+                tracking_uri=uri,
+                artifact_location=artifacts,
+                log_model=False,
+                run_id=run_id,
+                tags=code_tags() | dict(cfg.logger.get("tags") or {}),
+            )
+            client = logger.experiment
+    except Exception as err:
+        full = uri.startswith(SQLITE) and disk_full(err, Path(uri[len(SQLITE) :]), 0, "MLflow store", NOTHING_RAN)
+        if full:
+            raise full from err
+        raise
     if run_id is not None:
         client.update_run(run_id, status="RUNNING")
     if monitor and system_metrics and rank_zero_only.rank == 0:
