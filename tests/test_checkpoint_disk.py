@@ -153,3 +153,12 @@ def test_any_other_write_that_finds_the_disk_full_is_one_line_too(tmp_path, monk
     err = capsys.readouterr().err
     assert "ngrpo train: error: a write found the disk full: [Errno 28] No space left on device." in err
     assert "resume=last continues from the last one" in err and "Traceback" not in err
+
+
+def test_an_evaluation_whose_results_find_the_disk_full_is_one_line(small_disk, capsys):
+    disk = small_disk("1k")
+    args = ["model=tiny", "n=1", "data.val_size=2", "max_new_tokens=4", "logger=none", "reward.num_workers=1"]
+    assert main(["eval", *args, f"output_dir={disk}/eval"]) == 1
+    err = capsys.readouterr().err
+    assert "ngrpo eval: error: a write found the disk full: [Errno 28] No space left on device." in err
+    assert "Traceback" not in err and "resume=last" not in err  # nothing to resume

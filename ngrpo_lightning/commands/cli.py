@@ -160,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
             for key in sorted(OmegaConf.missing_keys(cfg)):
                 print(f"ngrpo: {key} has no value yet (???): give it to ngrpo train as {key}=...", file=sys.stderr)
             return 0
-        from ngrpo_lightning.checkpoints.disk import KEPT, DiskFull, no_space
         from ngrpo_lightning.commands.train import Interrupted, train
 
         try:
@@ -168,28 +167,36 @@ def main(argv: list[str] | None = None) -> int:
         except Interrupted as err:
             print(f"ngrpo train: {err}", file=sys.stderr)
             return err.status
-        except DiskFull as err:  # the run is marked failed; its checkpoints so far are kept
-            print(f"ngrpo train: error: {err}", file=sys.stderr)
-            return 1
-        except Exception as err:
-            if not no_space(err):
-                raise
-            # another write (MLflow's metrics, a library's file) found the disk full: no traceback either
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            print(f"ngrpo train: error: a write found the disk full: {first}. {KEPT}", file=sys.stderr)
-            return 1
     except ConfigError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - a full disk is one line; anything else is raised again
+        return _disk_full(args.command, err)
     print(summary["text"])
     return 0
 
 
+def _disk_full(command: str, err: Exception) -> int:
+    """A write that found the disk full (a checkpoint's, an export's, MLflow's, any file's): one line
+    and exit status 1, no traceback. The run it stopped is marked failed; ``err`` is raised again if
+    it is anything else."""
+    from ngrpo_lightning.checkpoints.disk import KEPT, DiskFull, no_space
+
+    if not no_space(err):
+        raise err
+    if isinstance(err, DiskFull):  # it names the file and what was kept
+        text = str(err)
+    else:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = f"a write found the disk full: {first}." + (f" {KEPT}" if command == "train" else "")
+    print(f"ngrpo {command}: error: {text}", file=sys.stderr)
+    return 1
+
+
 def _export(args) -> int:
-    from ngrpo_lightning.checkpoints.disk import DiskFull
     from ngrpo_lightning.checkpoints.export import export_checkpoint
     from ngrpo_lightning.tracking.console import quiet_libraries
 
@@ -209,9 +216,8 @@ def _export(args) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
-    except DiskFull as err:
-        print(f"ngrpo export: error: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:  # noqa: BLE001 - a full disk is one line; anything else is raised again
+        return _disk_full("export", err)
     print(result["text"])
     return 0
 
