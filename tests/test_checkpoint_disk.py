@@ -162,3 +162,16 @@ def test_an_evaluation_whose_results_find_the_disk_full_is_one_line(small_disk, 
     err = capsys.readouterr().err
     assert "ngrpo eval: error: a write found the disk full: [Errno 28] No space left on device." in err
     assert "Traceback" not in err and "resume=last" not in err  # nothing to resume
+
+
+def test_a_run_checks_the_disk_of_a_local_output_dir_only(tmp_path):
+    from ngrpo_lightning.checkpoints.run import build_checkpointing
+    from ngrpo_lightning.config import compose
+
+    keys = ["checkpoint.every_n_steps=5", "checkpoint.keep=2", "checkpoint.best=val/accuracy"]
+    (check,) = [
+        c for c in build_checkpointing(compose([*keys, f"output_dir={tmp_path}"])) if isinstance(c, DiskSpaceCheck)
+    ]
+    assert (check.dirpath, check.every_n_steps, check.keep, check.best) == (tmp_path / "checkpoints", 5, 2, True)
+    remote = build_checkpointing(compose([*keys, "output_dir=s3://bucket/run"]))
+    assert remote and not [c for c in remote if isinstance(c, DiskSpaceCheck)]

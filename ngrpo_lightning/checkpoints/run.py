@@ -186,7 +186,7 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     with ``checkpoint.best=<metric>`` also ``best.ckpt``, the checkpoint of the best value of that
     validation metric (``checkpoint.best_mode``: max or min) over the validations during and after
     the fit (:class:`BestCheckpoint`). A warning before the first step if their disk cannot hold
-    them (:class:`DiskSpaceCheck`)."""
+    them (:class:`DiskSpaceCheck`, for a local ``output_dir``)."""
     if not cfg.trainer.get("enable_checkpointing", True):
         return []
     node = cfg.get("checkpoint") or {}
@@ -210,7 +210,7 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
             )
         ]
     # last.ckpt links to the newest step checkpoint when there is one (no second copy on disk)
-    return best + [
+    callbacks = best + [
         RunCheckpoint(
             dirpath=str(checkpoint_dir(cfg)),
             filename="step-{step}",
@@ -221,9 +221,11 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
             every_n_train_steps=every or None,
             save_on_train_epoch_end=False,
             enable_version_counter=False,
-        ),
-        DiskSpaceCheck(checkpoint_dir(cfg), every, keep, best=bool(best)),
+        )
     ]
+    if "://" not in str(cfg.output_dir):  # a remote store's space is not a disk's
+        callbacks.append(DiskSpaceCheck(checkpoint_dir(cfg), every, keep, best=bool(best)))
+    return callbacks
 
 
 def resolve_resume(cfg: DictConfig) -> str | None:
