@@ -148,3 +148,22 @@ def test_a_failing_step_ends_the_bar_s_line_before_the_error(tiny, capsys):
         trainer.fit(module, datamodule)
     out = capsys.readouterr().out
     assert "step 1/2" in out and out.endswith("\n")
+
+
+def test_the_package_s_warnings_read_as_its_own_and_others_as_before():
+    import warnings
+
+    from ngrpo_lightning.checkpoints import disk
+    from ngrpo_lightning.tracking.console import show_own_warnings
+
+    before = warnings.formatwarning
+    try:
+        show_own_warnings()
+        show_own_warnings()  # once: not wrapped twice
+        ours = warnings.formatwarning("the disk is small", UserWarning, disk.__file__, 131)
+        assert ours == "ngrpo: warning: the disk is small\n"
+        theirs = warnings.formatwarning("deprecated", UserWarning, "/somewhere/else/lib.py", 7)
+        assert theirs == before("deprecated", UserWarning, "/somewhere/else/lib.py", 7)
+        assert not getattr(before, "ngrpo", False) or warnings.formatwarning is before
+    finally:
+        warnings.formatwarning = before

@@ -3,7 +3,7 @@
 Libraries are quietened at their source, by their loggers' levels and their own switches
 (never by redirecting output): MLflow's store and system-metrics INFO lines, Lightning's
 "GPU available" lines and tips, transformers' weight-loading bars. ``logger.verbose=true``
-(``ngrpo train -v``) leaves them as they are.
+(``ngrpo train -v``) leaves them as they are. This package's warnings read ``ngrpo: warning: ...``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import logging
 import math
 import os
 import sys
+import warnings
+from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from omegaconf import DictConfig
 
-__all__ = ["StepProgressBar", "header", "quiet_libraries", "show_notes"]
+__all__ = ["StepProgressBar", "header", "quiet_libraries", "show_notes", "show_own_warnings"]
 
 # logger -> the level below which its records are not shown
 QUIET = {
@@ -36,6 +38,7 @@ def quiet_libraries(verbose: bool = False) -> None:
     """Silence the libraries' routine output, unless ``verbose``, and show this package's own notes
     (:func:`show_notes`)."""
     show_notes()
+    show_own_warnings()
     if verbose:
         return
     for name, level in QUIET.items():
@@ -55,6 +58,28 @@ class _RankZero(logging.Filter):
         from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         return getattr(rank_zero_only, "rank", 0) == 0
+
+
+PACKAGE_DIRS = tuple(
+    str(Path(p).resolve()) for p in (Path(__file__).parents[1], Path(__file__).parents[2] / "callbacks")
+)
+
+
+def show_own_warnings() -> None:
+    """This package's warnings (a disk too small for the run's checkpoints, an update that may not
+    fit in memory) as ``ngrpo: warning: <message>``, not under the path and line of the code that
+    warned; every other warning is formatted as before."""
+    previous = warnings.formatwarning
+    if getattr(previous, "ngrpo", False):
+        return
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if str(Path(filename).resolve()).startswith(PACKAGE_DIRS):
+            return f"ngrpo: warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    formatwarning.ngrpo = True
+    warnings.formatwarning = formatwarning
 
 
 def show_notes() -> None:
