@@ -1,15 +1,16 @@
-"""Disk space for a run's checkpoints.
+"""Disk space: for a run's checkpoints, and one clear error wherever a write finds the disk full.
 
-A checkpoint of the packaged model's run is about 1 GiB (the policy's weights and AdamW's two
+A checkpoint of the packaged model's run is about 1.5 GiB (the policy's weights and AdamW's two
 moments of each trainable weight); a run that keeps several needs several times that. When the
 disk fills during a write, ``torch.save`` fails with ``unexpected pos 497986432 vs 497986320``,
-which names neither the cause nor the file. So:
+which names neither the cause nor the file; safetensors and SQLite have errors of their own. So:
 
 - :class:`DiskSpaceCheck` warns before the first step when ``output_dir``'s disk cannot hold the
   checkpoints the run will keep (an estimate: the disk may be freed meanwhile, so the run goes on);
-- :func:`disk_full` turns a write that ran out of space into :class:`DiskFull`, one line naming
-  the file, the space left and what is kept. The writer (``io.py``) writes beside the target and
-  renames, so the checkpoints already written stay as they were.
+- :func:`disk_full` turns a write that ran out of space (a checkpoint, an export, the MLflow
+  store) into :class:`DiskFull`, one line naming the file, the space left and what is kept. The
+  checkpoint writer (``io.py``) and the export write beside the target and rename, so what was
+  written before stays as it was; :func:`no_space` tells any other write's error by its cause.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def gib(n: float) -> str:
 
 
 class DiskFull(OSError):
-    """A checkpoint was not written: its disk is full. Those written before are unchanged."""
+    """A write (a checkpoint, an export, the MLflow store) did not complete: its disk is full.
+    Its text names the file and what was left as it was."""
 
     def __init__(self, text: str):
         super().__init__(errno.ENOSPC, text)
@@ -77,8 +79,8 @@ def disk_full(err: BaseException, target: Path, written: int, what: str = "check
 
 def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:
     """About what one checkpoint of ``module`` holds, in bytes: ``(weights, optimizer)``. The
-    weights are those its ``state_dict`` saves (not the frozen reference's), shared ones once; the optimizer's state
-    is AdamW's two moments of each trainable weight, in that weight's dtype."""
+    weights are those its ``state_dict`` saves (not the frozen reference's), shared ones once; the
+    optimizer's state is AdamW's two moments of each trainable weight, in that weight's dtype."""
     weights, seen = 0, set()
     for t in module.state_dict().values():
         if isinstance(t, DTensor):  # a shard of each: all of it is written, by the ranks together
