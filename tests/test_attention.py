@@ -264,7 +264,8 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
     mask = _padded_causal_mask(starts, ends, queries, 12)
     positions = torch.arange(12 - queries, 12)
     real = (positions[None] >= torch.tensor(starts)[:, None]) & (positions[None] < torch.tensor(ends)[:, None])
-    grad = torch.randn(3, 6, queries, 16, dtype=torch.double) * real[:, None, :, None]
+    grad = torch.randn(3, 6, queries, 16, dtype=torch.double, generator=torch.Generator().manual_seed(0))
+    grad = grad * real[:, None, :, None]
 
     def run(fn, dt):
         q, k, v = (t.to(dt).requires_grad_() for t in _grouped_qkv(queries, 12, torch.double))
@@ -278,7 +279,9 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
     if path == "bfloat16":
         got, narrow = run(ours, torch.bfloat16), run(kernel, torch.bfloat16)
         for a, b, want in zip(got, narrow, exact, strict=True):
-            assert (a - want).abs().max() <= 1.5 * (b - want).abs().max()
+            # two roundings of the same bfloat16 values differ by up to a step (2^-7 of the largest):
+            # the largest errors, one ulp each, were 1.9x apart for some gradients (200 tried)
+            assert (a - want).abs().max() <= 1.5 * (b - want).abs().max() + 2**-7 * want.abs().max()
     else:
         got = run(ours if path == "matmuls" else lambda q, k, v: _flash_style(q, k, v, mask), torch.double)
         for a, b in zip(got, exact, strict=True):
