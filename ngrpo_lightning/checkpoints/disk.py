@@ -39,8 +39,9 @@ class DiskFull(OSError):
     """A write (a checkpoint, an export, the MLflow store) did not complete: its disk is full.
     Its text names the file and what was left as it was."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, subject: str = ""):
         super().__init__(errno.ENOSPC, text)
+        self.subject = subject or text  # what was not written: "checkpoint <path> was not written"
 
     def __str__(self) -> str:
         return self.strerror
@@ -74,7 +75,8 @@ def disk_full(err: BaseException, target: Path, written: int, what: str = "check
     if not (no_space(err) or free < NEARLY_FULL):
         return None
     after = f" after {gib(written)} of it were written, now deleted" if written else ""
-    return DiskFull(f"{what} {target} was not written: its disk is full ({gib(free)} free{after}). {kept}")
+    subject = f"{what} {target} was not written"
+    return DiskFull(f"{subject}: its disk is full ({gib(free)} free{after}). {kept}", subject)
 
 
 def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:

@@ -196,7 +196,7 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict], disk_f
         log.error("sweep %s: %s (seed %s) failed: %s", cfg.sweep, record["arm"], cfg.seed, err)
         record.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         if isinstance(err, DiskFull):
-            disk_full.append(str(err).split(": ", 1)[0])  # "checkpoint <path> was not written"
+            disk_full.append(err.subject)
     with contextlib.suppress(OSError):  # a full disk: the record in memory still reaches the table
         record_path.write_text(json.dumps(record, indent=1))
     return record
