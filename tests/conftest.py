@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -41,6 +43,28 @@ def tiny():
     from ngrpo_lightning.models.loading import load_policy
 
     return load_policy("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory) -> str:
+    """A folder holding a random 2-layer Llama like ``tiny`` with 32-wide heads, which vLLM's CPU
+    attention takes (tiny's are 16 wide): a whole run with ``rollout.engine=vllm`` on it spends
+    its time in what the run does, not in the packaged model's arithmetic. Pass it as
+    ``model=tiny model.name_or_path=<folder>``."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from ngrpo_lightning.models.loading import packaged_model_dir
+
+    tiny, out = packaged_model_dir("tiny"), tmp_path_factory.mktemp("tiny-vllm") / "model"
+    shutil.copytree(tiny, out)  # the tokenizer, its chat template and the generation config
+    config = AutoConfig.from_pretrained(tiny)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, config.hidden_size // 2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+    return str(out)
 
 
 @pytest.fixture
@@ -144,6 +168,26 @@ class ScriptedReward:
         self.calls += 1
         scores = torch.tensor([float(pattern[i % len(pattern)]) for i in range(len(texts))])
         return RewardResult(scores=scores, status=["correct" if s else "wrong" for s in scores.tolist()])
+
+
+# `ngrpo` as a script whose rewards are scripted per row (1, 0, 1, 0, ...): a tiny random model's
+# steps then have advantages and move its weights (it never answers a problem right)
+SCRIPTED_CLI = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ScriptedReward
+    import ngrpo_lightning.build.components as build
+    build.build_reward = lambda cfg: ScriptedReward((1, 0))
+    from ngrpo_lightning.commands.cli import exit_after, main
+    exit_after(main(sys.argv[1:]))  # as the program ends
+""")
+
+
+def scripted_cli(folder: Path) -> list[str]:
+    """``[python, driver]``: :data:`SCRIPTED_CLI` written into ``folder``, to run as a command."""
+    driver = folder / "driver.py"
+    driver.write_text(SCRIPTED_CLI.format(tests=str(Path(__file__).parent)))
+    return [sys.executable, str(driver)]
 
 
 def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):

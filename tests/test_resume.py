@@ -5,14 +5,12 @@ buffer, data position) in the same MLflow run; a checkpoint of another config is
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ScriptedReward
+from conftest import ScriptedReward, scripted_cli
 
 from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import ConfigError, compose
@@ -129,22 +127,9 @@ def test_a_run_resumed_mid_epoch_shows_its_progress_bar_from_where_it_was(tmp_pa
     assert resumed["run_id"] == first["run_id"] and "(experiment 'grpo')" in resumed["text"]
 
 
-DRIVER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    from conftest import ScriptedReward
-    import ngrpo_lightning.build.components as build
-    build.build_reward = lambda cfg: ScriptedReward((1, 0))
-    from ngrpo_lightning.commands.cli import exit_after, main
-    exit_after(main(sys.argv[1:]))  # as the program ends
-""")
-
-
 def killed_and_resumed(tmp_path, extra=()) -> dict:
     """A run (``RUN`` + ``extra``) in its own process, killed once its step-4 checkpoint exists,
     then resumed here with ``resume=last`` to ``STEPS``: the resumed run's summary."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
     args = RUN + [
         *extra,
         f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db",
@@ -155,7 +140,7 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
     ]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, str(driver), "train", *args],
+        [*scripted_cli(tmp_path), "train", *args],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,

@@ -1,5 +1,6 @@
 """VLLMEngine on the packaged SmolLM2 in fp32: real vLLM (the CPU build), explorers inside
-its decoding loop, weight sync, and a short training run with ``rollout.engine=vllm``."""
+its decoding loop, weight sync; and short training runs with ``rollout.engine=vllm`` on a tiny
+model, whose steps take a second where the packaged model's take ten."""
 
 import copy
 import math
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NEEDS_VLLM, chat_prompt_ids
+from conftest import NEEDS_VLLM, chat_prompt_ids, scripted_cli
 
 pytestmark = NEEDS_VLLM
 
@@ -156,14 +157,18 @@ def test_a_lora_policy_reaches_vllm_with_its_adapters_merged(engine, smollm2, pr
 
 
 @pytest.mark.parametrize("experiment", ["ngrpo", "ngrpo-lora"])
-def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
+def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment, tiny_vllm_model):
     """`ngrpo train rollout.engine=vllm experiment=ngrpo` (in its own process: one vLLM per process);
     with LoRA adapters (ngrpo-lora), vLLM gets the merged weights after every step. The run validates
-    first, as by default: vLLM, built at that rollout under inference mode, still takes the syncs."""
+    first, as by default: vLLM, built at that rollout under inference mode, still takes the syncs.
+    On a tiny model whose rewards are scripted, so every step moves its weights (the tests above
+    check vLLM's arithmetic on the packaged model)."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
     args = [
+        "model=tiny",
+        f"model.name_or_path={tiny_vllm_model}",
         "rollout.engine=vllm",
         f"experiment={experiment}",
         "trainer.max_steps=3",
@@ -172,6 +177,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
         "rollout.max_new_tokens=24",
         "data.val_size=4",  # validated before the fit: vLLM starts inside it, under inference mode
         "explorer.rho=0.5",
+        "optim.lr=1e-2",
         "train.tis_cap=2.0",
         f"logger.tracking_uri={store}",
         f"output_dir={tmp_path}/out",
@@ -179,11 +185,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
         "checkpoint.every_n_steps=0",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "ngrpo_lightning.commands.cli", "train", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [*scripted_cli(tmp_path), "train", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(store)
@@ -191,6 +193,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment):
     assert run.data.params["rollout.engine"] == "vllm"
     diffs = client.get_metric_history(run.info.run_id, "train/rollout_logprob_diff_max")
     assert len(diffs) == 3 and all(m.value < 1e-3 for m in diffs)  # synced after every step: no stale weights
+    assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "train/grad_norm"))  # they moved
     assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "explore/mixed_frac"))
     assert len(client.get_metric_history(run.info.run_id, "train/tis_weight_mean")) == 3
 
@@ -303,15 +306,18 @@ def test_rollouts_ahead_drive_the_runs_vllm_from_the_workers_copy(engine, smollm
     assert engine.llm is not None  # still open: the run's later rollouts use it
 
 
-def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path):
+def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path, tiny_vllm_model):
     """`ngrpo train rollout.engine=vllm train.max_staleness=1`, validating before the fit and every
     2 steps: batch b decodes the weights after batch max(0, b - 1) (batch 0's rollout log-probs are
     the trainer's, later ones are stale and corrected); resuming from the checkpoint after step 2,
-    with the last batch's rollouts in flight, gives the same steps and weights again."""
+    with the last batch's rollouts in flight, gives the same steps and weights again (a tiny model,
+    its rewards scripted: every step moves its weights)."""
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
     args = [
+        "model=tiny",
+        f"model.name_or_path={tiny_vllm_model}",
         "rollout.engine=vllm",
         "experiment=ngrpo",
         "train.max_staleness=1",
@@ -321,6 +327,7 @@ def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path):
         "data.prompts_per_step=2",
         "rollout.group_size=4",
         "rollout.max_new_tokens=16",
+        "optim.lr=1e-2",
         "data.val_size=4",
         "reward.num_workers=1",
         "checkpoint.every_n_steps=2",
@@ -332,11 +339,7 @@ def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path):
 
     def train(*extra):
         proc = subprocess.run(
-            [sys.executable, "-m", "ngrpo_lightning.commands.cli", "train", *args, *extra],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=600,
+            [*scripted_cli(tmp_path), "train", *args, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
 
