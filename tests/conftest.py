@@ -12,6 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from ngrpo_lightning.explorers import NeighborMixingExplorer  # noqa: E402
+
 
 def _vllm_problem():
     from ngrpo_lightning.rollout.vllm_support import installed_vllm, version_problem
@@ -188,6 +190,24 @@ def scripted_cli(folder: Path) -> list[str]:
     driver = folder / "driver.py"
     driver.write_text(SCRIPTED_CLI.format(tests=str(Path(__file__).parent)))
     return [sys.executable, str(driver)]
+
+
+class FullTable(NeighborMixingExplorer):
+    """The neighbor explorer with its full table, which it always has on a GPU (a CPU fills it
+    lazily). A table is V x V work, seconds on a CPU: it is built once per embedding matrix for the
+    whole session, whose tests make many explorers of the one tiny model."""
+
+    tables = {}
+
+    def __init__(self, **options):
+        super().__init__(precompute=True, **options)
+
+    def build_index(self, embeddings, excluded):
+        shape = (tuple(embeddings.shape), embeddings.dtype, embeddings.data_ptr(), embeddings._version)
+        key = (self.k, self.metric, tuple(sorted(excluded)), *shape)
+        if key not in self.tables:  # the entry holds the matrix: while kept, its memory is no other's
+            self.tables[key] = (embeddings, super().build_index(embeddings, excluded))
+        return self.tables[key][1]
 
 
 def tiny_rl(tiny, reward, objective=None, num_problems=2, lr=1e-2, **kwargs):

@@ -5,7 +5,7 @@ marker on the device, counter-based noise) giving the rollouts of the host-side 
 
 import pytest
 import torch
-from conftest import chat_prompt_ids
+from conftest import FullTable, chat_prompt_ids
 from scipy import stats
 from test_hf_engine_live_rows import BUILT_IN, QUESTIONS
 
@@ -14,23 +14,6 @@ from ngrpo_lightning.rollout import HFEngine
 from ngrpo_lightning.rollout.answer_marker import AnswerMarker
 from ngrpo_lightning.rollout.host_syncs import HostSyncs
 from ngrpo_lightning.rollout.records import noise_vectors
-
-
-class FullTable(NeighborMixingExplorer):
-    """The neighbor explorer with its full table, what it builds on a GPU (the CPU fills it lazily);
-    the table is filled once per module (V x V work: seconds on the CPU)."""
-
-    tables = {}
-
-    def __init__(self, **options):
-        super().__init__(precompute=True, **options)
-
-    def build_index(self, embeddings, excluded):
-        key = (self.k, self.metric, tuple(sorted(excluded)), embeddings.data_ptr())
-        if key not in self.tables:
-            self.tables[key] = super().build_index(embeddings, excluded)
-        return self.tables[key]
-
 
 SYNC_FREE = {**BUILT_IN, "neighbor": lambda: FullTable(k=3, rho=0.5)}
 

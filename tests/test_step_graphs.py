@@ -5,7 +5,7 @@ static path, rows leaving in buckets included, for every built-in explorer."""
 
 import pytest
 import torch
-from conftest import chat_prompt_ids
+from conftest import FullTable, chat_prompt_ids
 from test_hf_engine_live_rows import BUILT_IN, QUESTIONS, assert_same_rollouts, count_batch_rows, how_rollouts_differ
 
 from ngrpo_lightning.explorers import (
@@ -21,7 +21,7 @@ from ngrpo_lightning.training.forward import response_logprobs
 
 ENDS = [0, 5, 2, 9, 8, 3]  # row r emits EOS at step ENDS[r]
 # every built-in explorer; neighbor mixing with its full table, which it always has on a GPU
-CAPTURABLE = {**BUILT_IN, "neighbor": lambda: NeighborMixingExplorer(k=3, rho=0.5, precompute=True)}
+CAPTURABLE = {**BUILT_IN, "neighbor": lambda: FullTable(k=3, rho=0.5)}
 
 
 class EndsOnTheDevice(Explorer):

@@ -80,6 +80,7 @@ class NeighborIndex:
         self.excluded = torch.zeros(self.vocab_size, dtype=torch.bool, device=emb.device)
         ids = torch.as_tensor(list(exclude_ids), dtype=torch.long)
         self.excluded[ids.to(emb.device)] = True
+        self.excluded_ids = self.excluded.nonzero().squeeze(-1)  # a few special tokens: filled by column
         self.table = torch.full((self.vocab_size, self.num_neighbors), -1, dtype=torch.long, device=emb.device)
         # the CPU cosine search runs in two stages (see the module docstring); other devices in one
         self.two_stage = metric == "cosine" and emb.device.type == "cpu"
@@ -166,7 +167,8 @@ class NeighborIndex:
 
     def _mask(self, s: torch.Tensor, anchors, rows, start: int, stop: int) -> torch.Tensor:
         """Scores with excluded columns and each anchor's own column set to -inf."""
-        s = s.masked_fill_(self.excluded[start:stop][None], float("-inf"))
+        ids = self.excluded_ids
+        s = s.index_fill_(1, ids[(ids >= start) & (ids < stop)] - start, float("-inf"))  # not a mask of every score
         own = (anchors >= start) & (anchors < stop)  # never the anchor itself
         s[rows[own], anchors[own] - start] = float("-inf")
         return s
