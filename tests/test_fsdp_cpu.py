@@ -5,6 +5,10 @@ same losses and the same updated weights (fp32 tolerance). Rollouts are sampled 
 seed per (step, row within its group) and the reward is scripted per row, so both runs see
 the same rollouts and advantages whatever the batch composition; prompts are split by rank
 with a prompt's G samples on one rank.
+
+The two processes are started by torchrun, as a launcher starts them on a cluster, and both
+start at once; one test starts them as ``ngrpo train trainer=fsdp_cpu`` alone does, by
+Lightning, which starts the second process once the first has set up (twice the start-up).
 """
 
 import os
@@ -75,14 +79,18 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def launch(tmp: Path, name: str, *extra: str, driver_text: str = DRIVER) -> Path:
+def launch(tmp: Path, name: str, *extra: str, driver_text: str = DRIVER, torchrun: bool = True) -> Path:
+    """``train`` with ``RUN + extra`` in new processes; with ``trainer=fsdp_cpu``, two started by
+    torchrun (``torchrun=False``: by Lightning, from the first). Returns the run's ``output_dir``."""
     driver = tmp / "driver.py"
     driver.write_text(driver_text.format(tests=str(Path(__file__).parent)))
     out = tmp / name
     args = RUN + [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db", *extra]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port of its own
+    python = [sys.executable, *(ranks if torchrun and "trainer=fsdp_cpu" in extra else [])]
     proc = subprocess.run(
-        [sys.executable, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
+        [*python, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "stderr.txt").write_text(proc.stderr)
@@ -199,16 +207,17 @@ def test_a_sharded_lora_run_resumes_exactly(tmp_path):
 
 def test_a_sharded_run_validates_in_batches_evaluates_pass_at_k_and_exports(tmp_path):
     """Validation before the fit in several batches, Pass@k and the final export at its end, under
-    FSDP2. Pass@k's engine decodes the rollouts' copy of the gathered weights (it had been handed
-    the layers without FSDP2's root, and failed); the export reads the sharded checkpoint on the
-    first rank alone (it had waited for the other ranks, gone, and failed)."""
+    FSDP2, the processes started as by ``ngrpo train trainer=fsdp_cpu`` alone. Pass@k's engine
+    decodes the rollouts' copy of the gathered weights (it had been handed the layers without
+    FSDP2's root, and failed); the export reads the sharded checkpoint on the first rank alone (it
+    had waited for the other ranks, gone, and failed)."""
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
     out = launch(
         tmp_path, "passk", "trainer=fsdp_cpu", "data.prompts_per_step=2", "trainer.max_steps=1",
         "validate_before_fit=true", "data.val_size=8", "rollout.val_batch_size=2", "pass_at_k.n=2",
-        "export.final=true",
+        "export.final=true", torchrun=False,
     )  # fmt: skip
     client = MlflowClient(f"sqlite:///{out}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
