@@ -171,12 +171,8 @@ def test_vllm_serves_an_exported_policy_as_hf_engine_decodes_it(tmp_path, monkey
     """A run's export loads in vLLM, which decodes it as the framework does (a tiny model vLLM takes)."""
     monkeypatch.chdir(tmp_path)  # ngrpo eval writes its outputs/ here
     one_step = [o for o in RUN if not o.startswith(("data.val_size", "trainer.max_steps", "logger."))]
-    model = ["model=tiny", f"model.name_or_path={tiny_vllm_model}"]
-    train(
-        compose(
-            [*model, *one_step, "data.val_size=0", "trainer.max_steps=1", "logger=none", f"output_dir={tmp_path}/run"]
-        )
-    )
+    run = ["model=tiny", f"model.name_or_path={tiny_vllm_model}", *one_step, "data.val_size=0", "trainer.max_steps=1"]
+    train(compose([*run, "logger=none", f"output_dir={tmp_path}/run"]))
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
     assert main(["eval", f"model={tmp_path / 'run'}", *EVAL]) == 0  # the default run's checkpoint, evaluated
