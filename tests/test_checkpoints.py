@@ -93,6 +93,22 @@ def test_checkpoints_hold_the_base_models_hash_not_the_reference(base_dir, tmp_p
         run(4, "resume=last")
 
 
+def test_an_asynchronous_save_writes_what_the_synchronous_one_does(tmp_path):
+    """checkpoint.async_save=true: the thread writes the synchronous writer's checkpoint, the tied
+    LM head once (it is the embedding: Lightning's copy stored it twice), and a run resumes from it."""
+    runs = {"sync": [], "async": ["checkpoint.async_save=true"]}
+    for name, extra in runs.items():
+        train(compose(["model=tiny", *RUN, "trainer.max_steps=2", f"output_dir={tmp_path / name}", *extra]))
+    files = {name: tmp_path / name / "checkpoints" / "last.ckpt" for name in runs}
+    sync, written = (torch.load(files[name], weights_only=False)["state_dict"] for name in runs)
+    head, embedding = written["policy.lm_head.weight"], written["policy.model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()  # one tensor, as in the model
+    assert files["async"].stat().st_size == pytest.approx(files["sync"].stat().st_size, rel=0.01)
+    assert sync.keys() == written.keys() and all(torch.equal(written[k], v) for k, v in sync.items())
+    resumed = ["model=tiny", *RUN, "trainer.max_steps=3", f"output_dir={tmp_path / 'async'}", *runs["async"]]
+    assert train(compose([*resumed, "resume=last"]))["steps"] == 3
+
+
 def test_the_newest_k_step_checkpoints_are_kept(tmp_path):
     """checkpoint.keep=2 (Lightning keeps k > 1 only by a metric: the step) keeps the two newest
     step checkpoints, last.ckpt linking to the newest; a keep below -1 is named."""

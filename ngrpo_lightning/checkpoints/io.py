@@ -14,7 +14,9 @@ folder written by every rank): they are written to a temporary folder and swappe
 
 ``checkpoint.async_save=true`` wraps the writer in Lightning's ``AsyncCheckpointIO``: the
 training loop goes on while a thread writes, at the price of a copy of every tensor of the
-checkpoint for the length of the write (docs/checkpoints.md has the measurements).
+checkpoint for the length of the write (docs/checkpoints.md has the measurements). Tensors that
+are one (a tied LM head is the embedding) are copied once and stay one, so the file is the
+synchronous writer's: Lightning copies each tensor alone, which stored the embedding twice.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from ngrpo_lightning.checkpoints.disk import disk_full
 
@@ -72,15 +75,40 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             raise
 
 
+def copy_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with a copy of each of its tensors, taken now; tensors that are one (the
+    same storage, offset, shape and strides: tied weights) get one copy, saved once."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+        if key not in copies or t.numel() == 0:
+            copies[key] = t.detach().clone()
+        return copies[key]
+
+    return apply_to_collection(checkpoint, torch.Tensor, copy)
+
+
 class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """Lightning's ``AsyncCheckpointIO`` (a copy of the checkpoint's tensors written by a thread)
-    that lets pending writes finish before a checkpoint is removed: ``ModelCheckpoint`` removes
-    the step checkpoint it no longer keeps right after asking for the next one."""
+    """Lightning's ``AsyncCheckpointIO``: a copy of the checkpoint's tensors (:func:`copy_tensors`,
+    tied ones kept tied) written by a thread. Pending writes finish before a checkpoint is removed:
+    ``ModelCheckpoint`` removes the step checkpoint it no longer keeps right after asking for the next one."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         fs, urlpath = fsspec.core.url_to_fs(str(path))
         fs.makedirs(os.path.dirname(urlpath), exist_ok=True)  # now: ModelCheckpoint links last.ckpt into it at once
-        super().save_checkpoint(checkpoint, path, storage_options)
+        self._ensure_setup()
+        copied = copy_tensors(checkpoint)  # on this thread: this step's values, whatever training does next
+
+        def write() -> None:
+            try:
+                self.checkpoint_io.save_checkpoint(copied, path, storage_options)
+            except BaseException as err:  # raised by the next save or by wait(), as Lightning's does
+                self._error = err
+
+        self._executor.submit(write)
+        if self._error:
+            raise self._error
 
     def wait(self) -> None:
         """Return when every save asked for so far is on disk (the thread writes in order)."""
