@@ -186,22 +186,26 @@ class ScriptedReward:
 
 
 # `ngrpo` as a script whose rewards are scripted per row (1, 0, 1, 0, ...): a tiny random model's
-# steps then have advantages and move its weights (it never answers a problem right)
+# steps then have advantages and move its weights (it never answers a problem right); {setup}: more
+# code to run first
 SCRIPTED_CLI = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from conftest import ScriptedReward
     import ngrpo_lightning.build.components as build
     build.build_reward = lambda cfg: ScriptedReward((1, 0))
+    {setup}
     from ngrpo_lightning.commands.cli import exit_after, main
-    exit_after(main(sys.argv[1:]))  # as the program ends
+    if __name__ == "__main__":  # not again in a process started by spawn, which imports this file
+        exit_after(main(sys.argv[1:]))  # as the program ends
 """)
 
 
-def scripted_cli(folder: Path) -> list[str]:
-    """``[python, driver]``: :data:`SCRIPTED_CLI` written into ``folder``, to run as a command."""
+def scripted_cli(folder: Path, setup: str = "", text: str = SCRIPTED_CLI) -> list[str]:
+    """``[python, driver]``: ``text`` (:data:`SCRIPTED_CLI` or a variant of it) written into
+    ``folder`` with ``setup``, to run as a command."""
     driver = folder / "driver.py"
-    driver.write_text(SCRIPTED_CLI.format(tests=str(Path(__file__).parent)))
+    driver.write_text(text.format(tests=str(Path(__file__).parent), setup=setup))
     return [sys.executable, str(driver)]
 
 

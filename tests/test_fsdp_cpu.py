@@ -13,12 +13,12 @@ Lightning, which starts the second process once the first has set up (twice the 
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTED_CLI, scripted_cli
 
 from ngrpo_lightning.build.trainer import check_trainer
 from ngrpo_lightning.commands.cli import main
@@ -60,37 +60,29 @@ RUN = [
 ]
 KEYS = ["train/loss", "train/kl_ref", "train/grad_norm", "train/entropy", "train/reward", "train/response_length_mean"]
 
-DRIVER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    from conftest import ScriptedReward
-    import ngrpo_lightning.build.components as build
-    build.build_reward = lambda cfg: ScriptedReward((1, 0))  # rows alternate 1/0: real advantages
+# a backend that decodes a sharded policy through itself, never on a copy (backend.name=cpu_through)
+THROUGH = textwrap.dedent("""
     from ngrpo_lightning.backends.base import BACKENDS
     from ngrpo_lightning.backends.cpu import CPUBackend
 
     @BACKENDS.register("cpu_through")
-    class ThroughCPUBackend(CPUBackend):  # decodes a sharded policy through itself, never on a copy
+    class ThroughCPUBackend(CPUBackend):
         def decodes_sharded_on_copy(self, copy_bytes, device):
             return False
-    from ngrpo_lightning.commands.cli import exit_after, main
-    if __name__ == "__main__":
-        exit_after(main(sys.argv[1:]))  # as the program ends
 """)
 
 
-def launch(tmp: Path, name: str, *extra: str, driver_text: str = DRIVER, torchrun: bool = True) -> Path:
+def launch(tmp: Path, name: str, *extra: str, driver_text: str = SCRIPTED_CLI, torchrun: bool = True) -> Path:
     """``train`` with ``RUN + extra`` in new processes; with ``trainer=fsdp_cpu``, two started by
     torchrun (``torchrun=False``: by Lightning, from the first). Returns the run's ``output_dir``."""
-    driver = tmp / "driver.py"
-    driver.write_text(driver_text.format(tests=str(Path(__file__).parent)))
+    python, driver = scripted_cli(tmp, THROUGH, driver_text)
     out = tmp / name
     args = RUN + [f"output_dir={out}", f"logger.tracking_uri=sqlite:///{out}/mlruns.db", *extra]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port of its own
-    python = [sys.executable, *(ranks if torchrun and "trainer=fsdp_cpu" in extra else [])]
+    python = [python, *(ranks if torchrun and "trainer=fsdp_cpu" in extra else [])]
     proc = subprocess.run(
-        [*python, str(driver), "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
+        [*python, driver, "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "stderr.txt").write_text(proc.stderr)
@@ -235,7 +227,7 @@ def test_sharded_dynamic_sampling_rolls_out_as_many_extra_batches_on_every_rank(
     second's is informative. Both roll out the extra batch (the second rank alone would have left
     the collectives); each trains on its informative groups."""
     # the first rank's first batch all correct, then mixed; the second rank's always mixed
-    by_rank = DRIVER.replace(
+    by_rank = SCRIPTED_CLI.replace(
         "ScriptedReward((1, 0))",
         "(ScriptedReward((1, 1), (1, 0)) if int(os.environ.get('LOCAL_RANK', 0)) == 0 else ScriptedReward((1, 0)))",
     ).replace("import sys\n", "import os, sys\n", 1)
