@@ -3,6 +3,7 @@ that trains and checkpoints the adapters only, and adapters that leave the frame
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,19 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
         for model in (merged, ours):
             torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(load_policy("tiny")[0](input_ids=ids).logits, expected, atol=1e-4)
+
+    # copied to another machine, the adapters name a cache folder that is not there: the built-in
+    # model their card names is loaded (that machine's build of it); a folder the card does not
+    # name as its base stays a missing base
+    config = json.loads(Path("adapters/adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "elsewhere" / ".cache" / "tiny")
+    Path("adapters/adapter_config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        torch.testing.assert_close(load_policy("adapters")[0](input_ids=ids).logits, ours(input_ids=ids).logits)
+    card = Path("adapters/README.md")
+    card.write_text(card.read_text().replace("| base model | `tiny` |", "| base model | `mine` |"))
+    with pytest.raises(FileNotFoundError, match="holds LoRA adapters of the base model .*elsewhere"):
+        load_policy("adapters")
 
 
 def test_resume_on_a_changed_base_model_is_refused_naming_both(tmp_path, monkeypatch, capsys):

@@ -314,13 +314,28 @@ def load_policy(
     return model, tok
 
 
+def adapter_base(folder: Path) -> str:
+    """The base model of the LoRA adapters in ``folder``: the one ``adapter_config.json`` names. A
+    built-in model is named there by its folder in the cache of the machine that exported it;
+    where that folder is not here (the adapters were copied from another machine), the built-in
+    model its model card names (``ngrpo export``'s README.md: ``| base model | `tiny` |``) is
+    this machine's own build of it."""
+    base = str(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path"))
+    if Path(base).name in BUILTIN_MODELS and not Path(base).expanduser().exists():
+        card = folder / "README.md"
+        text = card.read_text(errors="replace") if card.is_file() else ""
+        if f"| base model | `{Path(base).name}` |" in text:
+            return Path(base).name
+    return base
+
+
 def load_merged_adapters(folder: Path, **settings) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A folder of LoRA adapters in peft's format (``ngrpo export`` of a LoRA run): the base model
     its ``adapter_config.json`` names, loaded as :func:`load_policy` does, with the adapters merged
     in (a plain model, as ``ngrpo export --merge`` writes it)."""
     from peft import PeftModel
 
-    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = adapter_base(folder)
     try:
         model, tok = load_policy(str(base), **settings)
     except (OSError, ValueError) as err:
