@@ -221,6 +221,24 @@ def test_a_sharded_run_validates_in_batches_evaluates_pass_at_k_and_exports(tmp_
     assert any(not torch.equal(v, policy_weights_initial()[f"policy.{k}"]) for k, v in exported.items())
 
 
+def test_a_sharded_save_that_finds_the_disk_full_says_so_once_and_leaves_nothing_half_written(tmp_path, small_disk):
+    """The distributed checkpoint (the tiny model's weights and AdamW's moments, 37 MiB) on a disk of
+    20 MiB, the processes started as ``ngrpo train trainer=fsdp_cpu`` starts them: the checkpoint
+    writer's one line, said once (every rank raised PyTorch's CheckpointException, a traceback each),
+    and no partial folder left to hold the space (it stayed until the next save)."""
+    python, driver = scripted_cli(tmp_path, THROUGH)
+    out = small_disk("20m") / "run"
+    args = [*RUN, "trainer=fsdp_cpu", "data.prompts_per_step=2", "trainer.max_steps=1", "logger=none"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [python, driver, "train", *args, f"output_dir={out}"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    line = f"ngrpo train: error: checkpoint {out}/checkpoints/last.ckpt was not written: its disk is full"
+    assert proc.returncode == 1 and proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "now deleted" in proc.stderr
+    assert list((out / "checkpoints").iterdir()) == []
+
+
 def test_sharded_dynamic_sampling_rolls_out_as_many_extra_batches_on_every_rank(tmp_path):
     """train.dynamic_sampling over two FSDP2 processes whose rollouts are collectives (through the
     sharded policy): the first rank's first batch is all correct and needs an extra one, the

@@ -32,8 +32,9 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from ngrpo_lightning.checkpoints.disk import disk_full
+from ngrpo_lightning.checkpoints.disk import DiskFull, disk_full
 
 __all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io"]
 
@@ -131,7 +132,8 @@ def checkpoint_io(async_save: bool = False):
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` whose distributed checkpoints (folders written by every rank) are
     written to a temporary folder and swapped in when every rank has finished, so a process killed
-    during a save leaves the previous checkpoint as it was."""
+    during a save leaves the previous checkpoint as it was; a save that fails deletes its temporary
+    folder, and one that finds the disk full says so in one line on every rank (:class:`DiskFull`)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint:
@@ -142,7 +144,10 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             for leftover in (tmp, old):  # from a save that was killed
                 shutil.rmtree(leftover, ignore_errors=True)
         self.barrier("ngrpo_checkpoint_start")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except (Exception, CheckpointException) as err:  # on every rank: the ranks' results are reduced
+            raise self._failed_save(err, target, tmp) from err
         self.barrier("ngrpo_checkpoint_written")
         if self.global_rank == 0:
             if target.is_symlink() or target.is_file():
@@ -152,3 +157,16 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             tmp.rename(target)
             shutil.rmtree(old, ignore_errors=True)
         self.barrier("ngrpo_checkpoint_done")
+
+    def _failed_save(self, err: BaseException, target: Path, tmp: Path) -> BaseException:
+        """What a failed distributed save raises on every rank: :class:`DiskFull` where the disk is
+        full, else ``err``. Rank 0 decides for all, before it deletes the partial folder (which frees
+        the space a check of the disk would look at)."""
+        found = None
+        if self.global_rank == 0:
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
+            full = disk_full(err, target, written)
+            found = (str(full), full.subject) if full is not None else None
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = self.broadcast(found)
+        return DiskFull(*found) if found else err

@@ -192,7 +192,10 @@ def _disk_full(command: str, err: Exception) -> int:
     else:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         text = f"a write found the disk full: {first}." + (f" {KEPT}" if command == "train" else "")
-    print(f"ngrpo {command}: error: {text}", file=sys.stderr)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:  # the ranks of a sharded run fail together: one says it
+        print(f"ngrpo {command}: error: {text}", file=sys.stderr)
     return 1
 
 
