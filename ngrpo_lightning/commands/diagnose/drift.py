@@ -142,8 +142,7 @@ class Decoder:
 
     def __init__(self, embeddings: torch.Tensor, exclude_ids: Sequence[int] = (), chunk_size: int = 16384):
         self.keys = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1)
-        self.excluded = torch.zeros(len(self.keys), dtype=torch.bool)
-        self.excluded[torch.as_tensor(list(exclude_ids), dtype=torch.long)] = True
+        self.excluded_ids = torch.as_tensor(sorted(set(exclude_ids)), dtype=torch.long)  # a few special tokens
         self.chunk_size = int(chunk_size)
 
     def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
@@ -156,7 +155,8 @@ class Decoder:
         best_id = torch.zeros(len(query), dtype=torch.long)
         for start in range(0, len(self.keys), self.chunk_size):
             stop = min(start + self.chunk_size, len(self.keys))
-            scores = (query @ self.keys[start:stop].T).masked_fill_(self.excluded[start:stop][None], float("-inf"))
+            ids = self.excluded_ids[(self.excluded_ids >= start) & (self.excluded_ids < stop)] - start
+            scores = (query @ self.keys[start:stop].T).index_fill_(1, ids, float("-inf"))  # by column
             val, idx = scores.max(-1)  # the first maximum within the chunk
             better = val > best  # strict: an earlier (lower-id) chunk keeps ties
             best, best_id = torch.where(better, val, best), torch.where(better, idx + start, best_id)
