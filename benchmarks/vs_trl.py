@@ -83,7 +83,8 @@ and step / floor against length for every side (``--plot``, default
 benchmarks/results/vs_trl_lengths.png). A side whose process tree goes above ``--max-rss-gib``
 (default 90% of the machine's memory) is stopped and reported as failed at that length.
 
-TRL is an optional dependency: ``pip install -e ".[bench]"``. Prints a table and writes
+TRL is an optional dependency: ``pip install -e ".[bench]"`` (the dev extra has it too, for the
+tests of the workload). Prints a table and writes
 benchmarks/results/vs_trl.json (git-ignored).
 """
 

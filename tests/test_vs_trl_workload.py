@@ -2,7 +2,10 @@
 
 Built from the functions the benchmark configures each side with (our composed config, TRL's
 ``GRPOConfig`` and trainer), on the tiny model (the real SmolLM2 tokenizer and chat template);
-nothing is trained or generated. Skipped without TRL (``pip install -e ".[bench]"``).
+nothing is trained or generated. TRL is in the dev extra (``make test`` installs it; the
+benchmark's own extra is ``bench``); without it these tests are skipped. TRL's side is imported by
+the tests that use it, not when the suite is collected: its trainer imports vLLM where vLLM is
+installed, seconds in every test process.
 """
 
 import dataclasses
@@ -13,22 +16,33 @@ from pathlib import Path
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl")  # its names load when first used
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import vs_trl  # noqa: E402
 import vs_trl_ours  # noqa: E402
-import vs_trl_trl  # noqa: E402
+
+# TRL's trainer warns, on import, that the vLLM installed for this project's tests is newer than it
+# supports; these tests never generate with vLLM
+pytestmark = pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions:UserWarning")
 
 WORKLOAD = dataclasses.replace(vs_trl.Workload(), model="tiny", steps=2)
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory):
+def trl_side():
+    """The benchmark's TRL side (``benchmarks/vs_trl_trl.py``)."""
+    import vs_trl_trl
+
+    return vs_trl_trl
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory, trl_side):
     """(our composed config, TRL's trainer) of the workload."""
     out = tmp_path_factory.mktemp("vs-trl")
     cfg = vs_trl_ours.ours_config(WORKLOAD, str(out / "ours"))
-    with vs_trl_trl.math_reward_of(WORKLOAD) as reward:
-        yield cfg, vs_trl_trl.build_trainer(WORKLOAD, str(out / "trl"), reward)
+    with trl_side.math_reward_of(WORKLOAD) as reward:
+        yield cfg, trl_side.build_trainer(WORKLOAD, str(out / "trl"), reward)
 
 
 def test_the_defaults_are_the_benchmark_workload():
@@ -85,17 +99,17 @@ def test_same_generation(sides):
     assert not trainer.use_vllm and cfg.rollout.engine == "hf"
 
 
-def test_micro_batches_split_the_same_update_on_both_sides(tmp_path):
+def test_micro_batches_split_the_same_update_on_both_sides(tmp_path, trl_side):
     """--micro-batch: the same rows per forward/backward on both sides, still one generation of
     the whole batch and one optimizer update per step."""
     split = dataclasses.replace(WORKLOAD, micro_batch=8)
-    cfg, args = vs_trl_ours.ours_config(split, str(tmp_path)), vs_trl_trl.trl_config(split, str(tmp_path))
+    cfg, args = vs_trl_ours.ours_config(split, str(tmp_path)), trl_side.trl_config(split, str(tmp_path))
     batch = split.prompts * split.group
     assert cfg.optim.micro_batch_size == args.per_device_train_batch_size == 8
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == batch
     assert args.generation_batch_size == batch and args.steps_per_generation == args.gradient_accumulation_steps
     with pytest.raises(ValueError, match="micro_batch=5 must divide"):
-        vs_trl_trl.trl_config(dataclasses.replace(WORKLOAD, micro_batch=5))
+        trl_side.trl_config(dataclasses.replace(WORKLOAD, micro_batch=5))
 
 
 def test_several_lengths_pair_with_their_micro_batches():
@@ -107,9 +121,9 @@ def test_several_lengths_pair_with_their_micro_batches():
         vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "0", "8", "4"])
 
 
-def test_natural_lengths_keep_eos_on_both_sides():
+def test_natural_lengths_keep_eos_on_both_sides(trl_side):
     natural = dataclasses.replace(WORKLOAD, natural=True)
-    assert vs_trl_trl.trl_config(natural).generation_kwargs is None
+    assert trl_side.trl_config(natural).generation_kwargs is None
     assert not vs_trl_ours.ours_config(natural).rollout.ignore_eos
 
 
@@ -134,19 +148,19 @@ def test_same_reward(sides):
     assert reward(completions=["So \\boxed{12}.", "The answer is 7."], answer=["12", "12"]) == [1.0, 0.0]
 
 
-def test_each_side_saves_as_its_defaults_do_unless_told_not_to():
-    ours, trl = vs_trl_ours.ours_config(WORKLOAD), vs_trl_trl.trl_config(WORKLOAD)
+def test_each_side_saves_as_its_defaults_do_unless_told_not_to(trl_side):
+    ours, trl = vs_trl_ours.ours_config(WORKLOAD), trl_side.trl_config(WORKLOAD)
     assert ours.trainer.get("enable_checkpointing", True) and ours.checkpoint.every_n_steps > 0
     assert str(trl.save_strategy).lower().endswith("steps") and trl.save_steps == 500  # TRL's own default
     quiet = dataclasses.replace(WORKLOAD, saves=False)
     assert vs_trl_ours.ours_config(quiet).trainer.enable_checkpointing is False
-    assert str(vs_trl_trl.trl_config(quiet).save_strategy).lower().endswith("no")
+    assert str(trl_side.trl_config(quiet).save_strategy).lower().endswith("no")
 
 
-def test_the_trl_ac_side_is_trl_with_its_default_activation_checkpointing(tmp_path):
+def test_the_trl_ac_side_is_trl_with_its_default_activation_checkpointing(tmp_path, trl_side):
     script, changes = vs_trl.SIDES["trl-ac"]
     assert script == vs_trl.SIDES["trl"][0]
-    config = vs_trl_trl.trl_config(dataclasses.replace(WORKLOAD, **changes))
+    config = trl_side.trl_config(dataclasses.replace(WORKLOAD, **changes))
     default = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing
     assert config.gradient_checkpointing is default is True
     assert vs_trl.run_order(2, ["ours", "trl", "trl-ac"]) == ["ours", "trl", "trl-ac", "trl-ac", "trl", "ours"]
