@@ -146,7 +146,7 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self.barrier("ngrpo_checkpoint_start")
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
-        except (Exception, CheckpointException) as err:  # on every rank: the ranks' results are reduced
+        except CheckpointException as err:  # raised on every rank together: the save reduces the ranks' results
             raise self._failed_save(err, target, tmp) from err
         self.barrier("ngrpo_checkpoint_written")
         if self.global_rank == 0:
@@ -158,10 +158,10 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             shutil.rmtree(old, ignore_errors=True)
         self.barrier("ngrpo_checkpoint_done")
 
-    def _failed_save(self, err: BaseException, target: Path, tmp: Path) -> BaseException:
-        """What a failed distributed save raises on every rank: :class:`DiskFull` where the disk is
-        full, else ``err``. Rank 0 decides for all, before it deletes the partial folder (which frees
-        the space a check of the disk would look at)."""
+    def _failed_save(self, err: CheckpointException, target: Path, tmp: Path) -> BaseException:
+        """What a failed distributed save raises on every rank (a collective: every rank calls it):
+        :class:`DiskFull` where the disk is full, else ``err``. Rank 0 decides for all, before it
+        deletes the partial folder (which frees the space a check of the disk would look at)."""
         found = None
         if self.global_rank == 0:
             written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
