@@ -310,7 +310,7 @@ def fake_step(problem_ids, rewards, group_size=2, lengths=None):
         response_text=[f"r{i}" for i in range(n)],
         truncated=torch.zeros(n, dtype=torch.bool),
     )
-    step = StepRollouts.fresh(batch, torch.tensor(rewards, dtype=torch.float))
+    step = StepRollouts.fresh(batch, torch.as_tensor(rewards, dtype=torch.float).clone())
     step.advantages, step.old_logp = torch.zeros(n), logp.clone()
     return step
 
