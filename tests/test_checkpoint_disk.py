@@ -57,12 +57,16 @@ def test_other_write_errors_are_not_called_a_full_disk(tmp_path):
 
 
 @needs_dev_full
-def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_and_resumes(tmp_path, capsys):
+@pytest.mark.parametrize("writer", ["synchronous", "asynchronous"])
+def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_and_resumes(tmp_path, capsys, writer):
     """Step 2's checkpoint finds the disk full: exit status 1, one line naming the file, the MLflow
-    run FAILED, step 1's checkpoint intact; once there is space, resume=last trains on from it."""
+    run FAILED, step 1's checkpoint intact; once there is space, resume=last trains on from it.
+    Written in the background, the failure is found at the next save or at the end; last.ckpt had
+    already been linked to step 2's file, which was never written, so resume=last found nothing."""
     store = f"sqlite:///{tmp_path}/mlruns.db"
     out = tmp_path / "out"
     args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "checkpoint.every_n_steps=1"]
+    args += ["checkpoint.async_save=true"] if writer == "asynchronous" else []
     fill_disk_for(out / "checkpoints" / "step-step=2.ckpt")
     assert main(["train", *args, "trainer.max_steps=3"]) == 1
     err = capsys.readouterr().err
@@ -175,3 +179,18 @@ def test_a_run_checks_the_disk_of_a_local_output_dir_only(tmp_path):
     assert (check.dirpath, check.every_n_steps, check.keep, check.best) == (tmp_path / "checkpoints", 5, 2, True)
     remote = build_checkpointing(compose([*keys, "output_dir=s3://bucket/run"]))
     assert remote and not [c for c in remote if isinstance(c, DiskSpaceCheck)]
+
+
+@needs_dev_full
+def test_a_background_save_that_finds_the_disk_full_stops_the_run_and_leaves_no_link_to_it(tmp_path, capsys):
+    """checkpoint.async_save=true, the run's first checkpoint finds the disk full: the run stops on
+    that failure, named, not on a later one, and last.ckpt, which Lightning links as soon as the save
+    is asked for, does not point at the file that was never written (resume=last would find nothing)."""
+    out = tmp_path / "out"
+    args = [*TINY, "logger=none", f"output_dir={out}", "checkpoint.every_n_steps=1", "checkpoint.async_save=true"]
+    fill_disk_for(out / "checkpoints" / "step-step=1.ckpt")
+    assert main(["train", *args, "trainer.max_steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-step=1.ckpt was not written: its disk is full" in err
+    assert "Traceback" not in err
+    assert list((out / "checkpoints").iterdir()) == []  # no link, no later step, nothing half-written

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from ngrpo_lightning.checkpoints.disk import DiskFull, disk_full
 
-__all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io"]
+__all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io", "relink"]
 
 PARTIAL = ".partial"  # suffix of a checkpoint being written (a hidden file or folder beside the target)
 
@@ -93,34 +93,70 @@ def copy_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
 class BackgroundCheckpointIO(AsyncCheckpointIO):
     """Lightning's ``AsyncCheckpointIO``: a copy of the checkpoint's tensors (:func:`copy_tensors`,
     tied ones kept tied) written by a thread. Pending writes finish before a checkpoint is removed:
-    ``ModelCheckpoint`` removes the step checkpoint it no longer keeps right after asking for the next one."""
+    ``ModelCheckpoint`` removes the step checkpoint it no longer keeps right after asking for the next one.
+
+    A write that fails is raised by the next save, by :meth:`wait` or at the end (the first failure:
+    no later save is started after it), and the links ``ModelCheckpoint`` made to its file as soon
+    as the save was asked for (``last.ckpt``) point again at the last file written whole, or are
+    removed: what a synchronous writer leaves."""
+
+    _written: str | None = None  # the last checkpoint written whole
+    _failed: str | None = None  # the first one whose write failed, until its links are mended
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        self._raise_failure()  # a write failed meanwhile: the run stops on it, before another starts
         fs, urlpath = fsspec.core.url_to_fs(str(path))
         fs.makedirs(os.path.dirname(urlpath), exist_ok=True)  # now: ModelCheckpoint links last.ckpt into it at once
         self._ensure_setup()
         copied = copy_tensors(checkpoint)  # on this thread: this step's values, whatever training does next
 
         def write() -> None:
+            if self._error is not None:
+                return  # after a failure nothing more is written
             try:
                 self.checkpoint_io.save_checkpoint(copied, path, storage_options)
-            except BaseException as err:  # raised by the next save or by wait(), as Lightning's does
-                self._error = err
+                self._written = str(path)
+            except BaseException as err:  # raised by the next save, by wait() or at the end
+                self._error, self._failed = err, str(path)
 
         self._executor.submit(write)
-        if self._error:
-            raise self._error
 
     def wait(self) -> None:
         """Return when every save asked for so far is on disk (the thread writes in order)."""
         if self._executor is not None:
             self._executor.submit(lambda: None).result()
-        if self._error:
-            raise self._error
+        self._raise_failure()
 
     def remove_checkpoint(self, path) -> None:
         self.wait()
         super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is None:
+            return
+        if self._failed is not None:
+            relink(Path(self._failed), Path(self._written) if self._written else None)
+            self._failed = None
+        raise self._error
+
+
+def relink(failed: Path, written: Path | None) -> None:
+    """Links in ``failed``'s folder to ``failed`` (a checkpoint never written) point at ``written``
+    where it is in that folder, or are removed. Local folders only."""
+    folder = failed.parent
+    if not folder.is_dir():
+        return
+    for link in folder.iterdir():
+        if link.is_symlink() and (folder / os.readlink(link)).resolve() == failed.resolve():
+            link.unlink()
+            if written is not None and written.parent == folder and written.is_file():
+                os.symlink(written.name, link)
 
 
 def checkpoint_io(async_save: bool = False):
