@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -rs  # why each skipped test was skipped (no GPU; vLLM not installed), summed by reason
 # test files run in this many processes (pytest-xdist; 0 = in pytest's own): most of a test's time is one
 # core's (a process starting, its imports, a tiny model's small kernels), so 2 finish in about half the time
 TEST_WORKERS ?= 2
