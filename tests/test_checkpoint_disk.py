@@ -61,8 +61,8 @@ def test_other_write_errors_are_not_called_a_full_disk(tmp_path):
 def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_and_resumes(tmp_path, capsys, writer):
     """Step 2's checkpoint finds the disk full: exit status 1, one line naming the file, the MLflow
     run FAILED, step 1's checkpoint intact; once there is space, resume=last trains on from it.
-    Written in the background, the failure is found at the next save or at the end; last.ckpt had
-    already been linked to step 2's file, which was never written, so resume=last found nothing."""
+    Written in the background, the failure is found at the next save or at the end, and the run
+    ends as a synchronous one does (the next test has the case this one did not catch)."""
     store = f"sqlite:///{tmp_path}/mlruns.db"
     out = tmp_path / "out"
     args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "checkpoint.every_n_steps=1"]
