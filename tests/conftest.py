@@ -1,6 +1,8 @@
 """Shared fixtures: real models (the tiny random Llama and the packaged SmolLM2) loaded once."""
 
+import functools
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -66,8 +68,6 @@ def tiny_vllm_model(tmp_path_factory) -> str:
     attention takes (tiny's are 16 wide): a whole run with ``rollout.engine=vllm`` on it spends
     its time in what the run does, not in the packaged model's arithmetic. Pass it as
     ``model=tiny model.name_or_path=<folder>``."""
-    import shutil
-
     from transformers import AutoConfig, LlamaForCausalLM
 
     from ngrpo_lightning.models.loading import packaged_model_dir
@@ -127,11 +127,36 @@ def chat_prompt_ids(tokenizer, questions):
     return [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
 
 
+@functools.cache
+def _empty_store() -> Path:
+    """An MLflow SQLite store as MLflow creates it, made once per test process (removed at its exit)."""
+    import atexit
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    folder = Path(tempfile.mkdtemp(prefix="empty-store-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    MlflowClient(f"sqlite:///{folder}/mlflow.db").search_experiments()  # creates it
+    return folder / "mlflow.db"
+
+
+def fresh_store(path: Path) -> str:
+    """``sqlite:///<path>``: a new MLflow store there, copied from :func:`_empty_store` unless a file
+    is already there (a resumed run's). MLflow builds a new store by migrating it through each of its
+    schema versions, 2-3 s a store; a test whose subject is not that creation starts from the copy
+    (tests/test_tracking.py and tests/test_console.py keep MLflow's own creation)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        shutil.copyfile(_empty_store(), path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """A SQLite MLflow store in a temporary working folder (runs write outputs/ and multirun/ there)."""
     monkeypatch.chdir(tmp_path)
-    return f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    return fresh_store(tmp_path / "mlruns/mlflow.db")
 
 
 # `ngrpo train` arguments of a seconds-long run of the tiny model (sweeps and comparisons)

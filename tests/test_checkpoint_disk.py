@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ScriptedReward, tiny_rl, tiny_trainer
+from conftest import ScriptedReward, fresh_store, tiny_rl, tiny_trainer
 from mlflow import MlflowClient
 
 from ngrpo_lightning.checkpoints.disk import DiskFull, DiskSpaceCheck, checkpoint_bytes, no_space
@@ -63,7 +63,7 @@ def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_a
     run FAILED, step 1's checkpoint intact; once there is space, resume=last trains on from it.
     Written in the background, the failure is found at the next save or at the end, and the run
     ends as a synchronous one does (the next test has the case this one did not catch)."""
-    store = f"sqlite:///{tmp_path}/mlruns.db"
+    store = fresh_store(tmp_path / "mlruns.db")
     out = tmp_path / "out"
     args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "checkpoint.every_n_steps=1"]
     args += ["checkpoint.async_save=true"] if writer == "asynchronous" else []
@@ -152,7 +152,7 @@ def test_any_other_write_that_finds_the_disk_full_is_one_line_too(tmp_path, monk
                 f.write("a line of a log\n")
 
     monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [WritesAFile()])
-    store = f"sqlite:///{tmp_path}/mlruns.db"
+    store = fresh_store(tmp_path / "mlruns.db")
     assert main(["train", *TINY, f"logger.tracking_uri={store}", f"output_dir={tmp_path}/out"]) == 1
     err = capsys.readouterr().err
     assert "ngrpo train: error: a write found the disk full: [Errno 28] No space left on device." in err

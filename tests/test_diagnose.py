@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import fresh_store
 
 from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.commands.diagnose.drift import (
@@ -158,7 +159,7 @@ def test_unknown_mode_and_key_are_refused(capsys):
 def test_drift_command_writes_table_json_plot_and_mlflow_run(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    uri, out = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "out"
+    uri, out = fresh_store(tmp_path / "mlflow.db"), tmp_path / "out"
     assert (
         main(
             [

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_store
 
 from ngrpo_lightning.commands.cli import main
 
@@ -130,7 +131,7 @@ def test_checkpoint_policy_weights_are_loaded(tmp_path, tiny):
 def test_packaged_model_eval_logs_to_mlflow(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    uri, out = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "out"
+    uri, out = fresh_store(tmp_path / "mlflow.db"), tmp_path / "out"
     assert (
         main(
             [

@@ -40,10 +40,10 @@ def logits(model, tokenizer) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-step run of the tiny model with ``export.final=true`` and an MLflow store."""
-    from conftest import ScriptedReward
+    from conftest import ScriptedReward, fresh_store
 
     tmp = tmp_path_factory.mktemp("export")
-    store = f"sqlite:///{tmp}/mlruns.db"
+    store = fresh_store(tmp / "mlruns.db")
     overrides = ["model=tiny", *RUN, "optim.lr=1e-2", f"output_dir={tmp}/run", f"logger.tracking_uri={store}"]
     with pytest.MonkeyPatch.context() as patch:  # rows alternate reward 1/0: real advantages, real updates
         patch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))

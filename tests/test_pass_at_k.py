@@ -153,7 +153,7 @@ def test_benchmark_missing_answer_field_names_field_and_file(tmp_path):
 # ------------------------------------------------------------------ callback
 def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     import lightning as L
-    from conftest import ScriptedReward, tiny_rl
+    from conftest import ScriptedReward, fresh_store, tiny_rl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
@@ -166,7 +166,7 @@ def test_callback_logs_metrics_that_model_checkpoint_monitors(tiny, tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/arith/pass@2", mode="max", every_n_train_steps=1)
     logger = MLFlowLogger(
         experiment_name="t",
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        tracking_uri=fresh_store(tmp_path / "mlflow.db"),
         artifact_location=(tmp_path / "artifacts").as_uri(),
     )
     trainer = L.Trainer(

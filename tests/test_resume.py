@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ScriptedReward, scripted_cli
+from conftest import ScriptedReward, fresh_store, scripted_cli
 
 from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import ConfigError, compose
@@ -42,8 +42,7 @@ def scripted_reward(monkeypatch):
 
 
 def run(tmp, name, *extra):
-    store = f"sqlite:///{tmp}/mlruns.db"
-    Path(tmp).mkdir(parents=True, exist_ok=True)
+    store = fresh_store(Path(tmp) / "mlruns.db")
     return train(compose(RUN + [f"logger.tracking_uri={store}", f"output_dir={tmp}/{name}", *extra]))
 
 
@@ -132,7 +131,7 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
     then resumed here with ``resume=last`` to ``STEPS``: the resumed run's summary."""
     args = RUN + [
         *extra,
-        f"logger.tracking_uri=sqlite:///{tmp_path}/mlruns.db",
+        f"logger.tracking_uri={fresh_store(tmp_path / 'mlruns.db')}",
         f"output_dir={tmp_path}/out",
         "checkpoint.every_n_steps=2",
         "checkpoint.keep=-1",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NEEDS_VLLM, chat_prompt_ids, scripted_cli
+from conftest import NEEDS_VLLM, chat_prompt_ids, fresh_store, scripted_cli
 
 pytestmark = NEEDS_VLLM
 
@@ -165,7 +165,7 @@ def test_three_step_ngrpo_run_with_vllm_logs_to_mlflow(tmp_path, experiment, tin
     check vLLM's arithmetic on the packaged model)."""
     from mlflow import MlflowClient
 
-    store = f"sqlite:///{tmp_path}/mlflow.db"
+    store = fresh_store(tmp_path / "mlflow.db")
     args = [
         "model=tiny",
         f"model.name_or_path={tiny_vllm_model}",
@@ -314,7 +314,7 @@ def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path, tiny_
     its rewards scripted: every step moves its weights)."""
     from mlflow import MlflowClient
 
-    store = f"sqlite:///{tmp_path}/mlflow.db"
+    store = fresh_store(tmp_path / "mlflow.db")
     args = [
         "model=tiny",
         f"model.name_or_path={tiny_vllm_model}",
