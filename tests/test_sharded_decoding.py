@@ -30,9 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(
-    rank: int, world: int, port: int, out: str, adapters: bool, precision: str, device: str, measuring: bool = False
-) -> None:
+def _worker(rank: int, world: int, port: int, out: str, adapters: bool, device: str, measuring: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -72,7 +70,7 @@ def _worker(
             copying = partial(CPUBackend, measurements=Measurements(Path(out)))
         backend(torch.float32).prepare(policy, trains=True, sharded=True)
         mesh = init_device_mesh(device, (world,))
-        root = shard_fsdp2([policy], ParallelConfig(mixed_precision=precision), mesh)[id(policy)]
+        root = shard_fsdp2([policy], ParallelConfig(mixed_precision="fp32"), mesh)[id(policy)]
         prompts = chat_prompt_ids(tok, QUESTIONS)
         through = HFEngine(policy, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=eager(torch.float32))
         on_copy = HFEngine(
@@ -135,10 +133,10 @@ def _worker(
         torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, adapters: bool, precision: str = "fp32", device: str = "cpu", measuring: bool = False) -> list[dict]:
+def _run(tmp_path, adapters: bool, device: str = "cpu", measuring: bool = False) -> list[dict]:
     pytest.importorskip("peft")
     world = 2 if device == "cpu" else 1  # one GPU: FSDP2 over one process, its modules and hooks all the same
-    args = (world, _free_port(), str(tmp_path), adapters, precision, device, measuring)
+    args = (world, _free_port(), str(tmp_path), adapters, device, measuring)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
 
@@ -184,28 +182,30 @@ def test_the_cpu_backend_s_copy_built_under_inference_mode_times_its_products_an
             assert_same_rollouts(made["copy", step], made["through", step])
 
 
-def test_the_copy_holds_the_weights_in_fsdp2s_compute_dtype(tmp_path):
-    for made in _run(tmp_path, adapters=False, precision="bf16"):
-        assert made["dtype"] == torch.bfloat16  # what FSDP2 gathers to compute with, not its float32 shards
-        assert made["copy", 0].response_ids.shape[0] == 6
-
-
 def _gathered_worker(rank: int, world: int, port: int, out: str) -> None:
+    """What an engine of its own loads from a sharded LoRA policy, and what a bfloat16-sharded policy's
+    copy holds: two checks of the gathered weights, in one pair of processes."""
     import copy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
     try:
+        from conftest import chat_prompt_ids
+        from test_hf_engine_live_rows import QUESTIONS
         from torch.distributed.device_mesh import init_device_mesh
 
+        from ngrpo_lightning.explorers import TopKMixExplorer
         from ngrpo_lightning.models import lora
         from ngrpo_lightning.models.loading import load_policy
+        from ngrpo_lightning.rollout import HFEngine
         from ngrpo_lightning.rollout.engine import full_named_tensors
         from ngrpo_lightning.rollout.vllm_engine import _made_outside_inference
         from ngrpo_lightning.training.parallel import ParallelConfig, shard_fsdp2
 
+        mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
-        policy, _ = load_policy("tiny")
+        policy, tok = load_policy("tiny")
         policy = lora.apply(policy, lora.LoraSettings(enabled=True, rank=4, alpha=8, target_modules="all-linear"))
         with torch.no_grad():
             for name, p in policy.named_parameters():
@@ -213,31 +213,52 @@ def _gathered_worker(rank: int, world: int, port: int, out: str) -> None:
                     p.normal_(std=0.05)
         plain = copy.deepcopy(policy)
         Backend(torch.float32).prepare(policy, trains=True, sharded=True)
-        shard_fsdp2([policy], ParallelConfig(mixed_precision="fp32"), init_device_mesh("cpu", (world,)))
+        shard_fsdp2([policy], ParallelConfig(mixed_precision="fp32"), mesh)
         gathered = dict(full_named_tensors(policy))  # a collective, on every rank
         with torch.inference_mode():  # as vLLM's sync writes them, inside a validation's rollout too
             in_inference = dict(_made_outside_inference(full_named_tensors(policy)))
+
+        # a policy FSDP2 computes with in bfloat16 (float32 shards): the copy it decodes on
+        half, _ = load_policy("tiny")
+        Backend(torch.float32).prepare(half, trains=True, sharded=True)
+        root = shard_fsdp2([half], ParallelConfig(mixed_precision="bf16"), mesh)[id(half)]
+        engine = HFEngine(
+            half, tok, max_new_tokens=8, seed=rank, sharded_root=root, backend=CopyingBackend(torch.float32),
+            static_cache=True, graphs="rerun",
+        )  # fmt: skip
+        rows = engine.generate(chat_prompt_ids(tok, QUESTIONS), TopKMixExplorer(k=3, rho=0.5), n=2).response_ids
         if rank == 0:
             saved = {"sharded": gathered, "plain": dict(full_named_tensors(plain)), "in inference mode": in_inference}
+            saved |= {"bf16 copy dtype": engine._copy.model.dtype, "bf16 rows": rows.shape[0]}
             torch.save(saved, f"{out}/gathered.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_a_sharded_lora_policy_gives_an_engine_its_whole_merged_weights(tmp_path):
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> dict:
+    pytest.importorskip("peft")
+    out = tmp_path_factory.mktemp("gathered")
+    mp.spawn(_gathered_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return torch.load(out / "gathered.pt", weights_only=False)
+
+
+def test_a_sharded_lora_policy_gives_an_engine_its_whole_merged_weights(gathered):
     """What an engine with weights of its own (vLLM) loads from a LoRA policy FSDP2 shards: whole
     tensors, the adapters merged, as from the same policy unsharded (they had come out as shards),
     also when the sync runs under inference mode (a run's validation; the state dict of FSDP2's
     DTensors cannot be made there: each tensor is made outside it)."""
-    pytest.importorskip("peft")
-    mp.spawn(_gathered_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    made = torch.load(tmp_path / "gathered.pt", weights_only=False)
-    sharded, plain = made["sharded"], made["plain"]
+    sharded, plain = gathered["sharded"], gathered["plain"]
     assert sharded.keys() == plain.keys() and "model.layers.0.self_attn.q_proj.weight" in sharded
     for name, tensor in sharded.items():
         assert type(tensor) is torch.Tensor, name
         torch.testing.assert_close(tensor, plain[name], msg=name)
-        torch.testing.assert_close(made["in inference mode"][name], tensor, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(gathered["in inference mode"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_the_copy_holds_the_weights_in_fsdp2s_compute_dtype(gathered):
+    assert gathered["bf16 copy dtype"] == torch.bfloat16  # what FSDP2 gathers to compute with, not its float32 shards
+    assert gathered["bf16 rows"] == 6
 
 
 def test_the_cpu_backend_keeps_a_copy_only_where_every_process_s_copy_is_a_minor_share_of_memory():
