@@ -14,6 +14,17 @@ from ngrpo_lightning.rewards import MathReward
 MIX = [{"name": "chain_sum", "config": {"max_terms": 3}}, {"name": "basic_arithmetic", "weight": 2}]
 
 
+@pytest.fixture(scope="module")
+def rewards():
+    """``(graded, binary)``: the reward with a task verifier's partial scores kept, and the default's
+    (binary) scoring; one worker each, started once for the module's tests (each start imports math-verify)."""
+    with (
+        MathReward(extract="boxed", num_workers=1, graded=True) as graded,
+        MathReward(extract="boxed", num_workers=1) as binary,
+    ):
+        yield graded, binary
+
+
 def test_problems_are_reproducible_by_seed():
     a, b = reasoning_gym_problems(MIX, 60, seed=3), reasoning_gym_problems(MIX, 60, seed=3)
     assert [p.to_dict() for p in a] == [p.to_dict() for p in b]
@@ -39,35 +50,33 @@ def test_the_shipped_config_draws_its_sizes_and_the_seed_moves_them():
 
 
 @pytest.mark.parametrize("task", ["chain_sum", "basic_arithmetic", "spell_backward", "word_sorting"])
-def test_gold_answers_score_1_and_wrong_ones_do_not_under_the_tasks_verifier(task):
+def test_gold_answers_score_1_and_wrong_ones_do_not_under_the_tasks_verifier(task, rewards):
+    graded, binary = rewards
     problems = reasoning_gym_problems([task], 6, seed=1, split="validation")
     golds, specs = [p.answer for p in problems], [p.meta["verifier"] for p in problems]
     texts = [f"Thinking... so \\boxed{{{g}}}" for g in golds] + [f"\\boxed{{{g}9}}" for g in golds]
-    with MathReward(extract="boxed", num_workers=1, graded=True) as reward:
-        out = reward(texts, golds * 2, specs * 2)
+    out = graded(texts, golds * 2, specs * 2)
     assert out.status[:6] == ["correct"] * 6 and out.scores[:6].tolist() == [1.0] * 6
     assert out.status[6:] == ["wrong"] * 6 and out.scores[6:].max() < 1.0  # some tasks grade near misses
-    with MathReward(extract="boxed", num_workers=1, graded=False) as reward:
-        assert reward(texts[6:], golds, specs).scores.tolist() == [0.0] * 6
+    assert binary(texts[6:], golds, specs).scores.tolist() == [0.0] * 6
 
 
-def test_chain_sum_grades_near_misses_and_binary_scoring_drops_them():
+def test_chain_sum_grades_near_misses_and_binary_scoring_drops_them(rewards):
     """chain_sum's own checker gives partial credit to a near miss: the training reward keeps it
     (reward.graded=true), accuracy never counts it; binary scoring (the default) gives it 0."""
     (p,) = reasoning_gym_problems(["chain_sum"], 1, seed=0)
     texts = [f"\\boxed{{{p.answer}0}}", "\\boxed{-999999}"]  # the gold inside a longer answer: partial credit
-    with MathReward(extract="boxed", num_workers=1, graded=True) as reward:
-        out = reward(texts, [p.answer] * 2, [p.meta["verifier"]] * 2)
+    graded, binary = rewards
+    out = graded(texts, [p.answer] * 2, [p.meta["verifier"]] * 2)
     assert 0.0 < out.scores[0] < 1.0 and out.scores[1] == 0.0 and not out.correct.any()
-    with MathReward(extract="boxed", num_workers=1) as reward:  # the default: binary
-        assert reward(texts, [p.answer] * 2, [p.meta["verifier"]] * 2).scores.tolist() == [0.0, 0.0]
+    assert binary(texts, [p.answer] * 2, [p.meta["verifier"]] * 2).scores.tolist() == [0.0, 0.0]
 
 
-def test_math_verify_option_checks_the_gold_with_math_verify():
+def test_math_verify_option_checks_the_gold_with_math_verify(rewards):
     (p,) = reasoning_gym_problems(["chain_sum"], 1, seed=0, verifier="math_verify")
     assert "verifier" not in p.meta
-    with MathReward(extract="boxed", num_workers=1) as reward:
-        out = reward([f"\\boxed{{{p.answer}.0}}", "\\boxed{-1e9}"], [p.answer] * 2)
+    _, binary = rewards
+    out = binary([f"\\boxed{{{p.answer}.0}}", "\\boxed{-1e9}"], [p.answer] * 2)
     assert out.status == ["correct", "wrong"]  # 12.0 equals 12 for math-verify
 
 

@@ -1,6 +1,5 @@
 """HFEngine, rollout records and their reconstruction in the training forward."""
 
-import pytest
 import torch
 from conftest import chat_prompt_ids
 
@@ -145,19 +144,3 @@ def test_select_renumbers_records(tiny):
     with torch.no_grad():
         logp, _ = response_logprobs(model, sub, 1.0)
     assert (logp - sub.rollout_logprobs)[sub.response_mask.bool()].abs().max() < 1e-4
-
-
-@pytest.mark.slow
-def test_greedy_equals_generate_on_the_packaged_model(smollm2):
-    model, tok = smollm2
-    prompts = chat_prompt_ids(tok, QUESTIONS)
-    batch = HFEngine(model, tok, max_new_tokens=32).generate(prompts, TemperatureExplorer(temperature=0.0))
-    tok.padding_side = "left"
-    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=32, do_sample=False)[:, enc["input_ids"].shape[1] :]
-    for i in range(len(prompts)):
-        n = int(batch.response_lengths[i])
-        assert batch.response_ids[i, :n].tolist() == out[i, :n].tolist()
-    with torch.no_grad():
-        logp, _ = response_logprobs(model, batch, 1.0)
-    assert (logp - batch.rollout_logprobs)[batch.response_mask.bool()].abs().max() < 1e-4
