@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,13 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     A write that fails is raised by the next save, by :meth:`wait` or at the end (the first failure:
     no later save is started after it), and the links ``ModelCheckpoint`` made to its file as soon
     as the save was asked for (``last.ckpt``) point again at the last file written whole, or are
-    removed: what a synchronous writer leaves."""
+    removed: what a synchronous writer leaves.
 
+    Every method that writes, waits or ends is this class's own, with its own thread and failure:
+    nothing here reads the parent's internals, which Lightning may change."""
+
+    _thread: ThreadPoolExecutor | None = None  # one worker: checkpoints are written in the order asked
+    _failure: BaseException | None = None  # the first write that failed
     _written: str | None = None  # the last checkpoint written whole
     _failed: str | None = None  # the first one whose write failed, until its links are mended
 
@@ -107,24 +113,25 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         self._raise_failure()  # a write failed meanwhile: the run stops on it, before another starts
         fs, urlpath = fsspec.core.url_to_fs(str(path))
         fs.makedirs(os.path.dirname(urlpath), exist_ok=True)  # now: ModelCheckpoint links last.ckpt into it at once
-        self._ensure_setup()
         copied = copy_tensors(checkpoint)  # on this thread: this step's values, whatever training does next
 
         def write() -> None:
-            if self._error is not None:
+            if self._failure is not None:
                 return  # after a failure nothing more is written
             try:
                 self.checkpoint_io.save_checkpoint(copied, path, storage_options)
                 self._written = str(path)
             except BaseException as err:  # raised by the next save, by wait() or at the end
-                self._error, self._failed = err, str(path)
+                self._failure, self._failed = err, str(path)
 
-        self._executor.submit(write)
+        if self._thread is None:  # made again after a teardown: a Trainer may fit or validate more than once
+            self._thread = ThreadPoolExecutor(max_workers=1)
+        self._thread.submit(write)
 
     def wait(self) -> None:
         """Return when every save asked for so far is on disk (the thread writes in order)."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result()
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()
         self._raise_failure()
 
     def remove_checkpoint(self, path) -> None:
@@ -132,18 +139,18 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         super().remove_checkpoint(path)
 
     def teardown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         self._raise_failure()
 
     def _raise_failure(self) -> None:
-        if self._error is None:
+        if self._failure is None:
             return
         if self._failed is not None:
             relink(Path(self._failed), Path(self._written) if self._written else None)
             self._failed = None
-        raise self._error
+        raise self._failure
 
 
 def relink(failed: Path, written: Path | None) -> None:
