@@ -75,6 +75,9 @@
 #                     end, what a new pass width costs with and without the width buckets, and with cuDNN's
 #                     attention and the driver's kernel cache off; FSDP2 over one GPU both ways last,
 #                     about 90 s, cut first where time runs out)
+#   On a machine without a network, `bash benchmarks/gpu_bundle.sh DEST` (here, where there is one) makes the
+#   WHEELS, SOURCE, PROBLEMS and the NGRPO_CACHE holding the tiny model below in one folder; its header says
+#   how to run this script with them.
 #   TRACES    a directory for step 3's Chrome traces (a few MB each, gzipped; default: none written)
 #   SOURCE    a directory with SmolLM2's tokenizer files and config.json (default: the packaged model's)
 #   PROBLEMS  a .jsonl of problems, where reasoning-gym is not installed
