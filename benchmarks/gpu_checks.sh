@@ -87,8 +87,11 @@
 #             default backend (graphs), with it the eager one where recording failed
 #   ACC=cpu TOK=8 LONG=8: a dry run of this script on the CPU (no graphs, no 7B), with MLflow and
 #             reasoning-gym hidden as the GPU image lacks them (HIDE: the packages hidden)
+#             DTYPE=float32 on a CPU without native bfloat16 products (AVX2 only), where bfloat16 runs several
+#             times slower and most steps would reach their time limits (the models' dtype; default bfloat16;
+#             in float32 the 1.5B shape's full fine-tuning, step 5, holds about 24 GB of weights and AdamW state)
 set -u
-ACC=${ACC:-gpu}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
+ACC=${ACC:-gpu}; DTYPE=${DTYPE:-bfloat16}; TOK=${TOK:-40}; LONG=${LONG:-256}; LIMIT=${LIMIT:-540}; OUT=${OUT:-/tmp/gpu-checks}
 PY=${PY:-python3}; MODELS=${MODELS:-/tmp/large-shapes}; RUN=${RUN:-$OUT/run}; STEPS=${STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}
 mkdir -p "$OUT"
 . benchmarks/gpu_env.sh  # left, WHEELS, the environment, BW
@@ -102,17 +105,17 @@ if gpu && want 2; then  # beside the building
     tests/test_sampling.py tests/test_width_buckets.py tests/test_sharded_decoding.py -k on_a_gpu > "$OUT/tests.txt" 2>&1 &
   TESTS=$!
 fi
-$PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --accelerator $ACC --models "$MODELS" \
+$PY benchmarks/large_shapes.py --build-only --shapes smollm2-135m qwen2.5-1.5b --dtype $DTYPE --accelerator $ACC --models "$MODELS" \
   ${SOURCE:+--source $SOURCE} || exit 1
-G="$PY benchmarks/large_shapes.py --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
+G="$PY benchmarks/large_shapes.py --dtype $DTYPE --accelerator $ACC --models $MODELS ${SOURCE:+--source $SOURCE} ${PROBLEMS:+--problems $PROBLEMS}
   $(gpu && echo --bandwidth-gbs $BW)"
 DEV=$(gpu && echo cuda || echo cpu); GRAPH_MODES=$(gpu && echo graphs graphs-model graphs-sdpa graphs-unfused graphs-efficient graphs-math)
-D="$PY benchmarks/decoding_modes.py --device $DEV --dtype bfloat16 --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
+D="$PY benchmarks/decoding_modes.py --device $DEV --dtype $DTYPE --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS}"
 BACKEND=$(gpu && echo cuda || echo cpu)
 
 if want 1; then
   echo "== 1. decoding modes, the packaged shape, $TOK tokens ($SECONDS s)"
-  timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+  timeout -s INT "$(left 60)" $D --model $MODELS/smollm2-135m-$DTYPE --new-tokens "$TOK" --repeats 2 \
     --modes growing static $GRAPH_MODES --out "$OUT/decoding_small.json"
   # whole-step graphs recorded: cuda; else the model's step alone: cuda_model_step; else none: cuda_eager
   gpu && BACKEND=$($PY -c "import json,sys; r={x['mode']: x for x in json.load(open(sys.argv[1]))['rows']}; \
@@ -133,7 +136,7 @@ if want 3; then
 fi
 if want 4; then
   echo "== 4. decoding modes, the Qwen2.5-1.5B shape, $LONG tokens ($SECONDS s)"
-  timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+  timeout -s INT "$(left 120)" $D --model $MODELS/qwen2.5-1.5b-$DTYPE --new-tokens "$LONG" --repeats 1 \
     --modes growing static $GRAPH_MODES --out "$OUT/decoding_1.5b.json"
 fi
 if want 5; then
@@ -143,21 +146,21 @@ if want 5; then
 fi
 if gpu && want 6; then
   echo "== 6. decoding: recorded graphs against torch.compile's, the packaged shape ($SECONDS s)"
-  timeout -s INT "$(left 120)" $D --model $MODELS/smollm2-135m-bfloat16 --new-tokens "$TOK" --repeats 2 \
+  timeout -s INT "$(left 120)" $D --model $MODELS/smollm2-135m-$DTYPE --new-tokens "$TOK" --repeats 2 \
     --modes static graphs compile --out "$OUT/decoding_compile_small.json"
   echo "== 6b. decoding: recorded graphs against torch.compile's, the Qwen2.5-1.5B shape ($SECONDS s)"
-  timeout -s INT "$(left 150)" $D --model $MODELS/qwen2.5-1.5b-bfloat16 --new-tokens "$LONG" --repeats 1 \
+  timeout -s INT "$(left 150)" $D --model $MODELS/qwen2.5-1.5b-$DTYPE --new-tokens "$LONG" --repeats 1 \
     --modes static graphs compile --out "$OUT/decoding_compile_1.5b.json"
 fi
 if gpu && want 7; then
   if $PY -c "import trl" 2>/dev/null; then
     echo "== 7. TRL's GRPOTrainer on step 3's workload (its full fine-tuning row is ours; gpu_vs_trl.sh: both shapes) ($SECONDS s)"
-    timeout -s INT "$(left 90)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
-      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/smollm2-135m-bfloat16 \
+    timeout -s INT "$(left 90)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype $DTYPE --sides trl --runs 1 \
+      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/smollm2-135m-$DTYPE \
       --tokens "$TOK" --steps 4 --out "$OUT/trl_small.json"
     echo "== 7a. TRL's GRPOTrainer on step 5's workload (its full fine-tuning row is ours) ($SECONDS s)"
-    timeout -s INT "$(left 120)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype bfloat16 --sides trl --runs 1 \
-      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/qwen2.5-1.5b-bfloat16 \
+    timeout -s INT "$(left 120)" $PY benchmarks/vs_trl.py --accelerator gpu --dtype $DTYPE --sides trl --runs 1 \
+      --no-saves --bandwidth-gbs $BW ${PROBLEMS:+--problems $PROBLEMS} --model $MODELS/qwen2.5-1.5b-$DTYPE \
       --tokens "$LONG" --micro-batch 8 --steps 3 --out "$OUT/trl_1.5b.json"
   fi
   echo "== 7b. the packaged shape, $TOK tokens, full fine-tuning on the eager backend ($SECONDS s)"
@@ -172,33 +175,33 @@ fi
 if want 9; then
   echo "== 9. ngrpo train: N-GRPO, validation, checkpoint; then resume=last ($SECONDS s)"
   DATA=${PROBLEMS:+data=files data.train=$PROBLEMS data.val=$PROBLEMS data.val_limit=32}
-  CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-bfloat16
-    model.dtype=bfloat16 $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
+  CLI="$PY -m ngrpo_lightning.commands.launch train experiment=ngrpo trainer=$ACC model.name_or_path=$MODELS/smollm2-135m-$DTYPE
+    model.dtype=$DTYPE $DATA data.prompts_per_step=4 trainer.val_check_interval=2 rollout.max_new_tokens=$TOK
     logger=none output_dir=$RUN trainer.enable_progress_bar=false $(gpu && echo backend.name=$BACKEND)"
   timeout -s INT "$(left 60)" $CLI trainer.max_steps=2 > "$RUN.cli.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.cli.log"
   timeout -s INT "$(left 45)" $CLI trainer.max_steps=3 resume=last > "$RUN.resume.log" 2>&1; echo "rc=$?"; tail -3 "$RUN.resume.log"
 fi
 if want 10; then
   echo "== 10. a group's prompt once or per row: the log-prob passes both ways, and the backend's choice ($SECONDS s)"
-  P="$PY benchmarks/prompt_sharing.py --device $DEV --dtype bfloat16 ${PROBLEMS:+--problems $PROBLEMS}"
-  timeout -s INT "$(left 45)" $P --model $MODELS/smollm2-135m-bfloat16 --tokens "$TOK" --out "$OUT/sharing_small.json"
-  timeout -s INT "$(left 60)" $P --model $MODELS/qwen2.5-1.5b-bfloat16 --tokens "$LONG" --out "$OUT/sharing_1.5b.json"
+  P="$PY benchmarks/prompt_sharing.py --device $DEV --dtype $DTYPE ${PROBLEMS:+--problems $PROBLEMS}"
+  timeout -s INT "$(left 45)" $P --model $MODELS/smollm2-135m-$DTYPE --tokens "$TOK" --out "$OUT/sharing_small.json"
+  timeout -s INT "$(left 60)" $P --model $MODELS/qwen2.5-1.5b-$DTYPE --tokens "$LONG" --out "$OUT/sharing_1.5b.json"
 fi
 if want 11; then
   echo "== 11. a new pass width's cost: transformers' sdpa against the backend's width buckets ($SECONDS s)"
-  S="$PY benchmarks/attention_shapes.py --dtype bfloat16"
+  S="$PY benchmarks/attention_shapes.py --dtype $DTYPE"
   # and each with cuDNN's attention off, and with the driver's kernel cache off (a machine's first process)
-  timeout -s INT "$(left 90)" $S --model $MODELS/smollm2-135m-bfloat16 --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
+  timeout -s INT "$(left 90)" $S --model $MODELS/smollm2-135m-$DTYPE --widths 100:200 --calls "$(gpu && echo 16 || echo 3)" \
     --runs $(gpu && echo sdpa sdpa_gqa sdpa_gqa,no-cudnn sdpa,cold sdpa_gqa,cold sdpa_gqa,no-cudnn,cold \
     sdpa_gqa,cold-files || echo sdpa sdpa_gqa,no-cudnn,cold,cold-files) --out "$OUT/shapes_small.json"
-  gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-bfloat16 --widths 150:360 --calls 16 \
+  gpu && timeout -s INT "$(left 90)" $S --model $MODELS/qwen2.5-1.5b-$DTYPE --widths 150:360 --calls 16 \
     --runs sdpa sdpa_gqa sdpa_gqa,no-cudnn --out "$OUT/shapes_1.5b.json"
 fi
 if want 12; then
   echo "== 12. FSDP2 on one GPU: rollouts on a copy of the gathered weights against through the policy ($SECONDS s)"
   # the packaged shape, fixed-length rollouts, each way a process of its own: each phase's mean from
   # Lightning's simple profiler, and the line each run printed about its rollouts (a CPU dry run: fsdp_cpu)
-  timeout -s INT "$(left 150)" $PY benchmarks/fsdp_rollouts.py --accelerator $ACC --model $MODELS/smollm2-135m-bfloat16 \
+  timeout -s INT "$(left 150)" $PY benchmarks/fsdp_rollouts.py --accelerator $ACC --model $MODELS/smollm2-135m-$DTYPE \
     --tokens "$TOK" --runs 1 --timeout 70 ${PROBLEMS:+--problems $PROBLEMS} --out "$OUT/fsdp_rollouts.json" | tail -5
 fi
 echo "== done ($SECONDS s)"
