@@ -47,6 +47,9 @@ class BackendSchema:
     # cpu: auto (measured per shape) | on | off: products on oneDNN-packed weights; set on/off to compare
     # both ways (benchmarks), or where a busy machine made the measurement noisy
     packing: Any = "auto"
+    # threads each process computes on: null = the cores of this host shared by the run's processes on it
+    # (or OMP_NUM_THREADS where you set it), the same however the run is launched (docs/reliability.md)
+    threads: Optional[int] = None  # noqa: UP045
 
 
 @dataclass

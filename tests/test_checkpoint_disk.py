@@ -11,6 +11,7 @@ from mlflow import MlflowClient
 
 from ngrpo_lightning.checkpoints.disk import DiskFull, DiskSpaceCheck, checkpoint_bytes, no_space
 from ngrpo_lightning.checkpoints.io import StreamingCheckpointIO, partial_path
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import main
 
 FULL = Path("/dev/full")  # every write to it fails with "no space left on device"
@@ -73,12 +74,12 @@ def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_a
     assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-step=2.ckpt was not written: its disk is full" in err
     assert "Traceback" not in err
     last = out / "checkpoints" / "last.ckpt"
-    assert last.resolve().name == "step-step=1.ckpt" and torch.load(last, weights_only=False)["global_step"] == 1
+    assert last.resolve().name == "step-step=1.ckpt" and load_checkpoint(last, mmap=False)["global_step"] == 1
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "FAILED"
     assert main(["train", *args, "trainer.max_steps=3", "resume=last"]) == 0
-    assert torch.load(last, weights_only=False)["global_step"] == 3
+    assert load_checkpoint(last, mmap=False)["global_step"] == 3
 
 
 def test_the_estimate_is_what_a_checkpoint_holds_and_a_small_disk_warns(tiny, tmp_path):

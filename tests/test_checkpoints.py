@@ -13,6 +13,7 @@ import torch
 
 from ngrpo_lightning.checkpoints.io import StreamingCheckpointIO, partial_path
 from ngrpo_lightning.checkpoints.run import weights_digest
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import train
 from ngrpo_lightning.config import ConfigError, compose
 
@@ -78,7 +79,7 @@ def test_checkpoints_hold_the_base_models_hash_not_the_reference(base_dir, tmp_p
         compose([f"model.name_or_path={base_dir}", f"output_dir={out}", f"trainer.max_steps={steps}", *RUN, *extra])
     )
     run(2)
-    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = load_checkpoint(out / "checkpoints" / "last.ckpt", mmap=False)
     keys = ckpt["state_dict"].keys()
     assert any(k.startswith("policy.") for k in keys) and not any(k.startswith("reference.") for k in keys)
     base = ckpt["ngrpo"]["base_model"]
@@ -100,7 +101,7 @@ def test_an_asynchronous_save_writes_what_the_synchronous_one_does(tmp_path):
     for name, extra in runs.items():
         train(compose(["model=tiny", *RUN, "trainer.max_steps=2", f"output_dir={tmp_path / name}", *extra]))
     files = {name: tmp_path / name / "checkpoints" / "last.ckpt" for name in runs}
-    sync, written = (torch.load(files[name], weights_only=False)["state_dict"] for name in runs)
+    sync, written = (load_checkpoint(files[name], mmap=False)["state_dict"] for name in runs)
     head, embedding = written["policy.lm_head.weight"], written["policy.model.embed_tokens.weight"]
     assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()  # one tensor, as in the model
     assert files["async"].stat().st_size == pytest.approx(files["sync"].stat().st_size, rel=0.01)

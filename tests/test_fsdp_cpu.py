@@ -21,6 +21,7 @@ import torch
 from conftest import SCRIPTED_CLI, fresh_store, scripted_cli
 
 from ngrpo_lightning.build.trainer import check_trainer
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.explorers import ExplorerStep, TemperatureExplorer
@@ -112,12 +113,13 @@ def metrics(out: Path, *more: str) -> dict[str, list[float]]:
 
 
 def policy_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    load_checkpoint(ckpt)  # what resume, eval and export read first: data only (.metadata and meta.pt of a folder)
     if ckpt.is_dir():  # a distributed (sharded) checkpoint: gather it into one file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         dcp_to_torch_save(ckpt, ckpt.parent / "full.pt")
         ckpt = ckpt.parent / "full.pt"
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if k.startswith("policy.")}
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import TINY_JOB, trained_lora
 
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import main
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
@@ -101,7 +102,7 @@ def test_adapters_off_gives_peft_disable_adapters_outputs_and_puts_everything_ba
 def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *LORA_JOB, "trainer.max_steps=2"]) == 0
-    ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(tmp_path / "outputs/checkpoints/last.ckpt", mmap=False)
     keys = [k.removeprefix("policy.") for k in ckpt["state_dict"] if k.startswith("policy.")]
     layers = load_policy("tiny")[0].config.num_hidden_layers
     assert len(keys) == layers * 7 * 2 and all(lora.is_adapter_weight(k) for k in keys)  # A and B of 7 linears
@@ -113,7 +114,7 @@ def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, m
     # the tiny random model earns no reward, so its adapters stay at B = 0: give them values, as
     # training would, to check that what leaves the framework is what the checkpoint holds
     path = tmp_path / "outputs/checkpoints/last.ckpt"
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(path, mmap=False)
     gen = torch.Generator().manual_seed(0)
     for key, value in ckpt["state_dict"].items():
         if "lora_B" in key:
@@ -190,5 +191,5 @@ def test_the_ngrpo_lora_preset_trains_with_neighbor_mixing(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     job = [o for o in LORA_JOB if o != "model.lora.enabled=true"]
     assert main(["train", "experiment=ngrpo-lora", *job, "trainer.max_steps=1"]) == 0
-    ckpt = torch.load(tmp_path / "outputs/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(tmp_path / "outputs/checkpoints/last.ckpt", mmap=False)
     assert all(lora.is_adapter_weight(k.removeprefix("policy.")) for k in ckpt["state_dict"] if k.startswith("policy."))

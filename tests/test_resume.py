@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ScriptedReward, fresh_store, scripted_cli
 
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import ConfigError, compose
 
@@ -60,7 +61,7 @@ def history(tmp, run_id, key):
 
 
 def weights(path):
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return load_checkpoint(path, mmap=False)["state_dict"]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     first = run(tmp_path, "out", "trainer.max_steps=6", "checkpoint.every_n_steps=4", "checkpoint.keep=-1")
     last = tmp_path / "out/checkpoints/last.ckpt"
     assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
-    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved = load_checkpoint(last, mmap=False)
     assert saved["global_step"] == 6 and saved["policy_version"] == {"value": 6}  # one clock, saved with the run
     resumed = run(
         tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1", "resume=last"
@@ -102,7 +103,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     raw = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_metric_history(first["run_id"], "train/loss")
     assert sorted(m.step for m in raw) == [0, 1, 2, 3]  # each step logged once (also where checkpoints were written)
     assert_same_run(whole_tmp, whole["run_id"], tmp_path, first["run_id"])
-    ckpt = torch.load(tmp_path / "out/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(tmp_path / "out/checkpoints/last.ckpt", mmap=False)
     assert {"explorer", "rng", "ngrpo", "RolloutDataModule", "optimizer_states", "lr_schedulers", "loops"} <= set(ckpt)
     assert "generator" in ckpt["RolloutDataModule"]["engine"][0]
     assert ckpt["policy_version"] == {"value": STEPS}  # the resumed run continued the count
@@ -239,7 +240,7 @@ def test_overwrite_replaces_the_earlier_runs_checkpoints(tmp_path):
     assert second["run_id"] != first["run_id"]
     assert (ckpts / "step-step=2.ckpt").exists()
     assert not (ckpts / "step-step=4.ckpt").exists()  # the earlier run's step files are gone, not mixed in
-    assert torch.load(ckpts / "last.ckpt", weights_only=False)["ngrpo"]["mlflow_run_id"] == second["run_id"]
+    assert load_checkpoint(ckpts / "last.ckpt", mmap=False)["ngrpo"]["mlflow_run_id"] == second["run_id"]
 
 
 def test_the_recorded_command_trains_the_run_from_its_start():

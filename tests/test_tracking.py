@@ -11,11 +11,11 @@ import threading
 import time
 
 import pytest
-import torch
 from conftest import ScriptedReward
 from mlflow.tracking import MlflowClient
 
 from ngrpo_lightning.build import components
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands import train as train_job
 from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import compose
@@ -128,7 +128,7 @@ def test_a_stopped_run_is_killed_and_says_where_it_stopped(tmp_path, monkeypatch
     last = out / "checkpoints" / "last.ckpt"
     message = f"ngrpo train: {stop} stopped the run at step 2: resume=last continues from step {saved} ({last})"
     assert message in capsys.readouterr().err
-    assert torch.load(last, weights_only=False)["global_step"] == saved  # Ctrl-C: before step 2's checkpoint
+    assert load_checkpoint(last, mmap=False)["global_step"] == saved  # Ctrl-C: before step 2's checkpoint
     (run,) = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "KILLED"
 

@@ -5,6 +5,7 @@ import math
 import pytest
 from mlflow import MlflowClient
 
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.commands.cli import main, train
 from ngrpo_lightning.config import ConfigError, compose
 
@@ -95,7 +96,7 @@ def test_a_run_validated_only_around_its_fit_keeps_its_final_weights_as_best(sto
     summary = train(compose(TINY_RUN + extra + ["checkpoint.every_n_steps=0"]))  # validates every 50 steps
     history = [m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/accuracy")]
     assert len(history) == 2  # before and after the fit
-    best, last = (torch.load(out / f"checkpoints/{name}.ckpt", weights_only=False) for name in ("best", "last"))
+    best, last = (load_checkpoint(out / f"checkpoints/{name}.ckpt", mmap=False) for name in ("best", "last"))
     (state,) = [v for k, v in best["callbacks"].items() if "val/accuracy" in k]
     assert float(state["best_model_score"]) == history[-1] and best["global_step"] == 2
     assert best["state_dict"].keys() == last["state_dict"].keys()
@@ -136,14 +137,13 @@ def test_a_pass_at_k_best_metric_the_run_does_not_log_is_refused_before_any_step
 def test_best_checkpoint_by_a_pass_at_k_metric_as_mlflow_names_it(store, tmp_path):
     """checkpoint.best=val/avg/mean_at_2 (MLflow's name of Lightning's mean@2): scored at each of the
     Pass@k callback's evaluations, which validations do not see (Lightning's callback kept none)."""
-    import torch
 
     out = tmp_path / "out"
     extra = ["pass_at_k.n=2", "pass_at_k.every_n_steps=1", "checkpoint.best=val/avg/mean_at_2", "trainer.max_steps=3"]
     summary = train(compose(TINY_RUN + [f"logger.tracking_uri={store}", f"output_dir={out}", *extra]))
     history = {m.step: m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/avg/mean_at_2")}
     assert sorted(history) == [1, 2, 3]  # one evaluation a step
-    best = torch.load(out / "checkpoints/best.ckpt", weights_only=False)
+    best = load_checkpoint(out / "checkpoints/best.ckpt", mmap=False)
     (state,) = [v for k, v in best["callbacks"].items() if "mean@2" in k]
     first_best = min(step for step, value in history.items() if value == max(history.values()))
     assert (
@@ -154,7 +154,6 @@ def test_best_checkpoint_by_a_pass_at_k_metric_as_mlflow_names_it(store, tmp_pat
 def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
     """checkpoint.best=val/accuracy keeps best.ckpt beside last.ckpt, scored by that metric; the run
     validates before fit and then during it (the validation metrics survive both)."""
-    import torch
 
     summary = train(
         compose(
@@ -169,7 +168,7 @@ def test_best_checkpoint_by_a_validation_metric(store, tmp_path):
             ]
         )
     )
-    best = torch.load(tmp_path / "out/checkpoints/best.ckpt", weights_only=False)
+    best = load_checkpoint(tmp_path / "out/checkpoints/best.ckpt", mmap=False)
     (state,) = [v for k, v in best["callbacks"].items() if "val/accuracy" in k]
     history = [m.value for m in MlflowClient(store).get_metric_history(summary["run_id"], "val/accuracy")]
     assert state["monitor"] == "val/accuracy" and float(state["best_model_score"]) == max(history)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import NEEDS_VLLM, chat_prompt_ids, fresh_store, scripted_cli
 
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
+
 pytestmark = NEEDS_VLLM
 
 QUESTIONS = ["What is 12 + 30?", "Compute 7 * 8.", "What is 100 - 37?"]
@@ -352,7 +354,7 @@ def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path, tiny_
         return [v for _, v in sorted(points.items())]
 
     def weights():
-        return torch.load(tmp_path / "out/checkpoints/last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        return load_checkpoint(tmp_path / "out/checkpoints/last.ckpt", mmap=False)["state_dict"]
 
     train()
     keys = ["train/loss", "train/grad_norm", "train/rollout_logprob_diff_max", "async/weights_version"]

@@ -18,7 +18,7 @@ from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.console import StepProgressBar
 
-__all__ = ["build_trainer", "check_trainer", "process_count"]
+__all__ = ["build_trainer", "check_trainer", "process_count", "processes_per_node"]
 
 
 def process_count(cfg: DictConfig) -> int:
@@ -40,6 +40,11 @@ def process_count(cfg: DictConfig) -> int:
         count = int(devices)
     processes = count * nodes
     return max(processes, 2) if parallel_config(cfg) is not None else processes
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """The processes the Trainer starts on each node (:func:`process_count` over ``trainer.num_nodes``)."""
+    return max(1, process_count(cfg) // int(cfg.trainer.get("num_nodes", 1) or 1))
 
 
 def check_trainer(cfg: DictConfig) -> None:

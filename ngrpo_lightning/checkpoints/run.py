@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.checkpoints.best import BestCheckpoint
 from ngrpo_lightning.checkpoints.disk import DiskSpaceCheck
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.checks import check_choice, check_number
 from ngrpo_lightning.config import ConfigError
 
@@ -246,11 +247,10 @@ def resolve_resume(cfg: DictConfig) -> str | None:
 def checkpoint_meta(path: str) -> dict:
     """What the module stored about the run (``ngrpo``: config, MLflow run id) in a checkpoint
     file or a distributed checkpoint folder, without loading weights into a model."""
-    file = Path(path) / "meta.pt" if Path(path).is_dir() else Path(path)
     try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not Path(path).is_dir())
-    except Exception as err:  # noqa: BLE001 - any unreadable file is a config error here
-        raise ConfigError(f"resume: cannot read the checkpoint {path}: {err}") from err
+        ckpt = load_checkpoint(path)
+    except ConfigError as err:  # unreadable, or holding more than data: nothing of it ran
+        raise type(err)(f"resume: {err}") from None
     return ckpt.get("ngrpo") or {}
 
 
@@ -271,11 +271,10 @@ def _run_in(folder: Path) -> tuple[Path, dict] | None:
     if not found:
         return None
     newest = folder / "last.ckpt" if (folder / "last.ckpt").exists() else found[-1]
-    file = newest / "meta.pt" if newest.is_dir() else newest  # a distributed checkpoint keeps its meta there
     try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not newest.is_dir())
+        ckpt = load_checkpoint(newest)  # a distributed checkpoint keeps its meta in its folder
         meta = dict(ckpt.get("ngrpo") or {}, global_step=ckpt.get("global_step"))
-    except Exception:  # noqa: BLE001 - an unreadable file still belongs to some earlier run
+    except ConfigError:  # an unreadable (or unsafe) file still belongs to some earlier run
         meta = {}
     return newest, meta
 

@@ -16,14 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.checkpoints.run import check_base_model, weights_digest
+from ngrpo_lightning.checkpoints.safe_load import META_FILE, load_checkpoint
 from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
 from ngrpo_lightning.tracking.logger import existing_store
 
 __all__ = ["TrainedCheckpoint", "find_checkpoint", "is_run_checkpoint", "load_trained_policy", "read_checkpoint"]
-
-META_FILE = "meta.pt"  # what Lightning writes beside the shards of a distributed checkpoint
 
 
 @dataclass
@@ -103,11 +102,7 @@ def read_checkpoint(path: Path) -> TrainedCheckpoint:
     """What ``path`` (a file or a distributed checkpoint folder) holds about its run, its weights
     memory-mapped (single file) or left on disk (distributed)."""
     path = Path(path)
-    file = path / META_FILE if path.is_dir() else path
-    try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=False, mmap=not path.is_dir())
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the user's input problem
-        raise ConfigError(f"cannot read the checkpoint {path}: {err}") from err
+    ckpt = load_checkpoint(path)  # as data: a file holding anything else is refused, unrun
     return TrainedCheckpoint(
         path=path,
         meta=ckpt.get("ngrpo") or {},

@@ -21,9 +21,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from ngrpo_lightning.backends.threads import set_process_threads
 from ngrpo_lightning.build.components import build_module, build_pass_at_k, check_config
 from ngrpo_lightning.build.data import build_datamodule, build_problems
-from ngrpo_lightning.build.trainer import build_trainer
+from ngrpo_lightning.build.trainer import build_trainer, processes_per_node
 from ngrpo_lightning.checkpoints.export import export_checkpoint, is_own_export, model_card, save_hf_model
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.tracking.console import header, quiet_libraries
@@ -60,8 +61,9 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    threads = set_process_threads(cfg.backend.get("threads"), processes_per_node(cfg))  # before anything computes
     if rank_zero_only.rank == 0:
-        print(header(cfg), flush=True)
+        print(header(cfg, threads), flush=True)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
     ckpt_path = resolve_resume(cfg)
     meta = checkpoint_meta(ckpt_path) if ckpt_path else {}
@@ -119,7 +121,7 @@ def _fit(
     validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
     try:
         before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)  # as data only
         after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
     except SIGTERMException:  # Lightning's, at the end of the step under way (a scheduler's stop, `timeout`)
         raise interrupted(cfg, trainer, "SIGTERM", 143) from None

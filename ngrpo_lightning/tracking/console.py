@@ -103,8 +103,9 @@ def c_allocator() -> str:
     return "mimalloc" if hasattr(ctypes.CDLL(None), "mi_version") else "system"
 
 
-def header(cfg: DictConfig) -> str:
-    """One block saying what this run is: model, task, explorer x objective, steps, device, store."""
+def header(cfg: DictConfig, threads=None) -> str:
+    """One block saying what this run is: model, task, explorer x objective, steps, device, store
+    (``threads``: this process's :class:`~ngrpo_lightning.backends.threads.ProcessThreads`)."""
     model, data, r = cfg.model, cfg.data, cfg.rollout
     explorer = cfg.explorer.get("name") or cfg.explorer.get("_target_")
     objective = cfg.objective.get("name") or cfg.objective.get("_target_")
@@ -116,7 +117,8 @@ def header(cfg: DictConfig) -> str:
     devices = trainer.get("devices", 1)
     where = f"{trainer.get('accelerator', 'auto')} x {devices}" if devices != 1 else str(trainer.get("accelerator"))
     if str(trainer.get("accelerator")) == "cpu":
-        where += f", {torch.get_num_threads()} threads, {c_allocator()} allocator"
+        counted = threads.describe() if threads is not None else f"{torch.get_num_threads()} threads"
+        where += f", {counted}, {c_allocator()} allocator"
     staleness = (cfg.get("train") or {}).get("max_staleness", 0)
     if staleness:  # rollouts come from older weights: the user should see it at once
         where += f"; rollouts {staleness} step(s) ahead on a worker"
