@@ -368,3 +368,67 @@ def test_the_process_count_is_computed_once_with_lightnings_meaning_of_devices()
     assert process_count(compose(["trainer=gpu", "trainer.devices=auto"])) == gpus  # every GPU, 0 here without one
     assert process_count(compose(["trainer=gpu", "trainer.devices='0,1'"])) == 2
     assert process_count(compose(["trainer=gpu", "trainer.devices=[0,1,2]"])) == 3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_node_of_two_processes_and_two_nodes_of_one_give_the_same_update(tmp_path):
+    """The same global run (FSDP2, 2 processes, 2 steps) launched as one node of two processes by
+    Lightning's launcher and as two nodes of one process each by torchrun on this host: each process
+    computes on the same threads however it was started (backend/threads.py; torchrun alone gave each
+    of two nodes all the cores), says so in the header, and the updates agree within 2% (L2 of their
+    difference over L2 of the update), as they do bit for bit where the threads are the same."""
+    python, driver = scripted_cli(tmp_path, THROUGH, SCRIPTED_CLI)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the rule decides, not the suite
+    env.update(MLFLOW_DISABLE_TELEMETRY="true", TOKENIZERS_PARALLELISM="false")
+
+    def args(name: str, *extra: str) -> list[str]:
+        out = tmp_path / name
+        return [*RUN, f"output_dir={out}", f"logger.tracking_uri={fresh_store(out / 'mlruns.db')}", *extra]
+
+    one = subprocess.run(
+        [python, driver, "train", *args("one_node", "trainer=fsdp_cpu", "data.prompts_per_step=2")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-4000:]
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                python,
+                *("-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}"),
+                *("--master-addr=127.0.0.1", f"--master-port={port}", driver, "train"),
+                *args("two_nodes", "trainer=fsdp_cpu", "trainer.num_nodes=2", "trainer.devices=1"),
+                "data.prompts_per_step=2",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-4000:]
+    cores = len(os.sched_getaffinity(0))
+    threads = f"{max(1, cores // 2)} thread{'s' if cores // 2 > 1 else ''} ({cores} cores / 2 processes on this host)"
+    assert threads in one.stdout and threads in outputs[0][0], (one.stdout, outputs[0][0])
+    initial = policy_weights_initial()
+    updates = [
+        {k: v - initial[k] for k, v in policy_weights(tmp_path / name / "checkpoints/last.ckpt").items()}
+        for name in ("one_node", "two_nodes")
+    ]
+    norm = lambda d: torch.sqrt(sum((v.double() ** 2).sum() for v in d.values()))  # noqa: E731
+    assert norm(updates[0]) > 0
+    assert norm({k: updates[0][k] - updates[1][k] for k in updates[0]}) <= 0.02 * norm(updates[0])
