@@ -115,6 +115,28 @@ def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
     assert choices == [(m.pack_once, m.pack_per_product) for m in b.modules() if isinstance(m, BackendLinear)]
 
 
+def test_a_run_records_its_choices_and_a_resumed_run_makes_the_same_ones_without_measuring(tmp_path):
+    """What the backend measured is recorded as data (checkpoints and MLflow keep it); a backend
+    given that record decides from it, measuring nothing, whatever this machine would measure now."""
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN packing here: nothing to measure")
+    a, _ = load_policy("tiny")
+    first = CPUBackend(torch.float32, measurements=Measurements(tmp_path))
+    first.prepare(a, trains=True)
+    record = first.recorded_choices()
+    assert record["packing"] == "auto" and record["measured"]
+    # another machine's record: every product faster packed, whatever this one measures
+    other = {key: {**answer, "packed_s": 0.0} for key, answer in record["measured"].items()}
+    resumed = CPUBackend(torch.float32, measurements=Measurements(tmp_path / "elsewhere"))
+    resumed.use_recorded({"packing": "auto", "measured": other})
+    b, _ = load_policy("tiny")
+    resumed.prepare(b, trains=True)
+    assert resumed.measurements.measured == 0 and not (tmp_path / "elsewhere").exists()
+    swapped = [m for m in b.modules() if isinstance(m, BackendLinear)]
+    assert swapped and all(m.pack_once for m in swapped)
+    assert resumed.recorded_choices()["measured"] == other  # and it records them again
+
+
 @pytest.mark.skipif(not packing_available(torch.float32), reason="this CPU build has no oneDNN packing")
 def test_packed_and_plain_products_give_the_same_log_probs_and_rollouts(tiny):
     model, tok = tiny

@@ -92,6 +92,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
     saved = load_checkpoint(last, mmap=False)
     assert saved["global_step"] == 6 and saved["policy_version"] == {"value": 6}  # one clock, saved with the run
+    recorded = saved["ngrpo"]["backend_choices"]  # what the backend measured here: the resumed run decides the same
+    assert recorded == {} or set(recorded) == {"packing", "measured"}
     resumed = run(
         tmp_path, "out", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "checkpoint.keep=-1", "resume=last"
     )

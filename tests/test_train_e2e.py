@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
@@ -59,6 +60,10 @@ def test_two_training_steps_are_logged_to_mlflow(store, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "samples"} <= artifacts
     assert len(client.list_artifacts(run.info.run_id, "samples")) == 2
+    from ngrpo_lightning.backends.linear import packing_available
+
+    if packing_available(torch.float32):  # what the backend measured and chose on this machine
+        assert "backend_choices.json" in artifacts
     assert "mlflow ui --backend-store-uri" in summary["text"]
 
 

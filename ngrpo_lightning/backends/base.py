@@ -195,6 +195,15 @@ class Backend:
         """Whether the frozen KL reference lives in a file between its passes (same values)."""
         return False
 
+    def recorded_choices(self) -> dict:
+        """What this backend measured and chose on this machine, as plain data: checkpoints and
+        MLflow keep it, and a resumed run decides the same (:meth:`use_recorded`). Another machine's
+        choices can give other float rounding and so other sampled tokens. Empty: nothing measured."""
+        return {}
+
+    def use_recorded(self, choices: dict) -> None:
+        """Decide as :meth:`recorded_choices` recorded (before any model is prepared)."""
+
     def startup_notes(self) -> list[str]:
         """Lines for the run's header: what this backend chose, and warnings about the machine."""
         return []

@@ -110,6 +110,7 @@ class CPUBackend(Backend):
         if self.attention == attention.NAME:
             attention.register()
         self._chosen: dict[str, tuple[bool, bool, bool]] = {}  # shape -> what was chosen, for the header
+        self._used: dict[str, dict] = {}  # the measured answers the choices came from (recorded_choices)
 
     def _answers(self) -> Measurements:
         if self.measurements is None:
@@ -135,7 +136,7 @@ class CPUBackend(Backend):
             on = self.packing == "on"
             return on, on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
         decode_rows, train_rows = _bucket(self.decode_rows), min(_bucket(self.train_rows), TRAIN_ROWS_TIMED)
-        answers = self._answers()
+        answers = _Recording(self._answers(), self._used)
         d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
         if decoding_only:  # the LM head: only a rollout calls it
             once = d["packed_s"] <= MARGIN * d["plain_s"]
@@ -155,6 +156,13 @@ class CPUBackend(Backend):
             f"{say('training per product', train_rows, per_product, t)}"
         )
         return once, frozen, per_product, why
+
+    def recorded_choices(self) -> dict:
+        return {"packing": self.packing, "measured": dict(self._used)} if self._used else {}
+
+    def use_recorded(self, choices: dict) -> None:
+        if choices.get("measured") and self.packing == "auto":
+            self.measurements = Measurements.recorded(choices["measured"])
 
     def kv_cache_dtype(self, model):
         wide = self.attention == attention.NAME and next(model.parameters()).dtype in HALF
@@ -186,3 +194,14 @@ class CPUBackend(Backend):
 
     def summary(self) -> str:
         return f"cpu backend ({torch.backends.cpu.get_cpu_capability()}), attention {self.attention}"
+
+
+class _Recording:
+    """Measurements that note each answer they hand out (the choices a run made)."""
+
+    def __init__(self, measurements: Measurements, used: dict):
+        self.measurements, self.used = measurements, used
+
+    def get(self, key: str, measure) -> dict:
+        self.used[key] = self.measurements.get(key, measure)
+        return self.used[key]

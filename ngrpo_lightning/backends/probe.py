@@ -60,6 +60,14 @@ class Measurements:
             self.answers = {}
         self.measured = 0  # answers measured (not read) by this process
 
+    @classmethod
+    def recorded(cls, answers: dict) -> Measurements:
+        """Answers a run recorded (its checkpoint's): used as they are, never saved to this
+        machine's file; a key the record lacks is measured."""
+        self = cls.__new__(cls)
+        self.path, self.signature, self.answers, self.measured = None, machine_signature(), dict(answers), 0
+        return self
+
     def get(self, key: str, measure: Callable[[], dict]) -> dict:
         """The answer for ``key``: read, or measured now and saved."""
         if key not in self.answers:
@@ -69,6 +77,8 @@ class Measurements:
         return self.answers[key]
 
     def save(self) -> None:
+        if self.path is None:  # recorded answers belong to their run
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")

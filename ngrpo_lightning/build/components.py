@@ -217,12 +217,16 @@ def check_run_settings(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
-def build_module(cfg: DictConfig) -> RLModule:
-    """The policy (and reference) models, explorer, objective and reward, as an RLModule."""
+def build_module(cfg: DictConfig, backend_choices: dict | None = None) -> RLModule:
+    """The policy (and reference) models, explorer, objective and reward, as an RLModule.
+    ``backend_choices``: what the backend chose when the run started (a resumed run's checkpoint
+    records it): the same choices again, not measured anew."""
     check_config(cfg)  # bad values fail here, before minutes of model loading
     explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
     optim, train, _ = settings(cfg)
     backend = build_backend(cfg)
+    if backend_choices:
+        backend.use_recorded(backend_choices)
     policy, tokenizer = load_policy(
         cfg.model.name_or_path,
         dtype=cfg.model.dtype,

@@ -73,7 +73,7 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     claim_output_dir(cfg, ckpt_path, meta)  # another run's checkpoints there: refused, or overwrite=true
     logger = build_logger(cfg, run_id=meta.get("mlflow_run_id"), monitor=True)  # so are tracking-store errors
     try:
-        summary = _fit(cfg, logger, problems, ckpt_path, callbacks, command or retrain_command(command_line()))
+        summary = _fit(cfg, logger, problems, ckpt_path, callbacks, command or retrain_command(command_line()), meta)
     except BaseException as err:
         if logger is not None:  # the run's status says what happened (a SIGKILL leaves it RUNNING)
             logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "failed")
@@ -101,10 +101,17 @@ def interrupted(cfg: DictConfig, trainer: L.Trainer, signal: str, status: int) -
 
 
 def _fit(
-    cfg: DictConfig, logger, problems, ckpt_path: str | None, callbacks: Sequence[L.Callback] = (), command: str = ""
+    cfg: DictConfig,
+    logger,
+    problems,
+    ckpt_path: str | None,
+    callbacks: Sequence[L.Callback] = (),
+    command: str = "",
+    meta: dict | None = None,
 ) -> dict:
-    """Validate, fit and validate again; the summary of the run."""
-    module = build_module(cfg)
+    """Validate, fit and validate again; the summary of the run (``meta``: what a resumed run's
+    checkpoint recorded)."""
+    module = build_module(cfg, backend_choices=(meta or {}).get("backend_choices"))
     if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
         notes = [module.backend.summary(), *module.backend.startup_notes()]
         print("\n".join(f"  backend:  {line}" for line in notes), flush=True)
@@ -117,6 +124,8 @@ def _fit(
     }
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)
+    if logger is not None and rank_zero_only.rank == 0 and module.backend.recorded_choices():
+        logger.experiment.log_dict(logger.run_id, module.backend.recorded_choices(), "backend_choices.json")
     t0 = time.perf_counter()
     validate_first = cfg.validate_before_fit and datamodule.val_problems and not ckpt_path
     try:

@@ -24,7 +24,7 @@ from ngrpo_lightning.models import lora
 
 class CheckpointHooks:
     """The checkpoint hooks of ``RLModule`` (a mixin before ``L.LightningModule``); they use its
-    ``policy``, ``reference``, ``adapters``, ``explorer``, ``plan``, ``run_meta`` and ``base_model``."""
+    ``policy``, ``reference``, ``adapters``, ``explorer``, ``plan``, ``run_meta``, ``base_model`` and ``backend``."""
 
     def setup(self, stage: str) -> None:
         """Record the frozen reference's identity (before any sharding): checkpoints keep it in
@@ -64,7 +64,11 @@ class CheckpointHooks:
         checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
         checkpoint["policy_version"] = self.policy_version.state_dict()
         checkpoint["rng"] = rng_states()
-        checkpoint["ngrpo"] = {**self.run_meta, "base_model": dict(self.base_model)}
+        checkpoint["ngrpo"] = {
+            **self.run_meta,
+            "base_model": dict(self.base_model),
+            "backend_choices": self.backend.recorded_choices(),  # a resumed run decides the same
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("ngrpo") or {}
