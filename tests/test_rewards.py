@@ -1,6 +1,7 @@
 """Rewards: answer extraction, math-verify equivalence, and the process-pool reward with
 its soft (SIGALRM) and hard (kill the pool) time limits."""
 
+import json
 import os
 import signal
 import subprocess
@@ -20,11 +21,11 @@ GRACE_S = 1.0
 
 
 def _misbehave_on_marker(pred, gold):
-    """check_fn for the hard-limit tests. Gold "HANG": block SIGALRM (like a long C call that
+    """check_fn for the hard-limit tests. Gold "HANG": block SIGPROF (like a long C call that
     never looks at signals) and sleep forever, so only killing the process helps.
     Gold "CRASH": the worker dies (like a segfault or the OOM killer)."""
     if gold == "HANG":
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPROF})
         time.sleep(3600)
     if gold == "CRASH":
         os._exit(3)
@@ -171,7 +172,7 @@ def test_reward_empty_and_mismatch(reward):
 
 
 def test_pathological_answer_times_out_others_scored(reward):
-    """Soft limit: sympy's big-int power loop checks signals, so SIGALRM stops it."""
+    """Soft limit: sympy's big-int power loop checks signals, so SIGPROF stops it."""
     completions = [r"\boxed{3}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{7}"]
     t0 = time.monotonic()
     res = reward(completions, ["3", "12", "7"])
@@ -206,10 +207,11 @@ def test_hung_worker_is_killed_and_pool_recovers():
         assert new_pids and not set(new_pids) & set(old_pids)
         assert r([r"\boxed{1}", "nothing"], ["1", "1"]).status == ["correct", "no_answer"]
 
-        # A dying worker: its item is an error, the rest of the batch is re-run.
+        # A dying worker: its item is checked once more in a fresh pool (a first death may be the
+        # machine's: memory), and an error when it dies again; the rest of the batch is re-run.
         res = r([r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "CRASH", "3"])
         assert res.status == ["correct", "error", "correct"]
-        assert r.pool.restarts == 2
+        assert r.pool.restarts == 3
         new_pids = r.pool.worker_pids()
     finally:
         r.close()
@@ -383,3 +385,34 @@ def test_a_batch_the_verifier_mostly_failed_on_is_refused_not_trained_on():
         return RewardResult(torch.zeros(4), ["error", "wrong", "correct", "wrong"])
 
     assert score_responses(one_error, ["a"] * 4, ["1"] * 4).status[0] == "error"  # one failure: the step goes on
+
+
+BUSY = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def test_a_busy_machine_loses_no_answer():
+    """Twice as many CPU-bound processes as cores beside the verifier, and limits far below what
+    a worker's first task check costs to import (reasoning-gym: about 0.6 s of CPU): every answer
+    is scored as it should be. The limits count the check's own CPU time (and sleep), not the time
+    it waits for a core, and what a check imports first is imported outside them: imported under a
+    limit, reasoning-gym was cut off midway, and every later check in that worker raised."""
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    entries = list(reasoning_gym.create_dataset("chain_sum", size=8, seed=0))
+    specs = [json.dumps(entry) for entry in entries]
+    golds = [str(entry["answer"]) for entry in entries]
+    right = [i % 2 == 0 for i in range(len(entries))]
+    completions = [rf"\boxed{{{g if ok else int(g) + 1}}}" for g, ok in zip(golds, right)]
+    math_completions, math_golds = [r"\boxed{\frac{1}{2}}", r"\boxed{3}"], ["0.5", "4"]
+    burners = [
+        subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=90)]) for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        with rewards.MathReward(timeout_s=0.3, kill_grace_s=0.3, num_workers=2, parallel_threshold=4) as r:
+            tasks = r(completions, golds, specs)
+            maths = r(math_completions, math_golds)
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
+    assert tasks.status == ["correct" if ok else "wrong" for ok in right], tasks.status
+    assert maths.status == ["correct", "wrong"], maths.status

@@ -1,11 +1,15 @@
-"""A soft per-call time limit from SIGALRM (``setitimer``).
+"""A soft per-call limit on the CPU time a check spends, from SIGPROF (``setitimer(ITIMER_PROF)``).
+
+CPU time, not wall time: on a busy machine (a sweep beside an eval, a test suite beside a run) a
+check waits for a core, and that wait is no fault of the check; counted in wall time, a check of
+a few milliseconds ran past a 2 s limit there. A check that computes too long still stops.
 
 Soft because a signal handler only runs between Python bytecodes: a long C call (one huge
 big-int multiplication) finishes before the limit takes effect. The verifier pool
 (:mod:`.pool`) adds the hard limit on top by killing the worker process.
 
-math-verify has its own ``signal.alarm`` timeouts; they must be disabled while this limit
-is active (pass ``None``), because their ``alarm(0)`` on exit would cancel our timer.
+math-verify has its own ``signal.alarm`` timeouts (wall time, SIGALRM); they are disabled
+here (pass ``None``): they work in the main thread only and count the machine's load.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class _Expired(BaseException):
 
 @contextmanager
 def soft_time_limit(seconds: float | None):
-    """Raise ``TimeoutError`` in the body after ``seconds`` (None or <= 0: no limit).
+    """Raise ``TimeoutError`` in the body once it has used ``seconds`` of this process's CPU time
+    (None or <= 0: no limit).
 
     Main thread only (POSIX signals are delivered there).
     """
@@ -44,16 +49,16 @@ def soft_time_limit(seconds: float | None):
             armed = False
             raise _Expired
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
+    previous = signal.signal(signal.SIGPROF, on_alarm)
     try:
         try:
-            signal.setitimer(signal.ITIMER_REAL, seconds)
+            signal.setitimer(signal.ITIMER_PROF, seconds)
             yield
         finally:
             try:
                 armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
             finally:
-                signal.signal(signal.SIGALRM, previous)
+                signal.signal(signal.SIGPROF, previous)
     except _Expired:
-        raise TimeoutError(f"answer check exceeded the {seconds:g} s limit") from None
+        raise TimeoutError(f"answer check used more than its {seconds:g} s of CPU time") from None

@@ -10,12 +10,18 @@ Two limits per item:
 * soft, ``timeout_s``: SIGALRM inside the worker (:mod:`.limits`); cheap, the worker lives on.
   It stops every case we have seen (``9^{9^{9^{9^{9}}}}`` included: CPython's big-int power
   loop checks for signals between multiplications);
-* hard, ``timeout_s + kill_grace_s`` from the moment the worker STARTED the item (read from
-  a shared progress array, see :mod:`.worker`): the parent kills the whole pool, marks the
+* hard, ``timeout_s + kill_grace_s`` of the item's own time since the worker STARTED it (read
+  from a shared progress array, see :mod:`.worker`): the parent kills the whole pool, marks the
   item ``timeout``, and re-runs the other unfinished items in a fresh pool.
 
-A worker crash (segfault, OOM kill) breaks the pool: the items in progress at that moment
-are marked ``error``, the rest are re-run.
+Both limits count what the check itself spends: its CPU time, and (the hard one) the time it
+sleeps (a check blocked on something that never comes). Time a worker waits for a core on a busy
+machine is no fault of the check and counts toward neither (:class:`_Charged`); a wall-clock
+backstop (:data:`_BACKSTOP_FACTOR` times the limit) still ends anything.
+
+A worker crash (segfault, OOM kill) breaks the pool: the items in progress at that moment are
+checked again in a fresh pool, and marked ``error`` only if they are in progress at a second
+crash; the rest are re-run.
 
 Workers are started while ``__main__`` is an empty module: a spawned process imports the
 parent's main script first, which for ``ngrpo train`` is the whole trainer (torch, Lightning,
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often the parent looks for overrunning items
 _MAX_STALLED_ROUNDS = 2  # restarts without progress before the remaining items count as errors
+_BACKSTOP_FACTOR = 10  # a wall-clock limit of this many times the hard limit (at least _BACKSTOP_MIN_S)
+_BACKSTOP_MIN_S = 60.0
 
 
 @contextlib.contextmanager
@@ -64,6 +72,7 @@ class VerifierPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._state = _PoolState()
         self._call_id = 0
+        self._charged = _Charged()
         # Runs at close(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, self._state.shutdown)
 
@@ -143,6 +152,7 @@ class VerifierPool:
         """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid, score)}``."""
         results: dict[int, tuple[str, int, float]] = {}
         pending = {item[0]: item for item in items}
+        self._crashed: set[int] = set()  # items in progress at a crash: checked again once
         stalled = 0  # consecutive rounds that resolved nothing (workers cannot even start)
         while pending and stalled < _MAX_STALLED_ROUNDS:
             before = len(pending)
@@ -199,9 +209,10 @@ class VerifierPool:
             self._kill()
             status = "timeout" if overrun else "error"
             for index, pid in stuck.items():
-                if index in pending:
+                if index in pending and (overrun or index in self._crashed):
                     results[index] = (status, pid, 0.0)
                     pending.pop(index)
+                self._crashed.add(index)  # a first crash may be the machine's (memory): once more
             if overrun:
                 log.warning(
                     "killed the verifier pool: %d answers ran past the %.1f s hard limit", len(overrun), kill_after_s
@@ -211,14 +222,55 @@ class VerifierPool:
             return
 
     def _in_progress(self, call_id: int, older_than: float = 0.0) -> dict[int, int]:
-        """``{item_index: worker_pid}`` of items started more than ``older_than`` s ago."""
+        """``{item_index: worker_pid}`` of items in progress that have spent more than ``older_than``
+        s of their own time (CPU and sleep; :class:`_Charged`), or ran past the wall-clock backstop."""
         slots, now, found = self._state.slots, time.monotonic(), {}
+        backstop = max(_BACKSTOP_MIN_S, _BACKSTOP_FACTOR * older_than)
         for base in range(0, len(slots), worker.SLOT_WIDTH):
             t0 = slots[base + 3]
             cid, index, pid = slots[base + 1], slots[base + 2], slots[base]
-            if t0 and t0 == slots[base + 3] and cid == call_id and now - t0 > older_than:
+            if not (t0 and t0 == slots[base + 3] and cid == call_id):
+                continue
+            if older_than <= 0 or now - t0 > backstop or self._charged(int(pid), t0, now) > older_than:
                 found[int(index)] = int(pid)
         return found
+
+
+class _Charged:
+    """The time an item has cost its worker: CPU time plus time asleep, from ``/proc/<pid>/stat``,
+    polled by the parent. A worker that waits for a core (runnable, not running) is charged
+    nothing. Where ``/proc`` is missing, wall time since the item started."""
+
+    _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __init__(self):
+        self._items: dict[tuple[int, float], list[float]] = {}  # (pid, start) -> [cpu0, asleep, last poll]
+
+    def __call__(self, pid: int, started: float, now: float) -> float:
+        stat = _proc_stat(pid)
+        if stat is None:
+            return now - started
+        state, cpu = stat
+        key = (pid, started)
+        if key not in self._items:
+            if len(self._items) > 1024:  # items long finished
+                self._items.clear()
+            self._items[key] = [cpu, 0.0, now]
+        entry = self._items[key]
+        if state in ("S", "T", "t"):  # asleep or stopped: waiting on something other than a core
+            entry[1] += now - entry[2]
+        entry[2] = now
+        return (cpu - entry[0]) * self._TICK_S + entry[1]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, user + system CPU ticks) of a process, or None where ``/proc`` cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class _PoolState:

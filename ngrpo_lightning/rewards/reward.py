@@ -67,8 +67,9 @@ class MathReward:
             extracted from the text after its last occurrence, and a completion without it (it
             never stopped thinking) has no answer. ``None``: the whole completion (as the N-GRPO
             release scores it).
-        timeout_s: time limit per answer. Enforced softly inside the worker (SIGALRM), and
-            hard at ``timeout_s + kill_grace_s`` by killing the worker pool.
+        timeout_s: time limit per answer, in the check's own CPU time (a busy machine's wait
+            for a core does not count). Enforced softly inside the worker (SIGPROF), and hard at
+            ``timeout_s + kill_grace_s`` of CPU and sleep by killing the worker pool.
         num_workers: verifier processes; default ``min(os.cpu_count(), 8)``.
         parallel_threshold: batches with fewer answers to check are sent one answer per task,
             so that workers take the next answer as they become free and a few pathological

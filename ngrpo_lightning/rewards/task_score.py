@@ -18,6 +18,17 @@ def score_task_answer(answer: str, spec: str) -> float:
     return float(_scorer(entry["metadata"]["source_dataset"])(answer, entry))
 
 
+def _prepare(answer: str, spec: str) -> None:
+    """Import reasoning-gym and find the task's scorer, outside the check's time limit (worker.py)."""
+    try:
+        _scorer(json.loads(spec)["metadata"]["source_dataset"])
+    except Exception:  # noqa: BLE001 - a bad spec is the check's error, reported by the check itself
+        pass
+
+
+score_task_answer.prepare = _prepare
+
+
 @functools.cache
 def _scorer(task: str):
     import reasoning_gym

@@ -64,6 +64,15 @@ def verify_answer(pred: str | None, gold: str, *, timeout_s: float | None = None
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
+@functools.cache
+def _warm_up() -> None:
+    """math-verify's and sympy's first parse and comparison load what they load lazily."""
+    verify(_parse("$1$"), _parse("\\boxed{1}"), timeout_seconds=None)
+
+
+verify_answer.prepare = lambda answer, gold: _warm_up()  # outside the check's time limit (worker.py)
+
+
 def _parse(latex: str) -> list:
     return parse(latex, parsing_timeout=None)
 

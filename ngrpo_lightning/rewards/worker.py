@@ -72,9 +72,18 @@ def ping() -> int:
 def run_chunk(
     call_id: int, items: list[tuple[int, str, str]], check_fn, timeout_s: float
 ) -> tuple[int, list[tuple[int, str, float]]]:
-    """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status, score), ...])``."""
+    """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status, score), ...])``.
+
+    A check may name what it needs before its first answer (``check_fn.prepare(answer, gold)``: an
+    import, a task's scorer): that runs outside every time limit, once its own work is done in this
+    process. Imported under a limit on a busy machine, a module cut off midway stayed half-made, and
+    every later check in the worker raised."""
     out = []
+    prepare = getattr(check_fn or verify_answer, "prepare", None)
     for index, answer, gold in items:
+        if prepare is not None:
+            _mark(call_id, index, idle=True)  # no start time yet: the parent's limits do not run
+            prepare(answer, gold)
         _mark(call_id, index)
         out.append((index, *check_one(answer, gold, check_fn, timeout_s)))
     _mark(0, -1, idle=True)
