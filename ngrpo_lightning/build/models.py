@@ -60,13 +60,16 @@ def backend_for_config(cfg: DictConfig, accelerator: str, **shapes) -> Backend:
     rows of its products (``decode_rows``, ``train_rows``)."""
     check_backend_settings(cfg)
     node = cfg.get("backend") or {}
+    packing = node.get("packing", "auto")
+    if packing == "auto" and (cfg.get("trainer") or {}).get("deterministic") is True:
+        packing = "off"  # bit for bit: no choice that depends on a timing (docs/reliability.md)
     try:
         return select_backend(
             node.get("name", "auto"),
             parse_dtype(cfg.model.dtype),
             accelerator,
             attention=node.get("attention", "auto"),
-            packing=node.get("packing", "auto"),
+            packing=packing,
             **shapes,
         )
     except ValueError as err:
