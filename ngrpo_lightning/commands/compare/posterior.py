@@ -2,10 +2,15 @@
 
 With n samples of a problem, c correct, its success rate has the Beta posterior
 ``Beta(a + c, b + n - c)``, and pass@k = 1 - (1 - p)^k has a posterior mean in closed form
-(:func:`ngrpo_lightning.metrics.posterior_pass_at_k`). The prior ``Beta(a, b)`` is fitted to the
-problems of every run compared (:func:`fit_beta_prior`, empirical Bayes, one prior for all arms):
-a uniform prior would say a problem with 0 of 16 samples right has a posterior Pass@16 of 48%,
-where on a task of mostly hard problems it is much lower. An arm's posterior Pass@k is the mean
+(:func:`ngrpo_lightning.metrics.posterior_pass_at_k`). The problems' rates are modelled as drawn
+from one ``Beta(a, b)`` for every run compared, itself unknown (a hierarchical model,
+:func:`fit_hierarchical_prior`): its mean and concentration get a posterior on a grid from the
+problems' beta-binomial likelihood, and every draw of an arm's Pass@k first draws ``(a, b)``, then
+each problem's rate. The uncertainty of the prior is then in the interval: a single prior fitted
+by moments (:func:`fit_beta_prior`) left it out, and a uniform one (its fallback where the rates
+did not vary more than their binomial noise) put an arm at 0.3% observed at 17% posterior, at 4
+samples per problem. Simulated sweeps at 0.5%, 5% and 50% (tests/test_compare_power.py) hold
+the 95% interval's coverage. An arm's posterior Pass@k is the mean
 over its seeds of the mean over their problems; its 95% credible interval comes from drawing
 every problem's rate from its posterior: the uncertainty left by n samples per problem on these
 problems and seeds (the seeds' spread is in the t intervals of the final table). With few
@@ -16,7 +21,10 @@ the two rank arms differently, the report says so.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from scipy.special import betaln
 
 from ngrpo_lightning.metrics import posterior_pass_at_k
 
@@ -25,20 +33,75 @@ UNIFORM = (1.0, 1.0)
 
 def fit_beta_prior(counts: list[tuple[int, int]]) -> tuple[float, float]:
     """``(a, b)`` of a Beta distribution of the problems' success rates, by the method of moments
-    on ``c / n`` with the binomial noise of n samples taken out; the uniform prior when the
-    rates do not vary more than that noise (or there are fewer than two problems)."""
-    if len(counts) < 2:
+    on ``c / n`` with the binomial noise of n samples taken out. Where the rates do not vary more
+    than that noise (or there are fewer than two problems, or none was ever right or ever wrong):
+    :func:`weak_prior`, so that the data, not the prior, decide an arm's posterior at any accuracy."""
+    if not counts:
         return UNIFORM
+    weak = weak_prior(counts)
     n, c = np.array(counts, dtype=float).T
+    if len(counts) < 2:
+        return weak
     rates = c / n
     mean = float(rates.mean())
     if not 0 < mean < 1:
-        return UNIFORM
+        return weak
     spread = float(rates.var(ddof=1)) - float(np.mean(rates * (1 - rates) / np.maximum(n - 1, 1)))
     if spread <= 0:
-        return UNIFORM
+        return weak
     total = max(mean * (1 - mean) / spread - 1, 0.1)  # at most mean (1 - mean): every problem all or nothing
-    return max(mean * total, 0.01), max((1 - mean) * total, 0.01)
+    return max(mean * total, 1e-3), max((1 - mean) * total, 1e-3)
+
+
+# the grid of the prior's mean (as a logit) and concentration a + b (as a log)
+_LOGIT_MEAN = np.linspace(-9.0, 9.0, 73)
+_LOG_CONCENTRATION = np.linspace(np.log(0.05), np.log(2000.0), 48)
+
+
+@dataclass(frozen=True)
+class HierarchicalPrior:
+    """The posterior over the Beta(a, b) the problems' rates are drawn from: grid points and
+    their weights (summing to 1)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    weight: np.ndarray
+
+    def typical(self) -> tuple[float, float]:
+        """The weighted mean of the prior's mean and concentration, as ``(a, b)`` (for reports)."""
+        mean = float(np.sum(self.weight * self.a / (self.a + self.b)))
+        concentration = float(np.exp(np.sum(self.weight * np.log(self.a + self.b))))
+        return mean * concentration, (1 - mean) * concentration
+
+
+def fit_hierarchical_prior(counts: list[tuple[int, int]]) -> HierarchicalPrior:
+    """The grid posterior of the problems' Beta(a, b) given their ``(n, c)`` counts: the
+    beta-binomial likelihood of every problem, Jeffreys' prior on the mean and a prior on the
+    concentration ``s = a + b`` of density proportional to ``(1 + s)^-1.5`` (weak: strong pooling
+    only where the problems show it). Chosen by the coverage of simulated sweeps: with
+    ``(1 + s)^-2`` the 95% interval held 92.5% of them at a rate of 0.5%, with this 94.6-95.7%."""
+    mean = 1 / (1 + np.exp(-_LOGIT_MEAN))
+    s = np.exp(_LOG_CONCENTRATION)
+    a = (mean[:, None] * s[None, :]).ravel()
+    b = ((1 - mean)[:, None] * s[None, :]).ravel()
+    log_post = np.zeros_like(a)
+    if counts:
+        n, c = np.array(counts, dtype=float).T
+        log_post += (betaln(a[:, None] + c[None], b[:, None] + (n - c)[None]) - betaln(a, b)[:, None]).sum(axis=1)
+    # priors on the grid's coordinates: Jeffreys' on the mean (x dmean/dlogit), (1+s)^-1.5 on s (x ds/dlog s)
+    m, conc = a / (a + b), a + b
+    log_post += 0.5 * np.log(m * (1 - m)) + np.log(conc) - 1.5 * np.log1p(conc)
+    weight = np.exp(log_post - log_post.max())
+    return HierarchicalPrior(a, b, weight / weight.sum())
+
+
+def weak_prior(counts: list[tuple[int, int]]) -> tuple[float, float]:
+    """Beta(a, b) centred on the pooled rate (kept half a sample inside (0, 1)) whose smaller side
+    holds half a success, or half a failure, spread over the ``len(counts)`` problems."""
+    n, c = np.array(counts, dtype=float).T
+    pooled = float(np.clip(c.sum() / n.sum(), 0.5 / n.sum(), 1 - 0.5 / n.sum()))
+    strength = 0.5 / len(counts) / min(pooled, 1 - pooled)  # a + b
+    return pooled * strength, (1 - pooled) * strength
 
 
 def per_problem_counts(results: dict) -> list[tuple[int, int]]:
@@ -52,19 +115,29 @@ def posterior_interval(
     draws: int = 4000,
     seed: int = 0,
     level: float = 0.95,
-    prior: tuple[float, float] = UNIFORM,
+    prior: tuple[float, float] | HierarchicalPrior = UNIFORM,
 ) -> tuple[float, float, float]:
-    """(posterior mean, low, high) of an arm's Pass@k: mean over seeds of the mean over problems."""
+    """(posterior mean, low, high) of an arm's Pass@k: mean over seeds of the mean over problems.
+    ``prior``: one Beta(a, b) (the mean in closed form), or a :class:`HierarchicalPrior` (each draw
+    draws its Beta first; the mean is the draws')."""
     per_seed = [counts for counts in per_seed if counts]
     if not per_seed:
         return float("nan"), float("nan"), float("nan")
-    mean = float(np.mean([np.mean([posterior_pass_at_k(n, c, k, prior) for n, c in s]) for s in per_seed]))
     rng = np.random.default_rng(seed)
+    if isinstance(prior, HierarchicalPrior):
+        chosen = rng.choice(len(prior.weight), size=draws, p=prior.weight)
+        a, b = prior.a[chosen][:, None], prior.b[chosen][:, None]
+    else:
+        a, b = prior
     total = np.zeros(draws)
     for counts in per_seed:
         n, c = np.array(counts, dtype=float).T
-        p = rng.beta(prior[0] + c, prior[1] + n - c, size=(draws, len(counts)))
+        p = rng.beta(a + c, b + n - c, size=(draws, len(counts)))
         total += (1 - (1 - p) ** k).mean(axis=1)
+    if isinstance(prior, HierarchicalPrior):
+        mean = float(total.mean() / len(per_seed))
+    else:
+        mean = float(np.mean([np.mean([posterior_pass_at_k(n, c, k, prior) for n, c in s]) for s in per_seed]))
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(total / len(per_seed), [tail, 100 - tail])
     return mean, float(low), float(high)

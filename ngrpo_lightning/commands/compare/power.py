@@ -186,8 +186,8 @@ def seeds_to_conclude(d: Detection, target: float) -> tuple[int | None, int | No
 
     A projection, not a power calculation: the estimate itself moves as seeds come in. It answers
     the question an inconclusive verdict leaves, how far the sweep is from any verdict."""
-    if math.isnan(d.diff) or d.problems <= 0:
-        return None, None
+    if math.isnan(d.diff) or d.problems <= 0 or not d.se > 0 or not d.var_seed + d.var_problem > 0:
+        return None, None  # no spread to project with: no number of seeds can be said (the verdict says why)
     size = abs(d.diff)
     bound = _smallest(lambda s: size + _half_width(d, s) <= target, 2) if size < target else None
     show = _smallest(lambda s: _half_width(d, s) < size, 2) if size > 0 else None
@@ -247,7 +247,8 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
         return {
             "kind": "inconclusive",
             "text": f"inconclusive {interval}: both arms scored alike on every problem of every seed, which "
-            "leaves no spread to bound a difference with; problems the arms solve at different rates would",
+            "leaves no spread to bound a difference with; only problems that the arms solve at different "
+            "rates (more samples per problem, more or harder problems, more seeds) can bound one.",
         }
     now = f"this sweep detects {pts(d.mdd)}" if not math.isnan(d.mdd) else "too few data to say what it detects"
     return {

@@ -12,7 +12,7 @@ import numpy as np
 
 from ngrpo_lightning.commands.compare.curves import AXES, arm_fits, contrast
 from ngrpo_lightning.commands.compare.posterior import (
-    fit_beta_prior,
+    fit_hierarchical_prior,
     per_problem_counts,
     posterior_interval,
     ranking_changes,
@@ -41,8 +41,8 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, n) if 1 <= k <= n})
     out["ks"], out["n"] = ks, n
     scores = {}  # arm -> seed -> {problem: {metric: value}}
-    prior = fit_beta_prior([c for r in runs if r.pass_at_k for c in per_problem_counts(r.pass_at_k)])
-    out["prior"] = prior
+    prior = fit_hierarchical_prior([c for r in runs if r.pass_at_k for c in per_problem_counts(r.pass_at_k)])
+    out["prior"] = prior.typical()
     for arm, members in by_arm.items():
         info = {
             "runs": [r.run_id for r in members],
@@ -54,7 +54,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
         metrics = [f"pass@{k}" for k in ks] + ([f"mean@{n}", f"maj@{n}"] if n else [])
         for m in metrics:
             groups = [[v[m] for v in per_seed[s].values()] for s in sorted(per_seed)]
-            info["final"][m] = list(seed_interval(groups, cfg.level))
+            info["final"][m] = list(seed_interval(groups, cfg.level, bounds=(0.0, 1.0)))  # rates
         counts = [per_problem_counts(r.pass_at_k) for r in members if r.pass_at_k]
         info["posterior"] = {
             f"pass@{k}": list(posterior_interval(counts, k, cfg.draws, cfg.seed, prior=prior)) for k in ks
@@ -89,7 +89,11 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "steadiness": steadiness(history),
                 }
             )
-    out["joint_bound"] = joint_bound(found_all)
+    # read together only where each verdict joined bounds something: a comparison without a spread
+    # (every paired difference 0) or an inconclusive one bounds nothing, jointly or alone
+    bounded = [f for f, p in zip(found_all, out["paired"]) if p["verdict"]["kind"] == "bounded"]
+    out["joint_bound"] = joint_bound(bounded) if len(bounded) > 1 else float("nan")
+    out["joint_count"] = len(bounded)
     adjusted = holm([p["detection"]["p_value"] for p in out["paired"]])
     alpha = 1 - cfg.level
     for p, p_holm in zip(out["paired"], adjusted):
@@ -142,11 +146,12 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
         ]
         lines += ["A difference is also checked with Holm's correction over all the comparisons listed, which"]
         lines += ["keeps the chance of any false difference among them at 5%."]
-        joint = tables["joint_bound"]
-        if len(paired) > 1 and not math.isnan(joint):
+        joint, count = tables["joint_bound"], tables.get("joint_count", len(paired))
+        if count > 1 and not math.isnan(joint):
+            which = f"all {count}" if count == len(paired) else f"the {count} that bound a difference"
             lines += [
-                f"Read together (all {len(paired)} intervals at once, Bonferroni: 95% jointly), no difference is",
-                f"larger than {100 * joint:.1f} points.",
+                f"Read together ({which} intervals at once, Bonferroni: 95% jointly), no difference among them",
+                f"is larger than {100 * joint:.1f} points.",
             ]
         lines += ["", f"## What this sweep can detect, and what {target:.1f} points would take", ""]
         lines += [
@@ -160,7 +165,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
             mdd = f"{100 * d['mdd']:.1f}" if not math.isnan(d["mdd"]) else ""
             design = f"{d['seeds']} | {d['problems']:.0f}"
             bound, show = p["to_conclude"]
-            conclude = f"{bound or 'never'} / {show or 'never'}"
+            conclude = f"{bound or 'never'} / {show or 'never'}" if d["se"] > 0 else "no spread to project with"
             lines.append(
                 f"| {p['a']} | {p['b']} | {p['metric']} | {design} | {diff} | {mdd} | {p['plan']} | {conclude} |"
             )
@@ -199,9 +204,9 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
             "Posterior Pass@k, %: posterior mean [95% credible interval]; each problem's success rate with the",
         ]
         lines += [
-            f"prior Beta({a:.2f}, {b:.2f}), fitted to the problems of every run here. The interval is the",
-            "uncertainty of these runs' problems given their samples; the spread between seeds, which a",
-            "ranking must survive, is in the t intervals above:",
+            f"problems' rates drawn from a Beta fitted to every run here, itself uncertain (typically Beta({a:.2f}, "
+            f"{b:.2f}): a hierarchical model). The interval is the uncertainty of these runs' problems given their",
+            "samples; the spread between seeds, which a ranking must survive, is in the t intervals above:",
             "",
         ]
         lines += ["| arm | " + " | ".join(f"Pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
@@ -361,7 +366,7 @@ def plot_curves(runs: list[RunData], path, x: str = "step") -> None:
 
 
 def plot_pass_at_k(tables: dict, path) -> None:
-    """Final Pass@k against k per arm, with the bootstrap intervals."""
+    """Final Pass@k against k per arm, with the t intervals over seeds (inside 0-100%)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -56,9 +56,13 @@ class Interval:
 NAN_INTERVAL = Interval(math.nan, math.nan, math.nan, math.nan, 0, "seeds")
 
 
-def seed_interval(groups: Sequence[Sequence[float]], level: float = 0.95) -> Interval:
+def seed_interval(
+    groups: Sequence[Sequence[float]], level: float = 0.95, bounds: tuple[float, float] | None = None
+) -> Interval:
     """The mean over groups (seeds) of the mean within each (problems), and its ``level`` t
-    interval with the seeds as the units: ``t_{S-1} * sd(seed means) / sqrt(S)``.
+    interval with the seeds as the units: ``t_{S-1} * sd(seed means) / sqrt(S)``. ``bounds``:
+    the values the quantity can take (a rate's ``(0, 1)``): the interval is cut to them, which
+    loses no coverage (the true value lies inside them) and never shows a rate below 0.
 
     Seeds are the independent draws of a sweep (each trains on its own order and is validated
     on its own problems), so their means carry every source of spread, problems included. With
@@ -75,7 +79,10 @@ def seed_interval(groups: Sequence[Sequence[float]], level: float = 0.95) -> Int
     dof = len(units) - 1
     half = float(t_dist.ppf(1 - (1 - level) / 2, dof)) * se
     mean = float(means.mean())
-    return Interval(mean, mean - half, mean + half, se, dof, unit)
+    low, high = mean - half, mean + half
+    if bounds is not None:
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return Interval(mean, low, high, se, dof, unit)
 
 
 def seed_order(seed: str):
