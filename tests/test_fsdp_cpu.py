@@ -439,3 +439,42 @@ def test_one_node_of_two_processes_and_two_nodes_of_one_give_the_same_update(tmp
     assert norm({k: updates[0][k] - updates[1][k] for k in updates[0]}) <= 0.02 * norm(updates[0])
     if same:
         assert all(torch.equal(updates[0][k], updates[1][k]) for k in updates[0])
+
+
+# the second rank dies outright (SIGKILL: the OOM killer, a lost node) as its fourth step starts
+KILL_RANK_1 = textwrap.dedent("""
+    import os, signal
+    from ngrpo_lightning.training.module import RLModule
+
+    _start = RLModule.on_train_batch_start
+
+    def _lost(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _start(self, batch, batch_idx)
+
+    RLModule.on_train_batch_start = _lost
+""")
+
+
+def test_a_rank_lost_under_fsdp2_stops_the_run_and_resume_continues_from_its_last_checkpoint(tmp_path):
+    """One of two FSDP2 processes killed outright at step 4: Lightning's launcher ends the other
+    (no process waits forever in a collective), the step-2 checkpoint stays whole with nothing
+    half-written beside it, and ``resume=last`` continues the same MLflow run to the end."""
+    python, driver = scripted_cli(tmp_path, THROUGH + KILL_RANK_1, SCRIPTED_CLI)
+    out = tmp_path / "run"
+    args = [*RUN, f"output_dir={out}", f"logger.tracking_uri={fresh_store(out / 'mlruns.db')}"]
+    args += ["trainer=fsdp_cpu", "data.prompts_per_step=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    lost = subprocess.run([python, driver, "train", *args], cwd=tmp_path, env=env, capture_output=True, timeout=240)
+    assert lost.returncode != 0  # the first process is ended too, not left waiting for its peer
+    last = out / "checkpoints/last.ckpt"
+    assert last.resolve().name == "step-step=2.ckpt" and load_checkpoint(last)["global_step"] == 2
+    assert not [p.name for p in (out / "checkpoints").iterdir() if "partial" in p.name]
+    python, driver = scripted_cli(tmp_path, THROUGH, SCRIPTED_CLI)  # the same run, no rank lost
+    resumed = subprocess.run(
+        [python, driver, "train", *args, "resume=last"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert load_checkpoint(out / "checkpoints/last.ckpt")["global_step"] == 6
+    assert len(metrics(out)["train/loss"]) >= 6  # one MLflow run: the steps before the loss and after it
