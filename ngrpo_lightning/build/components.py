@@ -20,7 +20,7 @@ from ngrpo_lightning.callbacks import PassAtK, ReplayBuffer
 from ngrpo_lightning.checkpoints.run import build_checkpointing
 from ngrpo_lightning.checks import check_bool, check_number, check_seed
 from ngrpo_lightning.config import ConfigError, named_error
-from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer
+from ngrpo_lightning.explorers import EXPLORERS, Explorer, TemperatureExplorer, check_explorer
 from ngrpo_lightning.metrics.evaluate import EvalSet
 from ngrpo_lightning.models.loading import check_context, load_policy, parse_dtype
 from ngrpo_lightning.objectives import (
@@ -90,6 +90,10 @@ def build_explorer(cfg: DictConfig) -> Explorer:
             f"got {type(explorer).__name__}"
         )
     check_temperature(explorer)
+    try:  # one step on made-up logits: what it returns, its ids and its mixture weights
+        check_explorer(explorer)
+    except (ValueError, TypeError, RuntimeError, IndexError) as err:
+        raise ConfigError(f"explorer: {err}") from err
     return explorer
 
 

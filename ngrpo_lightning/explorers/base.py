@@ -46,6 +46,7 @@ __all__ = [
     "declares_capturable",
     "register_explorer",
     "check_answer_start",
+    "check_explorer",
     "check_range",
     "check_choice",
 ]
@@ -131,6 +132,45 @@ def explorer_step(explorer: Explorer, logits: torch.Tensor, generator: torch.Gen
             f"{type(explorer).__name__}.step returned {step.tokens.shape[0]} tokens for {logits.shape[0]} rows"
         )
     return step
+
+
+def check_explorer(explorer: Explorer, vocab: int = 1024, dim: int = 16, rows: int = 64) -> None:
+    """Run one step of a copy of ``explorer`` on made-up logits (``rows`` x ``vocab``, a random
+    ``vocab`` x ``dim`` embedding matrix), before any model loads: what it returns is an
+    :class:`ExplorerStep` of the right shapes and types, its tokens and mixture ids are in the
+    vocabulary, and each mixed row's weights are non-negative and sum to 1. ``ValueError`` naming
+    the class and the field otherwise: an explorer that returned a tensor failed only after the
+    model had loaded and validation had run, and weights that were raw logits trained silently."""
+    import copy
+
+    name = type(explorer).__name__
+    trial = copy.deepcopy(explorer)  # the trial's counters and indices are not the run's
+    vocab = max(vocab, *(2 * v for v in vars(explorer).values() if type(v) is int and 0 < v <= 65536), 1)
+    made_up = torch.Generator().manual_seed(0)
+    trial.set_special_ids([0])
+    trial.prepare(torch.randn(vocab, dim, generator=made_up))
+    logits = 4 * torch.randn(rows, vocab, generator=made_up)
+    try:
+        step = explorer_step(trial, logits, torch.Generator().manual_seed(1))
+    except (TypeError, ValueError) as err:
+        raise ValueError(str(err)) from err
+    if int(step.tokens.min()) < 0 or int(step.tokens.max()) >= vocab:
+        raise ValueError(f"{name}.step: `tokens` must be ids in [0, {vocab}) of the logits' columns")
+    if step.mixed is None or not bool(step.mixed.any()):
+        return
+    ids, weights = step.ids[step.mixed], step.weights[step.mixed].float()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"{name}.step: `ids` of the mixed rows must be ids in [0, {vocab}) of the embedding rows")
+    if bool((weights < 0).any()):
+        raise ValueError(
+            f"{name}.step: `weights` of the mixed rows must be non-negative, got {float(weights.min()):.3g}"
+        )
+    sums = weights.sum(dim=-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        raise ValueError(
+            f"{name}.step: `weights` of each mixed row must sum to 1 (a mixture of embeddings), got sums from "
+            f"{float(sums.min()):.3g} to {float(sums.max()):.3g}; raw scores become weights through a softmax"
+        )
 
 
 class Explorer(ABC):
