@@ -133,6 +133,34 @@ def test_a_stopped_run_is_killed_and_says_where_it_stopped(tmp_path, monkeypatch
     assert run.info.status == "KILLED"
 
 
+@pytest.mark.parametrize("stop, signum, status", [("Ctrl-C", signal.SIGINT, 130), ("SIGTERM", signal.SIGTERM, 143)])
+def test_a_stopped_run_saves_its_last_finished_step_and_resume_continues_from_it(
+    tmp_path, monkeypatch, capsys, stop, signum, status
+):
+    """Ctrl-C (the first one) or SIGTERM during step 2 of a run that checkpoints every 10 steps: the
+    run stops after that step and saves it, so nothing finished is lost, and ``resume=last`` continues
+    from step 2 (before, nothing was kept: "no checkpoint was written")."""
+
+    class Signal(components.L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == 1:  # during the second step
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [Signal()])
+    store = f"sqlite:///{tmp_path}/mlruns.db"
+    out = tmp_path / "out"
+    args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "trainer.max_steps=4"]
+    assert main(["train", *args, "checkpoint.every_n_steps=10"]) == status
+    last = out / "checkpoints" / "last.ckpt"
+    err = capsys.readouterr().err
+    assert f"ngrpo train: {stop} stopped the run at step 2: resume=last continues from step 2 ({last})" in err
+    assert load_checkpoint(last, mmap=False)["global_step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is Python's again
+    monkeypatch.setattr(train_job, "build_pass_at_k", lambda cfg, problems: [])
+    assert main(["train", *args, "checkpoint.every_n_steps=10", "resume=last"]) == 0
+    assert load_checkpoint(last, mmap=False)["global_step"] == 4
+
+
 def test_a_failing_run_is_marked_failed(tmp_path, monkeypatch):
     def broken(cfg):
         raise RuntimeError("the reward broke")

@@ -17,6 +17,7 @@ from ngrpo_lightning.checkpoints.run import build_checkpointing
 from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.console import StepProgressBar
+from ngrpo_lightning.training.interrupt import StopOnInterrupt
 
 __all__ = ["build_trainer", "check_trainer", "process_count", "processes_per_node"]
 
@@ -132,6 +133,8 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
         cbs.append(StepProgressBar())
     if not any(type(cb).__name__ == "ModelCheckpoint" for cb in cbs):
         cbs += build_checkpointing(cfg)
+    if not any(isinstance(cb, StopOnInterrupt) for cb in cbs):
+        cbs.append(StopOnInterrupt())  # the first Ctrl-C stops after the step under way, saved
     if "data" in cfg and not any(isinstance(cb, UpdateMemoryCheck) for cb in cbs):
         new_tokens = cfg.rollout.max_new_tokens
         rows, longest = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.data.max_prompt_tokens + new_tokens

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.checkpoints.best import BestCheckpoint
@@ -160,6 +161,16 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
+        self._save_final(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """SIGTERM (Lightning's ``SIGTERMException``, raised on every process at the end of the step
+        under way): that finished step is saved when no checkpoint holds it, as at the end of a fit."""
+        if isinstance(exception, SIGTERMException):
+            self._save_final(trainer)
+
+    def _save_final(self, trainer: L.Trainer) -> None:
+        """The run's last finished step, when no checkpoint holds it yet."""
         if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
             candidates = self._monitor_candidates(trainer)
             if self.save_top_k != 0:

@@ -8,7 +8,6 @@ Kept apart from :mod:`ngrpo_lightning.commands.cli` so that the command line's c
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 import time
@@ -27,8 +26,11 @@ from ngrpo_lightning.build.data import build_datamodule, build_problems
 from ngrpo_lightning.build.trainer import build_trainer, processes_per_node
 from ngrpo_lightning.checkpoints.export import export_checkpoint, is_own_export, model_card, save_hf_model
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
+from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
+from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.console import header, quiet_libraries
 from ngrpo_lightning.tracking.logger import build_logger, log_config, summarize_run
+from ngrpo_lightning.training.interrupt import StopOnInterrupt
 
 # Lightning warnings that are expected here and would only bury the run's own output.
 KNOWN_WARNINGS = (
@@ -94,9 +96,16 @@ class Interrupted(KeyboardInterrupt):
 
 def interrupted(cfg: DictConfig, trainer: L.Trainer, signal: str, status: int) -> Interrupted:
     last = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
-    saved = re.search(r"step=(\d+)", last.resolve().name)  # a link to a step checkpoint names its step
-    where = f"step {saved[1]} ({last})" if saved else str(last)
-    resume = f"resume=last continues from {where}" if last.exists() else "no checkpoint was written"
+    if last.exists():
+        try:
+            where = f"step {load_checkpoint(last)['global_step']} ({last})"
+        except ConfigError:
+            where = str(last)
+        resume = f"resume=last continues from {where}"
+    elif trainer.global_step == 0:
+        resume = "no step had finished, so no checkpoint was written"
+    else:
+        resume = "no checkpoint was written (trainer.enable_checkpointing=false)"
     return Interrupted(f"{signal} stopped the run at step {trainer.global_step}: {resume}", status)
 
 
@@ -131,6 +140,8 @@ def _fit(
     try:
         before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)  # as data only
+        if any(getattr(cb, "requested", False) for cb in trainer.callbacks if isinstance(cb, StopOnInterrupt)):
+            raise interrupted(cfg, trainer, "Ctrl-C", 130)  # stopped after a step, saved: no validation
         after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
     except SIGTERMException:  # Lightning's, at the end of the step under way (a scheduler's stop, `timeout`)
         raise interrupted(cfg, trainer, "SIGTERM", 143) from None
