@@ -66,7 +66,8 @@ def test_eval_shows_its_results_not_the_libraries(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "Evaluated tiny (float32) on reasoning_gym (2 problems x 1 samples)" in out and "MLflow run:" in out
+    assert "Evaluated tiny (float32) on reasoning_gym (2 problems x 1 samples, seed 0: default)" in out
+    assert out.startswith("ngrpo eval: tiny\n") and "eval: 100%" in out and "MLflow run:" in out  # header, progress
     shown = [line for line in NOISE if line in out]
     assert not shown, f"library noise on the console: {shown}"
     assert not LOG_LINE.search(out), LOG_LINE.search(out)

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,12 +40,12 @@ def logits(model, tokenizer) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 2-step run of the tiny model with ``export.final=true`` and an MLflow store."""
+    """A 2-step run of the tiny model with ``export.final=true`` and an MLflow store, at data seed 2."""
     from conftest import ScriptedReward, fresh_store
 
     tmp = tmp_path_factory.mktemp("export")
     store = fresh_store(tmp / "mlruns.db")
-    overrides = ["model=tiny", *RUN, "optim.lr=1e-2", f"output_dir={tmp}/run", f"logger.tracking_uri={store}"]
+    overrides = ["model=tiny", *RUN, "optim.lr=1e-2", f"output_dir={tmp}/run", f"logger.tracking_uri={store}", "seed=2"]
     with pytest.MonkeyPatch.context() as patch:  # rows alternate reward 1/0: real advantages, real updates
         patch.setattr("ngrpo_lightning.build.components.build_reward", lambda cfg: ScriptedReward((1, 0)))
         summary = train(compose([*overrides, "export.final=true"]))
@@ -119,6 +120,13 @@ def test_export_never_writes_over_a_folder_or_mixes_two_kinds_of_model(trained, 
     held = {p.name for p in mine.iterdir()}
     assert "model.safetensors" in held and not held & {"adapter_config.json", "adapter_model.safetensors"}
     assert (mine / "notes.txt").read_text() == "kept" and "ngrpo-lightning" in (mine / "README.md").read_text()
+    # logged to the run's MLflow artifacts: the files the export wrote, never the user's notes beside them
+    from mlflow import MlflowClient
+
+    assert main(["export", str(tmp / "run"), str(mine), "--overwrite"]) == 0
+    run_id = read_checkpoint(find_checkpoint(str(tmp / "run"))).meta["mlflow_run_id"]
+    logged = {Path(a.path).name for a in MlflowClient(store).list_artifacts(run_id, "model")}
+    assert "model.safetensors" in logged and "README.md" in logged and "notes.txt" not in logged
 
 
 def test_an_export_that_finds_the_disk_full_leaves_the_folder_as_it_was(trained, small_disk, capsys):
@@ -148,8 +156,14 @@ def test_ngrpo_eval_takes_any_run(trained, which, monkeypatch, capsys):
     assert main(["eval", f"model={model}", *EVAL, f"output_dir={tmp}/eval"]) == 0, capsys.readouterr().err
     # in the dtype the run trained in (float32), the exported folder's too, which model=hf's default
     # (bfloat16, for Hub models) turned into bfloat16 silently
-    assert f"Evaluated {model} (float32) on reasoning_gym (2 problems x 1 samples)" in capsys.readouterr().out
-    assert json.loads((tmp / "eval" / "results.json").read_text())["config"]["model"]["dtype"] == "float32"
+    # the run's validation problems: those of its data seed (2), read from its checkpoint or its export's card
+    out = capsys.readouterr().out
+    assert f"Evaluated {model} (float32) on reasoning_gym (2 problems x 1 samples, seed 2: the run's" in out
+    assert out.startswith(f"ngrpo eval: {model}\n") and "  seed:     2 (the run's" in out  # said before loading
+    config = json.loads((tmp / "eval" / "results.json").read_text())["config"]
+    assert config["model"]["dtype"] == "float32" and config["seed"] == 2
+    assert main(["eval", f"model={model}", *EVAL, f"output_dir={tmp}/eval", "seed=5"]) == 0
+    assert "seed 5: seed=)" in capsys.readouterr().out  # another draw, when asked for
 
 
 def test_a_sweep_folder_name_is_a_valid_model_path(trained, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -76,11 +77,14 @@ def is_own_export(out_dir: Path) -> bool:
     return card.is_file() and "- ngrpo-lightning\n" in card.read_text(errors="replace")
 
 
-def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, overwrite: bool = False) -> Path:
+def save_hf_model(
+    policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, overwrite: bool = False, written: list | None = None
+) -> Path:
     """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md;
     a non-empty ``out_dir`` only with ``overwrite`` (:func:`check_target`). The files are written to
     a folder beside ``out_dir`` and moved in when all are written: an export that fails (a full
-    disk) leaves ``out_dir`` as it was, a model exported there before included."""
+    disk) leaves ``out_dir`` as it was, a model exported there before included. ``written``, a list,
+    receives the names of the files the export wrote (what may be uploaded: never a user's own)."""
     out_dir = Path(out_dir)
     replaced = check_target(out_dir, overwrite)
     staging = out_dir.with_name(f".{out_dir.name}.partial")
@@ -107,6 +111,8 @@ def save_hf_model(policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, 
         path.unlink(missing_ok=True)
     for path in staging.iterdir():
         os.replace(path, out_dir / path.name)
+        if written is not None:
+            written.append(path.name)
     staging.rmdir()
     return out_dir
 
@@ -141,8 +147,9 @@ def export_checkpoint(
         policy, adapters = policy.merge_and_unload(), False
     metrics = _mlflow_metrics(ckpt.meta.get("mlflow_run_id"), uri)
     card = model_card(ckpt.config, ckpt.meta, ckpt.global_step, metrics, adapters=adapters)
-    out = save_hf_model(policy, tokenizer, Path(out_dir), card, overwrite=overwrite)
-    logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out)
+    written: list[str] = []
+    out = save_hf_model(policy, tokenizer, Path(out_dir), card, overwrite=overwrite, written=written)
+    logged = log_to_mlflow and _log_artifacts(ckpt.meta.get("mlflow_run_id"), uri, out, written)
     lines = [
         f"Exported {path} (step {ckpt.global_step}) to {out}"
         + (" (LoRA adapters in peft's format; --merge writes a full model)" if adapters else ""),
@@ -169,6 +176,7 @@ def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, f
     rows = [
         ("base model", f"`{base}`"),
         ("task", task),
+        ("data seed", str(config.get("seed", "unknown"))),
         ("explorer", f"`{explorer.get('name') or explorer.get('_target_', '?')}` ({describe(explorer)})"),
         ("objective", f"`{objective.get('name') or objective.get('_target_', '?')}` ({describe(objective)})"),
         ("advantage", f"`{config.get('advantage', '?')}`"),
@@ -182,7 +190,7 @@ def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, f
     base_tag = f"base_model: {base}\n" if hub_id else ""
     return (
         f"---\n{base_tag}library_name: transformers\ntags:\n- ngrpo-lightning\n- reinforcement-learning\n"
-        f"- {objective.get('name', 'rl')}\n---\n\n"
+        f"- {objective.get('name', 'rl')}\n{_seed_line(config)}---\n\n"
         f"# {config.get('experiment_name', 'policy')}: {base} trained with ngrpo-lightning\n\n"
         f"| | |\n| --- | --- |\n{table}\n\n"
         f"Trained with:\n\n```\n{command}\n```\n\n"
@@ -196,6 +204,22 @@ def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, f
             "`vllm serve <this folder>`; evaluate it with `ngrpo eval model=<this folder>`.\n"
         )
     )
+
+
+SEED_KEY = "ngrpo_data_seed"  # the card's front-matter key of the run's data seed (ngrpo eval reads it)
+
+
+def _seed_line(config: dict) -> str:
+    return f"{SEED_KEY}: {int(config['seed'])}\n" if isinstance(config.get("seed"), int) else ""
+
+
+def exported_data_seed(folder: str | Path) -> int | None:
+    """The data seed of the run an exported folder came from (its card's front matter), or None."""
+    card = Path(folder).expanduser() / "README.md"
+    if not card.is_file():
+        return None
+    found = re.search(rf"^{SEED_KEY}: (\d+)$", card.read_text(errors="replace").split("\n---", 1)[0], re.M)
+    return int(found[1]) if found else None
 
 
 def _run_tracking_uri(ckpt: TrainedCheckpoint) -> str | None:
@@ -221,13 +245,20 @@ def _mlflow_metrics(run_id: str | None, uri: str | None) -> dict[str, float]:
         return {}
 
 
-def _log_artifacts(run_id: str | None, uri: str | None, out: Path) -> bool:
+def log_exported(client, run_id: str, out: Path, written: list[str]) -> None:
+    """The files an export wrote (``written``) as the run's ``model/`` artifacts; other files in
+    the folder (a user's own, beside an export with ``--overwrite``) are never uploaded."""
+    for name in sorted(written):
+        client.log_artifact(run_id, str(out / name), "model")
+
+
+def _log_artifacts(run_id: str | None, uri: str | None, out: Path, written: list[str]) -> bool:
     if not run_id or not uri:
         return False
     try:
         from mlflow import MlflowClient
 
-        MlflowClient(uri).log_artifacts(run_id, str(out), "model")
+        log_exported(MlflowClient(uri), run_id, out, written)
         return True
     except Exception:  # noqa: BLE001 - the export itself is done; the summary says it was not logged
         return False

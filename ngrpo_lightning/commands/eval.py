@@ -13,9 +13,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from ngrpo_lightning.backends import Backend
 from ngrpo_lightning.build.models import backend_for_config
+from ngrpo_lightning.checkpoints.export import exported_data_seed
 from ngrpo_lightning.checkpoints.trained_policy import (
     find_checkpoint,
     is_run_checkpoint,
@@ -59,7 +61,8 @@ def build_eval_sets(cfg) -> list[EvalSet]:
     }
     try:
         if d.source == "reasoning_gym":
-            problems = reasoning_gym_problems(d.tasks, d.val_size, cfg.seed, "validation", d.verifier)
+            seed = cfg.seed if cfg.seed is not None else 0  # run_eval resolves null first (eval_seed)
+            problems = reasoning_gym_problems(d.tasks, d.val_size, seed, "validation", d.verifier)
             name = "reasoning_gym"
         elif d.source == "benchmark":
             problems, name = load_benchmark(d), d.name
@@ -95,7 +98,7 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
             policy,
             tokenizer,
             max_new_tokens=max_new_tokens,
-            seed=cfg.seed,
+            seed=cfg.seed if cfg.seed is not None else 0,
             key="engine",
             max_prompt_tokens=cfg.data.get("max_prompt_tokens", 4096),
         )
@@ -178,12 +181,52 @@ def load_eval_policy(cfg, backend: Backend | None = None):
     return backend.on_device(backend.prepare(policy.to(eval_device(cfg)).eval())), tokenizer
 
 
+def eval_seed(cfg) -> tuple[int, str]:
+    """``(seed, where it came from)``: ``seed=`` as given; else the data seed of the run that trained
+    the model (its checkpoint's config, or an export's model card), whose validation problems are
+    then the ones evaluated; else 0."""
+    if cfg.get("seed") is not None:
+        return check_seed(cfg.seed), "seed="
+    name, ckpt_arg = str(cfg.model.name_or_path), cfg.get("checkpoint")
+    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    if source is not None:
+        seed = read_checkpoint(find_checkpoint(str(source), "best" if ckpt_arg == "best" else "last")).config.get(
+            "seed"
+        )
+        if isinstance(seed, int):
+            return seed, "the run's"
+    elif (seed := exported_data_seed(name)) is not None:
+        return seed, "the run's, from its export's model card"
+    return 0, "default"
+
+
+def eval_header(cfg, seed: tuple[int, str]) -> str:
+    """What ``ngrpo eval`` is about to do, said before minutes of loading and sampling."""
+    d = cfg.data
+    data = d.get("name") or d.source
+    limit = f", the first {cfg.limit} problems" if cfg.get("limit") is not None else ""
+    where = f"{eval_device(cfg)}, {torch.get_num_threads()} threads"
+    return "\n".join(
+        [
+            f"ngrpo eval: {cfg.model.name_or_path}"
+            + (f" (checkpoint={cfg.checkpoint})" if cfg.get("checkpoint") else ""),
+            f"  data:     {data}{limit}; {cfg.n} samples per problem at T={cfg.temperature:g}, "
+            f"at most {cfg.max_new_tokens} new tokens",
+            f"  seed:     {seed[0]} ({seed[1]}; seed=<n> evaluates another draw)",
+            f"  device:   {where}, engine {cfg.get('engine', 'hf')}",
+        ]
+    )
+
+
 def run_eval(cfg) -> dict:
     """``ngrpo eval``: evaluate, write ``results.json``, ``pass_at_k.md`` and ``pass_at_k.png``
     into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
     a ``text`` field."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     quiet_libraries(verbose=bool((cfg.get("logger") or {}).get("verbose", False)))
+    seed = eval_seed(cfg)
+    cfg.seed = seed[0]  # the problems and the sampling: the run's draw, where the model came from a run
+    print(eval_header(cfg, seed), flush=True)
     try:
         L.seed_everything(check_seed(cfg.seed), workers=True, verbose=False)
         ks = check_ks(cfg.get("ks"), cfg.n)
@@ -195,7 +238,14 @@ def run_eval(cfg) -> dict:
     policy, tokenizer = load_eval_policy(cfg, backend)
     dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     t0 = time.perf_counter()
-    with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards):
+    bar = tqdm(total=sum(len(s.problems) for s in sets), desc="eval", unit="problem", dynamic_ncols=True)
+    done = {}
+
+    def progress(name: str, finished: int, total: int) -> None:  # problems finished in each set
+        bar.update(finished - done.get(name, 0))
+        done[name] = finished
+
+    with eval_rollouts(cfg, policy, tokenizer, cfg.max_new_tokens) as (engine, rewards), bar:
         results = evaluate_sets(
             engine,
             tokenizer,
@@ -207,6 +257,7 @@ def run_eval(cfg) -> dict:
             batch_size=cfg.batch_size,
             ks=ks,
             prefix="eval",
+            progress=progress,
         )
     seconds = time.perf_counter() - t0
     out_dir = Path(cfg.output_dir)
@@ -224,7 +275,8 @@ def run_eval(cfg) -> dict:
     )
     lines = [
         f"Evaluated {cfg.model.name_or_path} ({dtype}) on {', '.join(s.name for s in sets)} "
-        f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples) in {seconds:.1f} s.",
+        f"({sum(len(s.problems) for s in sets)} problems x {cfg.n} samples, seed {seed[0]}: {seed[1]}) "
+        f"in {seconds:.1f} s.",
         "",
         table,
         f"  results: {json_path}",

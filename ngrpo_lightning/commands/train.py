@@ -24,7 +24,13 @@ from ngrpo_lightning.backends.threads import set_process_threads
 from ngrpo_lightning.build.components import build_module, build_pass_at_k, check_config
 from ngrpo_lightning.build.data import build_datamodule, build_problems
 from ngrpo_lightning.build.trainer import build_trainer, processes_per_node
-from ngrpo_lightning.checkpoints.export import export_checkpoint, is_own_export, model_card, save_hf_model
+from ngrpo_lightning.checkpoints.export import (
+    export_checkpoint,
+    is_own_export,
+    log_exported,
+    model_card,
+    save_hf_model,
+)
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.config import ConfigError
@@ -171,9 +177,10 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     card = model_card(
         module.run_meta["config"], module.run_meta, trainer.global_step, metrics, adapters=module.adapters
     )
-    save_hf_model(module.policy, module.tokenizer, out, card, overwrite=again)
+    written: list[str] = []
+    save_hf_model(module.policy, module.tokenizer, out, card, overwrite=again, written=written)
     if logger is not None:
-        logger.experiment.log_artifacts(logger.run_id, str(out), "model")
+        log_exported(logger.experiment, logger.run_id, out, written)  # the files it wrote, never a user's
     return out
 
 
