@@ -14,6 +14,7 @@ A leaf module: it imports Hydra and OmegaConf only, so every layer may compose a
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -204,4 +205,9 @@ def explain_compose_error(err: Exception, overrides: list[str], config_name: str
     asked = re.search(r"Could not find '(\w+)/([\w.]+\.\w+)'", msg)  # explorer=my_mod.MyExplorer: a class path
     if asked and asked[1] in ("explorer", "objective"):
         options += f"\n{asked[2]} looks like a class path: give it as {asked[1]}._target_={asked[2]}"
+    elif wanted := re.search(r"Could not find '([\w/]+)/([^'/]+)'", msg):  # a typo: the nearest option, first
+        listed = [line.strip() for line in options.splitlines() if line.startswith("\t")]
+        near = difflib.get_close_matches(wanted[2], listed, n=1, cutoff=0.6)
+        if near:
+            options = f"{lines[0]}: did you mean {wanted[1]}={near[0]}?\n" + options.split("\n", 1)[1]
     return options

@@ -68,13 +68,13 @@ def test_ngrpo_train_stops_with_one_line_when_a_checkpoint_finds_the_disk_full_a
     out = tmp_path / "out"
     args = [*TINY, f"logger.tracking_uri={store}", f"output_dir={out}", "checkpoint.every_n_steps=1"]
     args += ["checkpoint.async_save=true"] if writer == "asynchronous" else []
-    fill_disk_for(out / "checkpoints" / "step-step=2.ckpt")
+    fill_disk_for(out / "checkpoints" / "step-2.ckpt")
     assert main(["train", *args, "trainer.max_steps=3"]) == 1
     err = capsys.readouterr().err
-    assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-step=2.ckpt was not written: its disk is full" in err
+    assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-2.ckpt was not written: its disk is full" in err
     assert "Traceback" not in err
     last = out / "checkpoints" / "last.ckpt"
-    assert last.resolve().name == "step-step=1.ckpt" and load_checkpoint(last, mmap=False)["global_step"] == 1
+    assert last.resolve().name == "step-1.ckpt" and load_checkpoint(last, mmap=False)["global_step"] == 1
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "FAILED"
@@ -189,9 +189,9 @@ def test_a_background_save_that_finds_the_disk_full_stops_the_run_and_leaves_no_
     is asked for, does not point at the file that was never written (resume=last would find nothing)."""
     out = tmp_path / "out"
     args = [*TINY, "logger=none", f"output_dir={out}", "checkpoint.every_n_steps=1", "checkpoint.async_save=true"]
-    fill_disk_for(out / "checkpoints" / "step-step=1.ckpt")
+    fill_disk_for(out / "checkpoints" / "step-1.ckpt")
     assert main(["train", *args, "trainer.max_steps=3"]) == 1
     err = capsys.readouterr().err
-    assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-step=1.ckpt was not written: its disk is full" in err
+    assert f"ngrpo train: error: checkpoint {out}/checkpoints/step-1.ckpt was not written: its disk is full" in err
     assert "Traceback" not in err
     assert list((out / "checkpoints").iterdir()) == []  # no link, no later step, nothing half-written

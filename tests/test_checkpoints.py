@@ -115,7 +115,7 @@ def test_the_newest_k_step_checkpoints_are_kept(tmp_path):
     step checkpoints, last.ckpt linking to the newest; a keep below -1 is named."""
     train(compose(["model=tiny", *RUN, "trainer.max_steps=4", "checkpoint.keep=2", f"output_dir={tmp_path}"]))
     folder = tmp_path / "checkpoints"
-    assert sorted(p.name for p in folder.glob("step-*.ckpt")) == ["step-step=3.ckpt", "step-step=4.ckpt"]
-    assert (folder / "last.ckpt").resolve().name == "step-step=4.ckpt"
+    assert sorted(p.name for p in folder.glob("step-*.ckpt")) == ["step-3.ckpt", "step-4.ckpt"]
+    assert (folder / "last.ckpt").resolve().name == "step-4.ckpt"
     with pytest.raises(ConfigError, match=r"checkpoint.keep=-2 is out of range: allowed \[-1, inf\]"):
         train(compose(["model=tiny", *RUN, "checkpoint.keep=-2", f"output_dir={tmp_path}/b"]))

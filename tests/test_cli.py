@@ -27,6 +27,14 @@ def test_unknown_group_option_lists_options(capsys):
     assert "my_mod.MyExplorer looks like a class path: give it as explorer._target_=my_mod.MyExplorer" in err
 
 
+def test_a_mistyped_group_option_says_which_it_nears(capsys):
+    assert main(["train", "experiment=ngrpoo"]) == 2
+    err = capsys.readouterr().err
+    assert "Could not find 'experiment/ngrpoo': did you mean experiment=ngrpo?" in err and "\tstht" in err
+    assert main(["train", "experiment=zzzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err  # nothing near: the list alone
+
+
 def test_missing_model_path_is_named(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default output_dir, outputs/, may hold a run of `make train`
     missing = tmp_path / "no_model_here"

@@ -182,7 +182,7 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process_and_resume_exa
     assert m1["train/loss"][0] != 0.0 and m1["train/kl_ref"][1] > 0  # step 2's policy left its base (the reference)
     for key in KEYS:
         assert m2[key][:2] == pytest.approx(m1[key], rel=1e-4, abs=1e-5), key
-    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/step-step=2.ckpt")
+    w1, w2 = policy_weights(one / "checkpoints/last.ckpt"), policy_weights(two / "checkpoints/step-2.ckpt")
     assert w1 and all(".lora_" in k for k in w1)  # adapters only, no base weights
     assert w1.keys() == w2.keys()
     assert any("lora_B" in k and w1[k].abs().sum() > 0 for k in w1)  # B starts at 0: training moved it
@@ -192,7 +192,7 @@ def test_two_fsdp2_processes_train_lora_adapters_like_one_process_and_resume_exa
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
     final, losses = policy_weights(two / "checkpoints/last.ckpt"), m2["train/loss"]
-    assert launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-step=2.ckpt") == two
+    assert launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-2.ckpt") == two
     again = policy_weights(two / "checkpoints/last.ckpt")
     assert again.keys() == final.keys()
     for k in final:
@@ -295,7 +295,7 @@ def test_two_fsdp2_processes_roll_out_ahead_like_one_process_and_resume_exactly(
         torch.testing.assert_close(final[k], w1[k], rtol=1e-4, atol=1e-4, msg=k)
     if adapters:
         return
-    launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-step=2.ckpt")
+    launch(tmp_path, "two", *sharded, f"resume={two}/checkpoints/step-2.ckpt")
     again = policy_weights(two / "checkpoints/last.ckpt")
     for k in final:
         assert torch.equal(again[k], final[k]), k
@@ -469,7 +469,7 @@ def test_a_rank_lost_under_fsdp2_stops_the_run_and_resume_continues_from_its_las
     lost = subprocess.run([python, driver, "train", *args], cwd=tmp_path, env=env, capture_output=True, timeout=240)
     assert lost.returncode != 0  # the first process is ended too, not left waiting for its peer
     last = out / "checkpoints/last.ckpt"
-    assert last.resolve().name == "step-step=2.ckpt" and load_checkpoint(last)["global_step"] == 2
+    assert last.resolve().name == "step-2.ckpt" and load_checkpoint(last)["global_step"] == 2
     assert not [p.name for p in (out / "checkpoints").iterdir() if "partial" in p.name]
     python, driver = scripted_cli(tmp_path, THROUGH, SCRIPTED_CLI)  # the same run, no rank lost
     resumed = subprocess.run(

@@ -102,6 +102,7 @@ def test_adapters_off_gives_peft_disable_adapters_outputs_and_puts_everything_ba
 def test_a_lora_run_trains_checkpoints_and_exports_the_adapters_only(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *LORA_JOB, "trainer.max_steps=2"]) == 0
+    assert "  model:    tiny (float32, LoRA rank " in capsys.readouterr().out  # the header says it
     ckpt = load_checkpoint(tmp_path / "outputs/checkpoints/last.ckpt", mmap=False)
     keys = [k.removeprefix("policy.") for k in ckpt["state_dict"] if k.startswith("policy.")]
     layers = load_policy("tiny")[0].config.num_hidden_layers

@@ -89,7 +89,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(uninterrupted, tmp
     # 3 rollout batches (one pass over the data), a step checkpoint at step 4 and one at the end
     first = run(tmp_path, "out", "trainer.max_steps=6", "checkpoint.every_n_steps=4", "checkpoint.keep=-1")
     last = tmp_path / "out/checkpoints/last.ckpt"
-    assert last.is_symlink() and last.resolve().name == "step-step=6.ckpt"
+    assert last.is_symlink() and last.resolve().name == "step-6.ckpt"
     saved = load_checkpoint(last, mmap=False)
     assert saved["global_step"] == 6 and saved["policy_version"] == {"value": 6}  # one clock, saved with the run
     recorded = saved["ngrpo"]["backend_choices"]  # what the backend measured here: the resumed run decides the same
@@ -149,7 +149,7 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    target = tmp_path / "out/checkpoints/step-step=4.ckpt"
+    target = tmp_path / "out/checkpoints/step-4.ckpt"
     deadline = time.monotonic() + 120
     try:
         while not target.exists():
@@ -159,7 +159,7 @@ def killed_and_resumed(tmp_path, extra=()) -> dict:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    kept = max(int(p.stem.split("=")[-1]) for p in (tmp_path / "out/checkpoints").glob("step-step=*.ckpt"))
+    kept = max(int(p.stem.removeprefix("step-")) for p in (tmp_path / "out/checkpoints").glob("step-*.ckpt"))
     assert kept < STEPS
     from mlflow.tracking import MlflowClient
 
@@ -237,11 +237,11 @@ def test_overwrite_replaces_the_earlier_runs_checkpoints(tmp_path):
     # 2 optimizer steps per rollout batch (RUN): checkpoints at steps 2, 4, then 2 again
     first = run(tmp_path, "out", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep=-1")
     ckpts = tmp_path / "out/checkpoints"
-    assert (ckpts / "step-step=4.ckpt").exists()
+    assert (ckpts / "step-4.ckpt").exists()
     second = run(tmp_path, "out", "trainer.max_steps=2", "checkpoint.every_n_steps=2", "overwrite=true")
     assert second["run_id"] != first["run_id"]
-    assert (ckpts / "step-step=2.ckpt").exists()
-    assert not (ckpts / "step-step=4.ckpt").exists()  # the earlier run's step files are gone, not mixed in
+    assert (ckpts / "step-2.ckpt").exists()
+    assert not (ckpts / "step-4.ckpt").exists()  # the earlier run's step files are gone, not mixed in
     assert load_checkpoint(ckpts / "last.ckpt", mmap=False)["ngrpo"]["mlflow_run_id"] == second["run_id"]
 
 

@@ -77,7 +77,7 @@ def test_resumed_run_with_rollouts_in_flight_equals_uninterrupted(tmp_path):
     whole = run(tmp_path, "out", *extra)
     expected = {key: values(tmp_path, whole["run_id"], key) for key in KEYS + ["async/staleness"]}
     final = weights(tmp_path / "out/checkpoints/last.ckpt")
-    step6 = tmp_path / "out/checkpoints/step-step=6.ckpt"
+    step6 = tmp_path / "out/checkpoints/step-6.ckpt"
     in_flight = load_checkpoint(step6, mmap=False)["RolloutDataModule"]["ahead"][0]["ready"]
     assert list(in_flight) == [(1, 0)]  # batch 4: the first of the second pass over the data's 3 batches
     resumed = run(tmp_path, "out", *extra, f"resume={step6}")

@@ -136,7 +136,7 @@ def test_a_full_disk_stops_the_sweep_and_a_rerun_trains_what_did_not_finish(stor
     args = [*TINY, "data.val_size=0", "checkpoint.every_n_steps=1", f"logger.tracking_uri={store}"]
     first = job_folder("full", [*args, "seed=0"]) / "checkpoints"
     first.mkdir(parents=True)
-    os.symlink("/dev/full", first / ".step-step=1.ckpt.partial")
+    os.symlink("/dev/full", first / ".step-1.ckpt.partial")
     cmd = ["train", "-m", *args, "sweep=full", "seed=0,1"]
     assert main(cmd) == 1
     text = capsys.readouterr().out

@@ -1,6 +1,7 @@
 """End to end: `ngrpo train` on the tiny model into a temporary SQLite MLflow store."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -65,6 +66,8 @@ def test_two_training_steps_are_logged_to_mlflow(store, tmp_path):
     if packing_available(torch.float32):  # what the backend measured and chose on this machine
         assert "backend_choices.json" in artifacts
     assert "mlflow ui --backend-store-uri" in summary["text"]
+    (view,) = [line.split("view it:", 1)[1].split() for line in summary["text"].splitlines() if "view it:" in line]
+    assert shutil.which(view[0]) is not None, view  # runs as printed: mlflow on the PATH, else this environment's
 
 
 def test_cli_prints_summary_and_run_id(store, capsys):

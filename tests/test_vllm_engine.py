@@ -363,7 +363,7 @@ def test_rollouts_ahead_with_vllm_train_stale_and_resume_exactly(tmp_path, tiny_
     diffs = whole["train/rollout_logprob_diff_max"]
     assert diffs[0] < 1e-3 and min(diffs[1:]) > 1e-3  # fresh, then stale by one step
     assert len(history("val/accuracy")) >= 3  # before the fit, at step 2, after
-    train("resume=out/checkpoints/step-step=2.ckpt")
+    train("resume=out/checkpoints/step-2.ckpt")
     for key, expected in whole.items():
         assert history(key) == pytest.approx(expected, rel=1e-5, abs=1e-6), key
     again = weights()

@@ -140,6 +140,13 @@ class RunCheckpoint(ModelCheckpoint):
     (``max_steps`` is rarely a multiple of ``every_n_train_steps``): a step checkpoint that
     ``last`` links to, or ``last`` itself when no step checkpoints are kept."""
 
+    @property
+    def state_key(self) -> str:
+        """One key whatever ``checkpoint.every_n_steps`` and ``keep`` are: a run resumed with other
+        values restores the files it kept (Lightning's key holds the settings, and a resumed run with
+        another ``every_n_steps`` lost them, with a warning to add the callback it already had)."""
+        return self._generate_state_key(dirpath=self.dirpath, filename=self.filename)
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
@@ -225,7 +232,8 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     callbacks = best + [
         RunCheckpoint(
             dirpath=str(checkpoint_dir(cfg)),
-            filename="step-{step}",
+            filename="step-{step}",  # step-15.ckpt (runs from before have step-step=15.ckpt: still read)
+            auto_insert_metric_name=False,
             save_last="link",
             save_top_k=keep if every else 0,
             # Lightning keeps k > 1 checkpoints by a metric only: the newest k are the highest steps

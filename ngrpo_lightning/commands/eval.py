@@ -186,7 +186,10 @@ def eval_seed(cfg) -> tuple[int, str]:
     the model (its checkpoint's config, or an export's model card), whose validation problems are
     then the ones evaluated; else 0."""
     if cfg.get("seed") is not None:
-        return check_seed(cfg.seed), "seed="
+        try:
+            return check_seed(cfg.seed), "seed="
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     name, ckpt_arg = str(cfg.model.name_or_path), cfg.get("checkpoint")
     source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
     if source is not None:

@@ -129,7 +129,7 @@ def header(cfg: DictConfig, threads=None) -> str:
     )
     lines = [
         f"ngrpo train: {explorer} x {objective}, {trainer.max_steps} step{'' if trainer.max_steps == 1 else 's'}",
-        f"  model:    {model.name_or_path} ({model.dtype})",
+        f"  model:    {model.name_or_path} ({model.dtype}{_lora(model)})",
         f"  task:     {task}; {data.prompts_per_step} prompts x {r.group_size} samples per step, "
         f"at most {r.max_new_tokens} new tokens",
         f"  device:   {where}",
@@ -137,6 +137,12 @@ def header(cfg: DictConfig, threads=None) -> str:
         f"  output:   {cfg.output_dir}",
     ]
     return "\n".join(lines)
+
+
+def _lora(model) -> str:
+    """``, LoRA rank 16 (only the adapters train)`` for a LoRA run's header, else nothing."""
+    lora = model.get("lora") or {}
+    return f", LoRA rank {lora.get('rank')}: only the adapters train" if lora.get("enabled") is True else ""
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -7,7 +7,9 @@ import math
 import os
 import re
 import secrets
+import shutil
 import sqlite3
+import sys
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -126,6 +128,10 @@ class RunLogger(MLFlowLogger):
 
     _monitor = None
 
+    def __init__(self, *args, tracking_uri: str, **kwargs):
+        super().__init__(*args, tracking_uri=tracking_uri, **kwargs)
+        self.tracking_uri = tracking_uri  # the store, said in summaries (MLFlowLogger keeps it private)
+
     def finalize(self, status: str = "success") -> None:
         pass  # the run ends in close()
 
@@ -135,13 +141,23 @@ class RunLogger(MLFlowLogger):
         # imported here: MLflow is needed only by a run that logs to it (``logger=none`` runs without)
         from ngrpo_lightning.tracking.system_metrics import start_system_metrics
 
-        self._monitor = start_system_metrics(self.run_id, self._tracking_uri, interval_s, resume)
+        self._monitor = start_system_metrics(self.run_id, self.tracking_uri, interval_s, resume)
 
     def close(self, status: str = "success") -> None:
         if self._monitor is not None:
             self._monitor.finish()  # its last samples are flushed while the run is still open
             self._monitor = None
         super().finalize(status)
+
+
+def mlflow_ui_command(uri: str) -> str:
+    """The command that opens MLflow's UI on ``uri``, as it runs from where the user is: ``mlflow``
+    where the shell finds this environment's, else its path (a virtual environment not activated,
+    as ``make train`` leaves it)."""
+    here = Path(sys.executable).parent / "mlflow"
+    found = shutil.which("mlflow")
+    program = "mlflow" if found and (not here.exists() or Path(found).resolve() == here.resolve()) else str(here)
+    return f"{program} ui --backend-store-uri {uri}"
 
 
 NOTHING_RAN = "Nothing has run yet: free space, or give logger.tracking_uri= a store on another disk"
@@ -229,7 +245,7 @@ def log_report_run(cfg: DictConfig, metrics: dict[str, float], files) -> tuple[s
     where = f"experiment {cfg.experiment_name!r}" + (f", run {run_name!r}" if run_name else "")
     return logger.run_id, [
         f"  MLflow run: {logger.run_id} ({where})",
-        f"  view it:    mlflow ui --backend-store-uri {logger._tracking_uri}",
+        f"  view it:    {mlflow_ui_command(logger.tracking_uri)}",
     ]
 
 
@@ -282,11 +298,11 @@ def summarize_run(trainer, logger, before, after, seconds: float, first_step: in
             f" -> {summary['reward_last']:.3f} (last {_steps(k)})"
         )
     if logger is not None:
-        uri = logger._tracking_uri
+        uri = logger.tracking_uri
         experiment = logger.experiment.get_experiment(logger.experiment_id).name  # a resumed run stays in its own
         lines += [
             f"  MLflow run: {logger.run_id} (experiment {experiment!r})",
-            f"  view it:    mlflow ui --backend-store-uri {uri}",
+            f"  view it:    {mlflow_ui_command(uri)}",
         ]
     summary["text"] = "\n".join(lines)
     return summary
