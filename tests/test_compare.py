@@ -48,6 +48,7 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["compare", "sweep=cmp", f"store={store}", f"output_dir={out}"]) == 0  # its own run logged there too
     text = capsys.readouterr().out
+    assert "replaced:" not in text  # a new folder
     assert "# Comparison: sweep cmp (4 runs, 2 arms)" in text
     assert "| experiment=grpo | 0, 1 | 2 | 6 |" in text and "| experiment=stht | 0, 1 | 2 | 6 |" in text
     assert "| arm | Pass@1 | Pass@2 | Pass@4 | Mean@4 | Maj@4 |" in text
@@ -95,7 +96,9 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"compare.md", "compare.json", "pass_at_k.png"}
 
     assert main(["compare", "sweep=cmp", "logger=none", f"store={store}", "detect=0.03", f"output_dir={out}"]) == 0
-    assert "## What this sweep can detect, and what 3.0 points would take" in capsys.readouterr().out
+    again = capsys.readouterr().out  # into the same folder: the report says which one it replaced
+    assert "## What this sweep can detect, and what 3.0 points would take" in again
+    assert "  replaced:   the report written there at " in again and "(Comparison: sweep cmp (4 runs, 2 arms))" in again
 
     # a third arm with another budget is flagged, not averaged in silently
     assert main([*sweep, "seed=0", "experiment=gumbel", "trainer.max_steps=1"]) == 0

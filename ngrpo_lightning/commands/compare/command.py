@@ -73,6 +73,7 @@ def run_compare(cfg: DictConfig) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / n for n in ("compare.md", "compare.json", "curves_step.png", "curves_time.png", "compute.png")]
+    replaced = _earlier_report(files[0])
     files[0].write_text(text)
     fits = {axis: {arm: f and f.as_dict() for arm, f in per_arm.items()} for axis, per_arm in tables["fits"].items()}
     record = {
@@ -94,5 +95,17 @@ def run_compare(cfg: DictConfig) -> dict:
     if cfg.store and cfg.logger.get("tracking_uri") == DEFAULT_TRACKING_URI:
         cfg = OmegaConf.merge(cfg, {"logger": {"tracking_uri": cfg.store}})  # the report beside the runs it read
     _, lines = log_report_run(cfg, {**metrics, "compare/seconds": time.perf_counter() - t0}, files)
-    footer = [f"Report: {files[0]} (figures beside it)", *lines]
+    footer = [f"Report: {files[0]} (figures beside it)", *replaced, *lines]
     return {"tables": tables, "warnings": warnings, "text": text + "\n" + "\n".join(footer), "files": files}
+
+
+def _earlier_report(path: Path) -> list[str]:
+    """A line saying which report ``path`` held before this one replaces it (none if it held none)."""
+    if not path.is_file():
+        return []
+    first = path.read_text(errors="replace").split("\n", 1)[0].removeprefix("# ")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    return [
+        f"  replaced:   the report written there at {when} ({first}); each report is also its own MLflow "
+        "run, and output_dir=<another folder> keeps both on disk"
+    ]
