@@ -33,9 +33,10 @@ from ngrpo_lightning.checkpoints.export import (
 )
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
-from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.config import ConfigError, config_dir
+from ngrpo_lightning.tracking.components import log_components, user_experiment_name
 from ngrpo_lightning.tracking.console import header, quiet_libraries
-from ngrpo_lightning.tracking.logger import build_logger, log_config, summarize_run
+from ngrpo_lightning.tracking.logger import build_logger, flatten, log_config, summarize_run
 from ngrpo_lightning.training.interrupt import StopOnInterrupt
 
 # Lightning warnings that are expected here and would only bury the run's own output.
@@ -69,6 +70,8 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
     quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.experiment_name == default_experiment() and (named := user_experiment_name(cfg)):
+        cfg.experiment_name = named  # a user's classes do not land among the default experiment's runs
     threads = set_process_threads(cfg.backend.get("threads"), processes_per_node(cfg))  # before anything computes
     if rank_zero_only.rank == 0:
         print(header(cfg, threads), flush=True)
@@ -139,6 +142,8 @@ def _fit(
     }
     if logger is not None and not ckpt_path:
         log_config(logger, cfg)
+        components = {"explorer": module.explorer, "objective": module.objective}
+        log_components(logger, components, flatten(OmegaConf.to_container(cfg, resolve=True)))
     if logger is not None and rank_zero_only.rank == 0 and module.backend.recorded_choices():
         logger.experiment.log_dict(logger.run_id, module.backend.recorded_choices(), "backend_choices.json")
     t0 = time.perf_counter()
@@ -182,6 +187,11 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     if logger is not None:
         log_exported(logger.experiment, logger.run_id, out, written)  # the files it wrote, never a user's
     return out
+
+
+def default_experiment() -> str:
+    """The MLflow experiment a run logs to when neither its experiment preset nor the user names one."""
+    return str(OmegaConf.load(config_dir() / "config.yaml").experiment_name)
 
 
 def retrain_command(command: str) -> str:

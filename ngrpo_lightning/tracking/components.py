@@ -1,0 +1,106 @@
+"""What a run's explorer and objective ran with, recorded so that the run can be run again.
+
+The config holds only what was given: for a class of your own (``explorer._target_=my_pkg.Mine``)
+that is the keys on the command line, not the defaults the class filled in. Here the settings
+are read back from the built objects: every argument of the class's ``__init__`` that the object
+keeps under the same name, defaults included. They are logged as MLflow params beside the
+config's (``explorer.k``, ``objective.clip_high``, ...; a key the config already holds keeps its
+value), and as ``components.json``. A class defined outside this package has its source file
+logged too (``code/<module>.py``), with its SHA-256 as the tag ``ngrpo.code.<module>``: the
+framework's commit tag does not say which version of your code ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+
+PACKAGE = "ngrpo_lightning"
+SIMPLE = (bool, int, float, str, type(None))
+
+
+def settings(component) -> dict:
+    """The ``__init__`` arguments ``component`` keeps as attributes of the same name, with their
+    values (numbers, text, booleans, None, and lists or tuples of those)."""
+    try:
+        names = [
+            name
+            for name, p in inspect.signature(type(component).__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for name in names:
+        value = getattr(component, name, inspect.Parameter.empty)
+        if isinstance(value, SIMPLE):
+            out[name] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, SIMPLE) for v in value):
+            out[name] = list(value)
+    return out
+
+
+def is_user_class(component) -> bool:
+    """Whether ``component``'s class is defined outside this package (a user's own)."""
+    module = type(component).__module__
+    return module != PACKAGE and not module.startswith(PACKAGE + ".")
+
+
+def describe(components: dict) -> dict:
+    """``{"explorer": {"class": "pkg.Cls", "settings": {...}}, ...}`` of named components."""
+    return {
+        role: {"class": f"{type(c).__module__}.{type(c).__qualname__}", "settings": settings(c)}
+        for role, c in components.items()
+    }
+
+
+def source_files(components: dict) -> dict[str, Path]:
+    """``{module name: its source file}`` of the components whose classes are a user's own."""
+    out = {}
+    for component in components.values():
+        if not is_user_class(component):
+            continue
+        try:
+            path = inspect.getsourcefile(type(component))
+        except TypeError:  # defined where no file is (an interactive session)
+            path = None
+        if path:
+            out[type(component).__module__] = Path(path)
+    return out
+
+
+def log_components(logger, components: dict, config_params: dict) -> None:
+    """Log ``components``' settings as params (keys the config lacks), ``components.json``, and the
+    source of every user class with its hash as a tag (see the module docstring)."""
+    described = describe(components)
+    params = {
+        f"{role}.{name}": value
+        for role, info in described.items()
+        for name, value in info["settings"].items()
+        if f"{role}.{name}" not in config_params
+    }
+    if params:
+        logger.log_hyperparams(params)
+    logger.experiment.log_dict(logger.run_id, described, "components.json")
+    for module, path in source_files(components).items():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        logger.experiment.set_tag(logger.run_id, f"ngrpo.code.{module}", digest)
+        logger.experiment.log_artifact(logger.run_id, str(path), "code")
+
+
+def user_experiment_name(cfg) -> str | None:
+    """The MLflow experiment of a run whose explorer or objective is a class of the user's own and
+    whose experiment is the config's default: ``<explorer>-<objective>`` (their class or config
+    names), so that such runs do not land among the default's. ``None`` otherwise."""
+    parts = []
+    user = False
+    for role in ("explorer", "objective"):
+        node = cfg.get(role) or {}
+        target = node.get("_target_")
+        if target and not str(target).startswith(PACKAGE + "."):
+            user = True
+            parts.append(str(target).rsplit(".", 1)[-1])
+        else:
+            parts.append(str(node.get("name") or str(target or role).rsplit(".", 1)[-1]))
+    return "-".join(parts) if user else None
