@@ -61,6 +61,7 @@ LAYERS = {
     "ngrpo_lightning.rollout": 2,
     "ngrpo_lightning.metrics": 2,
     "ngrpo_lightning.training": 3,
+    "ngrpo_lightning.forward": 3,  # a deprecated path of training/forward.py, kept for one release
     "ngrpo_lightning.checkpoints": 3,
     "ngrpo_lightning.tracking": 3,
     "ngrpo_lightning.callbacks": 4,
