@@ -62,7 +62,9 @@ _PUBLIC = {
     # checkpoints and export
     "load_checkpoint": "ngrpo_lightning.checkpoints.safe_load",
     "export_checkpoint": "ngrpo_lightning.checkpoints.export",
-    # configs and the training job
+    # configs, the builder a script shares with `ngrpo train`, and the training job
+    "build_run": "ngrpo_lightning.build.run",
+    "Run": "ngrpo_lightning.build.run",
     "compose": "ngrpo_lightning.config",
     "ConfigError": "ngrpo_lightning.config",
     "train": "ngrpo_lightning.commands.train",

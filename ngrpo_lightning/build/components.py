@@ -83,7 +83,11 @@ def instantiate_component(cfg: DictConfig | dict, registry: dict, group: str):
 
 
 def build_explorer(cfg: DictConfig) -> Explorer:
-    explorer = instantiate_component(cfg, EXPLORERS, "explorer")
+    return checked_explorer(instantiate_component(cfg, EXPLORERS, "explorer"))
+
+
+def checked_explorer(explorer) -> Explorer:
+    """``explorer`` (built from a config or by a script), checked before any model loads."""
     if not isinstance(explorer, Explorer):
         raise ConfigError(
             "explorer._target_ must name a subclass of ngrpo_lightning.explorers.Explorer, "
@@ -114,7 +118,11 @@ def check_temperature(explorer: Explorer) -> None:
 
 
 def build_objective(cfg: DictConfig) -> PolicyObjective:
-    objective = instantiate_component(cfg, OBJECTIVES, "objective")
+    return checked_objective(instantiate_component(cfg, OBJECTIVES, "objective"))
+
+
+def checked_objective(objective) -> PolicyObjective:
+    """``objective`` (built from a config or by a script), tried on made-up tensors before any model loads."""
     if not isinstance(objective, PolicyObjective):
         raise ConfigError(
             "objective._target_ must name a subclass of ngrpo_lightning.objectives.PolicyObjective, "
@@ -221,12 +229,19 @@ def check_run_settings(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
-def build_module(cfg: DictConfig, backend_choices: dict | None = None) -> RLModule:
+def build_module(
+    cfg: DictConfig,
+    backend_choices: dict | None = None,
+    explorer: Explorer | None = None,
+    objective: PolicyObjective | None = None,
+) -> RLModule:
     """The policy (and reference) models, explorer, objective and reward, as an RLModule.
     ``backend_choices``: what the backend chose when the run started (a resumed run's checkpoint
-    records it): the same choices again, not measured anew."""
+    records it): the same choices again, not measured anew. ``explorer``, ``objective``: objects a
+    script made (instead of ``cfg.explorer`` / ``cfg.objective``), checked as the config's are."""
     check_config(cfg)  # bad values fail here, before minutes of model loading
-    explorer, objective = build_explorer(cfg.explorer), build_objective(cfg.objective)
+    explorer = build_explorer(cfg.explorer) if explorer is None else checked_explorer(explorer)
+    objective = build_objective(cfg.objective) if objective is None else checked_objective(objective)
     optim, train, _ = settings(cfg)
     backend = build_backend(cfg)
     if backend_choices:

@@ -19,7 +19,7 @@ from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.tracking.console import StepProgressBar
 from ngrpo_lightning.training.interrupt import StopOnInterrupt
 
-__all__ = ["build_trainer", "check_trainer", "process_count", "processes_per_node"]
+__all__ = ["build_trainer", "check_trainer", "process_count", "processes_per_node", "trainer_kwargs"]
 
 
 def process_count(cfg: DictConfig) -> int:
@@ -114,7 +114,22 @@ def build_strategy(cfg: DictConfig):
     )
 
 
-def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
+def build_trainer(cfg: DictConfig, logger=None, callbacks=()) -> L.Trainer:
+    """The run's ``lightning.Trainer``: :func:`trainer_kwargs` given to it."""
+    kwargs = trainer_kwargs(cfg, logger, callbacks)
+    try:
+        return L.Trainer(**kwargs)
+    except TypeError as err:
+        raise ConfigError(
+            f"trainer: {err} (trainer.* keys are lightning.Trainer arguments, plus trainer.parallel)"
+        ) from err
+
+
+def trainer_kwargs(cfg: DictConfig, logger=None, callbacks=()) -> dict:
+    """The arguments of the run's ``lightning.Trainer``, as ``ngrpo train`` gives them: ``trainer.*``,
+    the FSDP2 strategy, the streaming checkpoint writer, and the callbacks a run needs (progress,
+    checkpoints, the stop on Ctrl-C, the update's memory check, samples and learning rate with a
+    logger) beside ``callbacks``. A script passes them to its own ``lightning.Trainer(**kwargs)``."""
     check_trainer(cfg)
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     kwargs.pop("parallel", None)
@@ -145,11 +160,5 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()):
             cbs.append(
                 RolloutSamplesLogger(every_n_steps=cfg.logger.log_samples_every, num_samples=cfg.logger.num_samples)
             )
-    try:
-        return L.Trainer(
-            logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=cfg.output_dir, **kwargs
-        )
-    except TypeError as err:
-        raise ConfigError(
-            f"trainer: {err} (trainer.* keys are lightning.Trainer arguments, plus trainer.parallel)"
-        ) from err
+    run = {"logger": logger if logger is not None else False, "callbacks": cbs, "default_root_dir": cfg.output_dir}
+    return run | kwargs

@@ -11,7 +11,6 @@ import os
 import shlex
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from ngrpo_lightning.backends.threads import set_process_threads
-from ngrpo_lightning.build.components import build_module, build_pass_at_k, check_config
-from ngrpo_lightning.build.data import build_datamodule, build_problems
-from ngrpo_lightning.build.trainer import build_trainer, processes_per_node
+from ngrpo_lightning.build.components import build_pass_at_k
+from ngrpo_lightning.build.data import build_problems
+from ngrpo_lightning.build.run import assemble, prepare_process
+from ngrpo_lightning.build.trainer import build_trainer
 from ngrpo_lightning.checkpoints.export import (
     export_checkpoint,
     is_own_export,
@@ -33,23 +32,11 @@ from ngrpo_lightning.checkpoints.export import (
 )
 from ngrpo_lightning.checkpoints.run import check_resume, checkpoint_meta, claim_output_dir, resolve_resume
 from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
-from ngrpo_lightning.config import ConfigError, config_dir
-from ngrpo_lightning.tracking.components import log_components, user_experiment_name
+from ngrpo_lightning.config import ConfigError
+from ngrpo_lightning.tracking.components import log_components
 from ngrpo_lightning.tracking.console import header, quiet_libraries
 from ngrpo_lightning.tracking.logger import build_logger, flatten, log_config, summarize_run
 from ngrpo_lightning.training.interrupt import StopOnInterrupt
-
-# Lightning warnings that are expected here and would only bury the run's own output.
-KNOWN_WARNINGS = (
-    r"Found \d+ module\(s\) in eval mode",  # the frozen reference model, on purpose
-    r"Using ModelCheckpoint with manual optimization",  # checkpoints are taken between steps
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-    r"Checkpoint directory .* exists and is not empty",  # the run's own: claim_output_dir decided on it first
-    r"Total length of `\w+` across ranks is zero",  # a task without a validation set: nothing to validate
-    # one process whose vLLM engine started torch.distributed (a group of 1): nothing to reduce over;
-    # several processes log with sync_dist=True and never see it
-    r"It is recommended to use `self\.log\('[\w/]+', \.\.\., sync_dist=True\)`",
-)
 
 
 def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | None = None) -> dict:
@@ -65,14 +52,8 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
         train(compose(["model=tiny", "trainer.max_steps=2"]), callbacks=[MyCallback()])
     """
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    for pattern in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
     quiet_libraries(verbose=bool(cfg.logger.get("verbose", False)))
-    check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.experiment_name == default_experiment() and (named := user_experiment_name(cfg)):
-        cfg.experiment_name = named  # a user's classes do not land among the default experiment's runs
-    threads = set_process_threads(cfg.backend.get("threads"), processes_per_node(cfg))  # before anything computes
+    threads = prepare_process(cfg)  # checks, seed, threads: as a script's build_run (build/run.py)
     if rank_zero_only.rank == 0:
         print(header(cfg, threads), flush=True)
     # resume=last | path: the same run continues (weights, RNG, data position, MLflow run)
@@ -129,11 +110,10 @@ def _fit(
 ) -> dict:
     """Validate, fit and validate again; the summary of the run (``meta``: what a resumed run's
     checkpoint recorded)."""
-    module = build_module(cfg, backend_choices=(meta or {}).get("backend_choices"))
+    module, datamodule = assemble(cfg, problems, backend_choices=(meta or {}).get("backend_choices"))
     if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
         notes = [module.backend.summary(), *module.backend.startup_notes()]
         print("\n".join(f"  backend:  {line}" for line in notes), flush=True)
-    datamodule = build_datamodule(cfg, module.tokenizer, problems)
     trainer = build_trainer(cfg, logger, callbacks=[*build_pass_at_k(cfg, problems[1]), *callbacks])
     module.run_meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -187,11 +167,6 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
     if logger is not None:
         log_exported(logger.experiment, logger.run_id, out, written)  # the files it wrote, never a user's
     return out
-
-
-def default_experiment() -> str:
-    """The MLflow experiment a run logs to when neither its experiment preset nor the user names one."""
-    return str(OmegaConf.load(config_dir() / "config.yaml").experiment_name)
 
 
 def retrain_command(command: str) -> str:
