@@ -68,6 +68,7 @@ _PUBLIC = {
     "compose": "ngrpo_lightning.config",
     "ConfigError": "ngrpo_lightning.config",
     "train": "ngrpo_lightning.commands.train",
+    "compare": ("ngrpo_lightning.commands.compare.command", "run_compare"),
 }
 
 __all__ = sorted(_PUBLIC)

@@ -40,7 +40,14 @@ NEEDS_VLLM = [
 
 
 # the longest files, longest first: under -n 2 each starts early, not alone at the end of the run
-FIRST = ("test_vllm_engine.py", "test_fsdp_cpu.py", "test_sharded_decoding.py", "test_console.py", "test_export.py")
+FIRST = (
+    "test_vllm_engine.py",
+    "test_fsdp_cpu.py",
+    "test_examples.py",
+    "test_sharded_decoding.py",
+    "test_console.py",
+    "test_export.py",
+)
 
 
 def pytest_collection_modifyitems(items):

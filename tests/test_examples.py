@@ -39,3 +39,33 @@ def test_the_custom_explorer_script_trains_logs_and_reports_pass_at_k(tmp_path):
     assert "train/loss" in run.data.metrics and "val/reasoning_gym/pass_at_4" in run.data.metrics
     assert (tmp_path / "outputs/python-api/checkpoints/last.ckpt").exists()  # the run's checkpoint callback
     assert "module(s) in eval mode" not in done.stderr  # the warnings the framework expects: silenced
+
+
+def run_example(name: str, folder: Path, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", **env}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_the_sweep_and_compare_script_trains_both_arms_and_reports_a_verdict(tmp_path):
+    done = run_example(
+        "sweep_and_compare.py", tmp_path, NGRPO_EXAMPLE_STEPS="1", NGRPO_EXAMPLE_SEEDS="1", NGRPO_EXAMPLE_MODEL="tiny"
+    )
+    assert "# Comparison: grpo, ngrpo (2 runs, 2 arms)" in done.stdout
+    assert "- **Pass@1**, grpo vs ngrpo: " in done.stdout
+    assert (tmp_path / "outputs/arms/compare/compare.md").is_file()
+
+
+def test_the_walkthrough_trains_and_plots_reward_and_pass_at_k(tmp_path):
+    done = run_example("walkthrough.py", tmp_path, NGRPO_EXAMPLE_STEPS="2")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("rewards: "))
+    assert line.count(",") >= 1 and "pass@k: {1: " in line and "4: " in line
+    assert (tmp_path / "walkthrough.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
