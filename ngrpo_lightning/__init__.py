@@ -47,6 +47,8 @@ _PUBLIC = {
     # models
     "load_policy": "ngrpo_lightning.models.loading",
     "load_tokenizer": "ngrpo_lightning.models.loading",
+    "LoraSettings": "ngrpo_lightning.models.lora",
+    "apply_lora": ("ngrpo_lightning.models.lora", "apply"),
     # problems
     "Problem": "ngrpo_lightning.data",
     "load_problems": "ngrpo_lightning.data",

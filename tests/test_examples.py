@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_explorer.py"
 
 
-def test_the_python_api_page_shows_the_example_as_it_runs():
+def test_the_python_api_page_shows_the_examples_as_they_run():
     doc = (ROOT / "docs" / "python-api.md").read_text()
-    first = re.search(r"```python\n(.*?)```", doc, re.S)[1]
+    first, second = re.findall(r"```python\n(.*?)```", doc, re.S)[:2]
     assert first.strip() == EXAMPLE.read_text().strip()
+    assert second.strip() == (ROOT / "examples" / "sweep_and_compare.py").read_text().strip()
     body = EXAMPLE.read_text().split("class UncertainTopTwo", 1)[1].split("\n\n\n", 1)[0].splitlines()
     assert len(body) < 30  # a user's explorer: a class of under 30 lines
 
