@@ -24,8 +24,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from common import RESULTS, wait_watching_rss
-from deterministic_cost import cpu_kind, step_times
+from common import RESULTS, cpu_kind, step_times, wait_watching_rss
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -25,26 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS
+from common import RESULTS, cpu_kind, step_times
 
 SETTINGS = {"default": [], "deterministic": ["trainer.deterministic=true"]}
-
-
-def cpu_kind() -> dict:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    kernels = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    return {"processor": name, "kernels": kernels, "avx512_bf16": "avx512_bf16" in flags}
-
-
-def step_times(store: str) -> list[float]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(store)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    history = sorted(client.get_metric_history(run.info.run_id, "time/step_s"), key=lambda m: m.step)
-    return [m.value for m in history]
 
 
 def run_once(setting: str, steps: int, folder: Path) -> list[float]:

@@ -43,6 +43,7 @@ NEEDS_VLLM = [
 FIRST = (
     "test_vllm_engine.py",
     "test_fsdp_cpu.py",
+    "test_launch.py",
     "test_examples.py",
     "test_sharded_decoding.py",
     "test_console.py",

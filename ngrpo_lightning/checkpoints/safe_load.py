@@ -79,7 +79,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = super().find_class(module, name)
             if isinstance(found, type) and (is_dataclass(found) or issubclass(found, enum.Enum)):
                 return found
-        elif module == "torch" and (name == "Size" or name.isidentifier()):
+        elif module == "torch":
             found = getattr(torch, name, None)
             if found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
                 return found

@@ -148,9 +148,8 @@ def load_eval_policy(cfg, backend: Backend | None = None):
     model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``.
     The backend (default: :func:`eval_backend`) swaps its modules once it is on its device."""
     backend = backend or eval_backend(cfg)
-    name, ckpt_arg, dtype = str(cfg.model.name_or_path), cfg.get("checkpoint"), cfg.model.dtype
-    which = "best" if ckpt_arg == "best" else "last"
-    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    name, dtype = str(cfg.model.name_or_path), cfg.model.dtype
+    source, which = checkpoint_source(cfg)
     base = None if source == name else name
     if source is None:
         policy, tokenizer = load_policy(
@@ -181,6 +180,15 @@ def load_eval_policy(cfg, backend: Backend | None = None):
     return backend.on_device(backend.prepare(policy.to(eval_device(cfg)).eval())), tokenizer
 
 
+def checkpoint_source(cfg) -> tuple[str | None, str]:
+    """``(source, which)``: the trained run whose policy is evaluated (``checkpoint=<path>``, or
+    ``model=`` naming a checkpoint or a run's ``output_dir``; None for a plain model) and which of
+    its checkpoints (``last``, or ``best`` with ``checkpoint=best``)."""
+    name, ckpt_arg = str(cfg.model.name_or_path), cfg.get("checkpoint")
+    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    return source, "best" if ckpt_arg == "best" else "last"
+
+
 def eval_seed(cfg) -> tuple[int, str]:
     """``(seed, where it came from)``: ``seed=`` as given; else the data seed of the run that trained
     the model (its checkpoint's config, or an export's model card), whose validation problems are
@@ -190,12 +198,10 @@ def eval_seed(cfg) -> tuple[int, str]:
             return check_seed(cfg.seed), "seed="
         except ValueError as err:
             raise ConfigError(str(err)) from err
-    name, ckpt_arg = str(cfg.model.name_or_path), cfg.get("checkpoint")
-    source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
+    name = str(cfg.model.name_or_path)
+    source, which = checkpoint_source(cfg)
     if source is not None:
-        seed = read_checkpoint(find_checkpoint(str(source), "best" if ckpt_arg == "best" else "last")).config.get(
-            "seed"
-        )
+        seed = read_checkpoint(find_checkpoint(str(source), which)).config.get("seed")
         if isinstance(seed, int):
             return seed, "the run's"
     elif (seed := exported_data_seed(name)) is not None:

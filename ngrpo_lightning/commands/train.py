@@ -131,7 +131,7 @@ def _fit(
     try:
         before = trainer.validate(module, datamodule=datamodule, verbose=False) if validate_first else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)  # as data only
-        if any(getattr(cb, "requested", False) for cb in trainer.callbacks if isinstance(cb, StopOnInterrupt)):
+        if any(cb.requested for cb in trainer.callbacks if isinstance(cb, StopOnInterrupt)):
             raise interrupted(cfg, trainer, "Ctrl-C", 130)  # stopped after a step, saved: no validation
         after = trainer.validate(module, datamodule=datamodule, verbose=False) if datamodule.val_problems else None
     except SIGTERMException:  # Lightning's, at the end of the step under way (a scheduler's stop, `timeout`)
