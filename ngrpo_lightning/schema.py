@@ -134,7 +134,7 @@ class RewardSchema:
     """How responses are scored (``reward.*``)."""
 
     extract: str = "${data.answer_format}"  # boxed | last_number | boxed_or_last_number (the data group says which)
-    timeout_s: float = 2.0  # hard limit per answer check
+    timeout_s: float = 2.0  # limit per answer check, in its own CPU time (a busy machine does not count)
     num_workers: Optional[int] = None  # verifier processes (default: min(cores, 8))  # noqa: UP045
     # e.g. '</think>': read the answer after the reasoning (none without it); null = the whole text
     answer_after: Optional[str] = None  # noqa: UP045

@@ -123,3 +123,19 @@ def test_a_rank_lost_under_fsdp2_stops_the_run_and_resume_continues_from_its_las
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert load_checkpoint(out / "checkpoints/last.ckpt")["global_step"] == 6
     assert len(metrics(out)["train/loss"]) >= 6  # one MLflow run: the steps before the loss and after it
+
+
+def test_the_threads_rule_reads_torchruns_variables_only_under_torchrun():
+    """Left over in an environment (a library that started a process group of one in this process,
+    a shell), WORLD_SIZE and LOCAL_WORLD_SIZE say nothing of a run Lightning's launcher starts: its
+    processes per node decide. Under torchrun they do (two nodes on one host: the whole world)."""
+    from ngrpo_lightning.backends.threads import available_cores, decide_threads
+
+    cores = available_cores()
+    stale = {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert decide_threads(None, 2, env=stale).threads == max(1, cores // 2)
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert decide_threads(None, 1, env=torchrun).processes_on_host == 2  # two nodes on this host
+    assert decide_threads(None, 1, env={**torchrun, "MASTER_ADDR": "10.0.0.2"}).processes_on_host == 1
+    assert decide_threads(None, 2, env={"OMP_NUM_THREADS": "3"}).threads == 3  # the user's
+    assert decide_threads(4, 2, env={"OMP_NUM_THREADS": "3"}).threads == 4  # backend.threads first

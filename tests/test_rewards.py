@@ -1,5 +1,5 @@
 """Rewards: answer extraction, math-verify equivalence, and the process-pool reward with
-its soft (SIGALRM) and hard (kill the pool) time limits."""
+its soft (SIGPROF, CPU time) and hard (kill the pool) time limits."""
 
 import json
 import os
@@ -185,7 +185,7 @@ def test_pathological_answer_times_out_others_scored(reward):
 
 
 def test_hung_worker_is_killed_and_pool_recovers():
-    """Hard limit: an item that ignores SIGALRM is killed with its whole pool; the other
+    """Hard limit: an item that ignores SIGPROF is killed with its whole pool; the other
     items of the batch are re-run in a fresh pool and still scored. Same for a crash."""
     r = rewards.MathReward(timeout_s=TIMEOUT_S, num_workers=2, kill_grace_s=GRACE_S, check_fn=_misbehave_on_marker)
     try:

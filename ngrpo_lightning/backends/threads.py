@@ -14,7 +14,8 @@ anything is built or measured:
 The run's processes on this host: every process of the run where its rendezvous address is on this
 host's loopback (only processes of this host can reach it: several "nodes" started on one machine
 are on one host), else the launcher's processes per node (torchrun's ``LOCAL_WORLD_SIZE``, or the
-processes Lightning's own launcher starts on each node).
+processes Lightning's own launcher starts on each node). Outside torchrun the launcher's variables
+are not read: left over in an environment, they would say nothing of this run.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ def available_cores() -> int:
 
 
 def processes_on_host(processes_per_node: int, env: dict | None = None) -> int:
-    """The run's processes on this host (see the module docstring)."""
+    """The run's processes on this host (see the module docstring). The launcher's variables are
+    read only under torchrun (``TORCHELASTIC_RUN_ID``): elsewhere they may be left over in the
+    environment (a shell, or a library that started a process group of one in this process) and
+    say nothing of this run, whose processes per node Lightning's launcher starts."""
     env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return max(1, processes_per_node)
     world = int(env.get("WORLD_SIZE", 0) or 0)
     if world > 1 and _is_loopback(env.get("MASTER_ADDR", "")):
         return world

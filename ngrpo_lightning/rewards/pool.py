@@ -7,7 +7,8 @@ threads and possibly CUDA state that must not be forked.
 
 Two limits per item:
 
-* soft, ``timeout_s``: SIGALRM inside the worker (:mod:`.limits`); cheap, the worker lives on.
+* soft, ``timeout_s`` of the check's CPU time: SIGPROF inside the worker (:mod:`.limits`);
+  cheap, the worker lives on.
   It stops every case we have seen (``9^{9^{9^{9^{9}}}}`` included: CPython's big-int power
   loop checks for signals between multiplications);
 * hard, ``timeout_s + kill_grace_s`` of the item's own time since the worker STARTED it (read
@@ -73,6 +74,7 @@ class VerifierPool:
         self._state = _PoolState()
         self._call_id = 0
         self._charged = _Charged()
+        self._crashed: set[int] = set()  # items of the current run() in progress at a crash
         # Runs at close(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, self._state.shutdown)
 
@@ -152,7 +154,7 @@ class VerifierPool:
         """Check ``(index, answer, gold)`` items; returns ``{index: (status, worker_pid, score)}``."""
         results: dict[int, tuple[str, int, float]] = {}
         pending = {item[0]: item for item in items}
-        self._crashed: set[int] = set()  # items in progress at a crash: checked again once
+        self._crashed = set()  # items in progress at a crash: checked again once
         stalled = 0  # consecutive rounds that resolved nothing (workers cannot even start)
         while pending and stalled < _MAX_STALLED_ROUNDS:
             before = len(pending)
