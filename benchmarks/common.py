@@ -1,21 +1,85 @@
-"""Helpers shared by the benchmark scripts: prompts, timing, resident memory, table printing, JSON output."""
+"""What every benchmark shares: the machine it ran on, the dated record it writes, prompts, resident
+memory and process trees, tables."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import platform
-import resource
+import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import torch
-
 RESULTS = Path(__file__).parent / "results"
+RECORDS = RESULTS / "records"  # kept in git: the records a document quotes
+GIB = 2**30
 # what a model folder built here from a config takes from its source folder: the tokenizer and chat template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+# ------------------------------------------------------------------ the machine and the record
+def cpu_kind() -> dict:
+    """The processor's name, the widest kernels it has (AMX, AVX-512, AVX2) and whether it has
+    native bfloat16 products (avx512_bf16)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = text.splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    kernels = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return {"cpu": name, "kernels": kernels, "avx512_bf16": "avx512_bf16" in flags}
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name (from the driver, without starting CUDA here), or None."""
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        return out.splitlines()[0].strip() if out.strip() else None
+    return None
+
+
+def machine() -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {**cpu_kind(), "gpu": gpu_name(), "cores": cores}
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+`` where its files differ from it."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+    head = git("rev-parse", "--short", "HEAD").strip()
+    return head + ("+" if head and git("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
+def write_record(question: str, device: str, workload: str, metric: str, lower_is_better: bool,
+                 out: str | Path | None = None, speedup: str = "", **fields) -> Path:  # fmt: skip
+    """A dated record: ``records/<question>[-<speedup>]-<device>-<date>[-N].json`` (``-2``, ``-3``, ...
+    for another of the same day), or ``out``. ``workload`` says what ran, in words; ``fields`` add
+    the question's figures (a comparison: ``with``, ``without`` and the ``runs``)."""
+    date = time.strftime("%Y-%m-%d")
+    record = {"question": question, **({"speedup": speedup} if speedup else {}), "device": device, "date": date,
+              "commit": commit(), "machine": machine(), "workload": workload, "metric": metric,
+              "lower_is_better": lower_is_better, **fields}  # fmt: skip
+    name = "-".join(part for part in (question, speedup, device, date) if part)
+    path = Path(out) if out else RECORDS / f"{name}.json"
+    for n in range(2, 100):
+        if out or not path.exists():
+            break
+        path = RECORDS / f"{name}-{n}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\nwrote {path}")
+    return path
+
+
+# ------------------------------------------------------------------ prompts and model folders
+def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0, problems: str = "") -> list[list[int]]:
+    """``n`` chat-templated prompts of the built-in task, or the first ``n`` of a problems file
+    (a machine without reasoning-gym reads what ``harness.py problems`` wrote)."""
+    from ngrpo_lightning.config import compose
+    from ngrpo_lightning.data import load_problems, reasoning_gym_problems, render_prompt
+
+    chosen = load_problems(problems, limit=n) if problems else reasoning_gym_problems(compose([]).data.tasks, n, seed)
+    return [tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"] for p in chosen]
 
 
 def copy_tokenizer(source: Path, out: Path) -> None:
@@ -25,103 +89,28 @@ def copy_tokenizer(source: Path, out: Path) -> None:
             (Path(out) / name).write_bytes((Path(source) / name).read_bytes())
 
 
-def arithmetic_prompt_ids(tokenizer, n: int, seed: int = 0, problems: str = "") -> list[list[int]]:
-    """``n`` chat-templated prompts of the built-in task (``data=reasoning_gym``'s default tasks),
-    or the first ``n`` of a problems file (``problems``: a machine without reasoning-gym reads
-    what ``benchmarks/large_shapes.py --export-problems`` wrote)."""
-    from ngrpo_lightning.config import compose
-    from ngrpo_lightning.data import load_problems, reasoning_gym_problems, render_prompt
-
-    if problems:
-        problems = load_problems(problems, limit=n)
-    else:
-        problems = reasoning_gym_problems(compose([]).data.tasks, n, seed=seed)
-    return [tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"] for p in problems]
+# ------------------------------------------------------------------ resident memory (Linux /proc)
+def status_bytes(key: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` figure (VmRSS, VmHWM) in bytes; 0 where the process is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    """Fastest wall time of ``repeats`` calls (after one warm-up call) and the last result."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
-
-
-def best_of_each(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, object]]:
-    """``best_of`` for several contenders, their timed calls interleaved (a, b, a, b, ...) so that
-    a slow spell of a shared machine does not fall on one contender only. Returns the fastest
-    time and the last result of each."""
-    outs = {name: fn() for name, fn in fns.items()}  # warm-up
-    times = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            outs[name] = fn()
-            times[name] = min(times[name], time.perf_counter() - t0)
-    return times, outs
-
-
-# Resident memory of this process (Linux: /proc/self/status; the peak is reset through clear_refs)
 def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
+    return status_bytes("VmRSS")
 
 
-def reset_peak() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0); False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        return True
-    except OSError:
-        return False
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since it started or since the last :func:`reset_peak`."""
+    return status_bytes("VmHWM")
 
 
-def peak_rss_bytes(was_reset: bool = True) -> int:
-    """The peak since the last :func:`reset_peak` (``was_reset``), else since the process started."""
-    if was_reset:
-        return _status_kb("VmHWM") * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max([len(c), *(len(fmt(r.get(c))) for r in rows)]) for c in columns]
-    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("-|-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
-
-
-def fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):  # small magnitudes (a log-prob gap) keep two significant digits
-        return f"{v:.2f}" if v == 0 or abs(v) >= 0.01 or v != v else f"{v:.2g}"
-    return str(v)
-
-
-def write_json(name: str, rows: list[dict], path: str | Path | None = None, **meta) -> Path:
-    """Write ``{"meta": ..., "rows": ...}`` to ``path`` (default ``results/<name>.json``)."""
-    path = Path(path) if path else RESULTS / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta.update(
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        machine=platform.machine(),
-        processor=platform.processor(),
-        time=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\nwrote {path}")
-    return path
+def reset_peak() -> None:
+    """Reset the kernel's peak-RSS mark of this process to its RSS now (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def tree_rss(pid: int) -> int:
@@ -140,24 +129,17 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-# Processes a benchmark runs beside or under it
-@contextlib.contextmanager
-def background_load(n: int):
-    """``n`` CPU-bound processes, killed on exit (also on Ctrl-C or an error)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
+def tree_pids(pid: int) -> list[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    return []
 
 
 def wait_watching_rss(proc: subprocess.Popen, interval_s: float = 1.0, limit_bytes: int | None = None) -> int:
     """Wait for ``proc``; the peak RSS of its process tree, sampled every ``interval_s``. A tree
-    above ``limit_bytes`` is killed (the returned peak then exceeds the limit): a run that would
-    exhaust the machine's memory ends as a failure of its own, not by the kernel's choice."""
+    above ``limit_bytes`` is killed (the returned peak then exceeds the limit)."""
     peak = 0
     while True:
         peak = max(peak, tree_rss(proc.pid))
@@ -175,30 +157,26 @@ def kill_tree(proc: subprocess.Popen) -> None:
     """Kill ``proc`` and its descendants (reward workers, vLLM), and reap ``proc``."""
     import psutil
 
-    try:
-        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.Error:
-        procs = []
-    for p in procs:
+    for pid in reversed(tree_pids(proc.pid)):
         with contextlib.suppress(psutil.Error):
-            p.kill()
+            psutil.Process(pid).kill()
     proc.wait()
 
 
-def cpu_kind() -> dict:
-    """The processor's name and the widest kernels it has (AMX, AVX-512, AVX2), for a record."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    kernels = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    return {"processor": name, "kernels": kernels, "avx512_bf16": "avx512_bf16" in flags}
+# ------------------------------------------------------------------ tables
+def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
+    """``rows`` as a text table (default columns: every row's keys, in order)."""
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+    widths = [max([len(c), *(len(fmt(r.get(c))) for r in rows)]) for c in columns]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
 
 
-def step_times(store: str) -> list[float]:
-    """``time/step_s`` of the one run in an MLflow store, in step order."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(store)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    history = sorted(client.get_metric_history(run.info.run_id, "time/step_s"), key=lambda m: m.step)
-    return [m.value for m in history]
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):  # small magnitudes (a log-prob gap) keep two significant digits
+        return f"{v:.2f}" if v == 0 or abs(v) >= 0.01 or v != v else f"{v:.2g}"
+    return str(v)

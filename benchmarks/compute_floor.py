@@ -1,5 +1,6 @@
 """The compute floor of a GRPO step: the matmul FLOPs of the passes it needs, and the machine's
-dense matmul rate to divide them by (``benchmarks/vs_trl.py`` reports step / floor).
+dense matmul rate to divide them by (``harness.py floor`` and ``vs_trl`` report step / floor), and
+the bandwidth floor of its decoding steps.
 
 A forward costs 2 x parameters x tokens in its linear layers (the decoder body on every token,
 the LM head on response tokens only) plus, in every layer, causal attention's two products
@@ -157,21 +158,3 @@ def decode_floor_s(step: dict, shape: ModelShape, bandwidth: float, value_bytes:
         return None
     weights, per_position = decode_bytes(shape, value_bytes)
     return sum(weights + per_position * cached for _, cached in steps) / bandwidth
-
-
-def step_roofline_s(step: dict, shape: ModelShape, rate: float, bandwidth: float, value_bytes: int, **kw):
-    """:func:`step_flops` / ``rate``, with each decoding step's two parts raised to the bytes they
-    read / ``bandwidth`` where that is more: the products with the weights read every weight
-    once, and attention reads the keys and values of every cached position of every row
-    (``value_bytes`` each: 4 in float32, 2 in bfloat16). The two run one after the other in a
-    decoding step, so each part has its own bound. ``None`` where :func:`decode_steps` is
-    ``None`` or the shape has no ``kv_width``."""
-    steps = decode_steps(step)
-    if steps is None or not shape.kv_width:
-        return None
-    floor = step_flops(step, shape, **kw) / rate
-    weights, per_position = (b / bandwidth for b in decode_bytes(shape, value_bytes))
-    for rows, cached in steps:
-        floor += max(0.0, weights - linear_flops(shape, 0, rows) / rate)
-        floor += max(0.0, per_position * cached - attention_flops(shape, cached) / rate)
-    return floor

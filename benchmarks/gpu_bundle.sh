@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the device scripts (gpu_checks.sh, gpu_vs_trl.sh) need on a GPU machine without a network, made
+# What gpu_checks.sh needs on a GPU machine without a network, made
 # here, where there is one, into one folder to carry there (about 30 MiB; 70 with MLFLOW=1):
 #   DEST/wheels          the packages a CUDA image with torch, transformers, lightning, torchmetrics,
 #                        accelerate, pandas, pyarrow and pytest lacks, for Python PYVER on manylinux x86-64:
@@ -51,5 +51,5 @@ for f in packaged_model_dir("smollm2-135m-instruct").iterdir():  # built here on
         shutil.copy2(f, dest / "source" / f.name)
 shutil.copytree(packaged_model_dir("tiny"), dest / "cache" / "tiny")
 EOF
-"$PY" benchmarks/large_shapes.py --export-problems "$DEST/problems.jsonl"
+"$PY" benchmarks/harness.py problems "$DEST/problems.jsonl"
 du -sh "$DEST"; ls "$DEST/wheels" | wc -l | xargs echo "wheels:"

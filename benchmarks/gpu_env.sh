@@ -1,6 +1,6 @@
-# Sourced by the device scripts (gpu_checks.sh, gpu_vs_trl.sh) after they set their defaults:
+# Sourced by gpu_checks.sh after it sets its defaults:
 # `left N` (at most N of the LIMIT seconds that remain), the carried wheels installed (WHEELS), and
-# the environment both scripts run in, and BW, the GPU's memory bandwidth in GB/s for the floors
+# the environment it runs in, and BW, the GPU's memory bandwidth in GB/s for the floors
 # (BANDWIDTH, else the data sheet's for an H100 SXM or an H200, named by nvidia-smi). Expects PY and LIMIT.
 left() { local l=$((LIMIT - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
 if [ -n "${WHEELS:-}" ]; then

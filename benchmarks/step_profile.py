@@ -1,6 +1,6 @@
 """Where one training step's time goes on its device: each phase's host time, the time its kernels
 ran on the device, how many kernels it launched, and which of them and which host operations
-took longest. ``benchmarks/large_shapes.py --profile`` adds it to each run.
+took longest. ``harness.py profile`` and ``floor --profile`` add it to a run.
 
 A training step names its phases for profilers (:mod:`ngrpo_lightning.phases`: ``ngrpo/rollout``,
 ``ngrpo/reward``, ``ngrpo/logprobs``, ``ngrpo/update``). :class:`StepProfile` runs

@@ -1,8 +1,6 @@
-"""Lightning callbacks of ngrpo-lightning: sample tables, the replay buffer, Pass@k evaluation,
-the update's memory check.
+"""Lightning callbacks: sample tables, the replay buffer, Pass@k evaluation, the update's memory check.
 
-The source folder is the top-level `callbacks/`; it installs (and imports) as
-`ngrpo_lightning.callbacks`, the one import path: `from ngrpo_lightning.callbacks import PassAtK`.
+The top-level `callbacks/` folder installs as `ngrpo_lightning.callbacks`, the one import path.
 """
 
 from ngrpo_lightning.callbacks.pass_at_k import PassAtK

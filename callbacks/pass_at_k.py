@@ -14,23 +14,17 @@ from ngrpo_lightning.tracking.logger import mlflow_key
 
 
 class PassAtK(L.Callback):
-    """Every ``every_n_steps`` training steps and at the end of fit, sample each problem of
-    the configured sets ``n`` times with plain sampling (``temperature``, ``top_p``; exploration
-    such as neighbor mixing is never used at evaluation) and log
+    """Every ``every_n_steps`` training steps and at the end of fit, sample each problem of the
+    sets ``n`` times with plain sampling (never exploration) and log
 
-    * ``<prefix>/<set>/pass@k`` for k = 1, 2, 4, ... up to n (or ``ks``), ``<prefix>/<set>/mean@n``,
-      ``<prefix>/<set>/maj@n``, and their averages over sets ``<prefix>/avg/...``;
-    * an MLflow artifact folder ``pass_at_k/step_<step>/`` with the markdown table (rows: sets
-      + average; columns: Mean@n, Pass@k) and the pass@k-vs-k plot (skipped without MLflow).
+    * ``<prefix>/<set>/pass@k`` for k = 1, 2, 4, ... up to n (or ``ks``), ``mean@n``, ``maj@n``,
+      and their averages ``<prefix>/avg/...`` (in MLflow ``pass@4`` is ``pass_at_4``);
+    * an MLflow artifact folder ``pass_at_k/step_<step>/`` with the table and the pass@k plot.
 
-    The metrics go through ``pl_module.log`` (so ``ModelCheckpoint(monitor="val/aime24/pass@1",
-    mode="max")`` keeps the best checkpoint; the paper selects by AIME24) and to the logger
-    (MLflow names cannot contain ``@``: ``pass@4`` is logged there as ``pass_at_4``).
-
-    Rollouts use the DataModule's engine when it holds its own weights (vLLM), otherwise an
-    :class:`~ngrpo_lightning.rollout.HFEngine` on the module's policy with its own seed (so
-    evaluation does not shift the training rollouts' random stream). Under DDP/FSDP each
-    process samples a share of the problems; the metrics are reduced over all of them.
+    The metrics go through ``pl_module.log``, so ``ModelCheckpoint(monitor="val/aime24/pass@1")``
+    can keep the best checkpoint. Rollouts use the DataModule's engine when it holds its own weights
+    (vLLM), else an :class:`~ngrpo_lightning.rollout.HFEngine` with its own seed. Under DDP/FSDP each
+    process samples a share of the problems.
 
     Args:
         datasets: ``{name: problems}``, a list of :class:`~ngrpo_lightning.metrics.evaluate.EvalSet`
@@ -80,8 +74,7 @@ class PassAtK(L.Callback):
         self._engine = self._rewards = None
 
     def metric_names(self) -> list[str]:
-        """The metrics an evaluation logs, as Lightning names them (``val/aime24/pass@16``; MLflow's
-        ``pass_at_16``); ``maj@n`` only where the samples' answers could be extracted."""
+        """The metrics an evaluation logs, as Lightning names them (``val/aime24/pass@16``)."""
         keys = [f"pass@{k}" for k in self.ks] + [f"mean@{self.n}", f"maj@{self.n}"]
         return [f"{self.prefix}/{name}/{key}" for name in [s.name for s in self.sets] + ["avg"] for key in keys]
 
@@ -101,8 +94,7 @@ class PassAtK(L.Callback):
             self.evaluate(trainer, pl_module, log_to_module=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        # Fit stopped early (max_time, early stopping, ...): evaluate the final policy here.
-        # Lightning forbids self.log in this hook: values go to the logger and callback_metrics.
+        # fit stopped early: evaluate the final policy (no self.log in this hook: logger and callback_metrics)
         if self.at_fit_end and self.last_eval_step != trainer.global_step:
             self.evaluate(trainer, pl_module, log_to_module=False)
 
@@ -140,8 +132,7 @@ class PassAtK(L.Callback):
                 backend=context.backend,
                 sharded_root=context.sharded_root(context.policy),  # FSDP2's root: gathered with the layers
             )
-        # the policy version it decodes: an FSDP2 policy's copy, shared with the rollouts' engine, is
-        # rewritten only when it moved
+        # an FSDP2 policy's decoding copy is rewritten only when the version moved
         self._engine.policy_version = context.version.value
         return self._engine
 

@@ -1,23 +1,17 @@
 """ReplayBuffer: replay of past successes into groups whose fresh rollouts are all wrong.
 
 Give it to the module, ``RLModule(..., step_hooks=[buffer])`` (``ngrpo train`` does when
-``replay.capacity`` > 0): :class:`~ngrpo_lightning.training.module.RLModule` calls it every training step
-(it is a :class:`~ngrpo_lightning.training.updates.StepHook`) and attaches it to the Trainer as a callback:
+``replay.capacity`` > 0); as a :class:`~ngrpo_lightning.training.updates.StepHook` it takes part in
+every step:
 
-1. ``mix_in``: for each group whose G fresh rollouts are all wrong, substitute a stored
-   success of the same prompt (from at most ``max_staleness`` steps ago) for the group's
-   last rollout. The group's advantages are then computed as usual, over the G rewards
-   with the success among them: the success gets a positive advantage, the fresh
-   failures negative ones, where the all-wrong group had none at all;
-2. ``weigh``: a replayed row's advantage is scaled by its capped importance weight
-   ``min(exp(mean_t(logp - stored_old_logp)), is_cap)``
-   (see :mod:`ngrpo_lightning.objectives.importance`).
+1. ``mix_in``: in each group whose fresh rollouts are all wrong, a stored success of the same
+   prompt (at most ``max_staleness`` steps old) replaces the last rollout, so the group's
+   advantages are no longer all zero;
+2. ``weigh``: a replayed row's advantage is scaled by ``min(exp(mean_t(logp - stored_old_logp)),
+   is_cap)`` (:mod:`ngrpo_lightning.objectives.importance`).
 
-After the step (``on_train_batch_end``) it stores the step's fresh successes, one per
-prompt (the latest), with their old log-probs, and forgets entries too stale to be used
-or beyond ``capacity``. Its state (stored trajectories, step count) is saved in and
-restored from Lightning checkpoints. Several updates per step (``train.ppo_epochs``,
-``train.num_mini_batches``) are the module's :class:`~ngrpo_lightning.training.planning.UpdatePlan`.
+After the step it stores the fresh successes, one per prompt, and forgets entries too stale or
+beyond ``capacity``; its state is kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -42,10 +36,8 @@ class ReplayBuffer(L.Callback, StepHook):
     """Replay past successful trajectories into all-wrong groups.
 
     Args:
-        capacity: prompts whose latest success is kept for replay (``replay.capacity``;
-            0 = no replay).
-        max_staleness: a stored success is replayed at most this many steps (rollout
-            batches) after it was sampled (``replay.max_staleness``).
+        capacity: prompts whose latest success is kept (``replay.capacity``; 0 = no replay).
+        max_staleness: steps after sampling that a success may still be replayed (``replay.max_staleness``).
         is_cap: cap of a replayed trajectory's importance weight (``replay.is_cap``).
         success_threshold: a rollout with reward >= this is a success.
     """

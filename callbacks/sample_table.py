@@ -9,13 +9,9 @@ from ngrpo_lightning.rollout.context import run_context
 
 
 class RolloutSamplesLogger(L.Callback):
-    """Every ``every_n_steps`` training steps, log ``num_samples`` rollouts of the step's
-    batch as an MLflow table artifact ``samples/step_<step>.json`` (viewable in the UI).
-
-    Steps are training steps (rollout batches; the first is logged), whatever the number of
-    optimizer updates per batch; the artifact is named by ``trainer.global_step`` (optimizer
-    steps, as in the run summary). Needs the module's ``training_step`` to return
-    ``{"rewards": ..., "status": ...}``.
+    """Every ``every_n_steps`` rollout batches (the first included), log ``num_samples`` rollouts as an
+    MLflow table ``samples/step_<step>.json``, named by ``trainer.global_step``. Needs the module's
+    ``training_step`` to return ``{"rewards": ..., "status": ...}``.
     """
 
     def __init__(self, every_n_steps: int = 5, num_samples: int = 8, max_chars: int = 2000):

@@ -1,22 +1,13 @@
 """UpdateMemoryCheck: a warning at the start of training when the update cannot fit in memory.
 
-For backward, autograd keeps tensors in proportion to the tokens of a micro-batch. On the
-packaged model at the built-in task's 40-token responses that is about 1 GiB for the whole
-step's batch; at 1,024-token responses the same 32 rows keep about 16 GiB, and a run without
-micro-batches is killed by the system minutes in, after its first rollout, with nothing saved.
-
-At the start of fit this callback measures what the policy's training forward keeps per token
-(one short probe row through the same forward the update runs: recomputed activations off the
-books, the model's own weights not counted), adds 40% for backward's own tensors,
-multiplies by the response tokens of the largest micro-batch the settings allow (prompts left
-out: they are short beside long responses, and shared by a group), adds the kept LM-head
-softmax, the gradients and the AdamW moments not yet allocated, and compares the sum with the
-memory this device has available (a run fits within 90% of it); how the estimate compared
-with measured peaks is in docs/performance.md ("Measurements behind the code").
-When it does not fit, it warns with the numbers and a token budget that would
-(``optim.max_tokens_per_micro_batch``; rows per micro-batch, ``optim.micro_batch_size``, when
-that budget would be below the longest possible prompt + response). One process only (under
-FSDP2 each rank holds a shard; the check is skipped).
+Autograd keeps tensors in proportion to a micro-batch's tokens, so long responses can exhaust memory
+after the first rollout, with nothing saved. At the start of fit this callback measures what the
+training forward keeps per token (one short probe row, weights not counted), adds 40% for
+backward's own tensors, multiplies by the response tokens of the largest micro-batch the settings
+allow, adds the kept LM-head softmax, the gradients and the AdamW moments not yet allocated, and
+compares with 90% of the memory available (docs/performance.md, "Long responses: micro-batches and
+a token budget"). When it does not fit, it warns with a token budget that would
+(``optim.max_tokens_per_micro_batch``, or ``optim.micro_batch_size``). One process only.
 """
 
 from __future__ import annotations
@@ -45,8 +36,8 @@ class UpdateMemory:
     softmax: int  # LM-head softmax kept for backward (0 when above the backend's keep_softmax_mib)
     optimizer: int  # gradients + AdamW moments not yet allocated
     available: int
-    # backward's own tensors (a layer's recomputed activations and gradients, LM-head chunks)
-    # on top of what the forward kept: 1.4x fits the packaged model's measured peaks
+    # backward's own tensors (recomputed activations, gradients, LM-head chunks) on top of what the
+    # forward kept, chosen to cover the packaged model's measured peaks (docs/performance.md)
     margin: float = 1.4
 
     @property
@@ -64,15 +55,14 @@ class UpdateMemory:
         return self.needed <= 0.9 * self.available
 
     def budget_that_fits(self, share: float = 0.75) -> int:
-        """Tokens per micro-batch whose activations take ``share`` of what is available after
-        the optimizer's tensors (rounded down to 256)."""
+        """Tokens per micro-batch whose activations take ``share`` of what remains after the optimizer's
+        tensors (rounded down to 256)."""
         room = share * self.available - self.optimizer
         return max(0, int(room / self.per_token) // 256 * 256)
 
 
 def kept_bytes_per_token(context: RunContext, probe_tokens: int = 128) -> float:
-    """Bytes the policy's training forward keeps for backward per token: one row of
-    ``probe_tokens - 1`` prompt tokens and one response token, parameters not counted."""
+    """Bytes the training forward keeps for backward per token, from one probe row of ``probe_tokens``."""
     policy, backend = context.policy, context.backend
     vocab = policy.get_input_embeddings().weight.shape[0]
     device = next(policy.parameters()).device

@@ -5,11 +5,8 @@ by :class:`RolloutDataModule`. What a script needs is importable from here::
 
     from ngrpo_lightning import GRPO, NeighborMixingExplorer, RLModule, RolloutDataModule, load_policy
 
-The names below are the public API (``__all__``; tests/test_public_api.py holds them and their
-signatures): a name that moves keeps working for a release with a ``DeprecationWarning`` naming
-its new home (CHANGELOG.md). They are loaded on first use, so ``import ngrpo_lightning`` stays
-cheap (the command line answers ``--help`` before torch loads).
-"""
+The names below are the public API (``__all__``): a name that moves keeps working for a release with
+a ``DeprecationWarning`` naming its new home. They load on first use, so the import stays cheap."""
 
 from __future__ import annotations
 

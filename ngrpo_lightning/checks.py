@@ -1,13 +1,10 @@
 """Value checks with errors that name the config key once, in full.
 
-Every component validates its own hyper-parameters at construction time with these two
-functions, so a bad ``explorer.rho``, ``objective.clip_low``, ``train.ppo_epochs`` or
-``replay.capacity`` is reported the same way, by its full key, before anything loads::
+Pure Python (no torch, no Hydra), so every layer may import it. Components check hyper-parameters at construction: a
+bad value is named by its full key before anything loads::
 
     check_number("train.ppo_epochs", 0, 1, integer=True)
     ValueError: train.ppo_epochs=0 is out of range: allowed [1, inf] (an integer)
-
-Pure Python (no torch, no Hydra): every layer of the package may import it.
 """
 
 from __future__ import annotations
@@ -49,22 +46,19 @@ def check_number(
 
 
 def check_seed(value) -> int:
-    """``seed``: an integer Lightning's ``seed_everything`` takes as it is, ``[0, 2**32 - 1]`` (outside
-    it Lightning warns and draws a random seed: a run that cannot be repeated)."""
+    """``seed``: an integer in ``[0, 2**32 - 1]`` (outside it Lightning draws a random seed)."""
     return check_number("seed", value, 0, 2**32 - 1, integer=True)
 
 
 def check_bool(key: str, value, error: type[ValueError] = ValueError) -> bool:
-    """Return ``value`` if it is ``true`` or ``false``; otherwise raise ``error`` (a ``ValueError``
-    or a subclass) naming ``key`` and the value."""
+    """``value`` if it is ``true`` or ``false``; else raise ``error`` (a ``ValueError`` class) naming ``key`` and it."""
     if not isinstance(value, bool):
         raise error(f"{key}={value!r} must be true or false")
     return value
 
 
 def check_choice(key: str, value, allowed: Iterable):
-    """Return ``value`` if it is one of ``allowed``; otherwise raise ``ValueError`` naming ``key``
-    and the allowed values."""
+    """``value`` if it is one of ``allowed``; else raise ``ValueError`` naming ``key`` and the allowed values."""
     allowed = list(allowed)
     if value not in allowed:
         raise ValueError(f"{key}={value!r} is unknown: allowed {sorted(allowed, key=str)}")

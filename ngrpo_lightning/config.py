@@ -1,16 +1,8 @@
 """Composing a run's configuration: ``conf/`` + command-line overrides -> one ``DictConfig``.
 
-Every command composes here: ``ngrpo train`` and ``ngrpo config`` from ``conf/config.yaml``,
-``ngrpo eval`` from ``conf/eval.yaml``, ``ngrpo diagnose`` from ``conf/diagnose.yaml``. Hydra
-does the composition; this module adds what a command line needs on top:
-
-* ``explorer._target_=pkg.Cls explorer.x=1`` selects a user class (the group's ``custom`` option);
-* ``model=<HF id | directory | file.ckpt>`` where a command takes any model (eval, diagnose);
-* errors as one :class:`ConfigError` line that names the key and, for an unknown key, the valid
-  keys beside it.
-
-A leaf module: it imports Hydra and OmegaConf only, so every layer may compose a config.
-"""
+Every command composes here (``conf/{config,eval,diagnose}.yaml``). On top of Hydra: ``explorer._target_=pkg.Cls``
+selects a user class, ``model=<HF id | directory | file.ckpt>`` where a command takes any model, and errors are one
+:class:`ConfigError` line naming the key (and valid keys near an unknown one). Imports only Hydra and OmegaConf."""
 
 from __future__ import annotations
 
@@ -38,8 +30,7 @@ class ConfigError(ValueError):
 
 
 def named_error(err: Exception, key: str) -> ConfigError:
-    """``err`` as a :class:`ConfigError` that names ``key`` once: messages of the checks
-    (:mod:`ngrpo_lightning.checks`) already start with the full key."""
+    """``err`` as a :class:`ConfigError` naming ``key`` once (:mod:`ngrpo_lightning.checks`' messages start with it)."""
     msg = str(err).strip('"')
     return ConfigError(msg if msg.startswith(key) else f"{key}: {msg}")
 
@@ -48,9 +39,7 @@ DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"  # conf/logger/mlflow.yaml's
 
 
 def config_dir() -> Path:
-    """The ``conf/`` folder: inside the installed package (a wheel ships ``conf/`` as
-    ``ngrpo_lightning/conf``), or the top-level ``conf/`` beside the package in a checkout
-    (an editable install)."""
+    """The ``conf/`` folder: ``ngrpo_lightning/conf`` in a wheel, the top-level ``conf/`` in a checkout."""
     here = Path(__file__).parent
     for path in (here / "conf", here.parent / "conf"):
         if (path / "config.yaml").is_file():
@@ -59,8 +48,7 @@ def config_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Where the project keeps what it builds once (the packaged model, a backend's measurements):
-    ``$NGRPO_CACHE`` or ``~/.cache/ngrpo-lightning``."""
+    """Where what is built once is kept: ``$NGRPO_CACHE`` or ``~/.cache/ngrpo-lightning``."""
     return Path(os.environ.get("NGRPO_CACHE") or "~/.cache/ngrpo-lightning").expanduser()
 
 
@@ -72,13 +60,9 @@ def group_options(group: str) -> list[str]:
 def compose(
     overrides: list[str], config_name: str = "config", *, model_paths: bool = False, allow_missing: bool = False
 ) -> DictConfig:
-    """Compose ``conf/<config_name>.yaml`` with command-line overrides, resolved.
-
-    ``model_paths``: ``model=<value>`` that is not a ``conf/model`` option means
-    ``model=hf model.name_or_path=<value>`` (commands that take any model: eval, diagnose).
-    Raises :class:`ConfigError` naming the key on any composition error or missing value
-    (``allow_missing``: values still to be given stay ``???``, for printing).
-    """
+    """Compose ``conf/<config_name>.yaml`` with command-line overrides, resolved. ``model_paths``: ``model=<value>``
+    that is not a ``conf/model`` option means ``model=hf model.name_or_path=<value>``. Raises :class:`ConfigError`
+    naming the key (``allow_missing``: missing values stay ``???``)."""
     overrides = normalize_overrides(overrides, model_paths=model_paths)
     try:
         cfg = _hydra_compose(config_name, overrides)
@@ -98,9 +82,8 @@ def _hydra_compose(config_name: str, overrides: list[str]) -> DictConfig:
 
 
 def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> list[str]:
-    """Let ``explorer._target_=pkg.Cls explorer.x=1`` select a user class: it switches the
-    group to its ``custom`` option and turns the other keys of that group into additions.
-    With ``model_paths``, ``model=<not an option>`` becomes ``model=hf model.name_or_path=...``."""
+    """``explorer._target_=pkg.Cls explorer.x=1`` switches the group to ``custom`` with the other keys
+    as additions; with ``model_paths``, ``model=<not an option>`` becomes ``model=hf model.name_or_path=...``."""
     out, custom = list(overrides), set()
     for o in overrides:
         m = re.match(r"^\+?(explorer|objective)\._target_=", o)
@@ -127,8 +110,7 @@ def normalize_overrides(overrides: list[str], *, model_paths: bool = False) -> l
 
 
 def saved_dtype(path: str) -> str | None:
-    """The dtype a model folder's ``config.json`` records (``float32`` for an exported fp32 run),
-    where it is one ``model.dtype`` takes; ``None`` for anything else (a Hub id, a checkpoint)."""
+    """The dtype a model folder's ``config.json`` records, where ``model.dtype`` takes it; else ``None``."""
     config = Path(path).expanduser() / "config.json"
     if not config.is_file():
         return None
@@ -141,8 +123,7 @@ def saved_dtype(path: str) -> str | None:
 
 
 def quote_path_value(override: str) -> str:
-    """``key=<an existing path with '=' or ','>`` (a sweep job's folder, say) quoted for Hydra, whose
-    override grammar reads those characters as syntax: ``key='<path>'``."""
+    """``key=<an existing path with '=' or ','>`` quoted for Hydra's grammar: ``key='<path>'``."""
     key, sep, value = override.partition("=")
     if not sep or value[:1] in ("'", '"') or not any(c in value for c in "=,") or not Path(value).exists():
         return override
@@ -150,8 +131,7 @@ def quote_path_value(override: str) -> str:
 
 
 def explain_compose_error(err: Exception, overrides: list[str], config_name: str = "config") -> str:
-    """Hydra's message, plus the keys that *are* valid where an unknown key was given, and the
-    expected type where a value does not fit the schema's (:mod:`ngrpo_lightning.schema`)."""
+    """Hydra's message plus the valid keys near an unknown one, or the expected type (:mod:`ngrpo_lightning.schema`)."""
     msg = str(err).strip()
     cause = err.__cause__
     typed = re.match(

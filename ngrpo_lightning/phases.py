@@ -1,17 +1,9 @@
 """The named phases of a training step, timed as the device runs them and visible to profilers.
 
-A GPU runs behind the host: the host's clock at the end of a phase says when its last kernel was
-queued, not when it ran, and the next phase's first wait for the device (a ``.item()``, a copy
-to the host) then absorbs the rest. So a phase on a GPU ends with the host waiting for the
-device: ``time/logprobs_s`` is the reference pass, not the time to queue it. A step waits for
-the device at its end anyway (its metrics are read), and the update's first micro-batch waits
-right after the log-probs (its share of the tokens), so the wait costs the step nothing.
-
-Each phase is also a range ``ngrpo/<name>`` for profilers: in a ``torch.profiler`` trace (or
-Lightning's ``+trainer.profiler=pytorch``) the kernels of the rollout, the reward, the log-probs
-and the update are under their names, and Lightning's ``+trainer.profiler=simple`` reports each
-phase's mean time beside its own hooks. ``benchmarks/large_shapes.py --profile`` reads them.
-"""
+A GPU runs behind the host, so a phase on a GPU ends with the host waiting for the device: its time is the work, not the
+queueing. The step waits there anyway (its metrics are read), so this costs nothing. Each phase is also a profiler range
+``ngrpo/<name>``: in a ``torch.profiler`` trace (or ``+trainer.profiler=pytorch``) the kernels are under their phase,
+and ``+trainer.profiler=simple`` reports each phase's mean time (``benchmarks/harness.py profile`` reads them)."""
 
 from __future__ import annotations
 
@@ -33,9 +25,8 @@ class PhaseTime:
 
 @contextmanager
 def phase(name: str, device: torch.device | None = None, profiler=None) -> Iterator[PhaseTime]:
-    """Time the block as phase ``name`` (waiting at its end for ``device``'s queued work where
-    the device runs asynchronously) under the profiler range ``ngrpo/<name>``; ``profiler``: a
-    Lightning profiler to report it to as well. Yields a :class:`PhaseTime` set on exit."""
+    """Time the block as phase ``name`` (waiting at its end for ``device``'s queued work) under the profiler range
+    ``ngrpo/<name>``, also reported to a Lightning ``profiler``. Yields a :class:`PhaseTime` set on exit."""
     timed = PhaseTime()
     with ExitStack() as stack:
         if profiler is not None:

@@ -8,12 +8,8 @@ rollout engines are each a :class:`Registry` (a ``dict`` from config name to cla
 
     ENGINES.resolve("my_engine")   # -> MyEngine; an unknown name names the key and the allowed names
 
-A name registered twice by two different objects is refused: the second registration would
-silently replace the first for every config that names it. Registering the same object again
-(or the same class from a re-imported module, as tests and notebooks do) is allowed.
-
-Pure Python (no torch, no Hydra): every layer of the package may import it.
-"""
+A name registered twice by different objects is refused (it would silently replace the first);
+the same object again (or a re-imported class) is allowed. Pure Python: every layer may import it."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ class Registry(dict):
         self.kind, self.key = kind, key
 
     def register(self, name: str, **attributes) -> Callable[[T], T]:
-        """Decorator: make a class or function selectable as ``<key>=<name>``. The component gets
-        ``registered_name = name`` and the given ``attributes``."""
+        """Decorator: selectable as ``<key>=<name>``; sets ``registered_name = name`` and ``attributes``."""
 
         def wrap(component: T) -> T:
             old = self.get(name)
@@ -61,9 +56,7 @@ def _identity(component) -> str:
 
 
 def import_path(path: str, key: str):
-    """The object a class path (``my_pkg.module.MyClass``) names, for config ``key``; ``ValueError``
-    naming the key, the path and what failed otherwise. The ``ngrpo`` command finds modules in
-    the current directory, as ``python -m`` does (``commands/cli.py``)."""
+    """The object class path ``pkg.mod.Cls`` names (config ``key``), else ``ValueError`` naming key, path, failure."""
     module, _, attr = path.rpartition(".") if isinstance(path, str) else ("", "", "")
     if not module or not attr:
         raise ValueError(f"{key}={path!r} is not a class path: give it as <module>.<name>, e.g. my_pkg.MyClass")

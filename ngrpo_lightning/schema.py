@@ -1,19 +1,11 @@
 """The typed schema of a run's own settings: ``backend``, ``rollout``, ``train``, ``replay``,
 ``optim``, ``reward``, ``pass_at_k``, ``checkpoint`` and ``export``.
 
-Each default lives here once, with its type and what it means. The dataclasses are registered
-in Hydra's ConfigStore (:func:`register`) and ``conf/config.yaml`` places each at its node, so
-composing a run checks every value's type against them (a command-line ``optim.lr=fast`` fails
-naming ``optim.lr``), and an experiment's or the command line's values merge onto these
-defaults. ``ngrpo config`` prints the composed values. True/false settings are typed ``Any``:
-OmegaConf's ``bool`` would read ``2`` as true, so they are checked where used (``check_bool``).
-Ranges and allowed values are checked where the settings are used, before any model loads
-(:mod:`ngrpo_lightning.training.settings`, ``build/``). The config groups (model, data,
-explorer, objective, trainer, logger) keep their YAML files: each option there is a different
-set of values.
-
-No torch here: the schema is read before any model library loads.
-"""
+Each default lives here once, with its type and meaning. The dataclasses go into Hydra's ConfigStore (:func:`register`)
+and ``conf/config.yaml`` places each at its node, so composing checks every value's type (``optim.lr=fast`` fails naming
+``optim.lr``). True/false settings are typed ``Any`` (OmegaConf's ``bool`` reads ``2`` as true) and checked where used,
+as are ranges (:mod:`ngrpo_lightning.training.settings`, ``build/``). Config groups (model, data, explorer, objective,
+trainer, logger) keep their YAML files. No torch: read before any model library loads."""
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,19 +28,20 @@ __all__ = [
 
 @dataclass
 class BackendSchema:
-    """How the models compute on the device (``backend.*``; docs/architecture.md, "Backends"):
-    every choice it makes gives the same values; on a CPU it measures what this machine runs
-    faster, once, and remembers."""
+    """How the models compute on the device (``backend.*``; docs/architecture.md, "Backends"): every
+    choice gives the same values; on a CPU it measures once what this machine runs faster."""
 
     name: str = "auto"  # auto (the device of trainer.accelerator) | cpu | cuda | a registered backend
     # auto (cpu: sdpa_gqa, cuda: sdpa) | sdpa | eager | flash_attention_2 | ...: set it for an attention
     # kernel you installed, or for a model whose own code needs eager
     attention: str = "auto"
-    # cpu: auto (measured per shape) | on | off: products on oneDNN-packed weights; set on/off to compare
-    # both ways (benchmarks), or where a busy machine made the measurement noisy
-    packing: Any = "auto"
-    # threads each process computes on: null = the cores of this host shared by the run's processes on it
-    # (or OMP_NUM_THREADS where you set it), the same however the run is launched (docs/reliability.md)
+    # speed-ups to leave off, by name (docs/performance.md lists them, `ngrpo config` shows the backend's):
+    # e.g. [packed_products] where a busy machine made the CPU's measurement noisy
+    disable: list[str] = field(default_factory=list)
+    # speed-ups off by default on this device (not yet measured there) to turn on, e.g. to measure them
+    enable: list[str] = field(default_factory=list)
+    packing: Any = "auto"  # deprecated: backend.disable=[packed_products] (off); auto keeps the measured choice
+    # threads per process: null = this host's cores shared by its processes, or OMP_NUM_THREADS (docs/reliability.md)
     threads: Optional[int] = None  # noqa: UP045
 
 
@@ -92,8 +85,7 @@ class OptimSchema:
     warmup_steps: int = 0  # in optimizer steps
     grad_clip: Optional[float] = 1.0  # max global gradient norm (null or 0 = no clipping)  # noqa: UP045
     micro_batch_size: int = 0  # rollouts per forward/backward (0 = the whole mini-batch at once)
-    # token budget per forward/backward: rows grouped by length, each micro-batch cut to its longest
-    # sequence (null = no budget; at least the prompt limit + rollout.max_new_tokens)
+    # token budget per forward/backward, rows grouped by length (null = none; >= prompt limit + max_new_tokens)
     max_tokens_per_micro_batch: Optional[int] = None  # noqa: UP045
 
 
@@ -102,8 +94,7 @@ class TrainSchema:
     """How a step's rollouts become optimizer updates (``train.*``)."""
 
     ppo_epochs: int = 1  # passes over each step's rollouts (> 1: later updates see ratios != 1, the clip acts)
-    # optimizer updates per pass: a step makes ppo_epochs x num_mini_batches optimizer steps, and
-    # trainer.max_steps counts optimizer steps (Lightning's global_step)
+    # optimizer updates per pass: a step makes ppo_epochs x num_mini_batches, which trainer.max_steps counts
     num_mini_batches: int = 1
     dynamic_sampling: Any = False  # DAPO: drop groups whose rewards are all equal, roll out more prompts to refill
     max_extra_rollouts: int = 4  # at most this many extra prompt batches per step (then train on what is kept)
@@ -111,13 +102,10 @@ class TrainSchema:
     # truncated importance sampling of the rollout/train mismatch: per-token weight
     # min(p_train_old / p_rollout, tis_cap) on the policy gradient (null = off, 2.0 when max_staleness > 0)
     tis_cap: Optional[float] = None  # noqa: UP045
-    # token | sequence (product of the ratios) | geometric (their geometric mean) | auto (token for
-    # GRPO, geometric for GSPO)
+    # token | sequence (product of the ratios) | geometric (their mean) | auto (GRPO: token, GSPO: geometric)
     tis_level: str = "auto"
     tis_mode: str = "truncate"  # truncate: weight min(ratio, cap) | mask: weight 0 above the cap
-    # > 0: roll out k steps ahead on a worker thread while training runs (rollouts from weights <= k
-    # steps old; docs/async.md). 0: each step rolls out first
-    max_staleness: int = 0
+    max_staleness: int = 0  # > 0: roll out k steps ahead on a thread while training runs (docs/async.md); 0: in turn
 
 
 @dataclass
@@ -144,8 +132,7 @@ class RewardSchema:
 
 @dataclass
 class PassAtKSchema:
-    """``callbacks.PassAtK`` on the validation problems (``pass_at_k.*``: logs
-    val/<data>/pass@k, a table and a plot)."""
+    """``callbacks.PassAtK`` on the validation problems (``pass_at_k.*``: val/<data>/pass@k, a table, a plot)."""
 
     n: int = 0  # samples per problem; 0 = off (e.g. pass_at_k.n=16)
     every_n_steps: int = 0  # also every N rollout batches (0 = only at the end of fit)
@@ -164,8 +151,7 @@ class CheckpointSchema:
     # a validation metric (e.g. val/accuracy): also keep best.ckpt, its best value's checkpoint
     best: Optional[str] = None  # noqa: UP045
     best_mode: str = "max"  # max | min
-    # true: a thread writes checkpoints while training goes on (holds a copy meanwhile)
-    async_save: Any = False
+    async_save: Any = False  # true: a thread writes checkpoints while training goes on (holds a copy meanwhile)
 
 
 @dataclass
@@ -190,8 +176,7 @@ SCHEMAS = {
 
 
 def register() -> None:
-    """Put the schemas in Hydra's ConfigStore as ``schema/<node>`` (``conf/config.yaml`` places
-    them); idempotent."""
+    """Put the schemas in Hydra's ConfigStore as ``schema/<node>``; idempotent."""
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(group="schema", name=name, node=node)

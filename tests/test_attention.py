@@ -294,6 +294,7 @@ def test_grouped_attention_gives_the_kernels_values_and_gradients_on_real_positi
 
 def test_causal_layout_is_taken_only_where_it_holds_and_pays():
     from ngrpo_lightning.backends.attention import causal_layout, causal_starts
+    from ngrpo_lightning.backends.memo import TensorMemo
 
     holed = _padded_causal_mask([0, 0], [10, 10], 10, 10)
     holed[0, :, :, 4] = False  # a padding token inside a row: not one unbroken run
@@ -303,7 +304,10 @@ def test_causal_layout_is_taken_only_where_it_holds_and_pays():
     # the causal kernel skips keys in blocks of 512: long rows pay, short ones do not
     long_rows = _padded_causal_mask([0, 30, 60, 90], [1104] * 4, 1024, 1104)
     assert torch.equal(causal_starts(long_rows, 1024), torch.tensor([0, 30, 60, 90]))
-    assert causal_starts(long_rows, 1024) is causal_starts(long_rows, 1024)  # decided once per mask
+    memo = TensorMemo()  # what the registered attention function keeps, once per mask
+    assert causal_starts(long_rows, 1024, memo) is causal_starts(long_rows, 1024, memo)  # decided once per mask
+    assert causal_starts(long_rows, 1024) is not causal_starts(long_rows, 1024)  # without a memo: at each call
+    assert not vars(long_rows)  # nothing written on the mask
     one_start = _padded_causal_mask([0] * 4, [700] * 4, 620, 700)  # one start: a smaller saving pays
     assert causal_starts(one_start, 620) is not None
     shorter = _padded_causal_mask([0, 30, 60, 84], [340] * 4, 256, 340)  # 256 responses after their prompts

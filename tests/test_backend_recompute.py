@@ -1,6 +1,7 @@
 """Cheap activations recomputed in backward (``backends/recompute.py``): same losses and
-gradients, fewer kept bytes; the modules are swapped by class, the recipes travel on the tensors
-and only a recording forward (its context, not another thread's) tags anything."""
+gradients, fewer kept bytes; the modules are swapped by class, the recipes are kept by the
+forward's recording (not on the tensors) and only a recording forward (its context, not another
+thread's) tags anything."""
 
 from __future__ import annotations
 
@@ -150,15 +151,16 @@ def test_a_forward_on_another_thread_is_not_recorded():
     )
     ids = torch.tensor([[1, 2, 3]])
     try:
-        with recompute.recomputing():
+        with recompute.recomputing() as recording:
             worker = threading.Thread(target=lambda: model(input_ids=ids), name="worker")
             worker.start()
             worker.join()
             model(input_ids=ids)
     finally:
         hook.remove()
-    assert recompute.recipe_of(outputs["worker"]) is None
-    assert recompute.recipe_of(outputs[threading.current_thread().name]) is not None
+    assert recording.recipe_of(outputs["worker"]) is None
+    assert recording.recipe_of(outputs[threading.current_thread().name]) is not None
+    assert not any(vars(out) for out in outputs.values())  # the recording holds the recipes, not the tensors
 
 
 def adapted_tiny(seed: int = 3):

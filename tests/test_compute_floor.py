@@ -5,8 +5,6 @@ real forward (eager attention, which multiplies every query-key pair, so the cou
 ``tokens^2`` pairs); the causal pair count against explicit masks.
 """
 
-import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -86,7 +84,7 @@ def test_a_steps_phases_add_up_to_it_the_update_three_reference_forwards(tiny):
     assert full["logprobs"] == frozen["logprobs"]  # the reference is the same forward either way
 
 
-# ------------------------------------------------------------------ decoding's reads (the roofline)
+# ------------------------------------------------------------------ decoding's reads (the bandwidth floor)
 SHAPE = compute_floor.ModelShape(
     body_params=1000, head_params=500, hidden=8, intermediate=16, layers=2, attn_width=8, kv_width=4
 )
@@ -103,22 +101,6 @@ def test_decoding_steps_read_every_rows_cache():
     assert compute_floor.decode_steps({**fixed_step(), "tokens": 19}) is None  # natural lengths: rows unknown per step
 
 
-def test_the_roofline_is_the_compute_floor_where_reading_is_free_and_the_reads_where_they_bind():
-    step, rate = fixed_step(), 1e9
-    floor = compute_floor.step_flops(step, SHAPE) / rate
-    assert compute_floor.step_roofline_s(step, SHAPE, rate, float("inf"), 4) == pytest.approx(floor)
-    slow = 1.0  # one byte per second: every decoding step waits on its reads
-    reads = sum((1500 * 4 + 2 * 2 * 4 * 4 * cached) / slow for _, cached in compute_floor.decode_steps(step))
-    decode_compute = sum(
-        (compute_floor.linear_flops(SHAPE, 0, rows) + compute_floor.attention_flops(SHAPE, cached)) / rate
-        for rows, cached in compute_floor.decode_steps(step)
-    )
-    got = compute_floor.step_roofline_s(step, SHAPE, rate, slow, 4)
-    assert got == pytest.approx(floor - decode_compute + reads)
-    assert compute_floor.step_roofline_s(step, SHAPE, rate, slow, 2) < got  # bfloat16 reads half the bytes
-    assert compute_floor.step_roofline_s(step, dataclasses.replace(SHAPE, kv_width=0), rate, slow, 4) is None
-
-
 def test_the_decoding_floor_is_the_bytes_every_decoding_step_reads_over_the_bandwidth():
     step = fixed_step()  # 4 rows x 5 tokens: 4 decoding steps after the prefill's token
     reads = [1500 * 2 + 2 * 2 * 4 * 2 * (12 + 4 * t) for t in range(1, 5)]  # weights, then every row's cache
@@ -126,28 +108,22 @@ def test_the_decoding_floor_is_the_bytes_every_decoding_step_reads_over_the_band
     assert compute_floor.decode_floor_s({**step, "tokens": 19}, SHAPE, 10.0, 2) is None
 
 
-def test_a_saved_lengths_result_is_reported_again_with_the_roofline(tmp_path, capsys):
-    import vs_trl_lengths
+def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_their_flops():
+    import floor
+    import workloads
 
-    steps = [fixed_step(length=n) | {"step_s": 2.0 * n} for n in (5, 50)]
-    rows = [
-        {"side": "ours", "max_new_tokens": s["tokens"] // 4, "micro_batch": 0, "s/step": s["step_s"], "per_step": [s]}
-        | {"floor_s": 1.0, "x_floor": 1.0}
-        for s in steps
-    ]
-    meta = {
-        "model_shape": dataclasses.asdict(SHAPE),
-        "matmul_gflops": 1.0,
-        "read_gbps": 1e-9,  # 1 byte/s: the reads bind
-        "workload": {"dtype": "float32", "natural": False, "prompts": 2, "group": 2, "threads": 2, "lora_rank": 0},
-    }
-    result = tmp_path / "lengths.json"
-    result.write_text(json.dumps({"meta": meta, "rows": rows}))
-    vs_trl_lengths.main([str(result), "--plot", str(tmp_path / "lengths.png")])
-    saved = json.loads(result.read_text())["rows"]
-    assert (tmp_path / "lengths.png").stat().st_size > 0
-    for row, step in zip(saved, steps):
-        roofline = compute_floor.step_roofline_s(step, SHAPE, 1e9, 1.0, 4)
-        assert row["roofline_s"] == pytest.approx(roofline)
-        assert row["x_roofline"] == pytest.approx(step["step_s"] / roofline)
-    assert "x_roofline" in capsys.readouterr().out
+    step = lambda t, extra=0.0: fixed_step() | {
+        "step_s": t, "gen_s": t / 4, "reward_s": 0.0, "logprobs_s": t / 4, "update_s": t / 2,
+        "rss_bytes": 2**30, "graph_record_s": extra, "logprob_diff_max": 0.0,
+    }  # fmt: skip
+    run = {"steps": [step(9.0, 1.0), step(2.0), step(4.0), step(50.0)], "profile": {"step": 3, "phases": {}}}
+    run |= {"peak_rss_bytes": 2**30, "tree_peak_rss_bytes": 2**31, "wall_s": 70.0}
+    rate = 1e3
+    row = floor.summary(
+        {"mode": "full"}, [run], workloads.side_by_side(), {"shape": SHAPE, "rate": rate, "bandwidth": 10.0}
+    )
+    assert row["step_s"] == 3.0  # the median of steps 1 and 2: the first (warm-up) and the profiled one left out
+    flops = compute_floor.step_flops(fixed_step(), SHAPE)
+    assert row["floor_s"] == pytest.approx(flops / rate) and row["x_floor"] == pytest.approx(3.0 * rate / flops)
+    assert row["warmup_s"] == 6.0 and row["graph_record_s"] == 1.0 and row["startup_s"] == 5.0
+    assert row["gen_x_floor"] == pytest.approx(0.75 / compute_floor.decode_floor_s(fixed_step(), SHAPE, 10.0, 4))

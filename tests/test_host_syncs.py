@@ -157,13 +157,14 @@ def test_noise_made_with_the_kept_component_hashes_is_the_noise_made_without_the
         angle = (2.0 * math.pi / 2.0**32) * bits[:, 1::2].double()
         return torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], -1).flatten(1)[:, :dim].float()
 
-    records._COMPONENT_HASHES.clear()
+    hashes = records.ComponentHashes()  # a decoding loop's (DecodeState's)
     with torch.inference_mode():  # kept from a rollout's inference mode, read by training after it
-        assert torch.equal(noise_vectors(seeds, 9), uncached(9))
+        assert torch.equal(noise_vectors(seeds, 9, hashes), uncached(9))
     for dim in (9, 10, 64):  # a kept width again, a width of the same pairs, a new one
-        assert torch.equal(noise_vectors(seeds, dim), uncached(dim))
-    assert sorted(count for count, _ in records._COMPONENT_HASHES) == [10, 64]
-    assert not any(t.is_inference() for t in records._COMPONENT_HASHES.values())
+        assert torch.equal(noise_vectors(seeds, dim, hashes), uncached(dim))
+        assert torch.equal(noise_vectors(seeds, dim), uncached(dim))  # none kept: made at the call
+    assert sorted(count for count, _ in hashes.kept) == [10, 64]
+    assert not any(t.is_inference() for t in hashes.kept.values())
 
 
 def test_an_explorer_that_may_wait_is_named_once_where_waits_cost(tiny, caplog):

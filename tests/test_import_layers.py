@@ -52,6 +52,7 @@ LAYERS = {
     "ngrpo_lightning.config": 0,
     "ngrpo_lightning.schema": 0,
     "ngrpo_lightning.phases": 0,
+    "ngrpo_lightning.compat": 0,  # other libraries' internals: read by every layer above
     "ngrpo_lightning.explorers": 1,
     "ngrpo_lightning.objectives": 1,
     "ngrpo_lightning.data": 1,

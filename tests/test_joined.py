@@ -34,6 +34,9 @@ class KeepsActivations(CUDABackend):
     """The CUDA backend's choices on a GPU large enough to keep the MLPs' activations (the CPU,
     with no GPU to weigh them against, has its MLPs recompute them)."""
 
+    def __init__(self, *args, **kwargs):  # with fewer kernels per layer, off by default until measured on a GPU
+        super().__init__(*args, enable=["fewer_kernels_per_layer"], **kwargs)
+
     def recomputes(self, model: torch.nn.Module) -> bool:
         return False
 
@@ -67,7 +70,7 @@ def test_inside_a_rollout_queries_keys_and_values_come_from_one_product(tiny, ar
         model = trained_lora()
     else:
         model = qwen2_with_biases()
-    CUDABackend(torch.float32).prepare(model.eval())
+    CUDABackend(torch.float32, enable=["fewer_kernels_per_layer"]).prepare(model.eval())
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
 
@@ -186,7 +189,7 @@ def test_weights_moved_since_they_were_joined_are_multiplied_apart_not_copied(ti
     from ngrpo_lightning.backends.passes import packed_for_pass
 
     model = copy.deepcopy(tiny[0])
-    backend = CUDABackend(torch.float32)
+    backend = CUDABackend(torch.float32, enable=["fewer_kernels_per_layer"])
     backend.on_device(backend.prepare(model, trains=True))
     mlp = mlps(model)[0]
     with torch.no_grad():

@@ -12,6 +12,8 @@ from test_joined import Products
 
 from ngrpo_lightning.backends.fused import FusedGatedMLP
 
+JOINS = ["fewer_kernels_per_layer", "joined_reference"]  # off by default until measured on a GPU
+
 
 def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny):
     """``RLModule.on_fit_start`` hands the policy, on its device by then, to the backend's
@@ -19,10 +21,10 @@ def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny)
     policy's gate and up weights are joined, and its training steps go on from there."""
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
-    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend
     from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
 
-    backend = CUDAEagerBackend(torch.float32)
+    backend = CUDABackend(torch.float32, disable=["decode_graphs"], enable=JOINS)
     module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
     backend.prepare(module.policy, trains=True)
     mlp = mlps(module.policy)[0]
@@ -39,11 +41,11 @@ def test_a_fit_joins_the_frozen_reference_too_and_its_log_probs_stay_those_of_th
     each projection multiplied apart."""
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
-    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend
     from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
     from ngrpo_lightning.objectives import GRPO
 
-    backend = CUDAEagerBackend(torch.float32)
+    backend = CUDABackend(torch.float32, disable=["decode_graphs"], enable=JOINS)
     module, datamodule = tiny_rl(
         tiny, ScriptedReward([1, 0]), objective=GRPO(kl_coef=0.1), backend=backend, reference=copy.deepcopy(tiny[0])
     )
@@ -72,12 +74,12 @@ def test_a_validation_on_its_own_joins_them_too(tiny):
     policy's projections are joined before its first validation rollout."""
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
-    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend
     from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
     from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.rollout import RolloutDataModule
 
-    backend = CUDAEagerBackend(torch.float32)
+    backend = CUDABackend(torch.float32, disable=["decode_graphs"], enable=JOINS)
     module, _ = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
     backend.prepare(module.policy, trains=True)
     problems = reasoning_gym_problems(["chain_sum"], 2, seed=0)

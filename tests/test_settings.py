@@ -79,6 +79,11 @@ def test_checks_name_the_key_once(make, message):
         (["trainer=cpu", "backend.name=cuda"], "backend.name='cuda' computes on cuda, and this run on cpu"),
         (["backend.attention=flash"], "backend.attention='flash' is not an attention transformers knows: allowed auto"),
         (["backend.packing=yes"], "backend.packing='yes' is unknown: allowed ['auto', 'off', 'on']"),
+        (
+            ["trainer=cpu", "backend.disable=[decode_graphs]"],
+            "backend.disable=['decode_graphs']: 'decode_graphs' is not a speed-up of the cpu backend "
+            "(decode_graphs is a speed-up of cuda)",
+        ),
         (["rollout.group_size=abc"], "rollout.group_size='abc' must be an integer"),
         (
             ["rollout.group_size=1"],

@@ -62,7 +62,12 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, device: 
         # CUDA backend's choice (a copy: the tiny model is far under its share) and graphs recorded,
         # against its eager baseline, which decodes through the policy
         backend, eager, copying, graphs = (
-            (BACKENDS["cuda"], BACKENDS["cuda_eager"], BACKENDS["cuda"], None)
+            (
+                BACKENDS["cuda"],
+                partial(BACKENDS["cuda"], disable=["decode_graphs"]),
+                partial(BACKENDS["cuda"], enable=["decoding_copy", "whole_step_graphs"]),
+                None,
+            )
             if device == "cuda"
             else (Backend, Backend, CopyingBackend, "rerun")
         )
@@ -89,7 +94,7 @@ def _worker(rank: int, world: int, port: int, out: str, adapters: bool, device: 
             kept = on_copy._copy.model
             made["copy sum", step] = sum(p.double().sum().item() for p in kept.parameters())
             made["addresses", step] = [p.data_ptr() for p in kept.parameters()]
-            made["graphs", step] = id(on_copy._caches.graphs.get(6))
+            made["graphs", step] = id(on_copy.decoding.caches.graphs.get(6))
             with torch.no_grad():  # an optimizer step moves the trained weights (each rank its shards)
                 for p in policy.parameters():
                     if p.requires_grad:
@@ -274,14 +279,15 @@ def test_the_cpu_backend_keeps_a_copy_only_where_every_process_s_copy_is_a_minor
 
 
 def test_the_cuda_backend_keeps_a_copy_only_where_it_is_a_minor_share_of_the_gpu():
-    backend = CUDABackend(torch.bfloat16)
+    assert CUDABackend(torch.bfloat16).copy_within_share is None  # off by default until measured on a GPU
+    backend = CUDABackend(torch.bfloat16, enable=["decoding_copy"])
     if not torch.cuda.is_available():
         assert not backend.decodes_sharded_on_copy(1, torch.device("cpu"))  # no GPU to replay graphs on
         pytest.skip("the share of a GPU's memory needs a GPU")
     total = torch.cuda.get_device_properties(0).total_memory  # pragma: no cover - no GPU in CI
     assert backend.decodes_sharded_on_copy(total // 8, torch.device("cuda", 0))
     assert not backend.decodes_sharded_on_copy(total // 2, torch.device("cuda", 0))
-    backend.decode_graphs = None  # cuda_eager: nothing to record, no copy
+    backend.decode_graphs = None  # decode_graphs off: nothing to record, no copy
     assert not backend.decodes_sharded_on_copy(total // 8, torch.device("cuda", 0))
 
 
@@ -294,7 +300,7 @@ def test_on_a_gpu_a_sharded_policy_decodes_on_a_copy_from_graphs(tmp_path, adapt
     from test_hf_engine_live_rows import assert_same_rollouts
 
     (made,) = _run(tmp_path, adapters, device="cuda")
-    assert made["refused"]  # cuda_eager: through the policy
+    assert made["refused"]  # decode_graphs off: through the policy
     for step in range(2):
         copy, through = made["copy", step], made["through", step]
         assert copy.stats["rollout/graphs_whole_step"] == 1.0 and copy.stats["rollout/sharded_on_copy"] == 1.0

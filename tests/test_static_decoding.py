@@ -148,7 +148,7 @@ def test_compiling_through_the_cpu_backends_packed_products_is_refused_with_the_
     backend = CPUBackend(torch.float32, packing="on")
     backend.prepare(model)
     engine = HFEngine(model, tok, max_new_tokens=4, seed=0, backend=backend, static_cache=True, graphs="compile")
-    with pytest.raises(ValueError, match="packed .* products: decode with backend.packing=off"):
+    with pytest.raises(ValueError, match=r"packed .* products: decode with backend.disable=\[packed_products\]"):
         engine.generate(chat_prompt_ids(tok, QUESTIONS), EXPLORERS["greedy"](), n=1)
 
 
@@ -200,13 +200,13 @@ def test_graphs_false_runs_the_static_cache_eagerly_whatever_the_backend_says(ti
 
     model, tok = tiny
     engine = HFEngine(model, tok, max_new_tokens=12, seed=0, backend=CUDABackend(), graphs=False)
-    assert engine._static() and engine._replay() is None
+    assert engine.decoding.static and engine.decoding.replay is None
     fixed = engine.generate(chat_prompt_ids(tok, QUESTIONS), EXPLORERS["gaussian"](), n=2)
     grown = HFEngine(model, tok, max_new_tokens=12, seed=0).generate(
         chat_prompt_ids(tok, QUESTIONS), EXPLORERS["gaussian"](), n=2
     )
     assert_same_rollouts(fixed, grown)
-    assert engine._caches.graphs == {} and "rollout/graph_warmup_s" not in fixed.stats
+    assert engine.decoding.caches.graphs == {} and "rollout/graph_warmup_s" not in fixed.stats
 
 
 def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
@@ -226,14 +226,14 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
             kept.generate(prompts, make(), n=2, max_new_tokens=max_new),
             grown.generate(prompts, make(), n=2, max_new_tokens=max_new),
         )
-        cache = kept._caches.kept[6]
+        cache = kept.decoding.caches.kept[6]
         storages.append(cache.layers[0].key_buffer.data_ptr())
-        graphs.append(kept._caches.graphs[6])
+        graphs.append(kept.decoding.caches.graphs[6])
         length = cache.layers[0].max_cache_len
         assert length % 64 == 0 and bucket_width(length) == length  # a GPU's attention reads it in place
     assert storages[0] == storages[1] and graphs[0] is graphs[1]  # the second rollout fit the kept cache
     assert storages[2] != storages[1] and graphs[2] is not graphs[1]  # the third needed a longer one
-    assert kept._caches.kept[6].layers[0].max_cache_len >= max(map(len, long)) + 12
+    assert kept.decoding.caches.kept[6].layers[0].max_cache_len >= max(map(len, long)) + 12
     head = model.get_output_embeddings()
     original = head.weight
     try:
@@ -241,7 +241,7 @@ def test_the_engine_keeps_its_static_cache_and_graphs_across_rollouts(tiny):
         assert_same_rollouts(
             kept.generate(short, EXPLORERS["greedy"](), n=2), grown.generate(short, EXPLORERS["greedy"](), n=2)
         )
-        assert kept._caches.graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
+        assert kept.decoding.caches.graphs[6] is not graphs[2]  # recorded again: the old graphs read the old address
     finally:
         head.weight = original
 
@@ -262,14 +262,15 @@ def test_the_engine_keeps_the_caches_of_the_two_batch_sizes_used_last(tiny):
         make = EXPLORERS["gaussian"]
         assert_same_rollouts(kept.generate(prompts, make(), n=n), grown.generate(prompts, make(), n=n))
         rows = 3 * n
-        made.setdefault(rows, []).append(weakref.ref(kept._caches.kept[rows]))
-        assert set(kept._caches.graphs) == set(kept._caches.kept) and len(kept._caches.kept) <= 2
-    assert list(kept._caches.kept) == [9, 3]  # the last used last
+        made.setdefault(rows, []).append(weakref.ref(kept.decoding.caches.kept[rows]))
+        caches = kept.decoding.caches
+        assert set(caches.graphs) == set(caches.kept) and len(caches.kept) <= 2
+    assert list(kept.decoding.caches.kept) == [9, 3]  # the last used last
     gc.collect()
     assert made[6][0]() is None  # the third size's cache was let go, its graphs with it
     assert made[3][0]() is made[3][1]() is not None and made[3][1]() is made[3][2]()  # size 3 was never the oldest
     with pytest.raises(ValueError, match="keep=0"):
-        type(kept._caches)(keep=0)
+        type(kept.decoding.caches)(keep=0)
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16-float32-adapters"])
@@ -291,7 +292,7 @@ def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_rea
         for p in policy.parameters():
             if p.requires_grad:
                 p.data = p.data.float()  # peft's float32 adapters on the bfloat16 model
-    backend = CUDABackend(policy.dtype)
+    backend = CUDABackend(policy.dtype, enable=["fewer_kernels_per_layer"])  # gate and up joined too
     backend.on_device(backend.prepare(policy, trains=half))  # the lean LoRA layers, plain products (as on a GPU)
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -313,7 +314,7 @@ def test_lora_decoding_from_graphs_keeps_its_merged_weights_where_the_graphs_rea
         a = replayed.generate(prompts, EXPLORERS["gaussian"](), n=2)
         b = anew.generate(prompts, EXPLORERS["gaussian"](), n=2)
         assert_same_rollouts(a, b)
-        graphs.append(replayed._caches.graphs[6])
+        graphs.append(replayed.decoding.caches.graphs[6])
     assert graphs[0] is graphs[1] is graphs[2]  # never recorded again
     # o and down keep their own; q, k and v write theirs into their attention's one copy, gate and up
     # into their MLP's

@@ -67,9 +67,9 @@ def test_whole_steps_on_the_graphs_buffers_give_the_rollouts_of_the_plain_static
     model, tok = tiny
     (plain,), _, _, _ = rollouts(model, tok, CAPTURABLE[name], graphs=None)
     (replayed,), sizes, engine, _ = rollouts(model, tok, CAPTURABLE[name], graphs="rerun")
-    assert isinstance(engine._caches.graphs[6], StepGraphs)  # the whole step, not the model's only
+    assert isinstance(engine.decoding.caches.graphs[6], StepGraphs)  # the whole step, not the model's only
     with pytest.raises(TypeError, match="step"):  # never the model's step alone
-        engine._caches.graphs[6](None, None, None, None)
+        engine.decoding.caches.graphs[6](None, None, None, None)
     assert replayed.stats["rollout/graphs_whole_step"] == 1.0 and "rollout/graphs_whole_step" not in plain.stats
     assert_same_rollouts(replayed, plain)
     assert torch.equal(replayed.rollout_logprobs, plain.rollout_logprobs)  # the same kernels on the same values
@@ -98,7 +98,7 @@ def test_a_whole_step_never_waits_for_the_device(tiny, name):
         engine.generate(prompts[:1], explorer, n=2)  # the explorer's index is built at its first rollout
         with HostSyncs() as syncs:
             engine.generate(prompts, explorer, n=2)
-        assert isinstance(engine._caches.graphs[6], StepGraphs)
+        assert isinstance(engine.decoding.caches.graphs[6], StepGraphs)
         counts.append(len(syncs.ops))
     assert counts[0] == counts[1], counts
 
@@ -112,7 +112,7 @@ def test_the_user_written_explorer_of_the_docs_runs_as_a_whole_step(tiny, monkey
     model, tok = tiny
     (plain,), _, _, _ = rollouts(model, tok, lambda: TopTwoBlend(rho=0.5), graphs=None)
     (replayed,), _, engine, _ = rollouts(model, tok, lambda: TopTwoBlend(rho=0.5), graphs="rerun")
-    assert isinstance(engine._caches.graphs[6], StepGraphs) and len(replayed.records) > 5
+    assert isinstance(engine.decoding.caches.graphs[6], StepGraphs) and len(replayed.records) > 5
     assert_same_rollouts(replayed, plain)
 
 
@@ -121,15 +121,15 @@ def test_kept_step_graphs_serve_the_next_rollout_and_an_explorer_with_other_sett
     make = CAPTURABLE["topk_gumbel"]
     plain, _, _, _ = rollouts(model, tok, make, graphs=None, times=2)
     replayed, _, engine, explorer = rollouts(model, tok, make, graphs="rerun", times=1)
-    first = engine._caches.graphs[6]
+    first = engine.decoding.caches.graphs[6]
     prompts = chat_prompt_ids(tok, QUESTIONS)
     replayed.append(engine.generate(prompts, explorer, n=2))
-    assert engine._caches.graphs[6] is first  # the same explorer, settings and tensors: kept
+    assert engine.decoding.caches.graphs[6] is first  # the same explorer, settings and tensors: kept
     for a, b in zip(replayed, plain):  # the second rollout on the kept state and buffers, refilled
         assert_same_rollouts(a, b)
     explorer.inner.rho = 0.25
     engine.generate(prompts, explorer, n=2)
-    assert engine._caches.graphs[6] is not first  # rho was read when the step was recorded
+    assert engine.decoding.caches.graphs[6] is not first  # rho was read when the step was recorded
 
 
 def test_an_explorer_that_replaces_its_state_is_refused_by_the_check_and_runs_between_model_steps_undeclared(tiny):
@@ -144,21 +144,22 @@ def test_an_explorer_that_replaces_its_state_is_refused_by_the_check_and_runs_be
     engine = HFEngine(model, tok, max_new_tokens=4, seed=0, static_cache=True, graphs="rerun")
     explorer = Undeclared(TemperatureExplorer(), ENDS, engine.eos_ids[0], rebind=True)
     batch = engine.generate(chat_prompt_ids(tok, QUESTIONS), explorer, n=2)
-    assert type(engine._caches.graphs[6]) is DecodeGraphs and batch.stats["rollout/graphs_whole_step"] == 0.0
+    assert type(engine.decoding.caches.graphs[6]) is DecodeGraphs and batch.stats["rollout/graphs_whole_step"] == 0.0
 
 
-def test_the_model_step_backend_records_the_models_step_alone_whatever_the_explorer_declares(tiny):
-    from ngrpo_lightning.backends.cuda import CUDABackend, CUDAModelStepBackend
+def test_without_whole_step_graphs_the_models_step_is_recorded_alone_whatever_the_explorer_declares(tiny):
+    from ngrpo_lightning.backends.cuda import CUDABackend
 
     model, tok = tiny
     prompts = chat_prompt_ids(tok, QUESTIONS)
     batches = {}
-    for backend in (CUDABackend(), CUDAModelStepBackend()):  # chosen, not run on a GPU: "rerun" replays
+    whole, model_step = CUDABackend(enable=["whole_step_graphs"]), CUDABackend(disable=["whole_step_graphs"])
+    for name, backend in (("whole", whole), ("model_step", model_step)):  # chosen, not run on a GPU: "rerun"
         engine = HFEngine(model, tok, max_new_tokens=6, seed=0, backend=backend, graphs="rerun")
-        batches[type(backend)] = engine.generate(prompts, CAPTURABLE["gaussian"](), n=2)
-        held = type(engine._caches.graphs[6])
-        assert held is (StepGraphs if backend.decode_whole_steps else DecodeGraphs), held
-    assert_same_rollouts(batches[CUDABackend], batches[CUDAModelStepBackend])
+        batches[name] = engine.generate(prompts, CAPTURABLE["gaussian"](), n=2)
+        held = type(engine.decoding.caches.graphs[6])
+        assert held is (StepGraphs if name == "whole" else DecodeGraphs), held
+    assert_same_rollouts(batches["whole"], batches["model_step"])
 
 
 def test_what_declares_a_step_capturable():
@@ -206,7 +207,7 @@ def test_recorded_whole_steps_give_the_eager_rollouts_on_a_gpu(tiny_on_a_gpu):  
             explorer = EndsOnTheDevice(CAPTURABLE[name](), ENDS, engine.eos_ids[0])
             explorer.ends, explorer.count = explorer.ends.cuda(), explorer.count.cuda()
             runs[graphs] = [engine.generate(prompts, explorer, n=2) for _ in range(2)]
-        assert isinstance(engine._caches.graphs[6], StepGraphs)
+        assert isinstance(engine.decoding.caches.graphs[6], StepGraphs)
         warmups = [run.stats["rollout/graph_warmup_s"] for run in runs["cuda"]]
         assert warmups[0] > 0 == warmups[1], warmups  # the second rollout replays the kept graphs
         for i, (replayed, eager) in enumerate(zip(runs["cuda"], runs[False])):

@@ -1,5 +1,5 @@
-"""benchmarks/step_memory_phases.py: each phase gets its own peak-RSS mark, and a phase
-inside another counts towards both (Linux: /proc/self/clear_refs)."""
+"""benchmarks/memory_phases.py (harness.py profile): each phase gets its own peak-RSS mark, and a
+phase inside another counts towards both (Linux: /proc/self/clear_refs)."""
 
 import sys
 from pathlib import Path
@@ -10,7 +10,8 @@ import torch
 if not Path("/proc/self/clear_refs").exists():
     pytest.skip("needs Linux's /proc/self/clear_refs", allow_module_level=True)
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import step_memory_phases as smp  # noqa: E402
+import memory_phases as smp  # noqa: E402
+from common import rss_bytes  # noqa: E402
 
 MIB = 2**20
 
@@ -22,7 +23,7 @@ def touch(mib: int) -> torch.Tensor:
 def test_phase_peaks_are_separate_and_nested_phases_count_in_both():
     meter = smp.PhaseMeter(trim=True)
     with meter.phase("update"):
-        start = smp.rss_bytes()
+        start = rss_bytes()
         big = touch(300)
         del big
         with meter.phase("optimizer"):

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ngrpo_lightning.config import ConfigError, compose
 from ngrpo_lightning.explorers import NeighborMixingExplorer, TemperatureExplorer
-from ngrpo_lightning.rollout import HFEngine, hf_engine
+from ngrpo_lightning.rollout import HFEngine, decoding
 from ngrpo_lightning.rollout.kv_cache import ReservedLayer
 
 QUESTIONS = [
@@ -22,7 +22,7 @@ QUESTIONS = [
 
 # ------------------------------------------------------------------ ReservedLayer
 def rollouts(model, tokenizer, explorer, cache_factory, monkeypatch, n=3, max_new_tokens=12, backend=None):
-    monkeypatch.setattr(hf_engine, "reserved_cache", cache_factory)
+    monkeypatch.setattr(decoding, "reserved_cache", cache_factory)
     engine = HFEngine(model, tokenizer, max_new_tokens=max_new_tokens, seed=5, backend=backend)
     return engine.generate(chat_prompt_ids(tokenizer, QUESTIONS), explorer, n=n)
 
@@ -160,10 +160,10 @@ def test_a_bfloat16_rollout_keeps_its_cache_in_float32_with_the_same_tokens(monk
     assert torch.equal(wide.response_ids, plain.response_ids)
     assert torch.equal(wide.rollout_logprobs, plain.rollout_logprobs)
     # one prompt: no padding, so no mask at all (transformers passes None)
-    monkeypatch.setattr(hf_engine, "reserved_cache", ours)
+    monkeypatch.setattr(decoding, "reserved_cache", ours)
     one = HFEngine(model, tok, max_new_tokens=6, seed=5, backend=backend)
     alone = one.generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer, n=1)
-    monkeypatch.setattr(hf_engine, "reserved_cache", lambda cap, store, reads=None: DynamicCache())
+    monkeypatch.setattr(decoding, "reserved_cache", lambda cap, store, reads=None: DynamicCache())
     alone_plain = HFEngine(model, tok, max_new_tokens=6, seed=5).generate(chat_prompt_ids(tok, QUESTIONS[:1]), explorer)
     assert caches[-1].layers[0].key_buffer.dtype == torch.float32
     assert torch.equal(alone.response_ids, alone_plain.response_ids)

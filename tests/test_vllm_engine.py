@@ -48,7 +48,7 @@ def test_the_engine_runs_model_runner_v1_by_its_own_choice(engine):
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as ModelRunnerV1
 
-    from ngrpo_lightning.rollout.vllm_runner_patch import PATCHED_RUNNER
+    from ngrpo_lightning.compat.vllm import PATCHED_RUNNER
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert engine.llm.llm_engine.vllm_config.use_v2_model_runner is False

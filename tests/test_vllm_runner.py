@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from ngrpo_lightning.compat import vllm as patch
+from ngrpo_lightning.compat.vllm import PATCHED_RUNNER, check_runner
 from ngrpo_lightning.explorers import ExplorerStep
-from ngrpo_lightning.rollout import vllm_runner_patch as patch
-from ngrpo_lightning.rollout.vllm_runner_patch import PATCHED_RUNNER, RolloutSession, StepRecords, check_runner
+from ngrpo_lightning.rollout.vllm_session import RolloutSession, StepRecords
 from ngrpo_lightning.rollout.vllm_support import RUNNER_ENV, VLLMRunnerError, VLLMVersionError, select_model_runner_v1
 
 
@@ -130,7 +131,7 @@ class ScriptedExplorer:
 
 @pytest.fixture
 def session(monkeypatch):
-    monkeypatch.setattr(patch, "_sampler_output", lambda tokens: tokens)  # vLLM's SamplerOutput is not needed here
+    monkeypatch.setattr(patch, "sampler_output", lambda tokens: tokens)  # vLLM's SamplerOutput is not needed here
     E = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
     return RolloutSession(embedding=E, temperature=1.0, explorer=ScriptedExplorer())
 

@@ -1,4 +1,4 @@
-"""benchmarks/vs_trl.py: both sides are configured with the same workload.
+"""benchmarks/harness.py vs_trl: both sides are configured with the same workload (workloads.py).
 
 Built from the functions the benchmark configures each side with (our composed config, TRL's
 ``GRPOConfig`` and trainer), on the tiny model (the real SmolLM2 tokenizer and chat template);
@@ -18,36 +18,43 @@ import torch
 
 trl = pytest.importorskip("trl")  # its names load when first used
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import harness  # noqa: E402
+import side_ours  # noqa: E402
+import sides as sides_of  # noqa: E402
 import vs_trl  # noqa: E402
-import vs_trl_ours  # noqa: E402
+import workloads  # noqa: E402
 
 # TRL's trainer warns, on import, that the vLLM installed for this project's tests is newer than it
 # supports; these tests never generate with vLLM
 pytestmark = pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions:UserWarning")
 
-WORKLOAD = dataclasses.replace(vs_trl.Workload(), model="tiny", steps=2)
+WORKLOAD = workloads.side_by_side(model="tiny", steps=2)
 
 
 @pytest.fixture(scope="module")
 def trl_side():
-    """The benchmark's TRL side (``benchmarks/vs_trl_trl.py``)."""
-    import vs_trl_trl
+    """The benchmark's TRL side (``benchmarks/side_trl.py``)."""
+    import side_trl
 
-    return vs_trl_trl
+    return side_trl
 
 
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory, trl_side):
     """(our composed config, TRL's trainer) of the workload."""
     out = tmp_path_factory.mktemp("vs-trl")
-    cfg = vs_trl_ours.ours_config(WORKLOAD, str(out / "ours"))
+    cfg = side_ours.ours_config(WORKLOAD, str(out / "ours"))
     with trl_side.math_reward_of(WORKLOAD) as reward:
         yield cfg, trl_side.build_trainer(WORKLOAD, str(out / "trl"), reward)
 
 
+def workload_of(*argv):
+    return harness.workload_from(harness.parser().parse_args(list(argv)))
+
+
 def test_the_defaults_are_the_benchmark_workload():
-    w = vs_trl.workload_from(vs_trl.parse_args([]))
-    assert w == vs_trl.Workload()
+    w = workload_of("vs_trl")
+    assert w == workloads.Workload() == workloads.side_by_side()
     assert (w.model, w.dtype, w.prompts, w.group, w.tokens) == ("smollm2-135m-instruct", "float32", 4, 8, 40)
     assert (w.temperature, w.kl_coef, w.threads, w.natural, w.engine) == (1.0, 0.001, 2, False, "hf")
 
@@ -56,7 +63,7 @@ def test_same_prompts_in_the_same_order(sides):
     """Step k: TRL's batch, as its sampler draws and its tokenizer encodes it, is our k-th prompt
     batch (chat template applied), each prompt repeated group-size times in a row."""
     _, trainer = sides
-    ours = vs_trl_ours.prompt_batches(WORKLOAD)
+    ours = side_ours.prompt_batches(WORKLOAD)
     theirs = list(itertools.islice(trainer.get_train_dataloader(), WORKLOAD.steps))
     assert len(ours) == len(theirs) == WORKLOAD.steps
     for our_batch, rows in zip(ours, theirs):
@@ -103,7 +110,7 @@ def test_micro_batches_split_the_same_update_on_both_sides(tmp_path, trl_side):
     """--micro-batch: the same rows per forward/backward on both sides, still one generation of
     the whole batch and one optimizer update per step."""
     split = dataclasses.replace(WORKLOAD, micro_batch=8)
-    cfg, args = vs_trl_ours.ours_config(split, str(tmp_path)), trl_side.trl_config(split, str(tmp_path))
+    cfg, args = side_ours.ours_config(split, str(tmp_path)), trl_side.trl_config(split, str(tmp_path))
     batch = split.prompts * split.group
     assert cfg.optim.micro_batch_size == args.per_device_train_batch_size == 8
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == batch
@@ -112,19 +119,28 @@ def test_micro_batches_split_the_same_update_on_both_sides(tmp_path, trl_side):
         trl_side.trl_config(dataclasses.replace(WORKLOAD, micro_batch=5))
 
 
-def test_several_lengths_pair_with_their_micro_batches():
-    workloads = vs_trl.workloads_from(vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "0", "8"]))
-    assert [(w.tokens, w.micro_batch) for w in workloads] == [(40, 0), (256, 8)]
-    same = vs_trl.workloads_from(vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "4"]))
-    assert [w.micro_batch for w in same] == [4, 4]
+def test_the_options_change_the_workload_and_the_default_job_takes_only_its_own():
+    w = workload_of("vs_trl", "--tokens", "256", "--micro-batch", "8", "--no-saves", "--extra", "a=1", "b=2")
+    assert (w.tokens, w.micro_batch, w.saves, w.extra) == (256, 8, False, ("a=1", "b=2"))
+    assert workload_of("speedup", "x", "--steps", "3") == workloads.default_job(steps=3)
     with pytest.raises(SystemExit):
-        vs_trl.parse_args(["--tokens", "40", "256", "--micro-batch", "0", "8", "4"])
+        workload_of("speedup", "x", "--tokens", "256")  # the default job has no such setting
+
+
+def test_a_speedups_arms_differ_in_it_alone():
+    on, off = workloads.arms(WORKLOAD, "shared_prompts")
+    assert on.extra == ("backend.enable=[shared_prompts]",) and off.extra == ("backend.disable=[shared_prompts]",)
+    assert dataclasses.replace(on, extra=()) == dataclasses.replace(off, extra=()) == WORKLOAD
+    ours_on, ours_off = side_ours.ours_config(on), side_ours.ours_config(off)
+    assert list(ours_on.backend.enable) == list(ours_off.backend.disable) == ["shared_prompts"]
+    on, off = workloads.arms(workloads.default_job(), "nondeterministic")
+    assert side_ours.ours_config(off).trainer.deterministic and not side_ours.ours_config(on).trainer.deterministic
 
 
 def test_natural_lengths_keep_eos_on_both_sides(trl_side):
     natural = dataclasses.replace(WORKLOAD, natural=True)
     assert trl_side.trl_config(natural).generation_kwargs is None
-    assert not vs_trl_ours.ours_config(natural).rollout.ignore_eos
+    assert not side_ours.ours_config(natural).rollout.ignore_eos
 
 
 def test_same_objective_and_optimizer(sides):
@@ -149,17 +165,17 @@ def test_same_reward(sides):
 
 
 def test_each_side_saves_as_its_defaults_do_unless_told_not_to(trl_side):
-    ours, trl = vs_trl_ours.ours_config(WORKLOAD), trl_side.trl_config(WORKLOAD)
+    ours, trl = side_ours.ours_config(WORKLOAD), trl_side.trl_config(WORKLOAD)
     assert ours.trainer.get("enable_checkpointing", True) and ours.checkpoint.every_n_steps > 0
     assert str(trl.save_strategy).lower().endswith("steps") and trl.save_steps == 500  # TRL's own default
     quiet = dataclasses.replace(WORKLOAD, saves=False)
-    assert vs_trl_ours.ours_config(quiet).trainer.enable_checkpointing is False
+    assert side_ours.ours_config(quiet).trainer.enable_checkpointing is False
     assert str(trl_side.trl_config(quiet).save_strategy).lower().endswith("no")
 
 
 def test_the_trl_ac_side_is_trl_with_its_default_activation_checkpointing(tmp_path, trl_side):
-    script, changes = vs_trl.SIDES["trl-ac"]
-    assert script == vs_trl.SIDES["trl"][0]
+    script, changes = sides_of.SIDES["trl-ac"]
+    assert script == sides_of.SIDES["trl"][0]
     config = trl_side.trl_config(dataclasses.replace(WORKLOAD, **changes))
     default = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing
     assert config.gradient_checkpointing is default is True

@@ -101,13 +101,23 @@ def test_a_pass_at_a_bucket_width_or_with_a_cached_prefix_and_no_mask_is_not_pad
 
 def test_the_bias_hides_new_keys_lets_new_queries_read_and_is_made_once_per_forward():
     """``attention_bias``: the additive bias PyTorch's attention makes of a boolean mask (0 where a
-    key is read, -inf where not), at the padded widths, kept on the mask for every layer."""
+    key is read, -inf where not), at the padded widths, kept for every layer by the attention's memo
+    (nothing written on the mask) while the mask lives."""
+    import gc
+
+    from ngrpo_lightning.backends.memo import TensorMemo
     from ngrpo_lightning.backends.width_buckets import attention_bias
 
-    mask = _padded_rows_mask(5, 7)
-    bias = attention_bias(mask, 7, 64, 64, torch.bfloat16)
+    mask, memo = _padded_rows_mask(5, 7), TensorMemo()
+    bias = attention_bias(mask, 7, 64, 64, torch.bfloat16, memo)
     assert bias.shape == (3, 1, 64, 64) and bias.dtype == torch.bfloat16
-    assert attention_bias(mask, 7, 64, 64, torch.bfloat16) is bias  # once per forward: every layer reads it
+    assert attention_bias(mask, 7, 64, 64, torch.bfloat16, memo) is bias  # once per forward: every layer reads it
+    assert not vars(mask) and len(memo) == 1
+    gone = _padded_rows_mask(5, 7)
+    attention_bias(gone, 7, 64, 64, torch.bfloat16, memo)
+    del gone
+    gc.collect()
+    assert len(memo) == 1  # a mask's bias goes with the mask
     assert torch.equal(bias[..., :5, :7] == 0, mask) and (bias[..., :5, :7][~mask] == float("-inf")).all()
     assert (bias[..., :5, 7:] == float("-inf")).all() and (bias[..., 5:, :] == 0).all()
     assert torch.equal(attention_bias(mask, 6, 5, 6, torch.float32) == 0, mask[..., :6])  # the mask wider
@@ -201,14 +211,15 @@ def test_a_growing_cache_read_at_bucket_widths_decodes_as_one_read_at_its_length
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from ngrpo_lightning.backends.cuda import CUDAEagerBackend
+    from ngrpo_lightning.backends.cuda import CUDABackend
     from ngrpo_lightning.rollout.kv_cache import reserved_cache
 
     model = copy.deepcopy(tiny[0]).eval()
     AttentionInterface.register("sdpa_gpu_dispatch", _gpu_dispatch)
     ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gpu_dispatch", sdpa_mask)
     model.set_attn_implementation("sdpa_gpu_dispatch")
-    assert CUDAEagerBackend(torch.float32).kv_read_width(model) is None  # on the CPU: read at its length
+    eager = CUDABackend(torch.float32, disable=["decode_graphs"], enable=["width_buckets"])
+    assert eager.kv_read_width(model) is None  # on the CPU: read at its length
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     runs = []
     for read_width in (None, bucket_width):

@@ -43,8 +43,8 @@ def select_backend(name: str = "auto", dtype: torch.dtype = torch.float32, accel
 
 
 def backend_class(name: str = "auto", accelerator: str = "auto") -> type[Backend]:
-    """The class ``backend.name`` names (``auto``: the one for ``accelerator``'s device); one made
-    for another device than the run's is refused, naming those of the run's device."""
+    """The class ``backend.name`` names (``auto``: the one for ``accelerator``'s device); one for another device
+    than the run's is refused, naming those of the run's device."""
     device = device_type(accelerator)
     cls = BACKENDS.resolve(device if name in (None, "auto") else name)
     if cls.device_type != device:
@@ -57,10 +57,8 @@ def backend_class(name: str = "auto", accelerator: str = "auto") -> type[Backend
 
 
 def backend_for(model: torch.nn.Module) -> Backend:
-    """The default backend of ``model``'s device and dtype, for a model no run built a backend
-    for (a script, a benchmark, a module constructed by hand): only the model's device and dtype
-    are read. Nothing is measured or swapped until ``prepare(model)`` is called; an engine
-    decoding such a model is given the backend that prepared it, or keeps the model's dtype."""
+    """The default backend of ``model``'s device and dtype, for a model no run built a backend for (a script, a
+    benchmark). Nothing is measured or swapped until ``prepare(model)`` is called."""
     param = next(model.parameters())
     cls = CUDABackend if param.device.type == "cuda" else CPUBackend
     return cls(param.dtype)

@@ -1,33 +1,19 @@
 """The CPU backend: products on oneDNN-packed weights where this machine runs them faster.
 
-Whether a product on a packed weight pays depends on the CPU (its vector units, its oneDNN
-kernels) and on the shape: packing sped the packaged model's update up on an AMX machine and
-slowed it on an AVX2-only one (docs/performance.md, "Measurements behind the code"). So nothing
-is assumed: when a run is built, every
-distinct linear shape of the model is timed both ways at three kinds of product
-(:class:`~.linear.BackendLinear`): a decoding step's rows (``pack_once``: one packed copy per
-rollout), a frozen pass's rows (``pack_frozen``: the reference's log-probs) and a training
-forward and backward (``pack_per_product``); the packed way is taken where it is faster by at
-least :data:`MARGIN`. The answers are kept per machine (:mod:`.probe`), so a second run on the
-same machine and model does not measure again.
+Whether packing pays depends on the CPU (vector units, oneDNN kernels) and the shape (docs/performance.md, "Packed
+products, measured per machine"). So when a run is built every distinct linear shape is timed both ways at three kinds
+of product (:class:`~.linear.BackendLinear`): a decoding step's rows (``pack_once``), a frozen pass's rows
+(``pack_frozen``) and a training forward and backward (``pack_per_product``); packed is taken where it takes at most
+:data:`MARGIN` of the plain time. The answers are kept per machine (:mod:`.probe`). Also chosen here, same values:
 
-Also chosen here, each giving the same values:
+- attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.backends.attention`): grouped KV heads read in place;
+- a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in float32;
+- the frozen KL reference in an unlinked file between its passes on a one-process Linux run whose ``output_dir`` is
+  on a disk (:mod:`ngrpo_lightning.backends.file_weights`);
+- under FSDP2, rollouts on a copy of the policy's gathered weights (packed products, no FSDP2 hooks) where every
+  process's copy together takes at most ``copy_within_share`` of RAM (:mod:`ngrpo_lightning.rollout.sharded_decoding`).
 
-- attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.backends.attention`): grouped KV heads read in place,
-  decoding steps as two matmuls;
-- a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in
-  float32 (nothing is cast per step);
-- the frozen KL reference in an unlinked file between its passes on a one-process Linux run
-  whose ``output_dir`` is on a disk (:mod:`ngrpo_lightning.backends.file_weights`);
-- under FSDP2, rollouts on a copy of the policy's gathered weights, where every process's copy
-  together takes at most an eighth of the machine's memory
-  (:mod:`ngrpo_lightning.rollout.sharded_decoding`): the copy decodes on packed products and
-  without FSDP2's hooks at every step (the packaged model's rollout phase 1.8-2.1x faster,
-  ``benchmarks/fsdp_rollouts.py``, docs/performance.md).
-
-A half-precision model on a CPU without native bfloat16 products is warned about at start-up,
-with both rates as this machine measures them (there bfloat16 products can be tens of times
-slower than float32's).
+A half-precision model on a CPU without native bfloat16 products is warned about at start-up, with both rates.
 """
 
 from __future__ import annotations
@@ -40,8 +26,7 @@ from ngrpo_lightning.backends.linear import PackedLinearFunction, pack, packed_l
 from ngrpo_lightning.backends.probe import Measurements, faster, median_seconds
 
 MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
-# A training product's relative speed settles by about a thousand rows: larger passes are timed at this
-# many, so that measuring a model's shapes takes a second or two
+# A training product's relative speed settles by about a thousand rows: larger passes are timed at this many
 TRAIN_ROWS_TIMED = 1024
 HALF = (torch.bfloat16, torch.float16)
 PACKING = ("auto", "on", "off")
@@ -94,18 +79,32 @@ def matmul_rate(dtype: torch.dtype, size: int = 512) -> float:
 
 @BACKENDS.register("cpu")
 class CPUBackend(Backend):
-    """Models on the CPU (see the module docstring). ``measurements``: where answers are kept
-    (default: this machine's file); ``packing``: ``auto`` (measured), or ``on`` / ``off`` to
-    force both ways (tests and benchmarks compare them)."""
+    """Models on the CPU (see the module docstring). ``measurements``: where answers are kept (default: this
+    machine's file); ``packing``: ``auto`` (measured), or ``on`` / ``off`` to force either way."""
 
     device_type = "cpu"
     default_attention = attention.NAME
+    # LM-head softmax recomputed, not kept: more peak memory for little time (docs/performance.md, "The allocator")
+    keep_softmax_mib = 0
+    attention_speedup = "grouped_attention"
     chooses_packing = True
+    speedups = (
+        *Backend.speedups,
+        "packed_products",
+        "grouped_attention",
+        "reference_in_file",
+        "decoding_copy",
+        "release_freed_memory",
+    )
 
     def __init__(self, *args, measurements: Measurements | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.packing not in PACKING:
             raise ValueError(f"backend.packing={self.packing!r}: allowed {', '.join(PACKING)}")
+        if not self.uses("packed_products") and self.packing == "auto":
+            self.packing = "off"
+        if not self.uses("decoding_copy"):
+            self.copy_within_share = None
         self.measurements = measurements
         if self.attention == attention.NAME:
             attention.register()
@@ -169,12 +168,12 @@ class CPUBackend(Backend):
         return torch.float32 if wide else None
 
     def reference_in_file(self, output_dir, sharded: bool) -> bool:
-        return file_weights.resolve("auto", "cpu", sharded, output_dir) == "file"
+        return self.uses("reference_in_file") and file_weights.resolve("auto", "cpu", sharded, output_dir) == "file"
 
     copy_within_share = 1 / 8  # of the machine's memory, for every process's copy together
 
     def startup_notes(self) -> list[str]:
-        notes = []
+        notes = super().startup_notes()
         if self.dtype in HALF:
             half, single = matmul_rate(self.dtype), matmul_rate(torch.float32)
             if half < 0.5 * single:

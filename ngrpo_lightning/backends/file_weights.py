@@ -1,21 +1,13 @@
 """A frozen model's weights kept in a file between uses, in memory only while it runs.
 
-The KL reference is a second copy of the policy's initial weights (0.54 GB for the packaged
-model). A step reads it once, for the reference log-probs, and then holds it through the
-update, whose activations make the step's peak. On a CPU run the reference's weights can live
-in a file instead: :func:`frozen_copy_to_file` writes them once into the run's folder, keeps the
-file open and unlinks it at once (nothing is left on disk once the process ends), and
-:func:`materialized` reads them back into memory for the duration of a pass (from the page
-cache: a fraction of a second for the packaged model) and frees them after. The freed blocks are what the
-update's activations then use (the allocator keeps them in the process), so the
-reference and the activations share memory in turn instead of adding up. The bytes are the
-weights', so the reference log-probs are unchanged. Under memory pressure the OS may drop the
-file from its cache and read it back from disk.
+The KL reference, read once per step for its log-probs, would otherwise sit in memory through the update, whose
+activations make the step's peak. On a CPU run :func:`frozen_copy_to_file` writes its weights once into the run's
+folder, keeps the file open and unlinks it (nothing is left on disk), and :func:`materialized` reads them back (from
+the page cache) for a pass and frees them after: the reference and the update's activations share memory in turn.
+The bytes are the weights', so the reference log-probs are unchanged.
 
-The CPU backend chooses it (:meth:`~ngrpo_lightning.backends.Backend.reference_in_file`): ``file``
-for a CPU run without FSDP on Linux whose ``output_dir`` is on a disk, ``memory`` otherwise. On a
-RAM-backed ``output_dir`` (tmpfs, ramfs) the file itself would be memory, so the weights stay in
-memory there.
+The CPU backend chooses it (:meth:`~ngrpo_lightning.backends.Backend.reference_in_file`): ``file`` for a CPU run
+without FSDP on Linux whose ``output_dir`` is on a disk (not tmpfs or ramfs), ``memory`` otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ import copy
 import os
 import sys
 import uuid
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,8 +28,7 @@ RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 def filesystem_type(folder: str | os.PathLike) -> str | None:
-    """The type of the file system ``folder`` is (or would be created) on, from the mount
-    table (Linux); ``None`` where it cannot be told."""
+    """The file system type ``folder`` is (or would be created) on, from the mount table (Linux); else ``None``."""
     path = Path(folder).resolve()
     try:
         mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
@@ -54,8 +44,8 @@ def filesystem_type(folder: str | os.PathLike) -> str | None:
 
 
 def resolve(choice: str, accelerator: str, sharded: bool, folder: str | os.PathLike | None = None) -> str:
-    """``memory`` or ``file`` for ``model.reference_weights=choice``, checked; ``folder`` is
-    where the file would be written (``auto`` picks ``memory`` on a RAM-backed one)."""
+    """``memory`` or ``file`` for ``model.reference_weights=choice``, checked; ``folder`` is where the file would be
+    written (``auto`` picks ``memory`` on a RAM-backed one)."""
     if choice not in CHOICES:
         raise ValueError(f"model.reference_weights={choice!r} is not one of {', '.join(CHOICES)}")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -72,7 +62,7 @@ def resolve(choice: str, accelerator: str, sharded: bool, folder: str | os.PathL
 
 
 class _FileWeights:
-    """Where each parameter of a frozen model lives in its (unlinked) file, and who holds it."""
+    """Where each parameter of a :func:`frozen_copy_to_file` copy lives in its file, and who holds it."""
 
     def __init__(self, fd: int, slots: list):
         self.fd, self.slots, self.loaded = fd, slots, False  # slots: (offset, placeholder, [(module, name)])
@@ -89,21 +79,34 @@ class _FileWeights:
                     raise OSError(f"the reference's weights file ended after {offset + done} bytes")
                 done += got
             for module, name in owners:
-                module._parameters[name] = param
+                module.register_parameter(name, param)
         self.loaded = True
 
     def drop(self) -> None:
         for _, placeholder, owners in self.slots:
             for module, name in owners:
-                module._parameters[name] = placeholder
+                module.register_parameter(name, placeholder)
         self.loaded = False
 
     def drop_one(self, module: torch.nn.Module, name: str) -> None:
-        """Free one loaded parameter until the next load, unless another module shares it (a
-        tied embedding is read as a weight, not through the packed layer)."""
+        """Free one loaded parameter until the next load, unless another module shares it (a tied embedding)."""
         placeholder = self.sole.get((id(module), name))
         if placeholder is not None:
-            module._parameters[name] = placeholder
+            module.register_parameter(name, placeholder)
+
+    def check_loaded(self, model, args) -> None:
+        """The model's forward pre-hook: its weights are in memory."""
+        if not self.loaded:
+            raise RuntimeError(
+                "the frozen reference's weights are in their file between passes: run it inside "
+                "file_weights.materialized(model)"
+            )
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "a model whose weights live in a file (file_weights.frozen_copy_to_file) cannot be copied: copy the "
+            "model it was made from"
+        )
 
     def __del__(self):
         try:
@@ -112,16 +115,11 @@ class _FileWeights:
             pass
 
 
-_files: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> its _FileWeights
-
-
 def frozen_copy_to_file(model: torch.nn.Module, folder: str | os.PathLike) -> torch.nn.Module:
-    """A frozen copy of ``model`` whose weights live in a file written in ``folder`` (open and
-    already unlinked). The copy holds its weights in memory on return; :func:`materialized`
-    is the way to use it after :func:`release`. Buffers are copied as :func:`copy.deepcopy` does."""
+    """A frozen copy of ``model`` whose weights live in an unlinked file written in ``folder``, in memory on return;
+    after :func:`release`, use it inside :func:`materialized`. Buffers are copied as :func:`copy.deepcopy` does."""
     originals = {id(p): p for p in model.parameters()}
-    # placeholders with the parameters' shapes and dtypes, on the CPU (so .to("cpu") and summaries
-    # work), holding one element each; the forward pre-hook below refuses to run on them
+    # placeholders with the parameters' shapes and dtypes, on the CPU, one element each; the pre-hook refuses them
     memo = {
         key: torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
         for key, p in originals.items()
@@ -129,9 +127,8 @@ def frozen_copy_to_file(model: torch.nn.Module, folder: str | os.PathLike) -> to
     frozen = copy.deepcopy(model, memo)
     owners: dict[int, list] = {}
     for module in frozen.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((module, name))
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((module, name))
     path = Path(folder) / f".reference-weights-{uuid.uuid4().hex[:8]}"
     slots, offset = [], 0
     try:
@@ -156,31 +153,28 @@ def frozen_copy_to_file(model: torch.nn.Module, folder: str | os.PathLike) -> to
     weights = _FileWeights(fd, slots)
     weights.load()
     frozen.requires_grad_(False).eval()
-    frozen.register_forward_pre_hook(_check_loaded)
-    _files[frozen] = weights
+    frozen.register_forward_pre_hook(weights.check_loaded)
+    frozen.file_weights = weights  # the copy is this function's: what it holds goes with it
     return frozen
 
 
-def _check_loaded(model, args):
-    if not _files[model].loaded:
-        raise RuntimeError(
-            "the frozen reference's weights are in their file between passes: run it inside "
-            "file_weights.materialized(model)"
-        )
+def _weights_of(model: torch.nn.Module | None) -> _FileWeights | None:
+    """The file weights of a model :func:`frozen_copy_to_file` made, else ``None``."""
+    weights = getattr(model, "file_weights", None) if model is not None else None
+    return weights if isinstance(weights, _FileWeights) else None
 
 
 def release(model: torch.nn.Module | None) -> None:
     """Free the in-memory weights of a model :func:`frozen_copy_to_file` made (else a no-op)."""
-    weights = _files.get(model) if model is not None else None
+    weights = _weights_of(model)
     if weights is not None and weights.loaded:
         weights.drop()
 
 
 def weight_releaser(model: torch.nn.Module | None):
-    """For a model :func:`frozen_copy_to_file` made: a function ``release(module)`` that frees
-    ``module.weight`` until the next load (for a layer that runs on a packed copy of it, see
-    :func:`~ngrpo_lightning.backends.passes.packed_for_pass`); ``None`` for other models."""
-    weights = _files.get(model) if model is not None else None
+    """For a :func:`frozen_copy_to_file` model, ``release(module)`` freeing ``module.weight`` until the next load (a
+    layer on a packed copy, :func:`~ngrpo_lightning.backends.passes.packed_for_pass`); ``None`` for other models."""
+    weights = _weights_of(model)
     if weights is None:
         return None
 
@@ -194,9 +188,8 @@ def weight_releaser(model: torch.nn.Module | None):
 
 @contextmanager
 def materialized(model: torch.nn.Module | None):
-    """``model`` with its weights in memory inside the block (read back from its file if it has
-    one and they were released), and released after it."""
-    weights = _files.get(model) if model is not None else None
+    """``model`` with its weights in memory inside the block (read back from its file if released), released after."""
+    weights = _weights_of(model)
     if weights is None:
         yield model
         return

@@ -1,54 +1,32 @@
 """One fused kernel where transformers launches several: what a GPU's backend swaps in.
 
-A small model's passes on a GPU wait on kernel launches, and a decoding step replayed from a
-CUDA graph on the count of its kernels (about 2 us each, however little each one does).
-transformers' Llama-style RMSNorm is eight kernels forward (the cast to float32, the square, the
-mean, the epsilon, the reciprocal root, the scaling, the cast back, the weight) and about
-twenty more in backward, twice per decoder layer. ``torch.nn.functional.rms_norm`` is one fused
-kernel each way on CUDA. Measured on one H200 (docs/performance.md, "Fused norms"): 16.2 -> 5.0 us
-per norm replayed in a graph at the packaged shape, forward and backward 0.82 -> 0.24 ms eagerly.
+A small model's GPU passes wait on kernel launches, a CUDA-graph step on its kernel count (docs/measurements.md).
+Every swap here is checked once per class against the module's own forward on a random input, up to the float
+rounding every backend choice may differ by (:mod:`.base`); modules that compute something else keep their forward.
+:class:`FusedRMSNorm` (in front of a model's norm class, :mod:`.swap`) is ``torch.nn.functional.rms_norm``, one
+kernel each way where transformers' Llama-style norm is several. It multiplies by the weight before rounding to the
+model's dtype (transformers rounds first); Gemma's ``1 + weight`` norms keep theirs. Its backward keeps only the input
+and one reciprocal root per row, so :mod:`.recompute` leaves these norms alone.
 
-:class:`FusedRMSNorm` goes in front of a model's own norm class (:mod:`.swap`). The fused kernel
-multiplies by the weight before it rounds to the model's dtype, where transformers rounds first
-and multiplies in the model's dtype: in bfloat16 the two differ by one rounding of the output,
-which every backend choice may (:mod:`.base`). A norm class is swapped only where its output
-matches within that rounding on a random input (checked once per class), so norms that compute
-something else (Gemma's ``1 + weight``) keep their own forward. It needs no recomputation: the
-fused backward keeps the input and one reciprocal root per row, not the normalized copies
-(:mod:`.recompute` then leaves these norms alone).
-
-:class:`FusedRotaryAttention` goes in front of a Llama-style attention (Llama, Qwen2, Mistral): the
-same projections, cache update and attention, with the rotary embedding of queries and keys done
-together in four kernels instead of ten (transformers rotates each with a negation, a
-concatenation, two products and a sum): the two are concatenated along the heads, and
-``x * cos + swap(x) * sin'`` is one product, one swap of the halves and one fused multiply-add,
-with ``sin'`` (``sin`` with its first half negated) made once per forward and shared by the
-layers. The halves are swapped by ``flip`` over a (2, d / 2) view, one kernel on any layout, where
-``roll`` on CUDA first copied the strided slice of queries and keys it is given. Probed on one
-H200 at the packaged shape: 21.0 us replayed for transformers' rotation of one layer's queries
-and keys, 14.6 us for six kernels of this kind. The fused multiply-add rounds once where
-transformers rounds its two products and their sum: the same float rounding as the fused norm.
-An attention class is swapped only where its output matches its own forward's on a random input
-(checked once per class), so attentions with more steps (Qwen3's query and key norms, Gemma's
-soft-capping) keep theirs. Inside a rollout (:func:`~.passes.packed_for_pass` decoding) it
-multiplies by one copy of the query, key and value weights concatenated (LoRA's merged copies
-written into theirs), whose output already holds the queries and keys side by side: one product
-instead of three and no concatenation, three kernels fewer per layer and decoding step, for a
-copy of those weights (176 MB at the Qwen2.5-1.5B shape, none more for LoRA, whose merged
-copies it replaces). Each output value is the same dot product; only the product's kernel, and
-so the order of its sums, may differ.
+:class:`FusedRotaryAttention` (Llama, Qwen2, Mistral; not Qwen3's q/k norms or Gemma's soft-capping) rotates queries
+and keys together in four kernels instead of ten (:func:`rotated`; ``sin'`` made once per forward, shared through one
+:class:`~.memo.TensorMemo`), the fused multiply-add rounding once where transformers rounds twice. Inside a rollout
+(:func:`~.passes.packed_for_pass` decoding) it multiplies by one concatenated copy of the q, k and v weights (LoRA's
+merged copies written in): one product instead of three, each output the same dot product up to summation order.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
 from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.memo import TensorMemo
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
 from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
+from ngrpo_lightning.compat.torch import has_forward_hooks
+from ngrpo_lightning.compat.transformers import attention_function, kv_cache_argument, llama_attention
 
 
 class FusedRMSNorm:
@@ -80,8 +58,7 @@ def _eps(dtype: torch.dtype) -> float:
 
 
 def within_roundings(own: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``new`` is ``own`` up to a few roundings of ``dtype`` through products, relative to
-    ``own``'s largest value."""
+    """Whether ``new`` is ``own`` up to a few roundings of ``dtype``, relative to ``own``'s largest value."""
     return bool((own.float() - new.float()).abs().max() <= 8 * _eps(dtype) * own.float().abs().max())
 
 
@@ -96,31 +73,27 @@ def _norm_matches(module: torch.nn.Module) -> bool:
     )
 
 
-SIGNED_SIN = "_ngrpo_signed_sin"  # the attribute of a forward's ``sin`` that holds sin'
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor, memo: TensorMemo | None = None) -> torch.Tensor:
     """``sin`` with its first half negated (``rotate_half(x) * sin == swap_halves(x) * sin'``), made once per
-    forward: every layer is handed the same ``sin`` tensor, so it is kept on it."""
-    cached = None if torch.compiler.is_compiling() else sin.__dict__.get(SIGNED_SIN)
-    if cached is None:
+    forward where ``memo`` keeps it (every layer gets the same ``sin``)."""
+
+    def make() -> torch.Tensor:
         half = sin.shape[-1] // 2
-        cached = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        if not torch.compiler.is_compiling():
-            setattr(sin, SIGNED_SIN, cached)
-    return cached
+        return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    return make() if memo is None else memo.get(sin, "signed sin", make)
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with the two halves of its last dimension swapped (``roll`` by half of it): one kernel
-    on a strided ``x`` too, where CUDA's ``roll`` copies a non-contiguous input first."""
+    """``x`` with the two halves of its last dimension swapped (``roll`` by half of it): one kernel on a strided
+    ``x`` too, where CUDA's ``roll`` copies a non-contiguous input first."""
     return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
-def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of ``x`` [N, L, H, d] at ``cos``, ``sin`` [N, L, d]: transformers'
-    ``x * cos + rotate_half(x) * sin`` as one product, one swap of halves and one fused multiply-add."""
-    return torch.addcmul(x * cos.unsqueeze(-2), swap_halves(x), signed_sin(sin).unsqueeze(-2))
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, memo: TensorMemo | None = None) -> torch.Tensor:
+    """The rotary embedding of ``x`` [N, L, H, d] at ``cos``, ``sin`` [N, L, d]: ``x * cos + rotate_half(x) * sin``
+    as one product, one swap of halves and one fused multiply-add (``memo``: as :func:`signed_sin`'s)."""
+    return torch.addcmul(x * cos.unsqueeze(-2), swap_halves(x), signed_sin(sin, memo).unsqueeze(-2))
 
 
 class FusedRotaryAttention(JoinedProjections):
@@ -129,6 +102,7 @@ class FusedRotaryAttention(JoinedProjections):
 
     prefix = "Fused"
     why = "queries and keys rotated together in four kernels instead of ten; q, k, v in one product in rollouts"
+    rotary_memo: TensorMemo | None = None  # sin' per forward, shared by the model's attentions (fused_modules)
 
     def projections(self) -> tuple[torch.nn.Module, ...]:
         """The query, key and value projections, which a rollout's one product stands for."""
@@ -143,42 +117,31 @@ class FusedRotaryAttention(JoinedProjections):
         residual=None,
         **kwargs,
     ):
-        """transformers' attention; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) the
-        output projection's product is added onto it in one product (:func:`plus_product`)."""
-        attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
+        """transformers' attention (:func:`~ngrpo_lightning.compat.transformers.llama_attention` after the
+        rotation); with ``residual`` (:class:`FusedDecoderLayer` in a rollout) the output projection's product is
+        added onto it in one product (:func:`plus_product`)."""
+        past_key_values = kv_cache_argument(past_key_values, kwargs)  # its name changed in transformers 5.24
+        attend = attention_function(self.config)
         if position_embeddings is None or attend is None:  # e.g. eager attention: transformers' own forward
             out = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             return out if residual is None else (residual + out[0], *out[1:])
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        # (the swap's check runs this forward on the module before its class is swapped: no joint_output yet)
+        # (the swap's check runs this forward before the class is swapped: no joint_output or rotary_memo yet)
         qkv = self.joint_output(hidden_states) if hasattr(self, "joint_output") else None
+        memo = getattr(self, "rotary_memo", None)
         if qkv is not None:  # [N, L, H + 2 H_kv, d], q and k adjacent
             heads, kv_heads = (p.out_features // self.head_dim for p in (self.q_proj, self.k_proj))
             qkv = qkv.view(hidden_shape)
-            both = rotated(qkv[..., : heads + kv_heads, :], *position_embeddings)
+            both = rotated(qkv[..., : heads + kv_heads, :], *position_embeddings, memo)
             value = qkv[..., heads + kv_heads :, :].transpose(1, 2)
         else:
             query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
             heads = query.shape[-2]
-            both = rotated(torch.cat([query, key], dim=-2), *position_embeddings)  # [N, L, H + H_kv, d]
+            both = rotated(torch.cat([query, key], dim=-2), *position_embeddings, memo)  # [N, L, H + H_kv, d]
         query, key = both[..., :heads, :].transpose(1, 2), both[..., heads:, :].transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        if hasattr(self, "sliding_window"):  # Qwen2's and Mistral's attentions pass it on
-            kwargs["sliding_window"] = self.sliding_window
-        out, weights = attend(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        out, weights = llama_attention(self, attend, query, key, value, attention_mask, past_key_values, **kwargs)
         return (self.o_proj(out) if residual is None else plus_product(residual, self.o_proj, out)), weights
 
 
@@ -188,8 +151,8 @@ def _is_attention(module: torch.nn.Module) -> bool:
 
 
 def _random_inputs(like: torch.Tensor, width: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """A random input of ``width`` features and rotary ``cos``, ``sin`` (2 rows of 5 positions), on
-    ``like``'s device and dtype, the same at every call: what a swap's check runs."""
+    """A random input of ``width`` features and rotary ``cos``, ``sin`` (2 rows of 5 positions), on ``like``'s
+    device and dtype, the same at every call: what a swap's check runs."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 5, width, generator=gen)
     angles = torch.rand(2, 5, head_dim // 2, generator=gen) * 6.3
@@ -213,10 +176,9 @@ def _attention_matches(module: torch.nn.Module) -> bool:
 
 
 class FusedGatedMLP(JoinedProjections):
-    """Mixin in front of a gated MLP (``down(act(gate(x)) * up(x))``: Llama, Qwen2, Mistral, Gemma):
-    inside a rollout the gate and up projections are one product (:mod:`.joined`), one kernel fewer
-    per layer and decoding step. Plain weights are never copied for it (gate and up are two thirds
-    of a layer): they are read in place where the backend joined them, else multiplied apart."""
+    """Mixin in front of a gated MLP (``down(act(gate(x)) * up(x))``: Llama, Qwen2, Mistral, Gemma): inside a
+    rollout gate and up are one product (:mod:`.joined`). Plain weights (two thirds of a layer) are never copied:
+    read in place where the backend joined them, else multiplied apart."""
 
     prefix = "Fused"
     why = "gate and up projections in one product in rollouts"
@@ -226,8 +188,8 @@ class FusedGatedMLP(JoinedProjections):
         return (self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) its output is added
-        onto it, by the down projection's product itself where it can (:func:`plus_product`)."""
+        """The MLP; with ``residual`` (:class:`FusedDecoderLayer` in a rollout) its output is added onto it, by the
+        down projection's product itself where it can (:func:`plus_product`)."""
         gate_up = self.joint_output(x)
         if gate_up is None:
             return super().forward(x) if residual is None else residual + super().forward(x)
@@ -239,16 +201,14 @@ class FusedGatedMLP(JoinedProjections):
 
 
 def gated(mlp: torch.nn.Module, gate_up: torch.Tensor, split: int, residual: torch.Tensor | None = None):
-    """``down(act(gate) * up)`` (``+ residual``) from the gate's and up's outputs side by side
-    (``split``: the gate's width)."""
+    """``down(act(gate) * up)`` (``+ residual``) from the gate's and up's outputs (``split``: the gate's width)."""
     hidden = mlp.act_fn(gate_up[..., :split]) * gate_up[..., split:]
     return mlp.down_proj(hidden) if residual is None else plus_product(residual, mlp.down_proj, hidden)
 
 
 def plus_product(residual: torch.Tensor, projection: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``residual + projection(x)``: one ``addmm`` where ``projection`` multiplies by one weight and
-    no bias (a plain layer, or a LoRA layer's merged copy in a rollout), the sum rounded once with
-    the product where a half model rounded the product, then the sum; else the two apart."""
+    """``residual + projection(x)``: one ``addmm`` where ``projection`` multiplies by one weight and no bias (a
+    plain layer, or a LoRA layer's merged copy in a rollout), the sum rounded once with the product; else apart."""
     weight = _weight_alone(projection)
     if weight is None:
         return residual + projection(x)
@@ -258,7 +218,7 @@ def plus_product(residual: torch.Tensor, projection: torch.nn.Module, x: torch.T
 
 def _weight_alone(projection: torch.nn.Module) -> torch.Tensor | None:
     """The weight ``projection``'s forward multiplies by, with no bias and nothing else; else ``None``."""
-    if projection._forward_hooks or projection._forward_pre_hooks:
+    if has_forward_hooks(projection):
         return None
     if isinstance(projection, LeanLoraLinear):
         merged = projection._merged  # (weight or packed copy, bias, packed?) inside a rollout
@@ -272,9 +232,7 @@ def _is_gated_mlp(module: torch.nn.Module) -> bool:
 
 
 def _mlp_matches(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is ``down(act(gate(x)) * up(x))``, up to rounding, on a random
-    input: what :class:`FusedGatedMLP` computes from the gate's and up's outputs side by side (one
-    product gives those outputs' dot products). An MLP that computes something else keeps its forward."""
+    """Whether ``module``'s forward is :class:`FusedGatedMLP`'s ``down(act(gate(x)) * up(x))`` up to rounding."""
     weight = getattr(module.gate_proj, "weight", None)
     if weight is None:
         weight = getattr(getattr(module.gate_proj, "base_layer", None), "weight", None)  # a LoRA layer
@@ -292,10 +250,9 @@ def _mlp_matches(module: torch.nn.Module) -> bool:
 
 
 class FusedDecoderLayer:
-    """Mixin in front of a pre-norm decoder layer (``h = x + attn(norm(x))``, ``h + mlp(norm(h))``):
-    inside a rollout, where its attention multiplies q, k and v as one product, each residual sum
-    is made by the output and down projections' products themselves (:func:`plus_product`), two
-    kernels fewer per layer and decoding step. Outside rollouts, the layer's own forward."""
+    """Mixin in front of a pre-norm decoder layer (``h = x + attn(norm(x))``, ``h + mlp(norm(h))``): inside a
+    rollout, where its attention multiplies q, k and v as one product, each residual sum is made by the output and
+    down projections' products themselves (:func:`plus_product`). Outside rollouts, the layer's own forward."""
 
     prefix = "Fused"
     why = "in rollouts the residual sums made by the output and down projections' products"
@@ -317,9 +274,7 @@ def _is_decoder_layer(module: torch.nn.Module) -> bool:
 
 
 def _layer_matches(layer: torch.nn.Module) -> bool:
-    """Whether ``layer``'s forward is the pre-norm residual structure :class:`FusedDecoderLayer`
-    computes in a rollout (``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``), on a random input
-    (a layer with more, Gemma's extra norms say, keeps its forward)."""
+    """Whether ``layer``'s forward is :class:`FusedDecoderLayer`'s pre-norm residual structure (not Gemma's)."""
     attention = layer.self_attn
     weight = getattr(getattr(attention, "o_proj", None), "weight", None)
     head_dim = getattr(attention, "head_dim", None)
@@ -342,28 +297,31 @@ def _layer_matches(layer: torch.nn.Module) -> bool:
     return own.shape == new.shape and within_roundings(own, new, weight.dtype)
 
 
-def _fusible(module: torch.nn.Module):
-    if _is_norm(module):
-        return FusedRMSNorm, _norm_matches
-    if _is_attention(module):
-        return FusedRotaryAttention, _attention_matches
-    if _is_decoder_layer(module):
-        return FusedDecoderLayer, _layer_matches
-    return None
+def fused_modules(model: torch.nn.Module, decoder_layers: bool = True) -> int:
+    """Swap in :class:`FusedRMSNorm`, :class:`FusedRotaryAttention` and, with ``decoder_layers``,
+    :class:`FusedDecoderLayer` where they match (see the module docstring); returns how many modules were swapped.
+    The fused attentions share one memo for ``sin'`` (:func:`signed_sin`)."""
 
+    def fusible(module: torch.nn.Module):
+        if _is_norm(module):
+            return FusedRMSNorm, _norm_matches
+        if _is_attention(module):
+            return FusedRotaryAttention, _attention_matches
+        if decoder_layers and _is_decoder_layer(module):
+            return FusedDecoderLayer, _layer_matches
+        return None
 
-def fused_modules(model: torch.nn.Module) -> int:
-    """Swap ``model``'s Llama-style RMSNorms for :class:`FusedRMSNorm`, its Llama-style attentions
-    for :class:`FusedRotaryAttention` and its pre-norm decoder layers for :class:`FusedDecoderLayer`,
-    where these give their output up to rounding (checked once per class); returns how many
-    modules were swapped."""
-    return swap_checked(model, _fusible)
+    count = swap_checked(model, fusible)
+    memo = TensorMemo()
+    for module in model.modules():
+        if isinstance(module, FusedRotaryAttention) and module.rotary_memo is None:
+            module.rotary_memo = memo
+    return count
 
 
 def fused_mlps(model: torch.nn.Module) -> int:
-    """Put :class:`FusedGatedMLP` in front of each of ``model``'s gated MLPs where one product gives
-    its output up to rounding (checked once per class), in front of whatever class the backend gave
-    it already (recomputation's, which it then keeps outside rollouts); returns how many."""
+    """Put :class:`FusedGatedMLP` in front of each gated MLP that matches, over whatever class the backend gave it
+    already; returns how many."""
 
     def candidate(module):
         fusible = _is_gated_mlp(module) and not isinstance(module, FusedGatedMLP)
@@ -373,11 +331,10 @@ def fused_mlps(model: torch.nn.Module) -> int:
 
 
 def join_projections(model: torch.nn.Module) -> int:
-    """Re-home the weights of each fused module's projections (LoRA's: their base layers') as row
-    blocks of one tensor (:func:`~.joined.join_weights`), so that a rollout multiplies by them in
-    place and a training pass as one product; returns how many modules were joined (already joined
-    ones count, unchanged). For a model on the device it trains or decodes on, not sharded: only
-    the modules joined here take the training passes' one product."""
+    """Re-home the weights of each fused module's projections (LoRA's: their base layers') as row blocks of one
+    tensor (:func:`~.joined.join_weights`), so a rollout multiplies by them in place and a training pass as one
+    product; returns how many modules were joined (already joined ones count). For a model on its device, not
+    sharded: only the modules joined here take the training passes' one product."""
     count = 0
     for m in model.modules():
         if isinstance(m, JoinedProjections):

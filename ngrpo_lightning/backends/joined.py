@@ -1,24 +1,13 @@
 """Projections that read the same input, multiplied as one product inside a rollout.
 
-An attention's query, key and value projections read the same activations, and so do a gated
-MLP's gate and up projections. Inside a rollout (:func:`~.passes.packed_for_pass` decoding) a
-module that holds such projections (:class:`JoinedProjections`) multiplies its input once, by
-their weights stacked by rows: the same dot products, one kernel where there were two or three,
-and the larger product reads its weights closer to the memory's speed. Where the stacked weights
-come from:
+An attention's q, k, v projections read the same activations, and so do a gated MLP's gate and up. Inside a rollout
+(:func:`~.passes.packed_for_pass` decoding) a :class:`JoinedProjections` module multiplies its input once by their
+weights stacked by rows: the same dot products, one kernel where there were two or three. The stacked weights are:
 
-- **Row blocks of one tensor already** (:func:`join_weights`: the CUDA backend re-homes a policy's
-  projections there once it sits on its device, each parameter a view of its rows): the product
-  reads them in place. Nothing is copied, and nothing goes stale: an optimizer step writes the
-  rows the next rollout reads.
-- **LoRA layers**: each writes its merged copy ``W + scale B A`` into its rows of one copy (the
-  copy it needed anyway, :mod:`.lora`).
-- **Other plain weights** (a frozen model, weights moved since they were joined): copied into one,
-  where the module accepts the copy's memory (``copies_plain``: an attention's q, k and v are a
-  small share of a layer); otherwise no joint product, and the projections run as defined.
-
-``keep`` (a rollout whose steps replay from CUDA graphs): a copy keeps its storage for the next
-rollout, rewritten in place, so the graphs' addresses hold.
+- **row blocks of one tensor already** (:func:`join_weights`, each parameter a view of its rows): read in place;
+- **LoRA layers**: each writes its merged copy ``W + scale B A`` into its rows of one copy (:mod:`.lora`);
+- **other plain weights**: copied into one where the module accepts the memory (``copies_plain``); otherwise the
+  projections run as defined. With ``keep`` (graph replays) a copy keeps its storage, rewritten in place.
 """
 
 from __future__ import annotations
@@ -30,14 +19,13 @@ import torch
 from ngrpo_lightning.backends.joint_products import TrainingJoin, rows_of_one_tensor
 from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.compat.torch import has_forward_hooks, mark_static_address
 
 
 def _product_weight(projection: torch.nn.Module) -> torch.nn.Linear | None:
-    """The linear layer whose weight (merged, for a LoRA layer) ``projection`` multiplies by in a
-    rollout, where its forward is just that product; else ``None``."""
+    """The linear layer whose (LoRA: merged) weight is all ``projection`` multiplies by in a rollout, or ``None``."""
     if isinstance(projection, LeanLoraLinear):
-        hooked = projection._forward_hooks or projection._forward_pre_hooks
-        return projection.base_layer if projection.can_merge() and not hooked else None
+        return projection.base_layer if projection.can_merge() and not has_forward_hooks(projection) else None
     return projection if plain_linear(projection, every_pass=True) else None
 
 
@@ -47,11 +35,9 @@ def _bases(projections: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:
 
 
 def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
-    """Re-home the weights (and biases) of plain linear ``projections`` reading one input as the
-    row blocks of one tensor, each parameter a view of its rows (the same ``Parameter`` objects:
-    optimizers, state dicts and saving see no change); returns whether they are joined. Meant for a
-    model on the device it trains on (:meth:`~.base.Backend.on_device`): moving a model gives each
-    weight a storage of its own again."""
+    """Re-home the weights (and biases) of plain linear ``projections`` as row blocks of one tensor, each the same
+    ``Parameter`` viewing its rows (optimizers, state dicts and saving see no change); returns whether they are
+    joined. For a model on its device (:meth:`~.base.Backend.on_device`)."""
     projections = _bases(projections)  # LoRA's frozen base layers, joined for the adapters' one node
     if not all(plain_linear(p, every_pass=True) for p in projections):
         return False
@@ -70,8 +56,7 @@ def join_weights(projections: tuple[torch.nn.Module, ...]) -> bool:
 
 
 class JoinedProjections:
-    """Mixin for a module whose :meth:`projections` read one input: inside a rollout they are one
-    product (the module docstring). The module's forward reads ``_joint``."""
+    """Mixin for a module whose :meth:`projections` read one input: one product inside a rollout (``_joint``)."""
 
     copies_plain = True  # plain weights not already joined are copied into one for a rollout
     joined_on_device = False  # set by the backend's join (fused.join_projections): training passes join too
@@ -82,18 +67,15 @@ class JoinedProjections:
 
     @abc.abstractmethod
     def projections(self) -> tuple[torch.nn.Module, ...]:
-        """The layers that read the module's one input, in the order of their outputs side by side
-        (an attention's q, k, v; a gated MLP's gate, up): each mixin names its own."""
+        """The layers that read the module's one input, in the order of their outputs side by side."""
 
     def joins_in_training(self) -> bool:
         """Whether a pass outside rollouts may multiply the projections as one product too."""
         return True
 
     def joint_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The projections' outputs side by side [..., their widths summed] from one product, or
-        ``None`` (the caller runs them as defined): in a rollout on ``_joint``; in another pass where
-        their weights (LoRA: their base weights) are row blocks of one tensor (:func:`join_weights`),
-        as :class:`~.joint_products.TrainingJoin` decided once for them and this dtype."""
+        """The projections' outputs side by side from one product, or ``None`` (run them as defined): in a rollout on
+        ``_joint``, elsewhere where :class:`~.joint_products.TrainingJoin` allows."""
         if self._joint is not None:
             weight, bias, _ = self._joint
             return torch.nn.functional.linear(x, weight, bias)
@@ -106,9 +88,8 @@ class JoinedProjections:
         return plan(x)
 
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
-        """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False``
-        (the projections run as defined) where one is not a plain product or LoRA's, or where the
-        weights would need a copy the module does not accept."""
+        """Multiply by the projections' weights stacked by rows until :meth:`end_pass`; ``False`` where one is not
+        a plain product or LoRA's, or the weights would need a copy the module does not accept."""
         projections = self.projections()
         bases = [_product_weight(p) for p in projections]
         if any(b is None for b in bases):
@@ -150,7 +131,7 @@ class JoinedProjections:
                 self._joint_kept = kept
                 for t in kept:
                     if t is not None:
-                        torch._dynamo.mark_static_address(t)  # a compiled step reads it in place
+                        mark_static_address(t)  # a compiled step reads it in place
         return kept
 
     def end_pass(self) -> None:

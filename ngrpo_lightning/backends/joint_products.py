@@ -1,17 +1,10 @@
 """Training passes that multiply a group of projections reading one input as one product.
 
-Where the CUDA backend joined the weights of an attention's q, k, v and of a gated MLP's gate,
-up as row blocks of one tensor (:func:`~.joined.join_weights`), the policy's log-prob passes and
-its update multiply each group once: :class:`JointLinear` for plain layers (full fine-tuning),
-:class:`JointLoraProduct` for LoRA layers on frozen base weights. Fewer kernels each way, and
-each parameter still gets its own gradient.
-
-Whether a group can go that way is worked out once and kept (:class:`TrainingJoin`): every
-pass checks only that nothing it relied on moved (the parameters' addresses, the layers' hooks
-and adapters), a few attribute reads per group, since a small model's GPU update waits on its
-host. What the decision reads: whether a layer's forward is a plain product
-(:func:`~.linear.plain_linear`) and whether weights are row blocks of one tensor
-(:func:`rows_of_one_tensor`), which the rollouts' joins (:mod:`.joined`) read too.
+Where the CUDA backend joined an attention's q, k, v or a gated MLP's gate, up as row blocks of one tensor
+(:func:`~.joined.join_weights`), the policy's log-prob passes and update multiply each group once
+(:class:`JointLinear` for plain layers, :class:`JointLoraProduct` for LoRA on frozen base weights); each parameter
+still gets its own gradient. Whether a group can is decided once (:class:`TrainingJoin`); each pass only checks that
+nothing moved, a few attribute reads per group, since a small model's GPU update waits on its host.
 """
 
 from __future__ import annotations
@@ -20,6 +13,7 @@ import torch
 
 from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear, base_plus_adapter, frozen_product, product_in
+from ngrpo_lightning.compat.torch import has_forward_hooks, tensor_version
 
 
 def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -37,11 +31,9 @@ def rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class TrainingJoin:
-    """What a training pass multiplies for ``projections`` on inputs of ``dtype``, decided once:
-    ``kind`` ``"plain"`` (:class:`JointLinear`), ``"lora"`` (:class:`JointLoraProduct`) or ``None``
-    (the layers run apart). :meth:`holds` says whether the decision still stands. LoRA layers are
-    judged whatever their adapters' state (off for the reference's pass, often a step's first);
-    :meth:`__call__` reads that state at each pass."""
+    """What a training pass multiplies for ``projections`` on inputs of ``dtype``, decided once: ``kind`` ``"plain"``
+    (:class:`JointLinear`), ``"lora"`` (:class:`JointLoraProduct`) or ``None`` (apart); :meth:`holds` says whether it
+    still stands. LoRA layers are judged whatever their adapters' state, which :meth:`__call__` reads per pass."""
 
     def __init__(self, projections: tuple, dtype: torch.dtype):
         self.projections, self.dtype, self.kind = projections, dtype, None
@@ -51,13 +43,12 @@ class TrainingJoin:
         self.lora = lora = all(isinstance(p, LeanLoraLinear) for p in projections)
         layers = [p.base_layer for p in projections] if lora else list(projections)
         if lora:  # the adapters whatever their state now (the reference's pass turns them off)
-            self.active = [p._active_adapter for p in projections]
+            self.active = [p.active_adapter for p in projections]
             parts = [p.adapter_weights(dtype) for p in projections]
             usable = all(part is not None and type(part[4]) is torch.nn.Identity for part in parts)
             if not usable or any(p.merged_adapters for p in projections):
                 layers = []
-            # (A, B, scale) per layer: what a pass multiplies, and what says it changed
-            self.adapters = [part[:4] for part in parts] if layers else []  # (name, A, B, scale)
+            self.adapters = [part[:4] for part in parts] if layers else []  # (name, A, B, scale) per layer
         plain = layers and all((frozen_product(b) if lora else plain_linear(b, every_pass=True)) for b in layers)
         biases = [b.bias for b in layers] if plain else []
         if plain and all((b is None) == (biases[0] is None) for b in biases):
@@ -75,17 +66,16 @@ class TrainingJoin:
         self.cast_key, self.down, self.blocks = None, None, None
 
     def holds(self, projections: tuple, dtype: torch.dtype) -> bool:
-        """Whether the decision still stands: the same layers and dtype, no hook added, every
-        parameter where it was, and (LoRA) the same active adapters, none merged. Plain loops: this
-        runs for every group at every pass, on the host a small model's GPU step waits on."""
+        """Whether the decision still stands: the same layers and dtype, no hook added, every parameter where it was,
+        and (LoRA) the same active adapters, none merged (plain loops: it runs per group and pass)."""
         if dtype != self.dtype or projections != self.projections:
             return False
         for p in projections:
-            if p._forward_hooks or p._forward_pre_hooks:
+            if has_forward_hooks(p):
                 return False
         if self.lora:
             for p, active in zip(projections, self.active):
-                if p._active_adapter != active or p.merged_adapters:
+                if p.active_adapter != active or p.merged_adapters:
                     return False
         for t, address in zip(self.params, self.addresses):
             if t.data_ptr() != address:
@@ -105,12 +95,12 @@ class TrainingJoin:
         return JointLinear.apply(x, self.weight, self.bias, len(self.projections), *self.params)
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor | None:
-        off = [p._disable_adapters for p in self.projections]
+        off = [p.disable_adapters for p in self.projections]
         if all(off):  # the base model (the reference's pass): one product of the joined base weights
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if any(off) or torch.is_autocast_enabled(x.device.type):
             return None
-        key = [a._version for a in self.trained]
+        key = [tensor_version(a) for a in self.trained]
         if key != self.cast_key:  # the adapters changed (an optimizer step): cast and stack them again
             with torch.inference_mode(False), torch.no_grad():
                 # the layers' own cast copies (adapters_in), which the rollout's merging made already
@@ -129,11 +119,8 @@ class TrainingJoin:
 
 
 class JointLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` where ``weight`` (and ``bias``) are the row blocks of the
-    ``blocks`` layers' parameters given after them, each block's gradient going to its own
-    parameter: one product forward and two in backward (the input's gradient summed by its
-    product), where the layers made one product each way per block and autograd summed their
-    input's gradients. A block's weight gradient is its rows of one product, no copy."""
+    """``F.linear(x, weight, bias)`` where ``weight`` (and ``bias``) are the row blocks of the ``blocks`` layers'
+    parameters given after them, each block's gradient (its rows of one product) going to its own parameter."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, blocks, *params):
@@ -161,15 +148,11 @@ class JointLinear(torch.autograd.Function):
 
 
 class JointLoraProduct(torch.autograd.Function):
-    """The LoRA layers that read one input (an attention's q, k, v; a gated MLP's gate, up) as one
-    node: ``linear(x, W, b)`` on their frozen base weights joined as row blocks of one tensor, plus
-    ``d = A x`` for their adapters' A stacked by rows, plus ``d`` times their B's in one
-    block-diagonal matrix, times ``alpha`` (one scale for all the adapters, the usual case: the
-    blocks are their cast B's; several scales: each block is ``scale B``, and ``alpha`` is 1):
-    three products forward where each layer made three. Backward: ``grad_d = alpha g B``, the
-    input's gradient ``g W + grad_d A`` (two products for all the layers, where each made two and
-    autograd summed them), the A's gradients from one product (each its rows) and each B's from its
-    own. ``params``: the A's, then the B's."""
+    """The LoRA layers that read one input (q, k, v; gate, up) as one node: ``linear(x, W, b)`` on their frozen base
+    weights joined by rows, plus ``d = A x`` for their A's stacked by rows, plus ``alpha`` times ``d`` by their B's in
+    one block-diagonal matrix (one scale for all: the cast B's; else each block ``scale B`` and ``alpha`` 1). Backward:
+    ``grad_d = alpha g B``, the input's ``g W + grad_d A``, the A's from one product, each B's from its own.
+    ``params``: the A's, then the B's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, down, blocks, scales, alpha, *params):

@@ -1,23 +1,14 @@
 """The linear layer a backend swaps in: one class says what each product computes.
 
-On the CPU a plain ``F.linear`` multiplies by the weight as it is stored; oneDNN runs the same
-product faster on a copy of the weight reordered into its blocked layout, on some machines and
-shapes and not on others (the CPU backend measures which, :mod:`.cpu`). Two ways use it:
+On some CPUs and shapes oneDNN multiplies faster by a weight reordered into its blocked layout (the CPU backend
+measures which, :mod:`.cpu`), the same values to float rounding. Two ways use it:
 
-- **packed once for a pass**: inside :func:`~.passes.packed_for_pass` (a rollout, the frozen reference's
-  pass), where the weights do not change and nothing needs a backward, each layer whose backend
-  chose it multiplies by one packed copy made when the pass starts (counted in its time, dropped
-  when it ends). The pass holds one extra copy of those weights, or none for a file-backed
-  reference, which frees each plain weight once packed (``release``).
-- **packed per product**: in the policy's own log-prob passes and the update, whose weights change
-  every optimizer step, each product packs its operand as it runs (:class:`PackedLinearFunction`):
-  forward ``y = x W^T`` on packed ``W``, backward ``dx = dy W`` on packed ``W^T`` and
-  ``dW = dy^T x`` on packed ``x^T``. A copy of the weight per product, far less than what the
-  faster kernel saves at a training pass's thousands of rows.
-
-Either gives the plain product's values to float rounding (another summation order). A LoRA
-layer decodes on a merged copy ``W + scale B A`` inside a rollout (:mod:`.lora`), packed when its
-base layer would be.
+- **packed once for a pass**: inside :func:`~.passes.packed_for_pass` (a rollout, the frozen reference's pass), where
+  weights do not change and nothing needs a backward, a layer multiplies by one packed copy made when the pass starts
+  and dropped when it ends (a file-backed reference frees each plain weight once packed); LoRA layers by their
+  merged copy (:mod:`.lora`), packed when the base layer would be.
+- **packed per product**: in the policy's log-prob passes and update, each product packs its operands as it runs
+  (:class:`PackedLinearFunction`), forward and backward.
 """
 
 from __future__ import annotations
@@ -26,6 +17,8 @@ import functools
 import logging
 
 import torch
+
+from ngrpo_lightning.compat.torch import has_forward_hooks, linear_pointwise, reorder_linear_weight
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +41,12 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """``weight`` [N, K] in oneDNN's blocked layout, for products of about ``rows`` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+    return reorder_linear_weight(weight, max(1, rows))
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` on a weight :func:`pack` made."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return linear_pointwise(x, packed, bias)
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,21 +80,16 @@ class PackedLinearFunction(torch.autograd.Function):
 
 
 class BackendLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose products the backend chose when it swapped the layer in.
-
-    ``pack_once``: inside a rollout (:func:`~.passes.packed_for_pass` decoding), multiply by one
-    packed copy of the weight; ``pack_frozen``: the same inside a frozen pass over whole sequences
-    (the reference's log-probs), whose products have thousands of rows, not dozens.
-    ``pack_per_product``: elsewhere (the policy's log-prob passes and the update, forward and
-    backward), pack each product's operands as it runs. Otherwise, and inside a pass for a
-    layer not packed once, ``F.linear``. ``why`` says why, in words."""
+    """An ``nn.Linear`` whose products the backend chose when it swapped the layer in. ``pack_once``: in a rollout
+    (:func:`~.passes.packed_for_pass` decoding) multiply by one packed copy of the weight; ``pack_frozen``: the same in
+    a frozen pass (the reference's log-probs); ``pack_per_product``: elsewhere, pack each product's operands as it
+    runs. Otherwise ``F.linear``. ``why`` says why, in words."""
 
     prefix = "Backend"
     pack_once: bool = False
     pack_frozen: bool = False
     pack_per_product: bool = False
-    # the LM head: packed for rollouts only, since log-prob passes read its weight outside its forward
-    # (so a file-backed model never releases it, backends/file_weights.py)
+    # the LM head: packed for rollouts only (log-prob passes read its weight directly; a file never releases it)
     decode_only: bool = False
     why: str = ""
     _pass_weight: torch.Tensor | None = None  # the packed copy, inside a pass
@@ -127,8 +115,7 @@ class BackendLinear(torch.nn.Linear):
         decode_only: bool = False,
         pack_frozen: bool | None = None,
     ) -> BackendLinear:
-        """Make the plain linear ``layer`` a :class:`BackendLinear` with these choices
-        (``pack_frozen`` defaults to ``pack_once``)."""
+        """Make the plain linear ``layer`` a :class:`BackendLinear` (``pack_frozen`` defaults to ``pack_once``)."""
         layer.__class__ = cls
         layer.pack_once, layer.pack_per_product, layer.why = pack_once, pack_per_product, why
         layer.pack_frozen = (pack_once if pack_frozen is None else pack_frozen) and not decode_only
@@ -137,11 +124,10 @@ class BackendLinear(torch.nn.Linear):
 
 
 def plain_linear(layer: torch.nn.Module, every_pass: bool = False) -> bool:
-    """Whether ``layer``'s forward is ``F.linear(x, layer.weight, layer.bias)`` and nothing else: an
-    ``nn.Linear`` without hooks, or a :class:`BackendLinear` multiplying by its weight as stored,
-    in the pass under way (no packed copy, no per-product packing) or, ``every_pass`` (a decision
-    kept from one pass to the next), in every pass (not packed for a rollout either)."""
-    if layer._forward_hooks or layer._forward_pre_hooks or not isinstance(layer, torch.nn.Linear):
+    """Whether ``layer``'s forward is ``F.linear(x, layer.weight, layer.bias)`` and nothing else: an ``nn.Linear``
+    without hooks, or a :class:`BackendLinear` multiplying by its weight as stored in the pass under way or, with
+    ``every_pass``, in every pass (not packed for a rollout either)."""
+    if not isinstance(layer, torch.nn.Linear) or has_forward_hooks(layer):
         return False
     forward = type(layer).forward
     if forward is BackendLinear.forward:

@@ -1,46 +1,30 @@
 """peft's LoRA linear layer as a backend runs it: the same values, fewer temporaries, merged decoding.
 
-:class:`LeanLoraLinear` is swapped in for peft's ``lora.Linear`` (the mixin in front of peft's
-class, :mod:`.swap`); peft still sees its own layer. What changes:
+:class:`LeanLoraLinear` is a mixin in front of peft's ``lora.Linear`` (:mod:`.swap`); peft still sees its own layer.
+Layers whose adapters are off, merged, or a variant (DoRA, adapter biases, several active) keep peft's forward.
 
-- the training forward computes peft's ``base(x) + B(A(dropout(x))) * scale`` op for op, with
-  the scaling and the sum done in place on tensors nothing else holds: two full-width temporaries
-  fewer per adapted layer (the update's peak drops: docs/lora.md), the
-  same bits forward and backward;
-- adapters kept in float32 on a bfloat16 (or float16) model, peft's default, multiply in the
-  model's dtype with their weights cast (``r x d``, small), as autocast would, rather than casting
-  every activation to float32 and the sum back: peft's path made six full-width casts per adapted
-  layer. The cast copies are kept until an optimizer step or a load changes the adapters (their
-  version counters), so a step's passes cast once. The product is one autograd node,
-  :class:`LoraProduct`: ``A x``, then ``base + scale B (A x)`` as one ``addmm`` into the base
-  layer's output, and a backward of four products; the layer's own ops were six nodes forward
-  and as many in backward, and a GPU update of a small model waits on launches, not arithmetic
-  (``benchmarks/update_ops.py``: 1.73x full fine-tuning's operations before, 1.42x after). Where
-  the base layer is a plain product of frozen weights and there is no dropout, the node computes
-  the base product too (:class:`LoraLinearProduct`), and its backward writes the adapter's share of
-  the input's gradient into the base's: autograd no longer sums two (1.40x). The adapters'
-  float32 gradients come out of their half products directly where the device's products can
-  write float32 (:func:`product_in`, CUDA), not cast after. The
-  weights and their gradients stay float32; the sum is rounded once, where peft's path rounds
-  the adapter's output, its scaling and the sum (``tests/test_lora_layer.py`` bounds the error against
-  peft's);
-- inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``), the layer multiplies
-  once per token by a merged copy ``W + (alpha / rank) B A`` (one ``addmm`` of the cast copies), packed
-  for oneDNN where its base layer packs, instead of three products (unmerged, decoding ran at
-  well under full fine-tuning's speed: docs/lora.md). The model is not merged; the copy is
-  dropped when the rollout ends, unless the rollout replays its decoding step from graphs
-  (``keep``): then the copy keeps its storage from one rollout to the next, rewritten in place
-  with the same values, so that graphs recorded on it stay valid (a copy made anew would move and
-  have them recorded again every rollout). Layers whose adapters are off, already merged, or a
-  variant (DoRA, adapter biases, several active adapters) keep peft's forward.
+- the training forward computes peft's ``base(x) + B(A(dropout(x))) * scale`` op for op, scaling and sum in place
+  on tensors nothing else holds: two full-width temporaries fewer per adapted layer, the same bits;
+- float32 adapters on a half model (peft's default) multiply in the model's dtype with their small weights cast
+  (kept until their version counters move), as autocast would, in one autograd node (:class:`LoraProduct`;
+  :class:`LoraLinearProduct` for a frozen plain base without dropout), float32 gradients straight out of the half
+  products where the device can (:func:`product_in`). The sum is rounded once where peft rounds three times
+  (``tests/test_lora_layer.py`` bounds the error);
+- inside a rollout (:func:`~.passes.packed_for_pass` with ``decoding``) it multiplies by a merged copy
+  ``W + (alpha / rank) B A``, packed where its base layer packs (docs/lora.md). The model is not merged; the copy is
+  dropped when the rollout ends unless graphs replay it (``keep``: its storage kept, rewritten in place).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ngrpo_lightning.backends.linear import BackendLinear, pack, packed_linear, plain_linear
 from ngrpo_lightning.backends.swap import swap
+from ngrpo_lightning.compat.peft import adapter_parts
+from ngrpo_lightning.compat.torch import mark_static_address, tensor_version
 
 
 class LeanLoraLinear:
@@ -52,8 +36,7 @@ class LeanLoraLinear:
     _kept: torch.Tensor | None = None  # the merged copy's storage, kept across rollouts (``keep``)
     _cast: tuple | None = None  # (A, B) in the model's dtype, for the key below
     _cast_key: tuple | None = None  # (adapter, dtype, A's and B's versions and addresses)
-    # caches of training passes, remade after each optimizer step, which a rollout's step never reads
-    # (it multiplies by _merged, made from them before the step): graphs need not be recorded again
+    # training-pass caches a rollout's step never reads (it multiplies by _merged): graphs need not be re-recorded
     not_read_in_rollouts = ("_cast",)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -61,8 +44,8 @@ class LeanLoraLinear:
             if self._merged is not None:
                 weight, bias, packed = self._merged
                 return packed_linear(x, weight, bias) if packed else torch.nn.functional.linear(x, weight, bias)
-            if self._disable_adapters and not self.merged_adapters:
-                return self._modules["base_layer"](x)  # peft's forward with its adapters off, without its checks
+            if self.disable_adapters and not self.merged_adapters:
+                return self.base_layer(x)  # peft's forward with its adapters off, without its checks
             fused = self._fused_parts(x.dtype)
             if fused is not None:  # float32 adapters on a half model: one node, the sum inside the product
                 base, dropout, down, up, A, B, scale = fused
@@ -87,47 +70,41 @@ class LeanLoraLinear:
         return result
 
     def _fused_parts(self, dtype: torch.dtype) -> tuple | None:
-        """What :class:`LoraProduct` multiplies for inputs of ``dtype`` (the base layer, the dropout,
-        the cast A and B, the trained A and B, the scale), or ``None`` where peft's forward or the
-        loop below runs: adapters off or merged, several active, a variant, an adapter bias, or
-        adapters already in ``dtype``. Read from the layer's attributes and module dictionaries
-        directly: a model has a LoRA layer per adapted linear, and going through peft's properties
-        and ``Module.__getattr__`` took 81 Python calls per layer and forward where this takes 47
-        (docs/lora.md), a GPU update of a small model waiting on each."""
-        if self._disable_adapters or self.merged_adapters:
+        """What :class:`LoraProduct` multiplies for inputs of ``dtype`` (base layer, dropout, cast A and B, trained
+        A and B, scale), or ``None`` where peft's forward or the loop in :meth:`forward` runs (adapters off or merged,
+        else as :meth:`adapter_weights`)."""
+        if self.disable_adapters or self.merged_adapters:
             return None
         adapter = self.adapter_weights(dtype)
         if adapter is None:
             return None
         name, A, B, scale, dropout = adapter
         down, up = self.adapters_in(name, dtype, A, B)
-        return self._modules["base_layer"], dropout, down, up, A, B, scale
+        return self.base_layer, dropout, down, up, A, B, scale
 
     def adapter_weights(self, dtype: torch.dtype) -> tuple | None:
-        """``(adapter, A, B, scale, dropout)`` of the one plain active adapter, float32 on inputs of
-        half ``dtype``, whether it is on, off or merged just now; else ``None`` (several active, a
-        variant, an adapter bias, adapters already in ``dtype``)."""
-        name = self._active_adapter
+        """``(adapter, A, B, scale, dropout)`` of the one plain active adapter, float32 on inputs of half ``dtype``
+        (read by :func:`~ngrpo_lightning.compat.peft.adapter_parts`, past ``Module.__getattr__``), whether on, off or
+        merged just now; else ``None`` (several active, a variant, an adapter bias, adapters already in ``dtype``)."""
+        name = self.active_adapter
         if not isinstance(name, str):
             if len(name) != 1:
                 return None
             name = name[0]
-        lora_a = self._modules["lora_A"]._modules.get(name)
-        if lora_a is None or name in self.lora_variant or self.lora_bias.get(name):
+        parts = adapter_parts(self, name)
+        if parts is None or name in self.lora_variant or self.lora_bias.get(name):
             return None
-        A = lora_a._parameters["weight"]
+        A, B, dropout = parts
         if A.dtype == dtype or not self._casts_to(A.dtype, dtype):
             return None
-        B = self._modules["lora_B"]._modules[name]._parameters["weight"]
-        return name, A, B, self.scaling[name], self._modules["lora_dropout"]._modules[name]
+        return name, A, B, self.scaling[name], dropout
 
     def adapters_in(self, adapter: str, dtype: torch.dtype, A=None, B=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``adapter``'s A and B (its weights, where the caller has them) in ``dtype``, without
-        gradients, cast again only after either changed (an optimizer step, a load: their version
-        counters), not at every forward."""
+        """``adapter``'s A and B (its weights, where the caller has them) in ``dtype``, without gradients, cast
+        again only after either changed (their version counters)."""
         if A is None:
             A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        key = (adapter, dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
+        key = (adapter, dtype, tensor_version(A), tensor_version(B), A.data_ptr(), B.data_ptr())
         if self._cast_key != key:
             with torch.inference_mode(False), torch.no_grad():  # usable by a pass with gradients later
                 self._cast = (A.detach().to(dtype), B.detach().to(dtype))
@@ -140,15 +117,13 @@ class LeanLoraLinear:
         return weights == inputs or (weights == torch.float32 and inputs in (torch.bfloat16, torch.float16))
 
     def merge_adapter_name(self) -> str | None:
-        """The one plain active adapter that can run merged, else ``None``. Read from the layer's
-        attributes and module dictionaries directly, as :meth:`adapter_weights` reads them: a rollout
-        asks each of a model's adapted layers."""
-        if not isinstance(self._modules["base_layer"], torch.nn.Linear) or self._disable_adapters:
+        """The one plain active adapter that can run merged, else ``None`` (a rollout asks each layer once)."""
+        if not isinstance(self.base_layer, torch.nn.Linear) or self.disable_adapters:
             return None
         if self.merged_adapters:
             return None
-        names = self._active_adapter
-        adapters = self._modules["lora_A"]._modules
+        names = self.active_adapter
+        adapters = self.lora_A
         active = [name for name in ([names] if isinstance(names, str) else names) if name in adapters]
         if len(active) != 1 or active[0] in getattr(self, "lora_variant", {}):
             return None
@@ -160,12 +135,12 @@ class LeanLoraLinear:
         return self.merge_adapter_name() is not None
 
     def start_merged_pass(self, rows: int, keep: bool = False) -> bool:
-        """Decode on a merged copy until :meth:`end_pass`; ``True`` if it does. ``keep``: the copy
-        keeps its storage across passes (written in place; not packed)."""
+        """Decode on a merged copy until :meth:`end_pass`; ``True`` if it does. ``keep``: the copy keeps its
+        storage across passes (written in place; not packed)."""
         adapter = self.merge_adapter_name()
         if adapter is None:
             return False
-        base = self._modules["base_layer"]
+        base = self.base_layer
         w = base.weight.detach()
         bias = None if base.bias is None else base.bias.detach()
         kept = None
@@ -173,7 +148,7 @@ class LeanLoraLinear:
             kept = self._kept
             if kept is None or kept.shape != w.shape or kept.dtype != w.dtype or kept.device != w.device:
                 kept = self._kept = torch.empty_like(w)
-                torch._dynamo.mark_static_address(kept)  # a compiled step reads it in place
+                mark_static_address(kept)  # a compiled step reads it in place
         weight = self.merged_weight(adapter, out=kept)
         if keep:
             self._merged = (weight, bias, False)
@@ -183,12 +158,10 @@ class LeanLoraLinear:
         return True
 
     def merged_weight(self, adapter: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``W + scale B A`` for ``adapter`` (one :meth:`merge_adapter_name` gave) in one product of
-        the adapters cast as the training forward multiplies them, in ``W``'s dtype, into ``out``
-        where given: what decoding multiplies by (fan_in_fan_out layers are Conv1D, never merged here)."""
-        w = self._modules["base_layer"].weight.detach()
-        A = self._modules["lora_A"]._modules[adapter]._parameters["weight"]
-        B = self._modules["lora_B"]._modules[adapter]._parameters["weight"]
+        """``W + scale B A`` for ``adapter`` (from :meth:`merge_adapter_name`), what decoding multiplies by: in
+        ``W``'s dtype from the cast adapters, into ``out`` where given (fan_in_fan_out Conv1D layers never merge)."""
+        w = self.base_layer.weight.detach()
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         down, up = self.adapters_in(adapter, w.dtype, A, B)
         return torch.addmm(w, up, down, alpha=self.scaling[adapter], out=out)
 
@@ -197,11 +170,8 @@ class LeanLoraLinear:
 
 
 class LoraProduct(torch.autograd.Function):
-    """``base + scale * B(A(x_a))`` written into ``base`` (the base layer's output, which nothing
-    else holds), with A and B given twice: as the trained parameters, which get the gradients, and
-    cast to the activations' dtype, which multiply. One autograd node and one fused product for
-    the sum and the scaling (``addmm``), where the layer's own ops were six nodes forward and
-    about as many in backward: a LoRA update on a GPU waits on those launches (docs/lora.md)."""
+    """``base + scale * B(A(x_a))`` written into ``base`` (the base layer's output, which nothing else holds) in
+    one ``addmm``, A and B given twice: the trained parameters get the gradients, the cast copies multiply."""
 
     @staticmethod
     def forward(ctx, base, x_a, down, up, A, B, scale):
@@ -222,11 +192,9 @@ class LoraProduct(torch.autograd.Function):
 
 
 class LoraLinearProduct(torch.autograd.Function):
-    """``linear(x, W, b) + scale * B(A(x))`` as one node, for a frozen plain base layer and no
-    dropout: :class:`LoraProduct` with the base product inside. Its backward writes the adapter's
-    share of ``x``'s gradient into the base's (``g W`` then ``+= grad_d A`` in place), where two
-    nodes left autograd a sum of two gradients to make: per adapted layer and pass one kernel and
-    the base product's nodes fewer. ``W`` and ``b`` get no gradient (frozen)."""
+    """``linear(x, W, b) + scale * B(A(x))`` as one node, for a frozen plain base layer and no dropout:
+    :class:`LoraProduct` with the base product inside, the adapter's share of ``x``'s gradient written into the
+    base's in place. ``W`` and ``b`` get no gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, down, up, A, B, scale):
@@ -245,8 +213,7 @@ class LoraLinearProduct(torch.autograd.Function):
 
 
 def base_plus_adapter(x, weight, bias, down, up, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(x, weight, bias) + alpha * up(down(x)), down(x))``: the adapter's sum written into
-    the base product by one ``addmm``."""
+    """``(linear(x, weight, bias) + alpha * up(down(x)), down(x))``: the sum written into the base product."""
     out = torch.nn.functional.linear(x, weight, bias)
     d = torch.nn.functional.linear(x, down)
     out.view(-1, out.shape[-1]).addmm_(d.view(-1, d.shape[-1]), up.t(), alpha=alpha)
@@ -254,10 +221,9 @@ def base_plus_adapter(x, weight, bias, down, up, alpha: float) -> tuple[torch.Te
 
 
 def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_B: bool) -> tuple:
-    """What the adapter's backward shares: ``(g, grad_d, grad_A, grad_B)`` for the output's gradient
-    ``grad`` (``g``: its rows [M, out]), the adapter's input ``x_a`` and ``d = A x_a``: ``grad_d =
-    scale g B`` (where ``x`` or ``A`` needs it; ``addmm`` with ``beta=0`` reads nothing from its first
-    argument), ``A``'s ``grad_d^T x_a`` and ``B``'s ``scale g^T d``, in the adapters' dtypes."""
+    """``(g, grad_d, grad_A, grad_B)`` for the output's gradient ``grad`` (``g``: its rows [M, out]), the adapter's
+    input ``x_a`` and ``d = A x_a``: ``grad_d = scale g B`` (where ``x`` or ``A`` needs it), ``A``'s
+    ``grad_d^T x_a`` and ``B``'s ``scale g^T d``, in the adapters' dtypes."""
     g = grad.reshape(-1, grad.shape[-1])
     d2 = d.view(-1, d.shape[-1])
     grad_d = grad_A = grad_B = None
@@ -271,30 +237,30 @@ def adapter_backward(ctx, grad, x_a, d, up, needs_x: bool, needs_A: bool, needs_
 
 
 def frozen_product(base: torch.nn.Module) -> tuple | None:
-    """``(weight, bias)`` of ``base`` where its forward is ``F.linear`` on frozen weights (no hooks,
-    no packed products, nothing trained), which :class:`LoraLinearProduct` may compute itself; else ``None``."""
+    """``(weight, bias)`` of ``base`` where its forward is ``F.linear`` on frozen weights (no hooks, no packed
+    products, nothing trained), which :class:`LoraLinearProduct` may compute itself; else ``None``."""
     if not plain_linear(base) or base.weight.requires_grad:
         return None
     bias = base.bias
     return None if bias is not None and bias.requires_grad else (base.weight, bias)
 
 
-_OUT_DTYPE: dict[tuple, bool] = {}  # (device type, inputs' dtype, output dtype) -> products write it directly
+@functools.cache
+def writes_out_dtype(device_type: str, inputs: torch.dtype, output: torch.dtype) -> bool:
+    """Whether this PyTorch's products on ``device_type`` write ``output`` from ``inputs`` themselves
+    (``out_dtype``: CUDA products of half inputs). Asked once per device kind, on a small product."""
+    try:
+        one = torch.ones(1, 1, dtype=inputs, device=device_type)
+        torch.addmm(torch.empty(1, 1, dtype=output, device=device_type), one, one, beta=0, alpha=0.5, out_dtype=output)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def product_in(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``alpha * a @ b`` from half ``a`` and ``b``, in ``dtype`` (an adapter's float32 gradient): written
-    in ``dtype`` by the product itself where the device's products can (``out_dtype``: PyTorch's CUDA
-    products of half inputs), one kernel and one rounding fewer than the product cast after."""
-    key = (a.device.type, a.dtype, dtype)
-    if key not in _OUT_DTYPE:
-        try:  # a device or PyTorch without it raises at once, on a small product
-            one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
-            torch.addmm(torch.empty(1, 1, dtype=dtype, device=a.device), one, one, beta=0, alpha=0.5, out_dtype=dtype)
-            _OUT_DTYPE[key] = True
-        except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE[key] = False
-    if _OUT_DTYPE[key]:
+    """``alpha * a @ b`` from half ``a`` and ``b``, in ``dtype`` (an adapter's float32 gradient): written in
+    ``dtype`` by the product itself where the device can (:func:`writes_out_dtype`), else cast after."""
+    if writes_out_dtype(a.device.type, a.dtype, dtype):
         out = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)  # beta=0: never read
         return torch.addmm(out, a, b, beta=0, alpha=alpha, out_dtype=dtype)
     if alpha == 1.0:

@@ -1,12 +1,9 @@
 """Measured once per machine and shape: which of two ways to compute the same product is faster.
 
-A choice that depends on the machine (a product on oneDNN-packed weights is faster on one CPU
-and slower on another) is timed on the run's own shapes when the run is built, and the answer
-is kept in a small JSON file per machine (``$NGRPO_CACHE/backend/``, by default
-``~/.cache/ngrpo-lightning/backend/``), so later runs on the same machine read it instead. The
-machine is the processor's name, the kernels torch may use (its CPU capability and the
-``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` restrictions), the thread count and torch's
-version; a different one measures again.
+A machine-dependent choice (oneDNN-packed weights) is timed on the run's own shapes when the run is built, the answer
+kept in a JSON file per machine (``$NGRPO_CACHE/backend/``, default ``~/.cache/ngrpo-lightning/backend/``), a machine
+being its processor's name, the kernels torch may use (CPU capability, ``ONEDNN_MAX_CPU_ISA``,
+``ATEN_CPU_CAPABILITY``), the thread count and torch's version.
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ class Measurements:
 
     @classmethod
     def recorded(cls, answers: dict) -> Measurements:
-        """Answers a run recorded (its checkpoint's): used as they are, never saved to this
-        machine's file; a key the record lacks is measured."""
+        """Answers a run recorded (its checkpoint's): used as they are, never saved; a missing key is measured."""
         self = cls.__new__(cls)
         self.path, self.signature, self.answers, self.measured = None, machine_signature(), dict(answers), 0
         return self

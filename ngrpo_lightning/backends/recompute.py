@@ -1,27 +1,15 @@
 """Cheap activations recomputed in backward instead of kept for it.
 
-For backward, autograd keeps every tensor an op will need. In a Llama-style decoder layer a
-good part of them is one elementwise op away from tensors that are kept anyway: each RMSNorm's
-normalized input ``x * rstd`` and output ``weight * x * rstd`` (from ``x`` and ``rstd``, which
-the norm's own backward keeps), and the MLP's ``act(gate)`` and ``act(gate) * up`` (from
-``gate`` and ``up``, kept by the activation and the product). On the packaged model these are
-about half of what a training forward keeps, while recomputing them costs a few elementwise
-passes. One matmul is worth recomputing too: the MLP's ``up(x)`` [tokens, intermediate] is kept
-for the product's backward, and its input ``x`` is a norm output that is itself recomputed (a
-LoRA ``up_proj`` without dropout is recomputed whole).
-
-How. :func:`recomputing_modules` swaps a model's RMSNorms and gated MLPs for classes
-(:class:`RecomputingRMSNorm`, :class:`RecomputingGatedMLP`, in front of the model's own) that
-compute exactly what transformers' do and tag each such output with the recipe that recomputes
-it. Inside :class:`Recomputation` (a training forward), a saved-tensor pack hook
-(:class:`torch.autograd.graph.saved_tensors_hooks`) stores the recipe in place of a tagged
-tensor (or of a view of it), and the unpack hook recomputes it when backward reaches the op that
-needs it: the same ops on the same inputs give the same bits, and autograd's own backward
-formulas run unchanged, so losses and gradients are bit-identical to keeping the tensors
-(tested). The recipe travels on the tensor itself; which forward is recording is a context
-variable, so a rollout on another thread (decoding without gradients) never sees it. A module is
-swapped only where its new forward gives exactly its old output (checked once per class on a
-random input), so other architectures (Gemma's ``1 + weight`` norms, GELU MLPs) keep theirs.
+In a Llama-style decoder layer much of what autograd keeps is one elementwise op away from tensors kept anyway: each
+RMSNorm's normalized input and output (from ``x`` and ``rstd``), the MLP's ``act(gate)`` and ``act(gate) * up``, and
+``up(x)``, whose input is a recomputed norm output. :func:`recomputing_modules` swaps RMSNorms and gated MLPs for
+classes (:class:`RecomputingRMSNorm`, :class:`RecomputingGatedMLP`) that compute exactly what transformers' do and tag
+each such output with its recipe. Inside :func:`recomputing` (a training forward) a saved-tensor pack hook stores the
+recipe in place of a tagged tensor (or a view of it) and the unpack hook recomputes it: the same ops on the same
+inputs, so losses and gradients are bit-identical (tested). The forward's :class:`Recomputation` keeps recipes by
+tensor identity without keeping tensors alive, in a context variable a rollout on another thread never sees. A module
+is swapped only where its new forward gives exactly its old output (checked once per class), so other architectures
+(Gemma's ``1 + weight`` norms, GELU MLPs) keep theirs.
 """
 
 from __future__ import annotations
@@ -30,11 +18,10 @@ import contextvars
 from contextlib import contextmanager
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
-
-_recording: contextvars.ContextVar[bool] = contextvars.ContextVar("ngrpo_recomputing", default=False)
-RECIPE = "_ngrpo_recipe"  # the attribute of a tagged tensor that holds its recipe
+from ngrpo_lightning.compat.torch import base_of, tensor_version
 
 
 class _Recipe:
@@ -71,29 +58,54 @@ class _Packed:
         self.recipe, self.size, self.stride, self.offset = recipe, t.size(), t.stride(), t.storage_offset()
 
 
+class Recomputation:
+    """The recipes of one recording forward (:func:`recomputing`), by tagged tensor identity; a recipe goes when its
+    tensor does, or with the graph that packed it."""
+
+    def __init__(self):
+        self.recipes = WeakIdKeyDictionary()  # tagged tensor -> its _Recipe
+
+    def tag(self, out: torch.Tensor, fn, args: tuple) -> None:
+        if out.requires_grad and base_of(out) is None and out.is_contiguous() and out.storage_offset() == 0:
+            self.recipes[out] = _Recipe(fn, args, tensor_version(out))
+
+    def recipe_of(self, t: torch.Tensor) -> _Recipe | None:
+        """The recipe of ``t`` or of the tensor it views, if unchanged since it was tagged."""
+        base = base_of(t)
+        recipe = self.recipes.get(t if base is None else base)
+        if recipe is None or recipe.version != tensor_version(t):
+            return None
+        return recipe
+
+    def pack(self, t: torch.Tensor):
+        """The saved-tensor pack hook: a tagged tensor (or a view of one) is kept as its recipe."""
+        recipe = self.recipe_of(t)
+        if recipe is None:
+            return t
+        recipe.pending += 1
+        return _Packed(recipe, t)
+
+
+_recording: contextvars.ContextVar[Recomputation | None] = contextvars.ContextVar("ngrpo_recomputing", default=None)
+
+
 def tag(out: torch.Tensor, fn, *args) -> torch.Tensor:
-    """Record on ``out`` that ``fn(*args)`` recomputes it (inside a recording forward); returns ``out``."""
-    if _recording.get() and out.requires_grad and out._base is None and out.is_contiguous():
-        if out.storage_offset() == 0:
-            setattr(out, RECIPE, _Recipe(fn, args, out._version))
+    """Record that ``fn(*args)`` recomputes ``out`` (inside a recording forward); returns ``out``."""
+    recording = _recording.get()
+    if recording is not None:
+        recording.tag(out, fn, args)
     return out
 
 
-def recipe_of(t: torch.Tensor) -> _Recipe | None:
-    """The recipe of ``t`` or of the tensor it views, if unchanged since it was tagged."""
-    owner = t if t._base is None else t._base
-    recipe = owner.__dict__.get(RECIPE) if hasattr(owner, "__dict__") else None
-    if recipe is None or recipe.version != t._version:
-        return None
-    return recipe
+def recipe_of(t: torch.Tensor, recording: Recomputation | None = None) -> _Recipe | None:
+    """:meth:`Recomputation.recipe_of` in ``recording`` (default: this context's); ``None`` outside a recording."""
+    recording = recording if recording is not None else _recording.get()
+    return None if recording is None else recording.recipe_of(t)
 
 
 def _pack(t: torch.Tensor):
-    recipe = recipe_of(t)
-    if recipe is None:
-        return t
-    recipe.pending += 1
-    return _Packed(recipe, t)
+    recording = _recording.get()
+    return t if recording is None else recording.pack(t)
 
 
 def _unpack(saved):
@@ -104,26 +116,25 @@ def _unpack(saved):
 
 @contextmanager
 def recomputing(enabled: bool = True, pack=_pack):
-    """Inside: tensors tagged by the recomputing modules' forwards are recomputed in backward
-    instead of kept. The backward itself may run after the context has closed. ``pack``: the
-    saved-tensor hook (a tally of what is kept wraps the default)."""
-    if not enabled or _recording.get():
-        yield
+    """Inside, tagged tensors are recomputed in backward instead of kept (backward may run after the context
+    closed). ``pack``: the saved-tensor hook. Gives the forward's :class:`Recomputation` (the enclosing one inside
+    another; ``None`` where not ``enabled``)."""
+    if not enabled or _recording.get() is not None:
+        yield _recording.get()
         return
-    token = _recording.set(True)
+    recording = Recomputation()
+    token = _recording.set(recording)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            yield
+            yield recording
     finally:
         _recording.reset(token)
 
 
 @contextmanager
 def tallying_kept(kept: dict[int, int], skip: frozenset[int] = frozenset()):
-    """Inside :func:`recomputing`, also record what autograd keeps for backward: ``kept`` maps
-    each kept storage's address to its bytes (a storage counts once however many views of it
-    are saved; recomputed tensors and storages in ``skip``, e.g. the parameters', not at all).
-    For measurements: the addresses are read, never used to find a tensor."""
+    """Inside :func:`recomputing`, also record what autograd keeps: ``kept`` maps each kept storage's address to
+    its bytes (once per storage; recomputed tensors and storages in ``skip`` not at all). For measurements only."""
 
     def pack(t: torch.Tensor):
         packed = _pack(t)
@@ -141,9 +152,8 @@ def tallying_kept(kept: dict[int, int], skip: frozenset[int] = frozenset()):
 
 
 def rows_then_new(prefix: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``cat([prefix[rows], new], dim=-2)``, tagged: attention keeps this per-row copy of a
-    shared prompt's keys or values for backward, and it is two copies away from ``prefix`` (one
-    row per distinct prompt, kept by the prompt's own pass) and ``new`` (the rows' own)."""
+    """``cat([prefix[rows], new], dim=-2)``, tagged: attention's per-row copy of a shared prompt's keys or values,
+    cheap to remake from ``prefix`` and ``new``, which are kept anyway."""
     return tag(_rows_then_new(prefix, rows, new), _rows_then_new, prefix, rows, new)
 
 
@@ -191,14 +201,13 @@ def _act_times_recomputed(act, gate: torch.Tensor, up: _Recipe) -> torch.Tensor:
 
 
 def recomputes(model: torch.nn.Module) -> bool:
-    """Whether any module of ``model`` recomputes its outputs (then a training forward runs inside
-    :func:`recomputing`; without one, its saved-tensor hooks would only cost time)."""
+    """Whether any module of ``model`` recomputes its outputs (then a training forward runs in :func:`recomputing`)."""
     return any(isinstance(m, (RecomputingRMSNorm, RecomputingGatedMLP)) for m in model.modules())
 
 
 def recomputable(layer: torch.nn.Module) -> bool:
-    """Whether running ``layer`` again on the same input gives the same bits: a linear layer, or a
-    LoRA layer whose adapters see their input as is (no dropout: a recompute would draw another mask)."""
+    """Whether running ``layer`` again on the same input gives the same bits: a linear layer, or a LoRA layer
+    without dropout (a recompute would draw another mask)."""
     dropouts = getattr(layer, "lora_dropout", None)
     if dropouts is not None:
         return hasattr(layer, "base_layer") and all(isinstance(d, torch.nn.Identity) for d in dropouts.values())
@@ -206,8 +215,8 @@ def recomputable(layer: torch.nn.Module) -> bool:
 
 
 class RecomputingGatedMLP:
-    """``down(act(gate(x)) * up(x))`` (Llama, Qwen, Mistral MLPs), with ``act(gate)`` and the
-    product tagged, and ``up`` too where its input is a tagged norm output."""
+    """``down(act(gate(x)) * up(x))`` (Llama, Qwen, Mistral), ``act(gate)`` and the product tagged, and ``up`` too
+    where its input is a tagged norm output."""
 
     prefix = "Recomputing"
     why = "act(gate), act(gate) * up and the up projection recomputed in backward (bit-identical)"
@@ -215,7 +224,7 @@ class RecomputingGatedMLP:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         act = tag(self.act_fn(gate), self.act_fn, gate)
-        source = recipe_of(x) if _recording.get() and recomputable(self.up_proj) else None
+        source = recipe_of(x) if _recording.get() is not None and recomputable(self.up_proj) else None
         if source is not None:
             up_recipe = recipe_of(tag(up, _layer_of, source, self.up_proj))
             if up_recipe is not None:  # None where `up` could not be tagged: it is kept as before
@@ -245,6 +254,6 @@ def _same_output(module: torch.nn.Module) -> bool:
 
 
 def recomputing_modules(model: torch.nn.Module) -> int:
-    """Swap ``model``'s RMSNorms and gated MLPs for their recomputing classes, where these give
-    exactly the same outputs (checked once per class); returns how many modules were swapped."""
+    """Swap ``model``'s RMSNorms and gated MLPs for their recomputing classes where the outputs match exactly
+    (see the module docstring); returns how many modules were swapped."""
     return swap_checked(model, _candidate)

@@ -1,10 +1,8 @@
 """Swapping a module's class once, explicitly: how a backend changes what a module computes.
 
-A backend never reassigns a module's ``forward``. It swaps the module's class for a subclass
-that computes the chosen way (the idiom of ``torch.nn.utils.parametrize`` and of FSDP2's
-``fully_shard``): the parameters, buffers, hooks and names stay as they are, so state dicts,
-optimizers, peft and FSDP2 see the same module, and ``type(module)`` says what it computes.
-Each swapped class carries ``why``, the reason the backend gave, for :func:`describe`.
+A backend never reassigns ``forward``: it swaps the module's class for a subclass (the idiom of
+``torch.nn.utils.parametrize`` and FSDP2's ``fully_shard``). Parameters, buffers, hooks and names stay, so state
+dicts, optimizers, peft and FSDP2 see the same module; each swapped class carries ``why`` for :func:`describe`.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ def swap(module: torch.nn.Module, mixin: type, **attributes) -> torch.nn.Module:
 
 
 def forwards_agree(module: torch.nn.Module, mixin: type, *args, agree=torch.equal, **kwargs) -> bool:
-    """Whether ``mixin``'s forward gives ``module``'s own output (the first of a tuple) on ``args``,
-    as ``agree(own, new)`` judges, in eval mode and without gradients (the module's mode is put
-    back). ``False`` where either forward raises: a module whose shape only looked familiar."""
+    """Whether ``mixin``'s forward gives ``module``'s own output (the first of a tuple) on ``args``, as
+    ``agree(own, new)`` judges, in eval mode without gradients. ``False`` where either forward raises."""
     was_training = module.training
     module.eval()
     try:
@@ -48,10 +45,8 @@ def forwards_agree(module: torch.nn.Module, mixin: type, *args, agree=torch.equa
 
 
 def swap_checked(model: torch.nn.Module, candidate, over_swapped: bool = False) -> int:
-    """Swap each module of ``model`` that ``candidate(module)`` gives ``(mixin, check)`` for, where
-    ``check(module)`` holds, checked once per class; modules a backend already swapped are left as
-    they are, unless ``over_swapped`` (the mixin goes in front of the class they were given).
-    Returns how many were swapped."""
+    """Swap each module that ``candidate(module)`` gives ``(mixin, check)`` for, where ``check(module)`` holds
+    (checked once per class), skipping swapped modules unless ``over_swapped``. Returns how many were swapped."""
     checked: dict[tuple[type, type], bool] = {}
     count = 0
     for module in model.modules():
@@ -81,10 +76,12 @@ def _original(cls: type) -> type:
     return cls
 
 
-def describe(model: torch.nn.Module, kinds: tuple[type, ...] = (torch.nn.Linear,)) -> list[tuple[str, str, str]]:
-    """``(name, class, why)`` for every module of ``model`` that is one of ``kinds`` (by default
-    every linear layer): what it computes and why the backend chose it."""
-    rows = []
+def describe(
+    model: torch.nn.Module, backend=None, kinds: tuple[type, ...] = (torch.nn.Linear,)
+) -> list[tuple[str, str, str]]:
+    """``(name, class, why)`` for every module of ``model`` that is one of ``kinds`` (default: linear layers). Given
+    the ``backend`` that prepared it, first ``(speed-up, "on" or "off", why)`` for each of its speed-ups."""
+    rows = [(name, "on" if on else "off", why) for name, on, why in backend.speedup_reasons()] if backend else []
     for name, module in model.named_modules():
         if isinstance(module, kinds):
             why = getattr(module, "why", None) or "no backend has prepared this model"  # a swapped class says it

@@ -1,21 +1,14 @@
 """How many threads a process of a run computes on: set once, the same way however it was launched.
 
-The thread count changes a CPU's results: a product split over two threads sums in another order
-than on one, the sampled tokens then differ, and so does the update. Each launcher has its own
-default (Lightning's launcher gives each process the cores divided by the processes it starts;
-torchrun gives one thread to each of several processes on a node, and all the cores to a single
-one), so the same global run launched two ways computed differently. Here one rule decides, before
-anything is built or measured:
+The thread count changes a CPU's results (sums in another order) and each launcher has its own default, so one rule
+decides, before anything is built or measured:
 
 1. ``backend.threads`` when set;
 2. else ``OMP_NUM_THREADS`` when the user set it (torchrun's own default of 1 is not the user's);
 3. else the cores this process may run on, shared by the run's processes on this host.
 
-The run's processes on this host: every process of the run where its rendezvous address is on this
-host's loopback (only processes of this host can reach it: several "nodes" started on one machine
-are on one host), else the launcher's processes per node (torchrun's ``LOCAL_WORLD_SIZE``, or the
-processes Lightning's own launcher starts on each node). Outside torchrun the launcher's variables
-are not read: left over in an environment, they would say nothing of this run.
+The run's processes on this host: all of them where the rendezvous address is loopback, else the launcher's processes
+per node (torchrun's ``LOCAL_WORLD_SIZE``, or Lightning's per node). Outside torchrun its variables are not read.
 """
 
 from __future__ import annotations
@@ -56,10 +49,8 @@ def available_cores() -> int:
 
 
 def processes_on_host(processes_per_node: int, env: dict | None = None) -> int:
-    """The run's processes on this host (see the module docstring). The launcher's variables are
-    read only under torchrun (``TORCHELASTIC_RUN_ID``): elsewhere they may be left over in the
-    environment (a shell, or a library that started a process group of one in this process) and
-    say nothing of this run, whose processes per node Lightning's launcher starts."""
+    """The run's processes on this host (see the module docstring); the launcher's variables are read only under
+    torchrun (``TORCHELASTIC_RUN_ID``)."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env:
         return max(1, processes_per_node)
@@ -80,8 +71,7 @@ def _is_loopback(address: str) -> bool:
 
 
 def user_threads(env: dict | None = None) -> int | None:
-    """``OMP_NUM_THREADS`` as the user set it; None where unset, or where it is torchrun's own
-    default (1, set for a node of several processes when the user set none)."""
+    """``OMP_NUM_THREADS`` as the user set it; None where unset or torchrun's own default (1, for several processes)."""
     env = os.environ if env is None else env
     value = env.get("OMP_NUM_THREADS", "").strip()
     if not value.isdigit() or int(value) < 1:
@@ -106,8 +96,7 @@ def decide_threads(setting: int | None, processes_per_node: int, env: dict | Non
 
 
 def set_process_threads(setting: int | None, processes_per_node: int) -> ProcessThreads:
-    """Decide this process's threads and set them: torch's, and ``OMP_NUM_THREADS`` for what it
-    starts (Lightning's launcher leaves a set value alone, and its other processes decide the same)."""
+    """Decide this process's threads and set them: torch's, and ``OMP_NUM_THREADS`` for what it starts."""
     decided = decide_threads(setting, processes_per_node)
     torch.set_num_threads(decided.threads)
     os.environ["OMP_NUM_THREADS"] = str(decided.threads)

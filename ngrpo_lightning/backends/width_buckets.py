@@ -1,22 +1,11 @@
-"""Attention passes on a GPU at a bounded set of widths, so its attention library builds a
-bounded number of plans.
+"""Attention passes on a GPU at a bounded set of widths, so its attention library builds a bounded number of plans.
 
-PyTorch's cuDNN attention, the kernel a GPU ran for every masked pass here (log-prob and training
-passes: the H100 traces in docs/performance.md), builds a plan for each new shape it meets: batch,
-query length and key length exactly, and keeps it for the process. A build takes host time
-(hundreds of milliseconds have been reported), once per shape and direction. A training run meets
-a new width at almost every pass: each pass is cut to its own rows' longest sequence
-(:meth:`~ngrpo_lightning.rollout.batch.RolloutBatch.trim`), and responses end where they end. The
-benchmarks' workloads hide it (random weights decode to the token limit, so every pass has one
-width); the eager decoding row of the H100 table shows it: a new key length at each of 40 steps,
-6.06 s of warm-up where replayed steps (one shape) took 0.96 s.
-
-So a masked pass is padded, inside attention only, to :func:`bucket_width` of its lengths: a
-multiple of 64 up to 1,024 positions, then sixteen widths per doubling (at most 6.25% more). The
-linear layers, most of a pass's work, keep the exact width. The result is the same: a padded key
-is masked out of every real query's softmax, and a padded query reads every key (finite values)
-and is cut from the output, so no gradient reaches it. ``benchmarks/attention_shapes.py`` times a
-pass at new widths both ways.
+PyTorch's cuDNN attention (a GPU's kernel for masked passes) builds a plan, in host time, for each new shape and
+direction, and a training run meets a new width at almost every pass (each cut to its rows' longest sequence,
+:meth:`~ngrpo_lightning.rollout.batch.RolloutBatch.trim`). So a masked pass is padded, inside attention only, to
+:func:`bucket_width` of its lengths; the linear layers keep the exact width. The result is the same: a padded key is
+masked out of every real query's softmax, a padded query is cut from the output, so no gradient reaches it.
+``benchmarks/harness.py widths`` measures a pass at new widths both ways.
 """
 
 from __future__ import annotations
@@ -25,18 +14,17 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-# Widths are multiples of SMALLEST_STEP, and above 1,024 positions 16 per doubling: long passes,
-# where attention is much of the work, pay at most 6.25% more of it (about 13% more products)
-# for one plan per width; short ones at most 63 positions, where attention is a small share.
+from ngrpo_lightning.backends.memo import TensorMemo
+
+# bucket_width's steps: relative above 1,024 positions (attention much of the work), absolute below (a small share)
 SMALLEST_STEP = 64
 STEPS_PER_DOUBLING = 16
 
 
 def bucket_width(n: int) -> int:
-    """The width a pass of ``n`` positions computes attention at: the next multiple of 64 up to
-    1,024, then the next of sixteen evenly spaced widths per doubling (300 -> 320, 1,000 -> 1,024,
-    5,000 -> 5,120). At most 63 positions or 6.25% more than ``n``: 16 widths up to 1,024 and 16
-    in each doubling after it, 72 up to 12,288 positions."""
+    """The width a pass of ``n`` positions computes attention at: the next multiple of 64 up to 1,024, then the next
+    of sixteen evenly spaced widths per doubling (300 -> 320, 1,000 -> 1,024, 5,000 -> 5,120). At most 63 positions
+    or 6.25% more than ``n``."""
     if n <= SMALLEST_STEP:
         return SMALLEST_STEP if n > 0 else n
     below = 1 << ((n - 1).bit_length() - 1)  # the power of two below n
@@ -44,15 +32,12 @@ def bucket_width(n: int) -> int:
     return -(-n // step) * step
 
 
-def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' ``sdpa`` attention (query [B, H, Lq, d], key/value [B, H_kv, Lk, d]; returns
-    ([B, Lq, H, d], None)) computed at :func:`bucket_width` of Lq and Lk. A pass without a mask is
-    causal, and is padded only where queries and keys are the same positions (padding after the
-    last position changes no causal row); a pass with a mask gets masked key columns and query
-    rows that read every key. Each KV head is copied once per query head of its group straight
-    into the padded width (transformers copies them too, given a mask) and the output is cut in
-    the copy that makes it contiguous. The mask becomes the additive bias PyTorch's attention would
-    make of it, once per forward rather than once per layer (:func:`attention_bias`)."""
+def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, *, memo=None, **kwargs):
+    """transformers' ``sdpa`` attention (query [B, H, Lq, d], key/value [B, H_kv, Lk, d]; returns ([B, Lq, H, d],
+    None)) at :func:`bucket_width` of Lq and Lk. Without a mask a pass is causal, padded only where queries and keys are
+    the same positions; with one, padded keys are masked and padded queries read every key. Each KV head is copied
+    straight into the padded width; the mask's bias is made once per forward where a ``memo`` keeps it
+    (:func:`attention_bias`)."""
     lq, lk = query.shape[-2], key.shape[-2]
     wq, wk = bucket_width(lq), bucket_width(lk)
     if attention_mask is None:
@@ -63,7 +48,7 @@ def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if wq != lq:
         query = F.pad(query, (0, 0, 0, wq - lq))
     key, value = heads_at_width(key, groups, wk), heads_at_width(value, groups, wk)
-    bias = None if attention_mask is None else attention_bias(attention_mask, lk, wq, wk, query.dtype)
+    bias = None if attention_mask is None else attention_bias(attention_mask, lk, wq, wk, query.dtype, memo)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, is_causal=attention_mask is None
     )
@@ -71,8 +56,8 @@ def bucketed_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
-    """Keys or values [B, H_kv, L, d] as [B, H_kv x groups, width, d]: each head once per query head
-    of its group, in order (transformers' ``repeat_kv``), the positions after L zero."""
+    """Keys or values [B, H_kv, L, d] as [B, H_kv x groups, width, d]: each head once per query head of its group
+    (transformers' ``repeat_kv``), the positions after L zero."""
     rows, heads, length, dim = t.shape
     if width == length:
         return repeat_kv(t, groups)
@@ -81,20 +66,14 @@ def heads_at_width(t: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     return out.view(rows, heads * groups, width, dim)
 
 
-def attention_bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` [B, 1, Lq or 1, Lm] for its first ``lk`` keys, at [B, 1, wq or 1, wk]: the new keys
-    (and keys past a mask shorter than ``lk``) read by no real query, the new queries reading
-    every key. A boolean mask (True where a key is read) becomes the additive bias of ``dtype``
-    PyTorch's attention makes of it at every call (0 where read, -inf where not); an additive one
-    keeps its dtype. Made once per forward and kept on the mask, which every layer shares (not
-    while ``torch.compile`` traces: its graph makes it once)."""
-    if torch.compiler.is_compiling():
-        return _bias(mask, lk, wq, wk, dtype)
-    cache = mask.__dict__.setdefault("_ngrpo_bias", {})
-    key = (lk, wq, wk, dtype)
-    if key not in cache:
-        cache[key] = _bias(mask, lk, wq, wk, dtype)
-    return cache[key]
+def attention_bias(
+    mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype, memo: TensorMemo | None = None
+) -> torch.Tensor:
+    """``mask`` [B, 1, Lq or 1, Lm] for its first ``lk`` keys, at [B, 1, wq or 1, wk]: the new keys (and keys past a
+    shorter mask) read by no real query, the new queries reading every key. A boolean mask becomes an additive bias of
+    ``dtype`` (0 / -inf); an additive one keeps its dtype. Made once per forward where ``memo`` keeps it."""
+    make = lambda: _bias(mask, lk, wq, wk, dtype)
+    return make() if memo is None else memo.get(mask, ("bias", lk, wq, wk, dtype), make)
 
 
 def _bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -110,6 +89,5 @@ def _bias(mask: torch.Tensor, lk: int, wq: int, wk: int, dtype: torch.dtype) -> 
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True where a key is read) as the additive bias PyTorch's attention makes of
-    it at every call: 0 where read, -inf where not, in ``dtype``."""
+    """A boolean mask (True where a key is read) as an additive bias: 0 where read, -inf where not, in ``dtype``."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

@@ -1,10 +1,7 @@
 """From a composed config to the objects of a run.
 
-Each ``build_*`` function turns one config group into one object and fails with an
-error naming the offending key. The CLI, the tests and user scripts share them. The data
-and rollout-engine side lives in :mod:`.data`, the models' in :mod:`.models`, the Trainer's in
-:mod:`.trainer`, checkpoints in :mod:`ngrpo_lightning.checkpoints.run`.
-"""
+Each ``build_*`` function turns one config group into one object, or an error naming the key. Data, engines:
+:mod:`.data`; models: :mod:`.models`; Trainer: :mod:`.trainer`; checkpoints: :mod:`ngrpo_lightning.checkpoints.run`."""
 
 from __future__ import annotations
 
@@ -102,9 +99,8 @@ def checked_explorer(explorer) -> Explorer:
 
 
 def check_temperature(explorer: Explorer) -> None:
-    """An explorer that samples through another (``self.sampler = TemperatureExplorer(0.7)``) but
-    never sets its own ``temperature`` keeps the base class's 1.0: the engines would record the
-    tokens' log-probs at 1.0 while they were drawn at 0.7, and nothing downstream would notice."""
+    """Refuse an explorer that samples through another (``self.sampler = TemperatureExplorer(0.7)``)
+    but keeps the base ``temperature`` 1.0: its log-probs would be recorded at the wrong temperature."""
     if "temperature" in vars(explorer) or type(explorer).temperature != Explorer.temperature:
         return
     inner = [(k, v) for k, v in vars(explorer).items() if isinstance(v, Explorer) and v.temperature != 1.0]
@@ -163,8 +159,7 @@ def settings(cfg: DictConfig) -> tuple[OptimConfig, TrainConfig, ReplayConfig]:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Every component the config names is built or checked, without loading a model or data:
-    explorer, objective, advantage estimator, settings, engine, trainer, dtype."""
+    """Build or check every component the config names, without loading a model or data."""
     build_explorer(cfg.explorer), build_objective(cfg.objective)
     try:
         resolve_advantage(cfg.advantage)
@@ -198,8 +193,7 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_run_settings(cfg: DictConfig) -> None:
-    """Types and ranges of ``seed``, ``rollout.*``, ``data.*`` counts and ``trainer.max_steps``: a wrong
-    value names its key here, not as a TypeError deep in a run."""
+    """Types and ranges of ``seed``, ``rollout.*``, ``data.*`` counts, ``trainer.max_steps``; errors name the key."""
     r, d = cfg.rollout, cfg.data
     estimator = resolve_advantage(cfg.advantage)
     checks = [
@@ -235,10 +229,8 @@ def build_module(
     explorer: Explorer | None = None,
     objective: PolicyObjective | None = None,
 ) -> RLModule:
-    """The policy (and reference) models, explorer, objective and reward, as an RLModule.
-    ``backend_choices``: what the backend chose when the run started (a resumed run's checkpoint
-    records it): the same choices again, not measured anew. ``explorer``, ``objective``: objects a
-    script made (instead of ``cfg.explorer`` / ``cfg.objective``), checked as the config's are."""
+    """The policy (and reference), explorer, objective and reward as an RLModule; ``backend_choices``: a resumed
+    run's, reused, not measured anew; ``explorer``, ``objective``: a script's objects, checked alike."""
     check_config(cfg)  # bad values fail here, before minutes of model loading
     explorer = build_explorer(cfg.explorer) if explorer is None else checked_explorer(explorer)
     objective = build_objective(cfg.objective) if objective is None else checked_objective(objective)
@@ -287,8 +279,7 @@ def build_module(
 
 
 def build_step_hooks(cfg: DictConfig) -> list[StepHook]:
-    """What takes part in every training step, as the config asks: a ``ReplayBuffer`` when
-    ``replay.capacity`` > 0 (the module attaches it to the Trainer as a callback too)."""
+    """The step hooks the config asks for: a ``ReplayBuffer`` when ``replay.capacity`` > 0."""
     _, _, replay = settings(cfg)
     if not replay.capacity:
         return []
@@ -325,6 +316,3 @@ def build_pass_at_k(cfg: DictConfig, val_problems) -> list[L.Callback]:
         ]
     except ValueError as err:
         raise named_error(err, "pass_at_k") from err
-
-
-# ------------------------------------------------------------------- trainer

@@ -13,8 +13,7 @@ __all__ = ["build_datamodule", "build_problems", "engine_settings"]
 
 
 def build_problems(cfg: DictConfig, seed: int):
-    """(train problems, validation problems) for ``data.source``; data errors become
-    :class:`ConfigError` (they already name the file, line and field)."""
+    """(train, validation) problems of ``data.source``; data errors (file, line, field) become :class:`ConfigError`."""
     try:
         return _problems(cfg, seed)
     except (ValueError, KeyError) as err:
@@ -60,8 +59,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, problems=None):
 
 
 def engine_settings(cfg: DictConfig) -> dict:
-    """The engine's own settings, ``rollout.<settings_key>.*`` of the engine ``rollout.engine``
-    names (``rollout.hf.*``, ``rollout.vllm.*``; empty for an engine without settings)."""
+    """The settings ``rollout.<settings_key>.*`` of the engine ``rollout.engine`` names (may be empty)."""
     key = engine_class(cfg.rollout.engine).settings_key
     node = cfg.rollout.get(key) if key else None
     return dict(OmegaConf.to_container(node, resolve=True)) if node else {}

@@ -1,13 +1,15 @@
-"""Building the models of a run: the backend that decides how they compute, the policy's
-adapters, the frozen reference, activation checkpointing (``backend.*``, ``model.*``), with their
-checks; and ``trainer.parallel`` (FSDP2), which decides some of them."""
+"""The models of a run: the backend (how they compute), the policy's adapters, the frozen reference, activation
+checkpointing (``backend.*``, ``model.*``), their checks, and ``trainer.parallel`` (FSDP2), deciding some of them."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.backends import Backend, attention, backend_class, file_weights, select_backend
+from ngrpo_lightning.backends.speedups import check_names as check_speedups
 from ngrpo_lightning.checks import check_bool, check_choice
 from ngrpo_lightning.config import ConfigError
 from ngrpo_lightning.models import lora
@@ -17,33 +19,48 @@ from ngrpo_lightning.training.parallel import ParallelConfig
 
 
 def check_model_settings(cfg: DictConfig) -> None:
-    """``backend.*``, ``model.*`` memory settings and ``model.lora``, checked before any model
-    loads (``optim.*`` already checked)."""
+    """``backend.*``, ``model.*`` memory settings, ``model.lora``: checked before a model loads (after ``optim.*``)."""
     check_backend_settings(cfg)
     check_memory_settings(cfg)
     lora_settings(cfg)
 
 
 def check_backend_settings(cfg: DictConfig) -> None:
-    """``backend.name`` is a registered backend (or ``auto``) and ``backend.attention`` an attention
-    transformers knows (or ``auto``)."""
+    """``backend.name`` is a registered backend (or ``auto``), ``backend.attention`` an attention
+    transformers knows (or ``auto``), and ``backend.disable`` / ``backend.enable`` name its speed-ups."""
     node = cfg.get("backend") or {}
     try:
-        name = node.get("name", "auto")
-        if name != "auto":
-            backend_class(name, str((cfg.get("trainer") or {}).get("accelerator", "auto")))
+        cls = backend_class(node.get("name", "auto"), str((cfg.get("trainer") or {}).get("accelerator", "auto")))
         choice = node.get("attention", "auto")
         if choice != "auto":
             attention.check_attn_implementation(choice, "backend.attention")
         packing = node.get("packing", "auto")
         check_choice("backend.packing", {True: "on", False: "off"}.get(packing, packing), ("auto", "on", "off"))
+        for key in ("disable", "enable"):
+            check_speedups(node.get(key), f"backend.{key}", cls.device_type, cls.speedups)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
 
+def speedup_settings(cfg: DictConfig) -> dict:
+    """``disable`` and ``enable`` from ``backend.*`` (deprecated ``backend.packing`` off read as
+    ``disable=[packed_products]``; ``trainer.deterministic`` turns off what a timing decides)."""
+    node = cfg.get("backend") or {}
+    disable, enable = list(node.get("disable") or ()), list(node.get("enable") or ())
+    packing = {True: "on", False: "off"}.get(node.get("packing", "auto"), node.get("packing", "auto"))
+    if packing != "auto":
+        warnings.warn(
+            f"backend.packing={packing} is deprecated: use backend.disable=[packed_products] to leave packing off",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if packing == "off" or (cfg.get("trainer") or {}).get("deterministic") is True:
+        disable.append("packed_products")  # bit for bit: no choice that depends on a timing
+    return {"disable": list(dict.fromkeys(disable)), "enable": enable, "packing": "on" if packing == "on" else "auto"}
+
+
 def build_backend(cfg: DictConfig) -> Backend:
-    """The run's backend: ``backend.name`` (``auto``: from ``trainer.accelerator``), for the
-    model's dtype and the run's usual shapes (a decoding step's rows, a training forward's tokens)."""
+    """The run's backend (``backend.name``; ``auto``: by ``trainer.accelerator``) for the model's dtype and shapes."""
     d, r = cfg.data, cfg.rollout
     rows = d.prompts_per_step * r.group_size
     optim = cfg.get("optim") or {}
@@ -55,21 +72,18 @@ def build_backend(cfg: DictConfig) -> Backend:
 
 
 def backend_for_config(cfg: DictConfig, accelerator: str, **shapes) -> Backend:
-    """The backend ``backend.*`` asks for, for ``model.dtype`` on ``accelerator``, checked (every
-    command that loads a model: ``ngrpo train``, ``eval``, ``diagnose``); ``shapes``: the usual
-    rows of its products (``decode_rows``, ``train_rows``)."""
+    """The backend ``backend.*`` asks for, for ``model.dtype`` on ``accelerator``, checked; ``shapes``:
+    the usual rows of its products (``decode_rows``, ``train_rows``)."""
     check_backend_settings(cfg)
     node = cfg.get("backend") or {}
-    packing = node.get("packing", "auto")
-    if packing == "auto" and (cfg.get("trainer") or {}).get("deterministic") is True:
-        packing = "off"  # bit for bit: no choice that depends on a timing (docs/reliability.md)
+    settings = speedup_settings(cfg)
     try:
         return select_backend(
             node.get("name", "auto"),
             parse_dtype(cfg.model.dtype),
             accelerator,
             attention=node.get("attention", "auto"),
-            packing=packing,
+            **settings,
             **shapes,
         )
     except ValueError as err:
@@ -77,11 +91,9 @@ def backend_for_config(cfg: DictConfig, accelerator: str, **shapes) -> Backend:
 
 
 def prepare_models(cfg: DictConfig, policy: torch.nn.Module, needs_reference: bool, backend: Backend | None = None):
-    """``(policy, reference, adapters)`` from the loaded ``policy``: with ``model.lora`` the
-    policy gets adapters and the reference is the policy with them off (``None`` here,
-    ``adapters`` true); otherwise the reference is a frozen copy, in memory or in a file (the
-    backend's choice). Then activation checkpointing, and the backend swaps both models'
-    modules once (:meth:`~ngrpo_lightning.backends.Backend.prepare`)."""
+    """``(policy, reference, adapters)``: with ``model.lora`` the policy gets adapters and the reference is ``None``
+    (the policy with them off); otherwise a frozen copy, in memory or in a file. Then activation checkpointing, and
+    the backend swaps both models' modules (:meth:`~ngrpo_lightning.backends.Backend.prepare`)."""
     backend = backend or build_backend(cfg)
     lora_cfg = lora_settings(cfg)
     sharded = parallel_config(cfg) is not None
@@ -104,9 +116,8 @@ def prepare_models(cfg: DictConfig, policy: torch.nn.Module, needs_reference: bo
 
 
 def check_memory_settings(cfg: DictConfig) -> None:
-    """A token budget must hold the longest possible sequence; activation checkpointing is
-    ``model.gradient_checkpointing`` on one device and ``trainer.parallel.activation_checkpointing``
-    under FSDP2."""
+    """A token budget must hold the longest sequence; activation checkpointing is
+    ``model.gradient_checkpointing`` on one device, ``trainer.parallel.activation_checkpointing`` under FSDP2."""
     budget = (cfg.get("optim") or {}).get("max_tokens_per_micro_batch")  # its type checked by OptimConfig first
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if budget is not None and budget < longest:

@@ -9,12 +9,9 @@ A script writes::
     trainer = L.Trainer(**run.trainer_kwargs(logger=my_logger))
     trainer.fit(run.module, datamodule=run.datamodule)
 
-and gets what the command gets, through the same functions: every setting checked before anything
-loads (:func:`prepare_process`), the process's threads and seed, the backend chosen for its device,
-the module and the rollout DataModule (:func:`assemble`), and the Trainer's strategy, checkpoint
-writer and callbacks (:meth:`Run.trainer_kwargs`). ``ngrpo train`` adds only what a command does
-around them: the header, resuming, the output folder's claim, its MLflow run and the summary.
-"""
+and gets what the command gets: settings checked before anything loads, threads and seed (:func:`prepare_process`),
+the module and DataModule (:func:`assemble`), and the Trainer's arguments (:meth:`Run.trainer_kwargs`).
+``ngrpo train`` adds the header, resuming, the output folder's claim, the MLflow run and the summary."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ KNOWN_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Checkpoint directory .* exists and is not empty",  # the run's own: claim_output_dir decided on it first
     r"Total length of `\w+` across ranks is zero",  # a task without a validation set: nothing to validate
-    # one process whose vLLM engine started torch.distributed (a group of 1): nothing to reduce over;
-    # several processes log with sync_dist=True and never see it
+    # one process whose vLLM engine started torch.distributed (a group of 1): nothing to reduce over
     r"It is recommended to use `self\.log\('[\w/]+', \.\.\., sync_dist=True\)`",
 )
 
@@ -61,10 +57,8 @@ class Run:
     threads: ProcessThreads
 
     def trainer_kwargs(self, logger=None, callbacks: Sequence[L.Callback] = ()) -> dict:
-        """The arguments of a ``lightning.Trainer`` that trains this run as ``ngrpo train`` does:
-        ``trainer.*``, the strategy, the checkpoint writer and the run's callbacks (Pass@k on the
-        validation problems where ``pass_at_k.n`` > 0) beside ``callbacks``; ``logger`` any
-        Lightning logger (``MLFlowLogger``), or None for none."""
+        """The ``lightning.Trainer`` arguments that train this run as ``ngrpo train`` does (``trainer.*``, strategy,
+        checkpoint writer, the run's callbacks and ``callbacks``); ``logger`` any Lightning logger, or None."""
         pass_at_k = build_pass_at_k(self.cfg, self.problems[1])
         return trainer_kwargs(self.cfg, logger, [*pass_at_k, *callbacks])
 
@@ -75,10 +69,8 @@ def default_experiment() -> str:
 
 
 def prepare_process(cfg: DictConfig) -> ProcessThreads:
-    """Before anything loads: the warnings this framework expects silenced, every component and
-    setting checked, the seed set, the experiment of a
-    run of a user's own classes named by them, and this process's threads (how many, decided the same
-    way however it was launched). Returns the threads."""
+    """Before anything loads: expected warnings silenced, every setting checked, the seed set, a run of
+    a user's own classes given its own experiment, and this process's threads (returned)."""
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     check_config(cfg)  # every component, setting, trainer and engine is checked before any model or data loads
@@ -100,9 +92,8 @@ def build_run(
     explorer=None,
     objective=None,
 ) -> Run:
-    """A run as ``ngrpo train`` builds it, from config overrides (``["model=tiny",
-    "trainer.max_steps=20"]``, as on the command line) or a composed config; ``explorer`` and
-    ``objective``: objects of your own, in place of the config's (checked as the config's are)."""
+    """A run as ``ngrpo train`` builds it, from command-line overrides or a composed config;
+    ``explorer`` and ``objective``: your own objects in place of the config's (checked alike)."""
     cfg = overrides if isinstance(overrides, DictConfig) else compose(list(overrides))
     threads = prepare_process(cfg)
     problems = build_problems(cfg.data, cfg.seed)

@@ -1,6 +1,4 @@
-"""The Trainer of a run: how many processes it starts, the checks of ``trainer.*`` and of the
-settings that depend on it (export, async checkpoints), the FSDP2 strategy, and
-the Trainer with the run's callbacks."""
+"""The Trainer of a run: process count, checks of ``trainer.*`` and the settings depending on it, FSDP2, callbacks."""
 
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ __all__ = ["build_trainer", "check_trainer", "process_count", "processes_per_nod
 
 
 def process_count(cfg: DictConfig) -> int:
-    """The processes the Trainer will start: ``trainer.devices`` x ``trainer.num_nodes``, with
-    Lightning's meanings of ``devices`` (a list or "0,1": its length; ``auto`` or -1: every GPU
-    on a GPU accelerator, one process on a CPU one); FSDP2 shards over at least two."""
+    """The processes the Trainer starts: ``trainer.devices`` (as Lightning reads it) x ``trainer.num_nodes``."""
     trainer = cfg.trainer
     devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
     gpu = str(trainer.get("accelerator", "auto")) in ("gpu", "cuda") or (
@@ -67,8 +63,7 @@ def check_trainer(cfg: DictConfig) -> None:
     parallel = parallel_config(cfg)
     strategy, count = trainer.get("strategy"), process_count(cfg)
     if parallel is None and (count > 1 or strategy not in (None, "auto", "single_device")):
-        # Lightning would start DDP (or the strategy named); the module shards and agrees over ranks
-        # through FSDP2 only
+        # Lightning would start DDP; the module shards and agrees over ranks through FSDP2 only
         asked = (
             f"trainer.strategy={strategy} without trainer.parallel"
             if strategy not in (None, "auto")
@@ -104,8 +99,7 @@ def check_async_save(cfg: DictConfig) -> bool:
 
 
 def build_strategy(cfg: DictConfig):
-    """``ModelParallelStrategy`` (FSDP2; the module's ``configure_model`` shards) for a
-    ``trainer.parallel`` block, else ``None`` (Lightning's default for ``trainer.strategy``)."""
+    """``ModelParallelStrategy`` (FSDP2) for a ``trainer.parallel`` block, else ``None``."""
     parallel = parallel_config(cfg)
     if parallel is None:
         return None
@@ -127,9 +121,7 @@ def build_trainer(cfg: DictConfig, logger=None, callbacks=()) -> L.Trainer:
 
 def trainer_kwargs(cfg: DictConfig, logger=None, callbacks=()) -> dict:
     """The arguments of the run's ``lightning.Trainer``, as ``ngrpo train`` gives them: ``trainer.*``,
-    the FSDP2 strategy, the streaming checkpoint writer, and the callbacks a run needs (progress,
-    checkpoints, the stop on Ctrl-C, the update's memory check, samples and learning rate with a
-    logger) beside ``callbacks``. A script passes them to its own ``lightning.Trainer(**kwargs)``."""
+    the FSDP2 strategy, the checkpoint writer, and the run's callbacks beside ``callbacks``."""
     check_trainer(cfg)
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     kwargs.pop("parallel", None)

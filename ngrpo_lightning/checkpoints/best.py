@@ -1,6 +1,4 @@
-"""``best.ckpt``: the checkpoint of the best value of a validation or Pass@k metric
-(``checkpoint.best``), counting the validation after the fit and the Pass@k callback's own
-evaluations, which Lightning's ``ModelCheckpoint`` does not see."""
+"""``best.ckpt``: the checkpoint at the best value of a validation or Pass@k metric (``checkpoint.best``)."""
 
 from __future__ import annotations
 
@@ -11,23 +9,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ngrpo_lightning.compat import lightning as lightning_compat
 from ngrpo_lightning.config import ConfigError
 
 __all__ = ["BestCheckpoint"]
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """``best.ckpt``: ``ModelCheckpoint`` on a validation metric (``checkpoint.best``) that also counts
-    the validation ``ngrpo train`` runs after the fit. Lightning's counts validations inside the fit
-    only, so a run whose validations all lie outside it (a short run: before and after) kept none,
-    and one whose final weights validated best kept older ones. The validation before the fit is
-    not counted: it scores the initial weights, which no checkpoint holds. It checks instead that
-    the run logs the metric: a name it does not log (``val/acc``) is refused there, naming the ones
-    it does, before any step trains. Without that validation the first one warns, and the run goes
-    on without ``best.ckpt`` (Lightning's callback stopped it there, its trained steps unsaved).
-    A Pass@k metric (the release keeps its best checkpoint by AIME24's mean@32) is scored at each
-    evaluation of its callback instead (:attr:`scheduled`); Lightning's callback never saw it. Its
-    name is checked at set-up against the names that callback will log (``metric_names``)."""
+    """``best.ckpt``: ``ModelCheckpoint`` on a validation metric (``checkpoint.best``) that also counts the validation
+    after the fit, which Lightning's does not see. The one before the fit checks that the run logs the metric (an
+    unknown name is refused before any step). A Pass@k metric is scored at each evaluation of its callback
+    (:attr:`scheduled`), its name checked against the callback's ``metric_names``."""
 
     _fit_ended = False
     _checked = False
@@ -36,8 +28,7 @@ class BestCheckpoint(ModelCheckpoint):
 
     @property
     def scheduled(self) -> bool:
-        """Whether the metric is a Pass@k one (``val/<set>/pass@16``): logged by its callback on
-        that callback's schedule (``pass_at_k.every_n_steps``, the fit's end), not by validations."""
+        """Whether the metric is a Pass@k one (``val/<set>/pass@16``), logged on its callback's schedule."""
         return bool(re.search(r"@\d+$", str(self.monitor)))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -59,12 +50,11 @@ class BestCheckpoint(ModelCheckpoint):
         self._fit_ended = True
 
     def _score_new_evaluation(self, trainer: L.Trainer) -> None:
-        """A Pass@k metric is scored whenever its callback has evaluated (a new value; checkpoint
-        callbacks run after the others of a hook), not at validations, which do not change it."""
+        """Score a Pass@k metric whenever its callback has evaluated (a new value), not at validations."""
         value = trainer.callback_metrics.get(self.monitor)
         if self.scheduled and value is not None and value is not self._seen:
             self._seen = value
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            lightning_compat.save_topk(self, trainer, lightning_compat.monitor_candidates(self, trainer))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.scheduled:
@@ -76,7 +66,7 @@ class BestCheckpoint(ModelCheckpoint):
             return
         super().on_validation_end(trainer, pl_module)  # inside the fit: Lightning's own rule
         if self._fit_ended and trainer.state.fn == TrainerFn.VALIDATING:
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            lightning_compat.save_topk(self, trainer, lightning_compat.monitor_candidates(self, trainer))
 
     def _check_scheduled(self, trainer: L.Trainer) -> None:
         """A Pass@k metric must be one that a Pass@k callback of the run logs."""

@@ -1,17 +1,12 @@
 """Disk space: for a run's checkpoints, and one clear error wherever a write finds the disk full.
 
-A checkpoint of the packaged model's run is about 1.5 GiB (the policy's weights and AdamW's two
-moments of each trainable weight); a run that keeps several needs several times that. When the
-disk fills during a write, ``torch.save`` fails with ``unexpected pos 497986432 vs 497986320``,
-which names neither the cause nor the file; safetensors and SQLite have errors of their own. So:
+A run may keep several checkpoints (:func:`checkpoint_bytes`). When the disk fills, ``torch.save`` fails with
+``unexpected pos ... vs ...``, naming neither cause nor file; safetensors and SQLite have errors of their own. So:
 
 - :class:`DiskSpaceCheck` warns before the first step when ``output_dir``'s disk cannot hold the
-  checkpoints the run will keep (an estimate: the disk may be freed meanwhile, so the run goes on);
-- :func:`disk_full` turns a write that ran out of space (a checkpoint, an export, the MLflow
-  store) into :class:`DiskFull`, one line naming the file, the space left and what is kept. The
-  checkpoint writer (``io.py``) and the export write beside the target and rename, so what was
-  written before stays as it was; :func:`no_space` tells any other write's error by its cause.
-"""
+  checkpoints the run will keep (an estimate: the run goes on);
+- :func:`disk_full` turns a write that ran out of space into :class:`DiskFull`, one line naming the
+  file, the space left and what is kept; :func:`no_space` tells any other write's error by its cause."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ def gib(n: float) -> str:
 
 
 class DiskFull(OSError):
-    """A write (a checkpoint, an export, the MLflow store) did not complete: its disk is full.
-    Its text names the file and what was left as it was."""
+    """A write (checkpoint, export, MLflow store) failed on a full disk; its text names the file and what is intact."""
 
     def __init__(self, text: str, subject: str = ""):
         super().__init__(errno.ENOSPC, text)
@@ -67,10 +61,8 @@ KEPT = (
 
 
 def disk_full(err: BaseException, target: Path, written: int, what: str = "checkpoint", kept: str = KEPT):
-    """:class:`DiskFull` for a write of ``target`` (a ``what``) that failed with ``err`` after
-    ``written`` bytes, if the disk is what failed it (the error says so, or the disk is nearly full:
-    torch's writer reports a short write as a position mismatch); ``None`` for any other failure.
-    ``kept``: what is as it was, and what to do."""
+    """:class:`DiskFull` for a write of ``target`` (a ``what``) that failed with ``err`` after ``written`` bytes if the
+    disk caused it (said by the error, or a nearly full disk), else ``None``; ``kept``: what is intact, what to do."""
     free = shutil.disk_usage(target.parent).free
     if not (no_space(err) or free < NEARLY_FULL):
         return None
@@ -80,9 +72,8 @@ def disk_full(err: BaseException, target: Path, written: int, what: str = "check
 
 
 def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:
-    """About what one checkpoint of ``module`` holds, in bytes: ``(weights, optimizer)``. The
-    weights are those its ``state_dict`` saves (not the frozen reference's), shared ones once; the
-    optimizer's state is AdamW's two moments of each trainable weight, in that weight's dtype."""
+    """About what one checkpoint of ``module`` holds, in bytes: ``(weights, optimizer)``: its
+    ``state_dict`` (shared tensors once) and AdamW's two moments per trainable weight."""
     weights, seen = 0, set()
     for t in module.state_dict().values():
         if isinstance(t, DTensor):  # a shard of each: all of it is written, by the ranks together
@@ -95,10 +86,8 @@ def checkpoint_bytes(module: L.LightningModule) -> tuple[int, int]:
 
 
 class DiskSpaceCheck(L.Callback):
-    """Warns as the fit is set up when ``dirpath``'s disk has less free space than the run's
-    checkpoints need: those it keeps at once (``checkpoint.every_n_steps`` and ``keep``, and
-    ``best.ckpt`` with ``best``) and the one being written beside them. ``free_bytes``: the space
-    to check against (default: what the disk has free at the start of training)."""
+    """Warns at fit setup when ``dirpath``'s disk has less free space than the checkpoints kept at once
+    plus the one being written need. ``free_bytes``: the space to check against (default: the disk's)."""
 
     def __init__(
         self, dirpath: str | Path, every_n_steps: int = 0, keep: int = -1, best: bool = False, free_bytes=None
@@ -109,8 +98,7 @@ class DiskSpaceCheck(L.Callback):
         self.needed: int | None = None  # bytes, once estimated
 
     def kept(self, trainer: L.Trainer) -> int | None:
-        """How many checkpoint files the run keeps at once (``None``: all of them, and the run has
-        no step limit)."""
+        """Checkpoint files kept at once (``None``: all, with no step limit)."""
         if not self.every_n_steps or self.keep == 0:
             steps = 1  # last.ckpt, a file
         elif self.keep > 0:

@@ -2,18 +2,9 @@
 
     ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir> [--which best]
 
-The directory holds what every tool of the ecosystem reads (transformers, vLLM, lm-evaluation-
-harness, lighteval, the Hub): ``config.json``, safetensors weights, the tokenizer with its chat
-template, ``generation_config.json``, and a model card (``README.md``) that says where the
-policy came from: base model, task, explorer, objective, steps, validation metrics, the MLflow
-run and the command that trained it. ``export.final=true`` exports at the end of ``ngrpo train``
-and logs the directory to the run's MLflow artifacts (``model/``).
-
-A LoRA run (``model.lora.enabled=true``) exports its adapters in peft's own format
-(``adapter_config.json`` and ``adapter_model.safetensors``, read by
-``PeftModel.from_pretrained(base, out_dir)``); ``--merge`` writes a plain Hugging Face model with
-the adapters merged into the base weights instead.
-"""
+The directory holds what transformers, vLLM and the Hub read, and a model card (``README.md``)
+saying where the policy came from. ``export.final=true`` exports at the end of ``ngrpo train`` into
+the run's MLflow artifacts (``model/``). A LoRA run exports peft adapters; ``--merge`` merges them in."""
 
 from __future__ import annotations
 
@@ -41,7 +32,6 @@ VAL_METRICS = ("val/accuracy", "val/reward")
 
 
 # The files a Hugging Face model or a peft adapter is read from: a folder must hold one kind only
-# (a loader that finds adapter_config.json reads the folder as an adapter on some other base)
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -57,9 +47,7 @@ MODEL_GLOBS = ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin")
 
 
 def check_target(out_dir: Path, overwrite: bool) -> list[Path]:
-    """A non-empty ``out_dir`` is refused unless ``overwrite``; with it, the model files there are
-    returned: the export replaces them once it is written, so the folder never holds two kinds of
-    model (a user's other files stay)."""
+    """Refuse a non-empty ``out_dir`` unless ``overwrite``; then return its model files to replace (others stay)."""
     held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
@@ -80,11 +68,9 @@ def is_own_export(out_dir: Path) -> bool:
 def save_hf_model(
     policy: torch.nn.Module, tokenizer, out_dir: Path, card: str, overwrite: bool = False, written: list | None = None
 ) -> Path:
-    """``policy`` and ``tokenizer`` in Hugging Face's format (safetensors), with ``card`` as README.md;
-    a non-empty ``out_dir`` only with ``overwrite`` (:func:`check_target`). The files are written to
-    a folder beside ``out_dir`` and moved in when all are written: an export that fails (a full
-    disk) leaves ``out_dir`` as it was, a model exported there before included. ``written``, a list,
-    receives the names of the files the export wrote (what may be uploaded: never a user's own)."""
+    """``policy`` and ``tokenizer`` in Hugging Face's format, with ``card`` as README.md (a non-empty
+    ``out_dir`` only with ``overwrite``). Written beside ``out_dir`` and moved in when complete, so a
+    failed export leaves it as it was. ``written`` receives the names of the files written."""
     out_dir = Path(out_dir)
     replaced = check_target(out_dir, overwrite)
     staging = out_dir.with_name(f".{out_dir.name}.partial")
@@ -101,8 +87,7 @@ def save_hf_model(
         if full is not None:
             raise full from err
         raise
-    # transformers writes the weights through a private temporary file (mode 0600): give them the
-    # mode every other file of the folder got, so that whoever may read the model may read its weights
+    # transformers writes the weights with mode 0600: give them the mode of the folder's other files
     mode = (staging / "README.md").stat().st_mode & 0o777
     for weights in staging.glob("*.safetensors"):
         weights.chmod(mode)
@@ -134,9 +119,8 @@ def export_checkpoint(
     merge: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    """Export the policy of ``source`` (see :func:`~ngrpo_lightning.checkpoints.trained_policy.find_checkpoint`)
-    to ``out_dir`` (a non-empty one only with ``overwrite``); with ``log_to_mlflow`` and a reachable
-    store, also to the run's artifacts."""
+    """Export ``source``'s policy (:func:`~ngrpo_lightning.checkpoints.trained_policy.find_checkpoint`) to ``out_dir``
+    (non-empty: only with ``overwrite``); with ``log_to_mlflow`` and a reachable store, also to the run's artifacts."""
     check_target(Path(out_dir), overwrite)  # before minutes of loading
     path = find_checkpoint(source, which, tracking_uri)
     ckpt = read_checkpoint(path)
@@ -163,8 +147,7 @@ def export_checkpoint(
 
 
 def model_card(config: dict, meta: dict, steps: int | None, metrics: dict[str, float], adapters: bool = False) -> str:
-    """README.md of an exported policy: where it came from, in the Hub's model-card format, and how
-    to use it (``adapters``: LoRA adapters in peft's format, not a whole model)."""
+    """README.md of an exported policy in the Hub's model-card format (``adapters``: LoRA adapters)."""
     model, data = config.get("model") or {}, config.get("data") or {}
     explorer, objective = config.get("explorer") or {}, config.get("objective") or {}
     base = model.get("name_or_path", "unknown")
@@ -246,8 +229,7 @@ def _mlflow_metrics(run_id: str | None, uri: str | None) -> dict[str, float]:
 
 
 def log_exported(client, run_id: str, out: Path, written: list[str]) -> None:
-    """The files an export wrote (``written``) as the run's ``model/`` artifacts; other files in
-    the folder (a user's own, beside an export with ``--overwrite``) are never uploaded."""
+    """The files an export wrote (``written``) as the run's ``model/`` artifacts; no other file."""
     for name in sorted(written):
         client.log_artifact(run_id, str(out / name), "model")
 

@@ -1,23 +1,11 @@
 """Writing checkpoints: streamed to disk, atomic, and (optionally) in a background thread.
 
-Lightning's default writer serialises the whole checkpoint into an in-memory buffer and then
-copies that buffer to the file, so a save briefly holds the checkpoint twice more in memory:
-for the packaged model's run that was the run's peak. :class:`StreamingCheckpointIO` has
-``torch.save`` write straight into a temporary file beside the target, which is renamed into
-place when complete: a process killed during a save leaves the previous checkpoint as it was
-(``os.replace`` is atomic on a local disk); one that finds the disk full fails with one line
-saying so (:class:`~ngrpo_lightning.checkpoints.disk.DiskFull`). Remote paths (``s3://``, ...) are written through
-fsspec's transaction, which commits the object only when it is complete.
-
-:class:`AtomicModelParallelStrategy` does the same for FSDP2's distributed checkpoints (a
-folder written by every rank): they are written to a temporary folder and swapped in.
-
-``checkpoint.async_save=true`` wraps the writer in Lightning's ``AsyncCheckpointIO``: the
-training loop goes on while a thread writes, at the price of a copy of every tensor of the
-checkpoint for the length of the write (docs/checkpoints.md has the measurements). Tensors that
-are one (a tied LM head is the embedding) are copied once and stay one, so the file is the
-synchronous writer's: Lightning copies each tensor alone, which stored the embedding twice.
-"""
+Lightning's default writer serialises the checkpoint into memory first (two more copies).
+:class:`StreamingCheckpointIO` streams ``torch.save`` into a temporary file renamed into place when complete, so a
+killed save leaves the previous checkpoint intact and a full disk fails with one line
+(:class:`~ngrpo_lightning.checkpoints.disk.DiskFull`); :class:`AtomicModelParallelStrategy` does the same for FSDP2's
+folders. ``checkpoint.async_save=true`` writes on a thread while training goes on, holding a copy of every tensor
+meanwhile (docs/checkpoints.md); tied tensors are copied once and stay tied."""
 
 from __future__ import annotations
 
@@ -36,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from ngrpo_lightning.checkpoints.disk import DiskFull, disk_full
+from ngrpo_lightning.compat import lightning as lightning_compat
 
 __all__ = ["AtomicModelParallelStrategy", "BackgroundCheckpointIO", "StreamingCheckpointIO", "checkpoint_io", "relink"]
 
@@ -78,8 +67,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 
 
 def copy_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` with a copy of each of its tensors, taken now; tensors that are one (the
-    same storage, offset, shape and strides: tied weights) get one copy, saved once."""
+    """``checkpoint`` with a copy of each tensor, taken now; tied tensors share one copy."""
     copies: dict[tuple, torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
@@ -92,17 +80,9 @@ def copy_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """Lightning's ``AsyncCheckpointIO``: a copy of the checkpoint's tensors (:func:`copy_tensors`,
-    tied ones kept tied) written by a thread. Pending writes finish before a checkpoint is removed:
-    ``ModelCheckpoint`` removes the step checkpoint it no longer keeps right after asking for the next one.
-
-    A write that fails is raised by the next save, by :meth:`wait` or at the end (the first failure:
-    no later save is started after it), and the links ``ModelCheckpoint`` made to its file as soon
-    as the save was asked for (``last.ckpt``) point again at the last file written whole, or are
-    removed: what a synchronous writer leaves.
-
-    Every method that writes, waits or ends is this class's own, with its own thread and failure:
-    nothing here reads the parent's internals, which Lightning may change."""
+    """Lightning's ``AsyncCheckpointIO``: a copy of the checkpoint's tensors (:func:`copy_tensors`) written by a thread,
+    in order; pending writes finish before a checkpoint is removed. The first failed write is raised by the next save,
+    :meth:`wait` or the end, and links to its file point again at the last file written whole, or are removed."""
 
     _thread: ThreadPoolExecutor | None = None  # one worker: checkpoints are written in the order asked
     _failure: BaseException | None = None  # the first write that failed
@@ -154,8 +134,7 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
 
 
 def relink(failed: Path, written: Path | None) -> None:
-    """Links in ``failed``'s folder to ``failed`` (a checkpoint never written) point at ``written``
-    where it is in that folder, or are removed. Local folders only."""
+    """Links to ``failed`` (never written) in its folder point at ``written`` if there, else are removed; local only."""
     folder = failed.parent
     if not folder.is_dir():
         return
@@ -173,13 +152,11 @@ def checkpoint_io(async_save: bool = False):
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose distributed checkpoints (folders written by every rank) are
-    written to a temporary folder and swapped in when every rank has finished, so a process killed
-    during a save leaves the previous checkpoint as it was; a save that fails deletes its temporary
-    folder, and one that finds the disk full says so in one line on every rank (:class:`DiskFull`)."""
+    """``ModelParallelStrategy`` whose distributed checkpoints are written to a temporary folder and swapped in once
+    every rank is done; a failed save deletes it, a full disk is said in one line on every rank (:class:`DiskFull`)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if not self._save_distributed_checkpoint:
+        if not lightning_compat.saves_distributed_checkpoint(self):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         target = Path(self.broadcast(str(filepath)))
         tmp, old = partial_path(target), target.with_name(f".{target.name}.old")
@@ -202,9 +179,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         self.barrier("ngrpo_checkpoint_done")
 
     def _failed_save(self, err: CheckpointException, target: Path, tmp: Path) -> BaseException:
-        """What a failed distributed save raises on every rank (a collective: every rank calls it):
-        :class:`DiskFull` where the disk is full, else ``err``. Rank 0 decides for all, before it
-        deletes the partial folder (which frees the space a check of the disk would look at)."""
+        """What a failed distributed save raises on every rank (a collective): :class:`DiskFull` where
+        the disk is full, else ``err``; rank 0 decides before deleting the partial folder."""
         found = None
         if self.global_rank == 0:
             written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0

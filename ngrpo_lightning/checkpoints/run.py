@@ -22,13 +22,13 @@ from ngrpo_lightning.checkpoints.best import BestCheckpoint
 from ngrpo_lightning.checkpoints.disk import DiskSpaceCheck
 from ngrpo_lightning.checkpoints.safe_load import load_checkpoint
 from ngrpo_lightning.checks import check_choice, check_number
+from ngrpo_lightning.compat import lightning as lightning_compat
 from ngrpo_lightning.config import ConfigError
 
 
 def weights_digest(model: torch.nn.Module, keep=None) -> str:
-    """SHA-256 of a model's weights (names, dtypes, shapes and bytes of its state dict, in name
-    order; only the names ``keep`` accepts, if given): what a checkpoint records of the frozen
-    reference instead of its weights."""
+    """SHA-256 of a model's state dict (names, dtypes, shapes, bytes; only names ``keep`` accepts):
+    what a checkpoint records of the frozen reference instead of its weights."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if keep is not None and not keep(name):
@@ -40,9 +40,8 @@ def weights_digest(model: torch.nn.Module, keep=None) -> str:
 
 
 def check_base_model(saved: dict, current: dict, action: str = "resume") -> None:
-    """A checkpoint is used only on the base model it started from: the base weights (not stored in
-    checkpoints: the reference, or a LoRA policy's frozen weights) are loaded again and must hash to
-    what the checkpoint recorded. ``action`` names what is refused (resume, eval, export)."""
+    """Refuse a checkpoint on another base model than it started from: the base weights (not stored in
+    checkpoints) must hash to what it recorded. ``action`` names what is refused (resume, eval, export)."""
     if not saved or not current or saved.get("weights_sha256") == current.get("weights_sha256"):
         return
     describe = lambda m: f"{m.get('name_or_path')!r} (weights sha256 {str(m.get('weights_sha256'))[:16]}...)"  # noqa: E731
@@ -99,7 +98,7 @@ RESUMABLE_KEYS = (
     "experiment_name",
     "overwrite",
     "backend",  # how the models compute on this device: same values (bit for bit or to float rounding)
-    # keys removed when the backend took these choices over: checkpoints from before still resume
+    # retired keys: older checkpoints still resume
     "host",
     "model.attn_implementation",
     "model.recompute_elementwise",
@@ -136,32 +135,28 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that also checkpoints the final step when training ends
-    (``max_steps`` is rarely a multiple of ``every_n_train_steps``): a step checkpoint that
-    ``last`` links to, or ``last`` itself when no step checkpoints are kept."""
+    """``ModelCheckpoint`` saving the final step too (as a kept step, which ``last`` links to, or as ``last``)."""
 
     @property
     def state_key(self) -> str:
-        """One key whatever ``checkpoint.every_n_steps`` and ``keep`` are: a run resumed with other
-        values restores the files it kept (Lightning's key holds the settings, and a resumed run with
-        another ``every_n_steps`` lost them, with a warning to add the callback it already had)."""
-        return self._generate_state_key(dirpath=self.dirpath, filename=self.filename)
+        """One key whatever ``checkpoint.every_n_steps`` and ``keep`` are (Lightning's key holds the
+        settings), so a run resumed with other values restores the files it kept."""
+        return lightning_compat.state_key(self, dirpath=self.dirpath, filename=self.filename)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        # Lightning sends a step's metrics to the loggers after on_train_batch_end: a process
-        # killed right after this checkpoint would lose them (the resumed run starts after
-        # the step). Send them first; the loop's own send of the same step is then dropped.
-        every = self._every_n_train_steps
+        # Lightning logs a step's metrics after on_train_batch_end, so a process killed right after
+        # this checkpoint would lose them: send them first and drop the loop's own send
+        every = lightning_compat.every_n_train_steps(self)
         if (
             every
             and trainer.global_step % every == 0
-            and not self._should_skip_saving_checkpoint(trainer)
+            and not lightning_compat.skips_saving(self, trainer)
             and trainer.loggers
         ):
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
-            trainer._logger_connector.update_train_step_metrics()
+            step = lightning_compat.batches_that_stepped(trainer)
+            lightning_compat.send_train_step_metrics(trainer)
             for logger in trainer.loggers:
                 _drop_next_log_of_step(logger, step)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -171,18 +166,18 @@ class RunCheckpoint(ModelCheckpoint):
         self._save_final(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """SIGTERM (Lightning's ``SIGTERMException``, raised on every process at the end of the step
-        under way): that finished step is saved when no checkpoint holds it, as at the end of a fit."""
+        """On SIGTERM (``SIGTERMException``, raised at the step's end) save that step if no checkpoint holds it."""
         if isinstance(exception, SIGTERMException):
             self._save_final(trainer)
 
     def _save_final(self, trainer: L.Trainer) -> None:
         """The run's last finished step, when no checkpoint holds it yet."""
-        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
-            candidates = self._monitor_candidates(trainer)
+        saved = lightning_compat.last_global_step_saved(self)
+        if self.save_last and saved != trainer.global_step and not trainer.sanity_checking:
+            candidates = lightning_compat.monitor_candidates(self, trainer)
             if self.save_top_k != 0:
-                self._save_topk_checkpoint(trainer, candidates)  # last links to it
-            self._save_last_checkpoint(trainer, candidates)
+                lightning_compat.save_topk(self, trainer, candidates)  # last links to it
+            lightning_compat.save_last(self, trainer, candidates)
 
 
 def _drop_next_log_of_step(logger, step: int) -> None:
@@ -199,13 +194,9 @@ def _drop_next_log_of_step(logger, step: int) -> None:
 
 
 def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
-    """Checkpoints in ``<output_dir>/checkpoints``: ``step-<n>.ckpt`` every
-    ``checkpoint.every_n_steps`` optimizer steps (0: none) and ``last.ckpt`` (also at the
-    end of training), which ``resume=last`` reads; ``checkpoint.keep`` step checkpoints are kept;
-    with ``checkpoint.best=<metric>`` also ``best.ckpt``, the checkpoint of the best value of that
-    validation metric (``checkpoint.best_mode``: max or min) over the validations during and after
-    the fit (:class:`BestCheckpoint`). A warning before the first step if their disk cannot hold
-    them (:class:`DiskSpaceCheck`, for a local ``output_dir``)."""
+    """Checkpoints in ``<output_dir>/checkpoints``: ``step-<n>.ckpt`` every ``checkpoint.every_n_steps``
+    (``checkpoint.keep`` kept), ``last.ckpt`` (also at the end; ``resume=last``), ``best.ckpt`` with
+    ``checkpoint.best`` (:class:`BestCheckpoint`), and a disk-space warning (:class:`DiskSpaceCheck`)."""
     if not cfg.trainer.get("enable_checkpointing", True):
         return []
     node = cfg.get("checkpoint") or {}
@@ -232,7 +223,7 @@ def build_checkpointing(cfg: DictConfig) -> list[L.Callback]:
     callbacks = best + [
         RunCheckpoint(
             dirpath=str(checkpoint_dir(cfg)),
-            filename="step-{step}",  # step-15.ckpt (runs from before have step-step=15.ckpt: still read)
+            filename="step-{step}",  # step-15.ckpt (older step-step=15.ckpt still read)
             auto_insert_metric_name=False,
             save_last="link",
             save_top_k=keep if every else 0,
@@ -264,8 +255,7 @@ def resolve_resume(cfg: DictConfig) -> str | None:
 
 
 def checkpoint_meta(path: str) -> dict:
-    """What the module stored about the run (``ngrpo``: config, MLflow run id) in a checkpoint
-    file or a distributed checkpoint folder, without loading weights into a model."""
+    """What the module stored about the run in a checkpoint (``ngrpo``: config, MLflow run id), without a model."""
     try:
         ckpt = load_checkpoint(path)
     except ConfigError as err:  # unreadable, or holding more than data: nothing of it ran
@@ -312,10 +302,8 @@ def _describe(path: Path, meta: dict) -> str:
 
 
 def claim_output_dir(cfg: DictConfig, ckpt_path: str | None, meta: dict) -> None:
-    """One run per ``output_dir``: a new run into a folder that holds another run's checkpoints
-    is refused (its ``last.ckpt`` would be replaced, and a later ``resume=last`` would continue
-    the wrong run), naming the run found and the ways out. ``overwrite=true`` deletes them
-    first. A resumed run may write where the run it continues wrote."""
+    """One run per ``output_dir``: a new run into a folder holding another run's checkpoints is refused, naming the
+    run found and the ways out; ``overwrite=true`` deletes them first; a resumed run may write where its run wrote."""
     folder = checkpoint_dir(cfg)
     if rank_zero_only.rank != 0 or not folder.is_dir():  # the other ranks start after rank 0 checked
         return

@@ -1,18 +1,9 @@
 """Reading checkpoints as data: nothing in a checkpoint file runs when it is read.
 
-Researchers pass checkpoints around, and a pickle can carry code: unpickling an object whose
-``__reduce__`` names ``os.system`` runs it. Every read of a checkpoint by this package (resume,
-``ngrpo eval``, ``ngrpo export``, the run found in an ``output_dir``) goes through
-:func:`load_checkpoint`, which unpickles with ``torch.load(weights_only=True)``: tensors, numbers,
-strings, lists, tuples and dicts only. The project's own checkpoints hold nothing else (a test
-walks one of each kind). A file that holds anything else is refused with one line naming the file
-and what it holds, and nothing of it runs.
-
-A distributed (FSDP2) checkpoint is a folder: Lightning's ``meta.pt`` (read as above) and PyTorch's
-distributed-checkpoint ``.metadata``, which PyTorch itself reads with plain ``pickle``. That file
-is first read here by :class:`_MetadataUnpickler`, which builds only the distributed checkpoint's
-own record types, ``torch.Size``, dtypes and paths, before PyTorch is allowed to open it.
-"""
+A pickle can carry code. Every read of a checkpoint here goes through :func:`load_checkpoint`, which unpickles with
+``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts); anything else is refused with one
+line naming the file and what it holds. A distributed (FSDP2) checkpoint's ``.metadata`` is read by PyTorch with plain
+``pickle``, so :class:`_MetadataUnpickler` reads it first, building only distributed-checkpoint records."""
 
 from __future__ import annotations
 
@@ -37,12 +28,9 @@ class UnsafeCheckpoint(ConfigError):
 
 
 def load_checkpoint(path: str | Path, mmap: bool | None = None) -> dict:
-    """The contents of a checkpoint file (or of a distributed checkpoint folder's ``meta.pt``),
-    read with ``weights_only=True`` on the CPU; single files memory-mapped unless ``mmap=False``.
-
-    Raises :class:`UnsafeCheckpoint` (one line: the file and the object it would have built) for a
-    file that holds anything but data, and :class:`~ngrpo_lightning.config.ConfigError` for one that
-    cannot be read at all."""
+    """The contents of a checkpoint file (or a distributed folder's ``meta.pt``), read with ``weights_only=True`` on
+    the CPU; single files memory-mapped unless ``mmap=False``. Raises :class:`UnsafeCheckpoint` for a file holding
+    anything but data, and :class:`~ngrpo_lightning.config.ConfigError` for one that cannot be read."""
     path = Path(path)
     if path.is_dir():
         check_distributed_metadata(path)
@@ -56,8 +44,7 @@ def load_checkpoint(path: str | Path, mmap: bool | None = None) -> dict:
 
 
 def check_distributed_metadata(folder: str | Path) -> None:
-    """Refuse a distributed checkpoint whose ``.metadata`` would build anything but PyTorch's
-    distributed-checkpoint records (PyTorch reads that file with plain ``pickle``)."""
+    """Refuse a distributed checkpoint whose ``.metadata`` would build anything but distributed-checkpoint records."""
     file = Path(folder) / DCP_METADATA
     if not file.is_file():
         return
@@ -71,8 +58,8 @@ def check_distributed_metadata(folder: str | Path) -> None:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what a distributed checkpoint's index holds: the dataclasses and enums of
-    ``torch.distributed.checkpoint``, ``torch.Size``, dtypes, layouts and memory formats, paths."""
+    """Builds only what a distributed checkpoint's index holds: ``torch.distributed.checkpoint``'s
+    dataclasses and enums, ``torch.Size``, dtypes, layouts, memory formats, paths."""
 
     def find_class(self, module: str, name: str):
         if module.startswith("torch.distributed.checkpoint"):

@@ -1,9 +1,5 @@
-"""A trained policy out of a run's checkpoint: find the checkpoint (a ``.ckpt`` file, a distributed
-checkpoint folder, a run's ``output_dir``, an MLflow run id), read what the run recorded about
-itself (config, base model, MLflow run), and load the policy's weights into its base model.
-
-``ngrpo eval`` and ``ngrpo export`` read checkpoints through here.
-"""
+"""A run's trained policy from its checkpoint (``ngrpo eval``, ``ngrpo export``): find it (:func:`find_checkpoint`),
+read what the run recorded (config, base model, MLflow run), load its weights into the base model."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ngrpo_lightning.backends import attention
 from ngrpo_lightning.checkpoints.run import check_base_model, weights_digest
 from ngrpo_lightning.checkpoints.safe_load import META_FILE, load_checkpoint
+from ngrpo_lightning.compat.transformers import tied_weight_names
 from ngrpo_lightning.config import DEFAULT_TRACKING_URI, ConfigError
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
@@ -63,10 +60,9 @@ def is_run_checkpoint(source: str) -> bool:
 
 
 def find_checkpoint(source: str, which: str = "last", tracking_uri: str | None = None) -> Path:
-    """The checkpoint ``source`` names: a ``.ckpt`` file or distributed checkpoint folder; a run's
-    ``output_dir`` or its ``checkpoints/`` folder (``which``: its ``last.ckpt`` or ``best.ckpt``);
-    or an MLflow run id, whose logged ``output_dir`` is then searched (``tracking_uri``: the store;
-    default: the one runs log to by default, where it exists)."""
+    """The checkpoint ``source`` names: a ``.ckpt`` file or distributed folder; a run's ``output_dir``
+    or ``checkpoints/`` (``which``: ``last`` or ``best``); or an MLflow run id, whose ``output_dir`` is
+    searched (``tracking_uri``: the store, default the default one where it exists)."""
     path = Path(source).expanduser()
     if path.is_file() or (path / META_FILE).is_file():
         return path
@@ -99,8 +95,7 @@ def _mlflow_output_dir(run_id: str, tracking_uri: str) -> str | None:
 
 
 def read_checkpoint(path: Path) -> TrainedCheckpoint:
-    """What ``path`` (a file or a distributed checkpoint folder) holds about its run, its weights
-    memory-mapped (single file) or left on disk (distributed)."""
+    """What ``path`` holds about its run, its weights memory-mapped (file) or left on disk (folder)."""
     path = Path(path)
     ckpt = load_checkpoint(path)  # as data: a file holding anything else is refused, unrun
     return TrainedCheckpoint(
@@ -119,11 +114,9 @@ def _plain(node) -> dict:
 def load_trained_policy(
     ckpt: TrainedCheckpoint, base: str | None = None, dtype: str | None = None, action: str = "load", **load_kwargs
 ):
-    """``(policy, tokenizer)``: the base model (``base``, or the one the run recorded) with the
-    checkpoint's policy weights, in ``dtype`` (default: the run's ``model.dtype``). Where the base
-    weights come from outside the checkpoint (a LoRA run's), they must hash to what the run
-    recorded, as resume checks (:func:`~ngrpo_lightning.checkpoints.run.check_base_model`;
-    ``action`` names the refused use)."""
+    """``(policy, tokenizer)``: the base model (``base``, or the run's) with the checkpoint's weights, in ``dtype``
+    (default: the run's). Base weights from outside the checkpoint (LoRA) must hash to what the run recorded
+    (:func:`~ngrpo_lightning.checkpoints.run.check_base_model`; ``action`` names the refused use)."""
     base = base or ckpt.base_model
     if not base:
         raise ConfigError(
@@ -144,7 +137,7 @@ def load_trained_policy(
             check_base_model(saved, {"name_or_path": base, "weights_sha256": digest}, action)
     weights = _distributed_policy_weights(ckpt.path, policy) if ckpt.distributed else _policy_weights(ckpt)
     missing, unexpected = policy.load_state_dict(weights, strict=False)
-    tied = set(getattr(policy, "_tied_weights_keys", None) or [])
+    tied = tied_weight_names(policy)
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if adapters.enabled:  # the base weights come from the base model, not the checkpoint
         missing = [k for k in missing if lora.is_adapter_weight(k)]
@@ -163,15 +156,13 @@ def _policy_weights(ckpt: TrainedCheckpoint) -> dict[str, torch.Tensor]:
 
 
 def _distributed_policy_weights(path: Path, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's weights of a distributed (FSDP2) checkpoint, read in this one process into
-    tensors shaped like the base model's (the optimizer's shards are not read)."""
+    """An FSDP2 checkpoint's policy weights (not the optimizer's), read here into tensors shaped as the base's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     state = {"state_dict": {f"policy.{k}": torch.empty_like(v) for k, v in policy.state_dict().items()}}
     # tied weights may be stored once: what is absent is reported by load_state_dict's check
-    # no_dist: read by this process alone, also where a run's process group is still up (export.final
-    # on its first rank, while the other ranks have finished)
+    # no_dist: read by this process alone, also where a run's process group is still up
     with warnings.catch_warnings():  # that it reads in one process without a process group: as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)

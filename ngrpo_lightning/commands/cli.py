@@ -9,10 +9,7 @@
     ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir>
                                     a trained policy as a Hugging Face model (docs/checkpoints.md)
 
-Configuration is composed by Hydra from ``conf/`` (config groups: model, data, explorer,
-objective, trainer, logger, experiment). Errors in the config print one clear line that
-names the key and exit with status 2; nothing is trained.
-"""
+Hydra composes the config from ``conf/``; a config error prints one line naming the key and exits with status 2."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ngrpo_lightning.config import ConfigError, compose, config_dir, group_options
 
-# Only what the cheap paths need is imported here: ``--help``, ``ngrpo config`` and a config
-# that does not compose answer in about a second, before torch and Lightning (5-6 s) load.
-# Each command imports its own module when it runs.
+# Only what the cheap paths need is imported here (``--help``, ``ngrpo config``, a config that does not
+# compose), so they answer before torch and Lightning load; each command imports its own module.
 
 
 def __getattr__(name: str):
@@ -45,9 +41,8 @@ CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare"
 
 
 def print_command_help(command: str = "train") -> None:
-    """``ngrpo <command> --help``: the config groups the command composes, with their options,
-    then its usage lines and, but for train (``ngrpo config`` prints its every key), its own keys
-    with their comments, as its config file documents them."""
+    """``ngrpo <command> --help``: the config groups with their options, the usage lines and, but for
+    train, the command's own keys with their comments from its config file."""
     lines = (config_dir() / f"{CONFIG_FILES[command]}.yaml").read_text().splitlines()
     defaults = OmegaConf.create("\n".join(lines)).get("defaults", [])
     groups = [g for entry in defaults if isinstance(entry, DictConfig) for g in entry]
@@ -67,8 +62,7 @@ def print_command_help(command: str = "train") -> None:
 
 
 def _first_key(lines: list[str], after_defaults: bool = False) -> int:
-    """Index of the config file's first top-level line (``defaults:``), or with ``after_defaults``
-    of the first top-level key after the defaults list."""
+    """Index of the first top-level line (``defaults:``), or with ``after_defaults`` of the first key after it."""
     first = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
     if not after_defaults:
         return first
@@ -180,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _disk_full(command: str, err: Exception) -> int:
-    """A write that found the disk full (a checkpoint's, an export's, MLflow's, any file's): one line
-    and exit status 1, no traceback. The run it stopped is marked failed; ``err`` is raised again if
-    it is anything else."""
+    """A write that found the disk full: one line and exit status 1, no traceback; anything else is raised again."""
     from ngrpo_lightning.checkpoints.disk import KEPT, DiskFull, no_space
 
     if not no_space(err):
@@ -226,21 +218,15 @@ def _export(args) -> int:
 
 
 def modules_from_here() -> None:
-    """A class path given on the command line (``explorer._target_=my_explorer.MyExplorer``) may
-    name a module in the current directory, as it may under ``python -m``: the directory joins the
-    import path, last, so that a file there never shadows an installed package."""
+    """Let a command-line class path name a module here (as ``python -m``); appended last, never shadowing a package."""
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.append(here)
 
 
 def exit_after(code: int) -> NoReturn:
-    """End the process with ``code`` once a command has returned: the interpreter's usual exit
-    (atexit handlers, such as the verifier workers' shutdown, threads joined, modules torn down)
-    without its garbage collector walking, module by module, the 800,000 objects torch,
-    Lightning, transformers and MLflow leave behind: ``gc.freeze()`` takes them out of its reach.
-    A training run's process ended 2.45 s after its summary, 0.74 s with this (docs/performance.md,
-    "A command's exit"). Only the program does this: a caller of :func:`main` keeps its collector."""
+    """End the process with ``code``: the usual exit (atexit handlers, threads joined) without the garbage collector's
+    slow walk over the libraries' objects (``gc.freeze()``); a caller of :func:`main` keeps its collector."""
     gc.freeze()
     sys.exit(code)
 

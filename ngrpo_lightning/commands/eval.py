@@ -1,6 +1,5 @@
-"""``ngrpo eval``: compose the evaluation config, load the policy (HF id, folder or Lightning
-checkpoint), sample and score the sets with :mod:`ngrpo_lightning.metrics.evaluate`, and write the
-table, plot, JSON and MLflow run."""
+"""``ngrpo eval``: compose the evaluation config, load the policy (HF id, folder or Lightning checkpoint), sample and
+score the sets with :mod:`ngrpo_lightning.metrics.evaluate`, and write the table, plot, JSON and MLflow run."""
 
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ def compose_eval(overrides: list[str]) -> DictConfig:
 
 
 def build_eval_sets(cfg) -> list[EvalSet]:
-    """The evaluation set of ``cfg.data``: a benchmark, the validation split of reasoning-gym
-    tasks (the built-in default), or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
+    """The evaluation set of ``cfg.data``: a benchmark, reasoning-gym tasks' validation split (the
+    default), or files (``data.val``, else ``data.train``); ``limit`` keeps the first problems."""
     d, limit = cfg.data, cfg.get("limit")
     common = {
         "instruction": d.get("instruction"),
@@ -89,9 +88,7 @@ def build_eval_sets(cfg) -> list[EvalSet]:
 
 
 def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
-    """The rollout engine of ``engine=<name>`` for an evaluation of ``policy`` (seeded with
-    ``seed``). vLLM loads the model's directory and then receives the policy's weights (which a
-    checkpoint may have changed)."""
+    """The rollout engine of ``engine=<name>`` evaluating ``policy``, seeded with ``seed`` (vLLM gets its weights)."""
     try:
         engine = build_engine(
             cfg.get("engine", "hf"),
@@ -111,8 +108,7 @@ def build_eval_engine(cfg, policy, tokenizer, max_new_tokens: int):
 
 @contextmanager
 def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
-    """``(engine, rewards)`` for sampling and scoring an evaluation (``ngrpo eval``, ``ngrpo
-    diagnose rollouts``); both are closed on exit (verifier processes, vLLM's memory)."""
+    """``(engine, rewards)`` for sampling and scoring an evaluation; both closed on exit."""
     engine = build_eval_engine(cfg, policy, tokenizer, max_new_tokens)
     rewards = RewardCache(timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     try:
@@ -123,8 +119,7 @@ def eval_rollouts(cfg, policy, tokenizer, max_new_tokens: int):
 
 
 def eval_device(cfg) -> str:
-    """``device``: ``cpu``, ``cuda``, or ``auto`` (a CUDA GPU where there is one), checked before
-    any model loads; ``cuda`` where there is none is refused."""
+    """``device``: ``cpu``, ``cuda``, or ``auto`` (a CUDA GPU where there is one), checked before any model loads."""
     device = cfg.get("device", "cpu")
     try:
         check_choice("device", device, ["auto", "cpu", "cuda"])
@@ -142,11 +137,9 @@ def eval_backend(cfg) -> Backend:
 
 
 def load_eval_policy(cfg, backend: Backend | None = None):
-    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name) or a
-    trained run's policy: a checkpoint (``.ckpt`` file or distributed folder) or a run's
-    ``output_dir`` (its ``last.ckpt``; ``checkpoint=best`` for ``best.ckpt``), loaded into the base
-    model the run recorded. ``checkpoint=<path>`` loads a checkpoint into ``model.name_or_path``.
-    The backend (default: :func:`eval_backend`) swaps its modules once it is on its device."""
+    """``(model, tokenizer)``: ``model.name_or_path`` (HF id, directory, built-in name), or a trained run's policy (a
+    checkpoint; an ``output_dir``'s ``last.ckpt``, ``best.ckpt`` with ``checkpoint=best``) in the base model the run
+    recorded, or ``checkpoint=<path>`` in ``model.name_or_path``; the backend (default: the config's) swaps modules."""
     backend = backend or eval_backend(cfg)
     name, dtype = str(cfg.model.name_or_path), cfg.model.dtype
     source, which = checkpoint_source(cfg)
@@ -181,18 +174,15 @@ def load_eval_policy(cfg, backend: Backend | None = None):
 
 
 def checkpoint_source(cfg) -> tuple[str | None, str]:
-    """``(source, which)``: the trained run whose policy is evaluated (``checkpoint=<path>``, or
-    ``model=`` naming a checkpoint or a run's ``output_dir``; None for a plain model) and which of
-    its checkpoints (``last``, or ``best`` with ``checkpoint=best``)."""
+    """``(source, which)``: the trained run evaluated (None for a plain model) and ``last`` or ``best``."""
     name, ckpt_arg = str(cfg.model.name_or_path), cfg.get("checkpoint")
     source = ckpt_arg if ckpt_arg not in (None, "best", "last") else name if is_run_checkpoint(name) else None
     return source, "best" if ckpt_arg == "best" else "last"
 
 
 def eval_seed(cfg) -> tuple[int, str]:
-    """``(seed, where it came from)``: ``seed=`` as given; else the data seed of the run that trained
-    the model (its checkpoint's config, or an export's model card), whose validation problems are
-    then the ones evaluated; else 0."""
+    """``(seed, where it came from)``: ``seed=``; else the data seed of the run that trained the model (checkpoint
+    config or export model card), so its validation problems are evaluated; else 0."""
     if cfg.get("seed") is not None:
         try:
             return check_seed(cfg.seed), "seed="
@@ -228,9 +218,8 @@ def eval_header(cfg, seed: tuple[int, str]) -> str:
 
 
 def run_eval(cfg) -> dict:
-    """``ngrpo eval``: evaluate, write ``results.json``, ``pass_at_k.md`` and ``pass_at_k.png``
-    into ``output_dir``, log them and the metrics to an MLflow run; returns a summary with
-    a ``text`` field."""
+    """``ngrpo eval``: evaluate, write ``results.json``, ``pass_at_k.md`` and ``pass_at_k.png`` into
+    ``output_dir``, log them to an MLflow run; returns a summary with a ``text`` field."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     quiet_libraries(verbose=bool((cfg.get("logger") or {}).get("verbose", False)))
     seed = eval_seed(cfg)

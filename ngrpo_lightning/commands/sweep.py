@@ -1,21 +1,12 @@
 """Sweeps: ``ngrpo train --multirun experiment=grpo,ngrpo,stht seed=0,1,2`` on Hydra's launchers.
 
-Hydra expands the comma-separated overrides into one job per combination (its basic sweeper)
-and hands the jobs to the launcher chosen by ``hydra/launcher``: ``basic`` runs them one after
-the other, ``joblib`` in local processes (``hydra.launcher.n_jobs=2``), ``submitit_slurm`` on a
-SLURM cluster (extras ``sweep``; see docs/sweeps.md). Each job is one ordinary training run:
+Hydra expands the overrides into one job per combination for the ``hydra/launcher`` (``basic``,
+``joblib``, ``submitit_slurm``; docs/sweeps.md). Each job is an ordinary training run:
 
-* its folder is ``multirun/<sweep>/<job overrides>`` (checkpoints, Hydra's record of the job,
-  ``sweep_job.json``), stable from one invocation of the sweep to the next;
-* its MLflow run is tagged ``ngrpo.sweep`` (the sweep id), ``ngrpo.arm`` (what is compared:
-  the job's values of the swept keys other than the seed, e.g. ``experiment=ngrpo``, or
-  ``<explorer> x <objective>`` when only seeds are swept), ``ngrpo.seed``, ``ngrpo.explorer``,
-  ``ngrpo.objective``;
-* a failure is recorded and reported, and the sweep goes on, except when a checkpoint found the
-  disk full: the jobs after it would fail the same way, so they are not started;
-* re-running the same sweep (``sweep=<id>``) skips the jobs that finished and resumes the
-  others from their last checkpoint (``resume=last``).
-"""
+* its folder is ``multirun/<sweep>/<job overrides>``, stable across invocations;
+* its MLflow run is tagged :data:`TAGS` (``ngrpo.arm``: the swept values but the seed, or ``<explorer> x <objective>``);
+* a failure is recorded and the sweep goes on, except after a full disk (later jobs not started);
+* re-running the sweep (``sweep=<id>``) skips finished jobs and resumes the others (``resume=last``)."""
 
 from __future__ import annotations
 
@@ -48,10 +39,8 @@ _ROOT_KEYS = ("sweep=", "output_dir=", "hydra.", "hydra/")  # sweep-level overri
 
 
 def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: str | Path = "multirun") -> dict:
-    """Run every combination of ``overrides`` as its own training run of ``train`` (``ngrpo
-    train``'s function; see the module); returns ``{"sweep", "dir", "jobs": [the records of
-    sweep_job.json], "text"}``. The process's logging is as it was afterwards (Hydra configures
-    it for the jobs: each job also logs to ``<its folder>/<job name>.log``)."""
+    """Run every combination of ``overrides`` as its own run of ``train``; returns ``{"sweep", "dir",
+    "jobs": [the sweep_job.json records], "text"}``. The process's logging is restored afterwards."""
     import hydra
 
     sweep = next((o.split("=", 1)[1] for o in overrides if o.startswith("sweep=")), None)
@@ -96,9 +85,7 @@ def run_sweep(overrides: list[str], train: Callable[[DictConfig], dict], root: s
 
 
 def folder_name(overrides: str, swept: set[str] = frozenset()) -> str:
-    """A job's folder: its overrides (Hydra's ``key=value,key=value``), the ``swept`` keys first (what
-    tells the sweep's jobs apart stays readable), path separators and odd characters replaced, cut to
-    100 characters plus a checksum of the whole when longer."""
+    """A job's folder: its overrides, ``swept`` keys first, odd characters replaced, past 100 cut and checksummed."""
     items = re.split(r",(?=[A-Za-z_+~][\w.+~/-]*=)", overrides) if overrides else []  # a list value keeps its commas
     items = sorted(items, key=lambda item: item.split("=", 1)[0].lstrip("+~") not in swept)  # stable: Hydra's order
     name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", ",".join(items)) or "defaults"
@@ -117,10 +104,7 @@ def swept_keys(overrides: list[str]) -> set[str]:
 
 
 def check_jobs(args: list[str]) -> None:
-    """Compose and check the config of every job the overrides sweep (as ``ngrpo train`` checks
-    one run's) before any job trains: a wrong key or value refuses the whole sweep, naming the job,
-    where it failed that arm's jobs after others had trained (or, for a list where a sweep was
-    meant, ``seed=[0,1]``, stopped the sweep with a traceback)."""
+    """Check every job's config before any job trains: a wrong key or value refuses the whole sweep, naming the job."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     def quoted(value: str) -> str:
@@ -141,10 +125,8 @@ def check_jobs(args: list[str]) -> None:
 
 
 def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict], disk_full: list[str] | None = None) -> dict:
-    """One job of a sweep, inside Hydra's launcher: skip it if it finished before, resume it if
-    it has a checkpoint, train it otherwise; never raise (the sweep goes on). ``disk_full``: the
-    sweep's record of a checkpoint that found the disk full (this job appends to it): while it
-    holds one, jobs are recorded as not started instead of training."""
+    """One job of a sweep: skip it if finished, resume it if it has a checkpoint, train it otherwise; never raise.
+    ``disk_full``: the sweep's record of a full disk (appended to); while it holds one, jobs are not started."""
     disk_full = [] if disk_full is None else disk_full
     from hydra.core.hydra_config import HydraConfig
 
@@ -203,8 +185,7 @@ def run_job(cfg: DictConfig, swept: set[str], train: Callable[..., dict], disk_f
 
 
 def sweep_table(sweep: str, sweep_dir: Path, jobs: list[dict], store: str | None = None) -> str:
-    """A markdown table of a sweep's jobs, what to do about failed ones, and the command that
-    compares its arms (reading ``store``, the runs' MLflow store where it is not the default)."""
+    """A markdown table of a sweep's jobs, what to do about failed ones, and the compare command (with ``store``)."""
     lines = [
         f"Sweep {sweep} ({len(jobs)} runs) in {sweep_dir}:",
         "",

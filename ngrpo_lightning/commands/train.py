@@ -1,9 +1,7 @@
 """``ngrpo train``: one training job on a composed config (validate, fit, validate again).
 
-Kept apart from :mod:`ngrpo_lightning.commands.cli` so that the command line's cheap paths (``--help``,
-``ngrpo config``, a config that does not compose) answer before torch and Lightning load.
-``from ngrpo_lightning.commands.cli import train`` still works: the name is resolved on first use.
-"""
+Apart from :mod:`ngrpo_lightning.commands.cli` so the command line's cheap paths answer before torch
+and Lightning load (``from ngrpo_lightning.commands.cli import train`` resolves on first use)."""
 
 from __future__ import annotations
 
@@ -42,10 +40,7 @@ from ngrpo_lightning.training.interrupt import StopOnInterrupt
 def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | None = None) -> dict:
     """Run one training job (``ngrpo train``) on a composed config; returns a summary dict.
 
-    ``command``: the command that retrains this run, as the checkpoints and the model card record
-    it (default: this process's command line; a sweep gives each job its own ``ngrpo train ...``).
-    ``callbacks``: more Lightning callbacks for the run's Trainer, beside those the config asks
-    for: what a script adds to a run from Python (a recorder of step metrics, an early stop)::
+    ``command``: what retrains this run (default: this command line). ``callbacks``: more for the Trainer::
 
         from ngrpo_lightning.commands.train import train
         from ngrpo_lightning.config import compose
@@ -76,8 +71,7 @@ def train(cfg: DictConfig, callbacks: Sequence[L.Callback] = (), command: str | 
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped the run; its text says where it stopped and what resumes it,
-    ``status`` is the command's exit status (a shell's: 128 + the signal)."""
+    """Ctrl-C or SIGTERM stopped the run; its text says where and what resumes it; ``status``: 128 + the signal."""
 
     def __init__(self, text: str, status: int):
         super().__init__(text)
@@ -108,8 +102,7 @@ def _fit(
     command: str = "",
     meta: dict | None = None,
 ) -> dict:
-    """Validate, fit and validate again; the summary of the run (``meta``: what a resumed run's
-    checkpoint recorded)."""
+    """Validate, fit and validate again; the run's summary (``meta``: a resumed run's checkpoint's)."""
     module, datamodule = assemble(cfg, problems, backend_choices=(meta or {}).get("backend_choices"))
     if rank_zero_only.rank == 0:  # what the backend chose for this machine, and what it warns about
         notes = [module.backend.summary(), *module.backend.startup_notes()]
@@ -170,9 +163,7 @@ def export_final(cfg: DictConfig, module, trainer, logger, after) -> Path:
 
 
 def retrain_command(command: str) -> str:
-    """``command`` as one that trains the run from its start: without ``resume=`` and ``overwrite=``
-    (a resumed run's config is its first one, ``check_resume``), as its checkpoints and model card
-    record it."""
+    """``command`` without ``resume=`` and ``overwrite=``: what trains the run from its start."""
     words = shlex.split(command)
     return shlex.join([w for w in words if not w.startswith(("resume=", "overwrite=", "+resume=", "+overwrite="))])
 

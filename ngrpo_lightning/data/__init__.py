@@ -1,5 +1,4 @@
-"""Training data: problems (reasoning-gym tasks, the built-in default, or files / Hugging Face datasets) and
-the tokenized prompts the rollout engine consumes."""
+"""Training data: problems (reasoning-gym tasks by default, files or Hugging Face datasets) and tokenized prompts."""
 
 from ngrpo_lightning.data.loaders import MissingFieldError, load_problems
 from ngrpo_lightning.data.problem import Problem

@@ -1,16 +1,8 @@
 """Evaluation benchmarks (AIME24/25, AMC23, MATH500, GPQA-Diamond) and their loading.
 
-A benchmark config (``conf/data/<name>.yaml``, ``source: benchmark``) names a Hugging
-Face dataset (``hub_id``, optional ``subset`` and ``split``) and maps its fields
-(``problem_field``, ``answer_field``, ``id_field``). ``path`` (a ``.jsonl`` / ``.parquet``
-file or a saved dataset directory with the same fields) replaces the Hub, e.g. offline.
-
-GPQA-Diamond is multiple choice: ``format: gpqa`` builds the question text from
-``Question``, ``Correct Answer`` and ``Incorrect Answer 1..3``, listing the four options
-as (A)-(D) in an order shuffled deterministically per question (seeded by the question
-text), and the gold answer is the letter of the correct option. The verifier compares
-letters (``\\boxed{C}``, ``(C)``, ``C`` all match ``C``).
-"""
+A benchmark config (``conf/data/<name>.yaml``, ``source: benchmark``) names a Hugging Face dataset (``hub_id``,
+``subset``, ``split``) and its fields; ``path`` (a file or saved dataset) replaces the Hub. GPQA-Diamond
+(``format: gpqa``) lists its four options as (A)-(D) in an order seeded by the question, the gold answer a letter."""
 
 from __future__ import annotations
 
@@ -34,9 +26,8 @@ LETTERS = "ABCD"
 def format_multiple_choice(
     question: str, correct: str, incorrect: list[str], key: str | None = None
 ) -> tuple[str, str]:
-    """``(question text listing the options (A)-(D), gold letter)``; the options are shuffled
-    with a seed derived from ``key`` (default: the question), so the order is the same on
-    every run and machine."""
+    """``(question text listing the options (A)-(D), gold letter)``, shuffled with a seed from ``key``
+    (default: the question), the same on every run and machine."""
     options = [str(correct).strip()] + [str(x).strip() for x in incorrect]
     if len(options) > len(LETTERS):
         raise ValueError(f"at most {len(LETTERS)} options are supported, got {len(options)}")
@@ -106,8 +97,7 @@ def load_benchmark(cfg) -> list[Problem]:
 
 
 def _plain_problem(record, where, default_id, problem_field, answer_field, id_field) -> Problem:
-    """One problem of a plain (question, answer) benchmark; dotted fields and chat-message
-    prompts (verl's parquet layout) are read as ``data=files`` reads them."""
+    """One problem of a plain (question, answer) benchmark, fields read as ``data=files`` reads them."""
     return loaders._Fields(problem_field, answer_field, id_field).to_problem(record, where, default_id)
 
 

@@ -1,9 +1,5 @@
-"""Load problems from a ``.jsonl`` file, a ``.parquet`` file, or a Hugging Face dataset
-(a Hub id, or a local dataset directory), e.g. DeepScaleR's ``problem`` / ``answer`` layout.
-
-Errors name what is wrong and where: the file (and line, for JSON lines), the missing
-field, and the fields that do exist.
-"""
+"""Problems from a ``.jsonl`` or ``.parquet`` file or a Hugging Face dataset (Hub id or local directory), e.g.
+DeepScaleR's ``problem`` / ``answer`` layout. Errors name the file (and line), the missing field and those present."""
 
 from __future__ import annotations
 
@@ -35,11 +31,8 @@ def load_problems(
     id_field: str | None = None,
     limit: int | None = None,
 ) -> list[Problem]:
-    """Problems from ``source``; answers are converted to ``str``.
-
-    ``split`` only applies to Hugging Face datasets; ``limit`` keeps the first N records;
-    without ``id_field`` ids are ``<name>-<index>``.
-    """
+    """Problems from ``source``, answers as ``str``. ``split``: Hugging Face datasets only; ``limit``: the
+    first N records; without ``id_field`` ids are ``<name>-<index>``."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"data.limit must be a non-negative integer or null, got {limit!r}")
     fields = _Fields(problem_field, answer_field, id_field)

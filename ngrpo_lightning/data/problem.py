@@ -8,10 +8,8 @@ from typing import Any
 
 @dataclass
 class Problem:
-    """A question and its gold answer (always a string: the verifier compares strings).
-
-    Dict-like for convenience (``p["question"]``, ``p.get("meta")``, ``dict(p)``).
-    """
+    """A question and its gold answer (always a string: the verifier compares strings), dict-like for convenience
+    (``p["question"]``, ``p.get("meta")``, ``dict(p)``)."""
 
     id: str
     question: str

@@ -1,10 +1,7 @@
 """Turn problems into tokenized prompts.
 
-The user turn is ``question + "\\n" + instruction``; the instruction is the DeepSeek-R1 /
-DeepScaleR convention that asks for a ``\\boxed{}`` final answer, which is what the reward
-extracts. Prompts go through the tokenizer's chat template with the generation prompt
-appended, so the policy starts right at its assistant turn.
-"""
+The user turn is ``question + "\\n" + instruction`` (by default DeepSeek-R1 / DeepScaleR's request for
+a ``\\boxed{}`` answer), through the chat template with the generation prompt appended."""
 
 from __future__ import annotations
 
@@ -27,10 +24,8 @@ def has_chat_template(tokenizer) -> bool:
 def render_prompt(
     tokenizer, question: str, instruction: str | None = DEFAULT_INSTRUCTION, system_prompt: str | None = None
 ) -> str:
-    """The prompt text for ``question`` (None instruction = the default; "" = none).
-
-    Without a chat template (a base model), the plain ``question\\ninstruction\\n``.
-    """
+    """The prompt text for ``question`` (None instruction = the default; "" = none); without a chat template (a base
+    model), the plain ``question\\ninstruction\\n``."""
     if instruction is None:
         instruction = DEFAULT_INSTRUCTION
     content = f"{question}\n{instruction}" if instruction else question
@@ -43,12 +38,8 @@ def render_prompt(
 
 
 class PromptDataset(Dataset):
-    """Rendered and tokenized prompts, once, up front; prompts over ``max_prompt_tokens``
-    are dropped (``num_dropped``) with a warning.
-
-    Items: ``{"id", "prompt_ids": list[int], "prompt_text", "answer", "verifier"}``; ``verifier``
-    is the problem's task verifier spec (``meta["verifier"]``, reasoning-gym) or None.
-    """
+    """Prompts tokenized up front; those over ``max_prompt_tokens`` are dropped (``num_dropped``) with a warning. Items:
+    ``{"id", "prompt_ids", "prompt_text", "answer", "verifier"}`` (``verifier``: ``meta["verifier"]`` or None)."""
 
     def __init__(
         self,
@@ -63,8 +54,7 @@ class PromptDataset(Dataset):
         self.max_prompt_tokens = max_prompt_tokens
         problems = list(problems)
         texts = [render_prompt(tokenizer, p["question"], instruction, system_prompt) for p in problems]
-        # A chat template already contains BOS and the role markers: adding special tokens
-        # again would duplicate BOS. Plain prompts (no template) do need them.
+        # a chat template already contains BOS: only plain prompts need special tokens added
         encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))["input_ids"] if texts else []
         self.items: list[dict[str, Any]] = []
         for p, text, ids in zip(problems, texts, encoded):

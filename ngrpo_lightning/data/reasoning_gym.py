@@ -8,16 +8,10 @@ mixed by weight through reasoning-gym's own ``composite`` dataset, each with its
       - {name: chain_sum, weight: 2, config: {min_terms: 2, max_terms: 3, max_digits: 2}}
       - basic_arithmetic            # a bare name: weight 1, the task's default settings
 
-The run's ``seed`` picks the stream (each seed its own, not overlapping another's).
-Splits are disjoint by construction, as for the built-in task: a question's text hashes
-(CRC32) into one of ten buckets, bucket 0 is validation, 2-9 train. Both splits read the same
-seeded stream and keep the questions of their buckets; validation questions are distinct.
-
-Each problem keeps its generated entry as JSON in ``meta["verifier"]``: with
-``verifier: task`` the reward scores it with the task's own ``score_answer`` (graded for some
-tasks); with ``math_verify`` the entry is dropped and the gold answer is checked by math-verify
-like any math problem (sound where answers are numbers).
-"""
+The run's ``seed`` picks the stream. Splits are disjoint by construction: a question's text hashes (CRC32) into one of
+ten buckets, bucket 0 validation, 2-9 train. Each problem keeps its entry as JSON in ``meta["verifier"]``:
+``verifier: task`` scores it with the task's own ``score_answer``; ``math_verify`` checks the gold answer with
+math-verify instead (sound where answers are numbers)."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ from ngrpo_lightning.checks import check_choice, check_number
 from ngrpo_lightning.data.problem import Problem
 
 VERIFIERS = ("task", "math_verify")
-# reasoning-gym draws item i from Random(seed + i): seeds s and s + 1 would give the same stream
-# shifted by one. Spacing the library's seeds this far apart gives every run seed its own stream.
+# reasoning-gym draws item i from Random(seed + i), so nearby seeds share a shifted stream: space them
 _SEED_STRIDE = 10_000_019
 _BUCKETS = 10
 _SPLIT_BUCKETS = {"validation": {0}, "train": set(range(2, _BUCKETS))}
@@ -76,8 +69,7 @@ def reasoning_gym_problems(tasks, size: int, seed: int, split: str = "train", ve
 
 
 def task_list(tasks) -> list[dict]:
-    """``data.tasks`` as ``[{name, weight, config}]``, checked: every name exists (else the
-    names that do), weights are positive, each setting is one of the task's."""
+    """``data.tasks`` as ``[{name, weight, config}]``, checked (names, positive weights, settings)."""
     from reasoning_gym.factory import DATASETS
 
     if isinstance(tasks, ListConfig):

@@ -1,11 +1,8 @@
 """Explorers: how each decoding step's next input is formed (see :mod:`.base`).
 
-Registered names (``explorer.name=``): ``temperature`` (plain sampling), ``neighbor``
-(N-GRPO neighbor mixing), ``gaussian`` (STHT embedding noise), ``gumbel`` (Gumbel soft
-thinking), and the N-GRPO release's baselines ``topk``, ``topk_gumbel``,
-``gaussian_embed_noise`` and ``orthogonal_noise``. Any other :class:`Explorer` subclass works
-through ``explorer._target_=``.
-"""
+Registered names (``explorer.name=``): ``temperature``, ``neighbor`` (N-GRPO), ``gaussian`` (STHT), ``gumbel``, and
+the release's ``topk``, ``topk_gumbel``, ``gaussian_embed_noise``, ``orthogonal_noise``; any other :class:`Explorer`
+subclass through ``explorer._target_=``."""
 
 from ngrpo_lightning.explorers.base import (
     EXPLORERS,

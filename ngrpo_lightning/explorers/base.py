@@ -1,31 +1,20 @@
 """The Explorer contract: how the next input of one decoding step is formed.
 
-An explorer sees the logits of one decoding step and decides, for every row of the
-batch, (a) the token that is *emitted* (the text the reward sees) and (b) the input
-embedding fed to the next step. Most steps are discrete: the next input is simply
-``E[token]``. A *non-discrete* step feeds a mixture instead::
+For every row of one decoding step's logits an explorer picks (a) the *emitted* token (the text the reward
+sees) and (b) the next input embedding: ``E[token]`` for a discrete step, for a *non-discrete* one a mixture::
 
     e = sum_j weights[j] * E[ids[j]]  +  noise_scale * randn(d, seed=noise_seed)
 
-Neighbor mixing (N-GRPO) uses K = k ids and no noise, Gumbel soft thinking the top-k
-ids, Gaussian noise (STHT) one id plus noise. Engines record exactly these fields for
-the non-discrete rows, and training rebuilds the same inputs from the record
-(:func:`ngrpo_lightning.rollout.reconstruction.build_inputs_embeds`), so an explorer
-never touches an engine or the training loop.
+Engines record these fields and training rebuilds the same inputs from the record
+(:func:`ngrpo_lightning.rollout.reconstruction.build_inputs_embeds`), so an explorer never touches an engine or
+the training loop. An engine calls, in order:
 
-The contract, in the order an engine calls it before and during a rollout:
+1. ``set_special_ids(ids)``: special token ids (and embedding rows no token maps to), to exclude.
+2. ``prepare(embeddings)``: the input embedding matrix ``E`` (V x d) on the decoding device.
+3. ``step(logits, generator)`` per decoding step: raw float32 logits B x V in, an :class:`ExplorerStep` out;
+   all randomness from ``generator``, so rollouts are reproducible.
 
-1. ``set_special_ids(ids)``: the tokenizer's special token ids (and any embedding rows no
-   token maps to). Explorers that pick tokens by embedding geometry exclude them.
-2. ``prepare(embeddings)``: the policy's input embedding matrix ``E`` (V x d), on the
-   decoding device. Build or refresh indices here.
-3. ``step(logits, generator)`` once per decoding step: logits B x V (raw, float32) in, an
-   :class:`ExplorerStep` out. Draw all randomness from ``generator`` (on the logits'
-   device) so that rollouts are reproducible from the engine's seed.
-
-Explorers are pure torch: no Lightning, no engine imports. Register one by name with
-:func:`register_explorer`, or select any subclass by class path (``explorer._target_=``).
-"""
+Explorers are pure torch: register one with :func:`register_explorer`, or pick a class by ``explorer._target_=``."""
 
 from __future__ import annotations
 
@@ -57,12 +46,8 @@ register_explorer = EXPLORERS.register  # class decorator: selectable as ``explo
 
 @dataclass
 class ExplorerStep:
-    """What an explorer decides for one decoding step of a batch of B rows.
-
-    ``tokens`` is always set. The other fields describe the non-discrete rows and are
-    ``None`` when every row is discrete (plain sampling). For a row with ``mixed[b]``
-    false, the mixture fields of that row are ignored.
-    """
+    """One decoding step of B rows: ``tokens`` always; the other fields describe the non-discrete rows (``None``
+    when all are discrete) and are ignored where ``mixed[b]`` is false."""
 
     tokens: torch.Tensor  # [B] long: emitted token ids
     mixed: torch.Tensor | None = None  # [B] bool: rows whose next input is a mixture
@@ -117,8 +102,7 @@ def _field(name: str, value, dims: int, kind: str, rows: int | None = None) -> N
 
 
 def explorer_step(explorer: Explorer, logits: torch.Tensor, generator: torch.Generator | None) -> ExplorerStep:
-    """``explorer.step`` as the engines call it, its answer checked (shapes and types: no wait for
-    the device), so that a user's explorer that returns something else is named at once."""
+    """``explorer.step`` with its answer's shapes and types checked (no wait for the device)."""
     try:
         step = explorer.step(logits, generator=generator)
     except ValueError as err:
@@ -135,12 +119,9 @@ def explorer_step(explorer: Explorer, logits: torch.Tensor, generator: torch.Gen
 
 
 def check_explorer(explorer: Explorer, vocab: int = 1024, dim: int = 16, rows: int = 64) -> None:
-    """Run one step of a copy of ``explorer`` on made-up logits (``rows`` x ``vocab``, a random
-    ``vocab`` x ``dim`` embedding matrix), before any model loads: what it returns is an
-    :class:`ExplorerStep` of the right shapes and types, its tokens and mixture ids are in the
-    vocabulary, and each mixed row's weights are non-negative and sum to 1. ``ValueError`` naming
-    the class and the field otherwise: an explorer that returned a tensor failed only after the
-    model had loaded and validation had run, and weights that were raw logits trained silently."""
+    """Run one step of a copy of ``explorer`` on made-up logits (``rows`` x ``vocab``) before any model loads and
+    check its :class:`ExplorerStep` (shapes, types, ids, mixed rows' weights summing to 1); ``ValueError`` naming
+    the class and the field otherwise."""
     import copy
 
     name = type(explorer).__name__
@@ -179,30 +160,21 @@ class Explorer(ABC):
     Attributes
     ----------
     temperature:
-        The policy's sampling temperature. Engines compute the rollout log-probs of the
-        emitted tokens as ``log_softmax(logits / temperature)`` and training uses the same
-        temperature, so every explorer must define it (1.0 if it does not sample).
+        The sampling temperature; rollout log-probs are ``log_softmax(logits / temperature)`` and training uses
+        the same (1.0 if the explorer does not sample).
     sync_free:
-        True when :meth:`step` never makes the host wait for the device: no ``.item()``,
-        ``bool(t)``, ``nonzero``, boolean-mask indexing or shape that depends on the data. On a
-        GPU the decoding loop then queues step after step without waiting; an explorer that does
-        not declare it still works, and the engine says once at the start that it may wait per
-        token. Check a claim with :class:`ngrpo_lightning.rollout.host_syncs.HostSyncs`.
+        True when :meth:`step` never makes the host wait for the device (no ``.item()``, ``bool(t)``,
+        ``nonzero``, boolean-mask indexing or data-dependent shape), so a GPU decoding loop queues steps without
+        waiting. Check a claim with :class:`ngrpo_lightning.rollout.host_syncs.HostSyncs`.
     capturable:
-        True when :meth:`step` can be recorded once as a CUDA graph and replayed at every later
-        step (:mod:`ngrpo_lightning.rollout.step_graphs`): it is ``sync_free``; it does the same
-        device work at every step, returning the same fields of the same shapes; its randomness
-        comes only from ``generator``; and any state it keeps between steps is a tensor updated in
-        place (Python attributes set in :meth:`step` are read once, when the step is recorded).
-        A recorded step is replayed while the explorer's public settings and the addresses of its
-        tensors stay as they were; a change records it again.
-        Read from the class that defines :meth:`step` (:func:`declares_capturable`), so a subclass
-        with a step of its own declares it again. Otherwise, on a GPU, the step runs eagerly
-        between the model's replayed steps, and the engine says so once.
+        True when :meth:`step` can be recorded once as a CUDA graph and replayed
+        (:mod:`ngrpo_lightning.rollout.step_graphs`): ``sync_free``, the same device work and output shapes at
+        every step, randomness only from ``generator``, state kept only in tensors updated in place. A change of
+        public settings or tensor addresses records it again. Read from the class that defines :meth:`step`
+        (:func:`declares_capturable`); otherwise the step runs eagerly.
     answer_start:
-        A marker text (e.g. ``"</think>"``): once a sequence has emitted its tokens, the engine
-        clears ``mixed`` for that sequence's steps (the one completing the marker included), so
-        exploration stops where the answer starts. ``None``: mix to the end.
+        A marker text (e.g. ``"</think>"``): once a sequence has emitted it, the engine clears ``mixed`` for its
+        steps, so exploration stops where the answer starts. ``None``: mix to the end.
     """
 
     temperature: float = 1.0
@@ -213,13 +185,11 @@ class Explorer(ABC):
     _special_ids: tuple[int, ...] = ()
 
     def set_special_ids(self, ids) -> None:
-        """Called by the engine before :meth:`prepare` with the ids an explorer should never
-        pick by itself: the tokenizer's special tokens and padded embedding rows."""
+        """The ids never to pick by itself (special tokens, padded embedding rows); before :meth:`prepare`."""
         self._special_ids = tuple(sorted({int(i) for i in ids}))
 
     def prepare(self, embeddings: torch.Tensor) -> None:
-        """Called by the engine before every rollout with the policy's input embedding
-        matrix ``E`` (V x d), on the device where decoding runs. Build indices here."""
+        """Called before every rollout with ``E`` (V x d) on the decoding device; build indices here."""
         self.embeddings = embeddings
 
     @abstractmethod
@@ -239,9 +209,8 @@ class Explorer(ABC):
 
 
 def declares_capturable(explorer: Explorer) -> bool:
-    """Whether ``explorer``'s step may be recorded (:attr:`Explorer.capturable`): as declared by
-    the class that defines its :meth:`~Explorer.step` or by a subclass of it, never by a base class
-    whose step it replaced."""
+    """Whether ``explorer``'s step may be recorded (:attr:`Explorer.capturable`), as declared by the class defining
+    its :meth:`~Explorer.step` or a subclass of it, never by a base class."""
     for cls in type(explorer).__mro__:
         if "capturable" in vars(cls):
             return bool(explorer.capturable) and bool(explorer.sync_free)
@@ -259,9 +228,7 @@ def check_range(
     low_open: bool = False,
     integer: bool = False,
 ):
-    """Validate a numeric hyper-parameter at construction time; the error names ``explorer.<key>``.
-    ``integer``: a count (``k``, ``top_k``) must be an int, so ``explorer.k=2.5`` is refused rather
-    than truncated."""
+    """Check a number, errors naming ``explorer.<key>``; ``integer``: ints only (``explorer.k=2.5`` is refused)."""
     return check_number(f"explorer.{key}", value, low, high, low_open=low_open, integer=integer)
 
 

@@ -1,16 +1,11 @@
 """Gaussian embedding noise: the STHT ("Soft Tokens, Hard Truths") baseline.
 
-Sample ``y`` as plain sampling does and emit it; with probability ``rho`` per row, feed
-``E[y] + scale * n`` instead of ``E[y]``, with ``n ~ N(0, I_d)`` and
+Emit plainly sampled ``y``; with probability ``rho`` per row feed ``E[y] + scale * n``, ``n ~ N(0, I_d)``, and
 
     scale = sigma * ||E[y]|| / sqrt(d)
 
-so that ``||scale * n|| ~= sigma * ||E[y]||``: ``sigma`` is the noise-to-signal ratio of
-the input, whatever the model's embedding norms. The noise is isotropic (the same in every
-direction), which is what N-GRPO's neighbor mixing argues against. Each noisy row draws a
-seed from the rollout generator; the engine records (seed, scale) and training regenerates
-the same ``n`` from the seed.
-"""
+so that ``||scale * n|| ~= sigma * ||E[y]||`` (``sigma``: the noise-to-signal ratio). The noise is isotropic,
+what N-GRPO's neighbor mixing argues against. Training regenerates ``n`` from each row's recorded (seed, scale)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ SEED_HIGH = 2**62  # noise seeds are drawn from [0, SEED_HIGH); -1 marks "no noi
 
 
 def noise_seeds(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    """One recorded noise seed per row, drawn from the rollout generator (rows rebuild their
-    noise from it: :func:`~ngrpo_lightning.rollout.records.noise_vectors`)."""
+    """One noise seed per row from the rollout generator (:func:`~ngrpo_lightning.rollout.records.noise_vectors`)."""
     return torch.randint(0, SEED_HIGH, (n,), generator=generator, device=device)
 
 

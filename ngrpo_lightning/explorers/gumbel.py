@@ -1,15 +1,11 @@
 """Gumbel soft thinking: the SofT-GRPO-style baseline. Every step is a soft token.
 
-With ``z~ = logits / T`` and its top-k entries ``z~_k`` (ids ``ids_k``), draw Gumbel noise
-``g ~ Gumbel(0, 1)`` (iid, one per entry) and set
+With ``z~ = logits / T``, its top-k entries ``z~_k`` (ids ``ids_k``) and iid noise ``g ~ Gumbel(0, 1)``, set
 
     weights = softmax((z~_k + g) / tau),   next input = sum_j weights_j E[ids_k_j],
     emitted token = ids_k[argmax(z~_k + g)].
 
-The Gumbel noise is added to the *temperature-scaled* logits, so by the Gumbel-max trick
-the emitted token is an exact sample of ``softmax(z~)`` restricted to the top k; ``tau``
-only sharpens (small) or flattens (large) the mixture around it.
-"""
+By the Gumbel-max trick the emitted token exactly samples ``softmax(z~)`` in the top k; ``tau`` only shapes the mix."""
 
 from __future__ import annotations
 

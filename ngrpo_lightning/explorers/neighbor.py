@@ -4,19 +4,12 @@ Per row and per step (the paper's rule; docs/explorers.md):
 
 1. gate ``m ~ Bernoulli(rho)``;
 2. ``m = 0``: a plain sampling step (exactly :class:`TemperatureExplorer`'s);
-3. ``m = 1``: anchor ``v* = argmax z~`` (``z~ = logits / T``); set ``C = [v*] + the k-1
-   tokens nearest to v* in E``; weights ``softmax(z~[C])``; next input ``sum_c w_c E[c]``;
-   the emitted token (the text) is ``v*``.
+3. ``m = 1``: anchor ``v* = argmax z~`` (``z~ = logits / T``); set ``C = [v*] + the k-1 tokens nearest to v*
+   in E``; weights ``softmax(z~[C])``; next input ``sum_c w_c E[c]``; the emitted token (the text) is ``v*``.
 
-The released code (ZJUSCL/N-GRPO) differs in places; each is an option here (docs/explorers.md
-has the table): the text of a mixed step is the sampled token (``emit="sampled"``), the gate
-may be the step's entropy (``gate="entropy"``), and the weights are the warped (top-k / top-p)
-probabilities of the set's members renormalised over the set, so a member outside the nucleus
-gets weight 0 (without warping this equals ``softmax(z~[C])``).
-
-The neighbor index (:mod:`.neighbor_index`) is built from ``E`` at the first rollout and,
-as in the paper, kept static unless ``refresh_every`` asks for periodic rebuilds.
-"""
+The released code's (ZJUSCL/N-GRPO) differences are options: ``emit="sampled"``, ``gate="entropy"``, and weights from
+the warped (top-k / top-p) probabilities renormalised over the set (``softmax(z~[C])`` without warping). The neighbor
+index (:mod:`.neighbor_index`) is built at the first rollout and kept static unless ``refresh_every``."""
 
 from __future__ import annotations
 
@@ -43,29 +36,22 @@ class NeighborMixingExplorer(Explorer):
     """Neighbor mixing (N-GRPO).
 
     Args:
-        k: size of the mixed set, the anchor included (paper: 3; the release's ``mix_top_k``:
-            2 in its 1.5B preset, 3 in its 7B one); ``k=1`` mixes nothing in.
+        k: size of the mixed set, the anchor included (paper: 3; the release's ``mix_top_k``: 2 or 3).
         rho: probability that a row's step is mixed (paper: 0.1; 1.0 = "w/o rate" ablation).
         metric: neighbor metric, ``cosine`` (paper), ``dot``, ``l2`` or ``l1``.
-        emit: the text of a mixed step: ``anchor`` (paper) or ``sampled`` (release: the
-            token the sampler drew; the mixture is only the next input).
-        gate: ``rate`` (a Bernoulli(rho) draw per row and step) or ``entropy`` (mix when the
-            step's entropy of the warped distribution is >= ``entropy_threshold`` nats; the
-            release's ``mix_entropy_threshold``).
+        emit: the text of a mixed step: ``anchor`` (paper) or ``sampled`` (release: the sampler's token).
+        gate: ``rate`` (Bernoulli(rho) per row and step) or ``entropy`` (mix when the warped
+            distribution's entropy is >= ``entropy_threshold`` nats, the release's rule).
         entropy_threshold: the entropy gate's threshold (nats).
-        answer_start: no mixing once a sequence has emitted this text (release: ``"</think>"``;
-            matched on token ids, see :class:`~ngrpo_lightning.explorers.base.Explorer`).
-            With ``emit="anchor"`` a gated step after it still emits the anchor, unmixed.
-        temperature, top_k, top_p, min_p: the unmixed steps' sampling (see
-            :class:`TemperatureExplorer`); ``temperature`` also scales the logits whose
-            softmax gives the mixture weights (T=0: greedy steps, weights at T=1), and the
-            weights follow the same filters (a member filtered out gets weight 0).
+        answer_start: no mixing once a sequence has emitted this text (release: ``"</think>"``; see
+            :class:`~ngrpo_lightning.explorers.base.Explorer`).
+        temperature, top_k, top_p, min_p: the unmixed steps' sampling (:class:`TemperatureExplorer`);
+            the mixture weights use the same temperature (weights at T=1 for T=0) and filters.
         exclude_special: never use the tokenizer's special tokens as neighbors.
         exclude_ids: further token ids never used as neighbors.
         refresh_every: rebuild the index every N rollouts as E trains (0 = static, as in the paper).
-        precompute: fill the neighbor table for the whole vocabulary when the index is
-            built (V x V work in blocks), rather than lazily as anchors come. Always on a GPU:
-            with a full table a step looks up every row's neighbors without waiting for the host.
+        precompute: fill the neighbor table for the whole vocabulary at once (V x V work) rather
+            than lazily; always on a GPU, where a full table lets a step run without the host.
         chunk_size: vocabulary columns per similarity block of the search.
     """
 
@@ -133,8 +119,7 @@ class NeighborMixingExplorer(Explorer):
 
     @property
     def sync_free(self) -> bool:
-        """With a full neighbor table (always on a GPU) a step never waits for the host; a lazily
-        filled one looks at which anchors are new."""
+        """True with a full neighbor table (always on a GPU); a lazy one checks which anchors are new."""
         return self._index is not None and self._index.complete
 
     capturable = sync_free  # with a full table a step is the same lookups every time: recorded on a GPU
@@ -178,9 +163,8 @@ class NeighborMixingExplorer(Explorer):
         return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=weights)
 
     def members(self, logits: torch.Tensor, warped: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """The anchors ``argmax z~`` (= argmax z, T > 0; the first maximum on ties), the mixed sets
-        (the anchor, then its neighbors, nearest first) and their weights: the warped probabilities
-        of the members renormalised over the set (``softmax(z~[C])`` unwarped)."""
+        """The anchors ``argmax z~`` (first maximum on ties), the mixed sets (anchor, then neighbors, nearest first)
+        and their weights (the warped probabilities renormalised over the set)."""
         anchor = logits.argmax(-1)
         ids = anchor[:, None]
         if self.k > 1:

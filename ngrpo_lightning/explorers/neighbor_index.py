@@ -1,29 +1,16 @@
 """Exact nearest neighbors among the rows of an embedding matrix, without a V x V matrix.
 
-N-GRPO mixes an anchor token with the k-1 tokens whose input embeddings are nearest to
-it. The search is exact (brute force) but chunked: for a block of anchors, similarities
-to the vocabulary are computed ``chunk_size`` columns at a time and a running top-n is
-kept, so memory is (anchors x chunk), never V x V. Results are cached per anchor id in a
-V x n table (-1 = not computed yet), so a token seen before costs one lookup; the table can
-also be filled for every token at once (:meth:`NeighborIndex.precompute`).
+N-GRPO mixes an anchor token with the k-1 tokens whose input embeddings are nearest to it. The search is exact but
+chunked: ``chunk_size`` columns at a time with a running top-n, so memory is anchors x chunk. Results are cached per
+anchor in a V x n table (-1 = not yet computed); :meth:`NeighborIndex.precompute` fills it for every token. Ranking:
+cosine similarity, or the negated l2 / l1 distance. A token is never its own neighbor, excluded ids never are, and
+ties go to the lowest id. The index keeps its own copy of ``E``, so its geometry is that of ``E`` when it was built.
 
-Ranking: cosine similarity, or the negated l2 / l1 distance. A token is never its own
-neighbor, and excluded ids (special tokens) are never neighbors. Ties go to the lowest
-token id, so the result is a deterministic function of the matrix.
-
-The index keeps its own copy of the matrix (normalized for cosine) in the matrix's dtype:
-its geometry is that of ``E`` when the index was built, even if ``E`` trains afterwards.
-
-On CPU, cosine search runs in two exact stages, because a pass over ``E`` in float32 is
-bound by memory bandwidth (one anchor: ~10 ms for 49k x 576) and rollouts mostly search one
-or two new anchors at a time. Stage 1 scores every column approximately: for a few anchors
-with a float16 copy of the keys (about a third of the time), for more in float32; its error
-is bounded (:func:`score_error`). Every column whose stage-1 score is within twice that bound
-of the n-th best one is a candidate, and stage 2 ranks the candidates by float64 scores of
-the index's keys. No column outside the candidates can beat or tie the n-th true score, so
-the result is the exact neighbors, ties included. An anchor with more near-ties than the
-candidate slots (duplicated rows) is ranked over all columns in float64.
-"""
+On CPU a float32 pass over ``E`` is bound by memory bandwidth and rollouts mostly search one or two new anchors,
+so cosine search runs in two exact stages. Stage 1 scores every column approximately (float16 keys for a few
+anchors, float32 for more) with a bounded error (:func:`score_error`); every column within twice that bound of
+the n-th best is a candidate, and stage 2 ranks the candidates in float64. The result is exact, ties included;
+an anchor with more near-ties than candidate slots is ranked over all columns in float64."""
 
 from __future__ import annotations
 
@@ -37,11 +24,9 @@ HALF_ANCHORS = 4  # stage 1 in float16 up to this many anchors per block (above,
 
 
 def score_error(dim: int, half: bool) -> float:
-    """Bound on |stage-1 score - true score| for unit vectors of ``dim`` components. Float32:
-    the sum of ``dim`` products (dim x 2^-24, doubled for margin; inputs of lower precision
-    convert exactly, float64 ones round by 2^-24 each). Float16 adds rounding both operands
-    (2 x 2^-11 by Cauchy-Schwarz; components below float16's normal range 2^-25 each) and
-    the result (2^-11); the products are exact and summed in float32 by the CPU kernels."""
+    """Bound on |stage-1 score - true score| for unit vectors of ``dim`` components. Float32: the sum of ``dim``
+    products (dim x 2^-24, doubled for margin). Float16 adds rounding both operands (2 x 2^-11 by Cauchy-Schwarz;
+    subnormal components 2^-25 each) and the result (2^-11)."""
     single = (dim + 2) * 2**-23
     return single + 3 * 2**-11 + 2 * math.sqrt(dim) * 2**-25 if half else single
 
@@ -90,8 +75,7 @@ class NeighborIndex:
     # ---------------------------------------------------------------- public
     @property
     def complete(self) -> bool:
-        """Whether every id's neighbors are in the table (after :meth:`precompute`): a query is
-        then a lookup, with no search and no look at which ids are missing."""
+        """Whether every id's neighbors are in the table (after :meth:`precompute`): queries are lookups."""
         return self._complete
 
     def query(self, anchors: torch.Tensor) -> torch.Tensor:
@@ -108,8 +92,7 @@ class NeighborIndex:
         return found
 
     def precompute(self) -> None:
-        """Fill the whole table now (V x V work; seconds on a GPU, where blocks of anchors are
-        large: about 2**26 similarities at a time)."""
+        """Fill the whole table now (V x V work; on a GPU about 2**26 similarities per block)."""
         if self.num_neighbors:
             todo = (self.table[:, 0] < 0).nonzero().squeeze(-1)
             block = (
@@ -121,8 +104,7 @@ class NeighborIndex:
         self._complete = True
 
     def search(self, anchors: torch.Tensor, anchor_block: int | None = None) -> torch.Tensor:
-        """Exact neighbors [B, n] of ``anchors`` [B], bypassing the cache, ``anchor_block`` anchors
-        at a time (default: the index's)."""
+        """Exact neighbors [B, n] of ``anchors`` [B], bypassing the cache (``anchor_block``: default the index's)."""
         if self.num_neighbors == 0:
             return self.table[anchors]
         search, size = (
@@ -143,16 +125,14 @@ class NeighborIndex:
         return -torch.cdist(query.float(), keys.float(), p=1)
 
     def _exact_scores(self, query: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Cosine similarity in float64 (the CPU search's ranking): one product per component and
-        one sum per column, so identical columns get identical scores; ~16 MB at a time."""
+        """Float64 cosine (the CPU ranking): one sum per column (identical columns tie), 2**21 products at a time."""
         step = max(1, 2**21 // (len(query) * query.shape[1]))
         q = query.double()[:, None, :]
         parts = [(q * self.keys[i : min(i + step, stop)].double()[None]).sum(-1) for i in range(start, stop, step)]
         return torch.cat(parts, 1)
 
     def _search_block(self, anchors: torch.Tensor, scores=None) -> torch.Tensor:
-        """Exact neighbors of a block of anchors: every column scored by ``scores`` (default:
-        the metric's, :meth:`_scores`), a chunk of columns at a time."""
+        """Exact neighbors of a block of anchors, columns scored by ``scores`` (default :meth:`_scores`)."""
         n, rows = self.num_neighbors, torch.arange(len(anchors), device=anchors.device)
         scores = scores or self._scores
         query = self.keys[anchors]

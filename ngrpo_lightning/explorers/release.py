@@ -1,27 +1,17 @@
 """The N-GRPO release's baselines (``ZJUSCL/N-GRPO``, its ``mix_strategy`` values), as explorers.
 
-All four emit the token the sampler drew (as the release does) and, on a gated step
-(Bernoulli(``rho``) per row and step, the release's ``mix_rate``), feed a mixture of the
-``k`` likeliest tokens instead of its embedding. With ``z~`` the warped logits of the
-sampling (temperature, top-k, top-p) and ``tau`` the mixture temperature (``mix_temperature``):
+All four emit the sampled token and, on a gated step (Bernoulli(``rho``), the release's ``mix_rate``), feed a mixture of
+the ``k`` likeliest tokens instead. Unlike the release, noise comes from a recorded seed (training rebuilds the exact
+input) and the mixture uses the input embedding matrix ``E``. ``z~``: the warped logits, ``tau``: ``mix_temperature``:
 
 * ``topk``: the set is ``topk(z~ / tau, k)``, weighted ``softmax(z~[set] / tau)``.
-* ``topk_gumbel``: the set is ``topk(z~ / tau + g, k)`` with Gumbel noise ``g`` (from the
-  rollout generator); the weights are the same softmax, without the noise.
+* ``topk_gumbel``: the set is ``topk(z~ / tau + g, k)`` with Gumbel noise ``g``; the same weights.
 * ``gaussian_embed_noise``: the ``topk`` mixture plus Gaussian noise of standard deviation
   ``noise_rms_scale x RMS(mixture)`` per element (RMS over the hidden dimension).
-* ``orthogonal_noise``: no mixture: the top-1 token's embedding ``a = E[t_1]`` plus Gaussian
-  noise. Each other top-k token ``t_j`` contributes ``s_j z_j`` with ``z_j ~ N(0, I_d)`` and
-  ``s_j = w_j ||r_j||``: ``r_j`` is ``E[t_j]``'s component orthogonal to ``a`` and
-  ``w = softmax(z~[t_2..t_k] / tau^2)`` (the release's SGLang path divides by tau twice).
-  The release draws ``z_j`` over all ``d`` dimensions, so the orthogonal directions set only the
-  size of the noise, not its direction; the sum of independent Gaussians is one Gaussian of std
-  ``sqrt(sum_j s_j^2)``, which is what is drawn and recorded here (equal in distribution).
-
-Unlike the release, the noise is drawn from a recorded seed, so training rebuilds the exact
-input the rollout saw (the release records no noise); and the mixture uses the input
-embedding matrix ``E`` (its SGLang path takes the output matrix's rows for this baseline).
-"""
+* ``orthogonal_noise``: the top-1 embedding ``a = E[t_1]`` plus Gaussian noise ``sum_j s_j z_j``,
+  ``z_j ~ N(0, I_d)``, ``s_j = w_j ||r_j||`` with ``r_j`` the part of ``E[t_j]`` orthogonal to ``a`` and
+  ``w = softmax(z~[t_2..t_k] / tau^2)`` (as the release's SGLang path). Drawn as one Gaussian of std
+  ``sqrt(sum_j s_j^2)``, equal in distribution."""
 
 from __future__ import annotations
 
@@ -68,8 +58,7 @@ class TopKMixExplorer(TemperatureExplorer):
         return ExplorerStep(tokens=tokens, mixed=mixed, ids=ids, weights=scores.gather(-1, ids).softmax(-1))
 
     def top_tokens(self, logits: torch.Tensor, generator: torch.Generator | None):
-        """The gate, the sampled tokens, the scores ``z~ / tau`` and the ``k`` chosen ids (best
-        first), drawn from ``generator`` in this order."""
+        """The gate, the sampled tokens, the scores ``z~ / tau`` and the ``k`` chosen ids (best first)."""
         mixed = torch.rand(logits.shape[0], generator=generator, device=logits.device) < self.rho
         tokens = self.sample(logits, generator)
         scores = filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
@@ -121,9 +110,7 @@ class GaussianEmbedNoiseExplorer(TopKMixExplorer):
 
 @register_explorer("orthogonal_noise")
 class OrthogonalNoiseExplorer(TopKMixExplorer):
-    """The release's ``orthogonal_noise`` strategy: on a gated step the next input is the top-1
-    token's embedding plus isotropic Gaussian noise scaled by the other top-k tokens' residuals
-    orthogonal to it (see the module docstring); ``k = 1`` feeds the top-1 embedding alone."""
+    """The release's ``orthogonal_noise`` strategy (module docstring); ``k = 1`` feeds the top-1 embedding alone."""
 
     capturable = True
 

@@ -1,8 +1,6 @@
 """Token sampling with temperature and the usual truncation filters (top-k, top-p, min-p).
 
-Shared by every explorer whose discrete steps are "plain sampling", so that an unmixed
-step of N-GRPO is exactly a step of the GRPO baseline.
-"""
+Shared by every explorer, so an unmixed N-GRPO step is exactly a GRPO baseline step."""
 
 from __future__ import annotations
 
@@ -10,14 +8,10 @@ import torch
 
 
 def cumulative(probs: torch.Tensor) -> torch.Tensor:
-    """``probs.cumsum(-1)`` for rows of a vocabulary's width, computed the fast way for the device.
-
-    A GPU scans each row of ``cumsum`` in long sequential stretches: for 32 rows of Qwen2.5's
-    151,936 tokens one scan took 223 us, about 6% of the 1.5B shape's decoding step on an H100
-    (docs/performance.md). There the rows are scanned in blocks of up to 1,024 tokens (many short
-    rows, in parallel), each block's total added to the next: the same sums up to float rounding.
-    A CPU's ``cumsum`` is the faster of the two (4-5x here) and is kept; so is a width with no
-    power-of-two factor of 64 or more."""
+    """``probs.cumsum(-1)`` for rows of a vocabulary's width, computed the fast way for the device. A GPU scans each
+    row in long sequential stretches, a noticeable part of a large vocabulary's decoding step, so there rows are
+    scanned in blocks of up to 1,024 tokens, each block's total added to the next (the same sums up to rounding). A
+    CPU's ``cumsum``, and a width with no power-of-two factor >= 64, are kept."""
     width = probs.shape[-1]
     block = min(width & -width, 1024)  # the largest power of two dividing the width
     if probs.device.type != "cuda" or block < 64 or block == width:
@@ -26,8 +20,7 @@ def cumulative(probs: torch.Tensor) -> torch.Tensor:
 
 
 def blockwise_cumsum(probs: torch.Tensor, block: int) -> torch.Tensor:
-    """``probs.cumsum(-1)`` as sums within blocks of ``block`` entries plus the sums of the blocks
-    before: rows [..., V] with ``block`` dividing V."""
+    """``probs.cumsum(-1)`` of rows [..., V] as sums within blocks (``block`` divides V) plus the blocks before."""
     local = probs.unflatten(-1, (-1, block)).cumsum(-1)
     before = torch.nn.functional.pad(local[..., -1].cumsum(-1)[..., :-1], (1, 0))
     return (local + before.unsqueeze(-1)).flatten(-2)
@@ -60,15 +53,11 @@ def sample_tokens(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample one token per row from ``softmax(filter(logits / temperature))``; greedy if temperature == 0.
-
-    Inverse-CDF sampling with one uniform draw per row: exact, and on CPU about ten times
-    faster than ``torch.multinomial`` at vocabulary sizes (which costs as much as a small
-    model's decoding step)."""
+    Inverse-CDF sampling, one uniform draw per row: exact, and on CPU much faster than ``torch.multinomial``."""
     if temperature == 0.0:
         return logits.argmax(-1)
     probs = filter_logits(logits.float() / temperature, top_k, top_p, min_p).softmax(-1)
     cdf = cumulative(probs)
-    # u in (0, total]: the first index whose cdf reaches u has positive probability (filtered tokens
-    # add zero-width steps to the cdf and are never chosen)
+    # u in (0, total]: the first index whose cdf reaches u has positive probability, never a filtered (zero-width) one
     u = (1.0 - torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)

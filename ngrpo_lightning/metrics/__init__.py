@@ -1,5 +1,4 @@
-"""Metrics: exploration diagnostics of rollouts, a training step's rollout statistics, and
-Pass@k / Mean@k / Maj@k."""
+"""Metrics: exploration diagnostics of rollouts, a training step's rollout statistics, and Pass@k / Mean@k / Maj@k."""
 
 from ngrpo_lightning.metrics.exploration import (
     distinct_ngrams,

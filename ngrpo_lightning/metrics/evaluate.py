@@ -1,19 +1,8 @@
-"""Pass@k evaluation of a policy on benchmark sets: the shared core of ``callbacks.PassAtK``
-and of the standalone ``ngrpo eval`` command.
+"""Pass@k evaluation of a policy on benchmark sets: the core of ``callbacks.PassAtK`` and ``ngrpo eval``.
 
-Each problem is sampled ``n`` times with plain sampling (a ``TemperatureExplorer``: neighbor
-mixing or any other exploration is never used at evaluation), every sample is scored by the
-math reward, and per problem ``(n, c, extracted answers)`` go into a
-:class:`~ngrpo_lightning.metrics.PassAtK` metric (reduced across processes). Outputs:
-
-* metrics ``<prefix>/<set>/pass@k`` (k = 1, 2, 4, ... up to n), ``<prefix>/<set>/mean@n``,
-  ``<prefix>/<set>/maj@n`` and their averages over sets, ``<prefix>/avg/...``;
-* a markdown table in the paper's layout (rows: sets + average; columns: Mean@n, Pass@k);
-* a pass@k-vs-k plot (PNG);
-* for ``ngrpo eval``: a JSON file with every problem's n, c and answers, and an MLflow run.
-
-MLflow metric names cannot contain ``@``: there ``pass@4`` is logged as ``pass_at_4``.
-"""
+Each problem is sampled ``n`` times with plain sampling, scored, and counted in a
+:class:`~ngrpo_lightning.metrics.PassAtK` metric. Outputs: metrics ``<prefix>/<set>/pass@k``, ``mean@n``, ``maj@n`` and
+averages ``<prefix>/avg/...``; a markdown table in the paper's layout; a pass@k plot; per-problem results (JSON)."""
 
 from __future__ import annotations
 
@@ -73,8 +62,7 @@ def check_ks(ks: Sequence[int] | None, n: int) -> list[int]:
 
 # ---------------------------------------------------------------- the core
 class RewardCache:
-    """One reward function per answer format; ``default`` (e.g. the training module's
-    reward) serves the format it was built for. Rewards created here are closed by :meth:`close`."""
+    """One reward per answer format; ``default`` serves its own. Rewards created here close in :meth:`close`."""
 
     def __init__(self, default=None, timeout_s: float = 2.0, num_workers: int | None = None):
         self.default, self.timeout_s, self.num_workers = default, timeout_s, num_workers
@@ -113,13 +101,9 @@ def evaluate_sets(
     device: torch.device | str | None = None,
 ) -> dict:
     """Sample every problem ``n`` times and score it; returns ``{"metrics": {...}, "sets":
-    {name: {"metrics", "problems": [{id, answer, n, c, answers, status}]}}, "ks", "n"}``.
-
-    With ``world_size > 1`` each process evaluates every ``world_size``-th problem (from
-    ``rank``); the metrics are reduced over all processes (all must call this; the metric's
-    states live on ``device``, which must suit the process group's backend), the
-    per-problem records are this process's only.
-    """
+    {name: {"metrics", "problems": [{id, answer, n, c, answers, status}]}}, "ks", "n"}``. With
+    ``world_size > 1`` each process (all must call) evaluates every ``world_size``-th problem
+    from ``rank``; the metrics (on ``device``) are reduced, records are this process's."""
     ks = check_ks(ks, n)
     if not isinstance(rewards, RewardCache):
         rewards = RewardCache(default=rewards)
@@ -139,9 +123,8 @@ def evaluate_sets(
         reward = rewards(ev.answer_format)
         metric = PassAtK(ks=ks, sync_on_compute=world_size > 1).to(device or "cpu")
         records = []
-        # Every process makes the same number of generate calls (an FSDP engine gathers the
-        # weights in each): shares differ by at most one problem, so the shorter ones end with a
-        # padding prompt whose samples are not scored.
+        # every process makes as many generate calls (an FSDP engine gathers the weights in each):
+        # shorter shares end with an unscored padding prompt
         share = -(-len(ev.problems) // world_size)
         for start in range(0, share, batch_size):
             items = [prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
@@ -236,9 +219,7 @@ def plot_pass_at_k(results: dict, path: str | os.PathLike, title: str | None = N
 
 
 def log_artifacts(logger, results: dict, artifact_dir: str, local_dir: str | os.PathLike | None = None) -> list[str]:
-    """Log the table (markdown), the plot (PNG) and the per-problem results (JSON: ``n``, ``c``,
-    answers, statuses; what ``ngrpo compare`` bootstraps over) to the logger's MLflow run under
-    ``artifact_dir``; no-op (empty list) for other loggers."""
+    """Log the table, plot and per-problem JSON (read by ``ngrpo compare``) under ``artifact_dir``; others: no-op."""
     if not isinstance(logger, MLFlowLogger):
         return []
     import tempfile

@@ -1,5 +1,4 @@
-"""Exploration metrics of a rollout batch: how often inputs were mixed, how spread the
-mixtures were, and how diverse each prompt's group of G samples is."""
+"""Exploration metrics of a rollout batch: how often inputs were mixed, how spread mixtures were, group diversity."""
 
 from __future__ import annotations
 
@@ -41,12 +40,9 @@ def mixture_entropy(weights: torch.Tensor) -> torch.Tensor:
 
 
 def exploration_metrics(batch: RolloutBatch, answers: list | None = None) -> dict[str, float]:
-    """``explore/*`` metrics: mixed-step fraction, mixture-weight entropy, distinct n-grams
-    (n = 1..4) and pairwise edit distance / length within groups, and the fraction of distinct
-    final answers within groups.
-
-    ``answers``: the rows' extracted final answers, as the reward saw them
-    (``RewardResult.answers``); without them, the last ``\\boxed{}`` of each response."""
+    """``explore/*`` metrics: mixed-step fraction, mixture-weight entropy, and within groups distinct
+    n-grams (n = 1..4), pairwise edit distance and distinct final answers. ``answers``: the rows'
+    extracted answers (``RewardResult.answers``); else each response's last ``\\boxed{}``."""
     n_tokens = int(batch.response_mask.sum())
     out = {"explore/mixed_frac": len(batch.records) / max(n_tokens, 1)}
     out["explore/mixture_entropy"] = float(mixture_entropy(batch.records.weights).mean()) if len(batch.records) else 0.0

@@ -1,18 +1,12 @@
 """Pass@k, Mean@k and Maj@k of n samples per problem.
 
-``pass_at_k(n, c, k)`` is the unbiased estimator of Chen et al. (2021): the probability
-that at least one of k samples drawn without replacement from n samples, c of them
-correct, is correct::
+``pass_at_k(n, c, k)`` is the unbiased estimator of Chen et al. (2021), the probability that at
+least one of k samples drawn without replacement from n (c correct) is correct::
 
     pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i)
 
-The product form needs no binomials, so it is exact in floating point for n in the
-thousands (``C(n, k)`` overflows a double long before that).
-
-:class:`PassAtK` is the torchmetrics version: per-problem ``n``, ``c`` and majority-vote
-outcomes are gathered (``dist_reduce_fx="cat"``) so every process computes the same
-numbers over all problems, whichever process evaluated them.
-"""
+The product form needs no binomials, which overflow a double for large n. :class:`PassAtK` is the
+torchmetrics version, gathered across processes (``dist_reduce_fx="cat"``)."""
 
 from __future__ import annotations
 
@@ -33,10 +27,7 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with ``n`` samples, ``c`` of them correct.
-
-    Raises ``ValueError`` unless ``0 <= c <= n`` and ``1 <= k <= n``.
-    """
+    """Unbiased pass@k of one problem with ``n`` samples, ``c`` correct; ``0 <= c <= n``, ``1 <= k <= n``."""
     n, c, k = _check_int("n", n, 1), _check_int("c", c, 0), _check_int("k", k, 1)
     if c > n:
         raise ValueError(f"c={c} correct samples is more than n={n} samples")
@@ -51,16 +42,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def posterior_pass_at_k(n: int, c: int, k: int, prior: tuple[float, float] = (1.0, 1.0)) -> float:
-    """Posterior mean of pass@k of one problem: its success rate ``p`` given ``c`` correct of ``n``
-    samples has the Beta posterior ``Beta(a + c, b + n - c)`` (``prior = (a, b)``, uniform by
-    default), and pass@k is ``1 - (1 - p)^k``, whose posterior mean is::
+    """Posterior mean of pass@k of one problem: with success rate ``p ~ Beta(a + c, b + n - c)``
+    (``prior = (a, b)``, uniform by default), the mean of ``1 - (1 - p)^k``::
 
         1 - prod_{i=0}^{k-1} (b + n - c + i) / (a + b + n + i)
 
-    Unlike :func:`pass_at_k` it is defined for any ``k`` (also ``k > n``), never exactly 0 or 1,
-    and it shrinks toward the prior when ``n`` is small, which ranks arms more stably from few
-    samples (Bayes@N, arXiv 2510.04265). The two agree as ``n`` grows.
-    """
+    Defined for any ``k``, never exactly 0 or 1, shrunk toward the prior for small ``n``, so it
+    ranks arms more stably from few samples (Bayes@N, arXiv 2510.04265)."""
     n, c, k = _check_int("n", n, 1), _check_int("c", c, 0), _check_int("k", k, 1)
     if c > n:
         raise ValueError(f"c={c} correct samples is more than n={n} samples")
@@ -89,9 +77,8 @@ def mean_at_k(correct: Sequence, k: int | None = None) -> float:
 
 
 def maj_at_k(answers: Sequence[str | None], correct: Sequence, k: int | None = None) -> float:
-    """Majority vote over the first ``k`` extracted answers of one problem: 1.0 if the most
-    frequent answer (samples without an answer do not vote; ties go to the answer seen
-    first) belongs to a correct sample, else 0.0 (also when no sample has an answer)."""
+    """Majority vote over the first ``k`` extracted answers of one problem: 1.0 if the most frequent
+    answer (no answer does not vote; ties to the first seen) belongs to a correct sample, else 0.0."""
     correct = [bool(x) for x in (correct.tolist() if isinstance(correct, torch.Tensor) else correct)]
     if len(answers) != len(correct):
         raise ValueError(f"got {len(answers)} answers but {len(correct)} correctness flags")
@@ -107,15 +94,10 @@ def maj_at_k(answers: Sequence[str | None], correct: Sequence, k: int | None = N
 
 
 class PassAtK(Metric):
-    """Pass@k over problems, reduced across processes.
-
-    ``update(correct, answers=None)``: ``correct`` is ``[P, n]`` (0/1 per sample of P
-    problems, or a list of per-problem sequences whose lengths may differ); ``answers``
-    the extracted answers in the same layout, for Maj@n. ``compute()`` returns a dict:
-    ``pass@k`` for each k in ``ks`` (default: powers of two up to the smallest n),
-    ``mean@n`` (average accuracy over all samples, n = the smallest n) and ``maj@n``
-    (when answers were given for every problem), each the mean over problems.
-    """
+    """Pass@k over problems, reduced across processes. ``update(correct, answers=None)``: ``correct`` is ``[P, n]``
+    0/1 (or per-problem sequences of any length); ``answers`` the extracted answers alike, for Maj@n. ``compute()``
+    returns the means over problems of ``pass@k`` for each k in ``ks`` (default: powers of two up to the smallest n),
+    ``mean@n`` and ``maj@n`` (when answers were given for every problem)."""
 
     full_state_update = False
     higher_is_better = True

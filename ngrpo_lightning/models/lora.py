@@ -1,19 +1,11 @@
 """Low-rank adapters (peft's LoRA) on the policy: the base weights frozen, the adapters trained.
 
-With ``model.lora.enabled=true`` the policy is wrapped by :func:`peft.get_peft_model`: every
-adapted linear layer computes ``W x + (alpha / rank) * B A x`` with ``W`` frozen and only ``A``
-and ``B`` trained (``B`` starts at zero, so step 0's policy is the base model). Gradients and
-AdamW's moments then exist for the adapters only.
-
-The KL reference is the base model, which the policy already holds: its log-probs come from
-the policy with its adapters switched off (:func:`adapters_off`, as peft's ``disable_adapter``
-switches them), so a LoRA run loads one model, not two
-(:class:`~ngrpo_lightning.training.module.RLModule` does this when it is given no reference and
-``adapters=True``).
-
-``model.lora``: ``enabled`` (false by default), ``rank`` (> 0), ``alpha`` (> 0), ``dropout``
-(in [0, 1)), ``target_modules`` (``all-linear``, peft's choice: every linear layer of the
-decoder, not the LM head; or a list of module names such as ``[q_proj, v_proj]``).
+With ``model.lora.enabled=true`` the policy is wrapped by :func:`peft.get_peft_model`: adapted layers compute
+``W x + (alpha / rank) * B A x`` with ``W`` frozen (``B`` starts at zero, so step 0's policy is the base model);
+gradients and AdamW's moments exist for the adapters only. The KL reference is the policy with its adapters off
+(:func:`adapters_off`), so a LoRA run loads one model. ``model.lora``: ``enabled``, ``rank`` (> 0), ``alpha`` (> 0),
+``dropout`` (in [0, 1)), ``target_modules`` (``all-linear``: every linear layer but the LM head; or names like
+``[q_proj, v_proj]``).
 """
 
 from __future__ import annotations
@@ -24,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ngrpo_lightning.checks import check_bool, check_number
+from ngrpo_lightning.compat.peft import set_adapters_disabled
 from ngrpo_lightning.models.walks import modules_of
 
 ALL_LINEAR = "all-linear"
@@ -65,8 +58,7 @@ class LoraSettings:
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
-    """The names (last part of the path) of the model's linear layers that peft can adapt,
-    the output layer (LM head) excluded, as ``all-linear`` does."""
+    """The names of the model's linear layers peft can adapt (the LM head excluded, as ``all-linear``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {
         path.rsplit(".", 1)[-1]
@@ -116,13 +108,9 @@ def has_adapters(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
-    """Within the block ``model`` computes as its base model: every adapter layer is switched off
-    as peft's ``disable_adapter()`` switches it (its ``disable_adapters`` flag), the same outputs,
-    and back as it was after. peft's context also works out the model's adapter status and walks
-    every module twice to set ``requires_grad``: at the packaged model's shape that Python took
-    longer than the reference pass it wraps (docs/performance.md). Meant for no-grad passes:
-    ``requires_grad`` is left alone. A model with other trainable wrappers (``modules_to_save``)
-    takes peft's context."""
+    """Within the block ``model`` computes as its base model: each adapter layer's ``disable_adapters`` flag set as
+    peft's ``disable_adapter()`` sets it, restored after, without peft's walk setting ``requires_grad`` (meant for
+    no-grad passes). A model with other trainable wrappers (``modules_to_save``) takes peft's context."""
     from peft.tuners.tuners_utils import AuxiliaryTrainingWrapper, BaseTunerLayer
 
     modules = modules_of(model)
@@ -131,14 +119,14 @@ def adapters_off(model: torch.nn.Module):
             yield
         return
     layers = [m for m in modules if isinstance(m, BaseTunerLayer)]
-    were = [layer._disable_adapters for layer in layers]
+    were = [layer.disable_adapters for layer in layers]
     try:
         for layer in layers:
-            layer._disable_adapters = True
+            set_adapters_disabled(layer, True)
         yield
     finally:
         for layer, was in zip(layers, were):
-            layer._disable_adapters = was
+            set_adapters_disabled(layer, was)
 
 
 def is_adapter_weight(name: str) -> bool:
@@ -147,13 +135,9 @@ def is_adapter_weight(name: str) -> bool:
 
 
 def merged_named_tensors(model: torch.nn.Module, merge: bool = True):
-    """``(name, tensor)`` of the base model's state with every adapted linear layer's weight
-    merged (``W + (alpha / rank) B A``, peft's ``get_delta_weight``), under the base model's own
-    names (``model.layers.0.self_attn.q_proj.weight``): what an engine that loads a plain
-    Hugging Face model (vLLM) needs to decode as the adapted policy. The model is not changed
-    (no merge into ``W``); each merged weight is a new tensor. Under FSDP2 every tensor is
-    gathered whole (a collective: all ranks iterate together), the adapters' products too.
-    ``merge=False``: the base weights as they are, adapters left out."""
+    """``(name, tensor)`` of the base model's state under its own names, each adapted weight merged
+    (``W + (alpha / rank) B A``) into a new tensor, as an engine loading a plain model (vLLM) needs. The model is not
+    changed; under FSDP2 every tensor is gathered whole (a collective). ``merge=False``: base weights, no adapters."""
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
@@ -176,9 +160,8 @@ def merged_named_tensors(model: torch.nn.Module, merge: bool = True):
 
 
 def add_adapter_deltas(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (a copy of the peft ``layer``'s base weight, written in place) plus each active
-    adapter's ``scale B A`` (peft's ``get_delta_weight``, gathered whole under FSDP2), unless the
-    adapters are off or already merged into the base weight."""
+    """``weight`` (a copy of ``layer``'s base weight, written in place) plus each active adapter's ``scale B A``,
+    unless the adapters are off or already merged."""
     from torch.distributed.tensor import DTensor
 
     if layer.disable_adapters or layer.merged:

@@ -1,22 +1,20 @@
 """Walking a model's modules at every rollout and pass, cheaply.
 
-A GPU step of a small model waits on its host, and a peft model has thousands of modules (2,499
-at the packaged model's shape, against 397 without adapters): a walk over them made at every
-rollout or pass is paid thousands of times per walk. ``model.modules()`` resumes a generator per
-level of nesting for each module (eight deep in a peft model), and ``model.train()`` goes through
-``Module.__setattr__`` and a ``children()`` generator for each. These give the same results from
-one loop (``benchmarks/host_overhead.py`` times both)."""
+A peft model has thousands of modules, walked at every rollout or pass, and a small model's GPU step waits on its
+host. ``model.modules()`` resumes a generator per nesting level per module and ``model.train()`` goes through
+``Module.__setattr__`` and a ``children()`` generator for each; these give the same results from one loop."""
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
 
+from ngrpo_lightning.compat.torch import child_modules
+
 
 def modules_of(model: torch.nn.Module, prune=None) -> list[torch.nn.Module]:
-    """``list(model.modules())``: each module once, in the same order. ``prune(module)``, if given,
-    is called on each module as it is reached and returns the children not to walk into (or
-    ``None``): a caller that acts on modules leaves out what a module's own action covers."""
+    """``list(model.modules())``: each module once, in the same order. ``prune(module)``, if given, returns the
+    children not to walk into (or ``None``)."""
     out, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
@@ -24,7 +22,7 @@ def modules_of(model: torch.nn.Module, prune=None) -> list[torch.nn.Module]:
             continue
         seen.add(id(module))
         out.append(module)
-        children = module._modules.values()
+        children = child_modules(module).values()
         pruned = None if prune is None else prune(module)
         if pruned:
             left_out = {id(child) for child in pruned}
@@ -34,10 +32,8 @@ def modules_of(model: torch.nn.Module, prune=None) -> list[torch.nn.Module]:
 
 
 def _train_is_the_flag(module: torch.nn.Module) -> bool:
-    """Whether ``module.train(mode)`` does no more than set its ``training`` flag and its children's:
-    ``torch.nn.Module``'s own, or transformers' ``PreTrainedModel``'s when no hub kernels are in use
-    (it re-casts them, with ``use_kernels``). A class with a ``train`` of its own (peft's DoRA layers
-    clear a cache) is not."""
+    """Whether ``module.train(mode)`` only sets the ``training`` flags: ``torch.nn.Module``'s own, or
+    ``PreTrainedModel``'s without hub kernels."""
     train = type(module).train
     if train is torch.nn.Module.train:
         return True
@@ -45,8 +41,8 @@ def _train_is_the_flag(module: torch.nn.Module) -> bool:
 
 
 def set_training(model: torch.nn.Module, mode: bool) -> None:
-    """``model.train(mode)``: the flag written on each module directly where every module's
-    ``train`` only sets flags (:func:`_train_is_the_flag`), else ``model.train(mode)`` itself."""
+    """``model.train(mode)``: the flag written on each module directly where every module's ``train`` only sets flags
+    (:func:`_train_is_the_flag`), else ``model.train(mode)`` itself."""
     modules = modules_of(model)
     if not all(_train_is_the_flag(m) for m in modules):
         model.train(mode)

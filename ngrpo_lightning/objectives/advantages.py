@@ -1,9 +1,7 @@
 """Group-relative advantage estimators: one scalar per rollout from the rewards of its group.
 
-Estimators are pure functions ``(rewards [num_groups, G], eps) -> advantages [num_groups, G]``
-in a registry, selected by name with the top-level config key ``advantage`` (like explorers
-and objectives), or by a function's path (``advantage=my_module.my_estimator``). Rows are
-stored group by group (G consecutive rows share a prompt). Add one::
+Estimators are pure functions ``(rewards [num_groups, G], eps) -> advantages [num_groups, G]``, selected by
+``advantage=<registered name | function path>``; G consecutive rows share a prompt. Add one::
 
     @register_advantage("my_estimator")
     def my_estimator(r: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,9 +36,7 @@ def register_advantage(name: str, min_group_size: int = 2):
 
 
 def resolve_advantage(name: str) -> Estimator:
-    """The estimator registered as ``name``, or a function's path (``advantage=my_module.my_estimator``,
-    as ``explorer._target_`` names a class); ``ValueError`` naming the ``advantage`` key and the
-    allowed names otherwise."""
+    """The estimator registered as ``name`` or a function path, else ``ValueError`` naming the key and allowed names."""
     if isinstance(name, str) and "." in name and name not in ADVANTAGE_ESTIMATORS:
         fn = import_path(name, "advantage")
         if not callable(fn):
@@ -50,8 +46,7 @@ def resolve_advantage(name: str) -> Estimator:
 
 
 def check_advantage(name: str, group_size: int) -> None:
-    """Run the estimator once on made-up rewards of 2 groups of ``group_size``: one advantage per
-    reward, or a ``ValueError`` naming it (a wrong shape failed inside the objective's loss)."""
+    """Try the estimator on 2 made-up groups of ``group_size``: one advantage per reward or ``ValueError`` naming it."""
     rewards = torch.arange(2 * group_size, dtype=torch.float32).remainder(2).view(2, group_size)
     out = resolve_advantage(name)(rewards, 1e-6)
     _check_shape(name, out, rewards)
@@ -87,11 +82,9 @@ def batch_std_advantage(r: torch.Tensor, eps: float) -> torch.Tensor:
 
 @register_advantage("calibrated")
 def calibrated_advantage(r: torch.Tensor, eps: float, max_reward: float = 1.0) -> torch.Tensor:
-    """NGRPO's advantage calibration (Nan et al., arXiv 2509.18851): the group's mean and std are
-    taken over its G rewards plus one virtual sample with the maximum reward, ``(r - mean') /
-    (std' + eps)`` for the G real samples (std' unbiased over G + 1 values). An all-wrong group
-    is no longer silent: with 0/1 rewards and G = 8 each of its samples gets -1/3, pushing the
-    policy away from answers that all failed; an all-correct group still gets 0."""
+    """NGRPO's advantage calibration (Nan et al., arXiv 2509.18851): ``(r - mean') / (std' + eps)`` with mean and
+    unbiased std over the G rewards plus one virtual sample of the maximum reward. An all-wrong group is no longer
+    silent (0/1 rewards, G = 8: each sample gets -1/3); an all-correct group still gets 0."""
     augmented = torch.cat([r, r.new_full((r.shape[0], 1), max_reward)], dim=-1)
     return (r - augmented.mean(-1, keepdim=True)) / (augmented.std(-1, keepdim=True) + eps)
 
@@ -99,11 +92,8 @@ def calibrated_advantage(r: torch.Tensor, eps: float, max_reward: float = 1.0) -
 def group_advantages(
     rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Advantages [N] for rewards [N] in groups of ``group_size`` with the named estimator.
-
-    A group whose rewards are all equal gets zero advantage under every built-in estimator
-    but ``calibrated``, which gives an all-wrong group negative advantages.
-    """
+    """Advantages [N] for rewards [N] in groups of ``group_size`` with the named estimator. A group of equal rewards
+    gets zero advantage, except all-wrong groups under ``calibrated``."""
     fn = resolve_advantage(estimator)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")

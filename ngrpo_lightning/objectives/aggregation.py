@@ -1,11 +1,8 @@
 """Reducing a [N, L] matrix of per-token losses to one scalar.
 
-How tokens are weighed is a real algorithmic choice (DAPO, Dr. GRPO): ``token-mean``
-weighs every token equally (long responses count more), ``seq-mean-token-mean`` weighs
-every sequence equally (the original GRPO), ``seq-mean-token-sum`` sums each sequence
-and averages sequences, ``seq-mean-token-sum-norm`` divides the total by N x a constant
-length (Dr. GRPO: no length bias at all).
-"""
+How tokens are weighed is an algorithmic choice (DAPO, Dr. GRPO): ``token-mean`` weighs every token equally,
+``seq-mean-token-mean`` every sequence (the original GRPO), ``seq-mean-token-sum`` sums each sequence and averages,
+``seq-mean-token-sum-norm`` divides the total by N x a constant length (Dr. GRPO: no length bias)."""
 
 from __future__ import annotations
 
@@ -17,11 +14,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 def aggregate(
     values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_length: int | None = None
 ) -> torch.Tensor:
-    """Aggregate per-token ``values`` [N, L] over the tokens where ``mask`` is 1.
-
-    ``norm_length`` is the constant of ``seq-mean-token-sum-norm`` (default: L, the
-    padded response length, i.e. the maximum response length of the batch).
-    """
+    """Aggregate per-token ``values`` [N, L] over the tokens where ``mask`` is 1. ``norm_length`` is the constant of
+    ``seq-mean-token-sum-norm`` (default: L, the padded length)."""
     mask = mask.to(values.dtype)
     masked = values * mask
     if mode == "token-mean":
@@ -42,8 +36,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-# The metric helpers below compute on the device: ``values[mask].min()`` or ``if mask.any()``
-# would make the host wait for the device in the middle of a training pass (docs/performance.md).
+# The helpers below stay on the device: ``values[mask].min()`` or ``if mask.any()`` would make the host wait mid-pass.
 def masked_min(values: torch.Tensor, mask: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
     """Minimum over masked entries (``empty`` when the mask is empty)."""
     mask = mask.bool()

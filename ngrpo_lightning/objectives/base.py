@@ -1,26 +1,16 @@
 """The PolicyObjective contract: recorded rollouts -> one scalar loss.
 
-An objective is a pure function of per-token tensors (all [N, L], aligned with the
-response tokens)::
+An objective is a pure function of per-token tensors (all [N, L], aligned with the response tokens)::
 
     loss, metrics = objective(logp, old_logp, ref_logp, advantages, mask)
 
-``logp`` carries gradients; ``old_logp`` is the behaviour policy (the policy at rollout
-time), ``ref_logp`` the frozen reference (``None`` when no KL is used), ``advantages``
-one scalar per sequence ([N]) and ``mask`` the response mask. Objectives are classes
-only to hold validated hyper-parameters; the maths lives in a plain function beside each.
-Register new ones with :func:`register_objective` and select them by name in configs
-(``objective.name=<name>``), or by class path (``objective._target_=pkg.Class``).
-
-``token_advantages = True`` declares that ``advantages`` may also come per token ([N, L]):
-the module then folds truncated importance weights of the rollout/train mismatch into
-them (``train.tis_cap``).
-
-Two class attributes tell the module how to use an objective: ``kl_coef`` > 0 makes it
-load a frozen reference model, and ``loss_agg`` says how the loss weighs tokens
-(``token-mean``: micro-batches are weighted by their token counts; anything else: by
-their numbers of sequences), so that micro-batched gradients equal the full batch's.
-"""
+``logp`` carries gradients; ``old_logp`` is the behaviour policy, ``ref_logp`` the frozen reference (``None`` without
+KL), ``advantages`` one scalar per sequence ([N]), ``mask`` the response mask. Classes hold validated
+hyper-parameters; the maths is a plain function beside each. Register one with :func:`register_objective`
+(``objective.name=<name>``) or select a class path (``objective._target_=pkg.Class``). Class attributes tell the
+module how to use it: ``kl_coef`` > 0 loads a frozen reference; ``loss_agg`` weighs micro-batches by tokens
+(``token-mean``) or sequences, so micro-batched gradients equal the full batch's; ``token_advantages = True`` accepts
+per-token advantages [N, L] (needed for per-token ``train.tis_cap``)."""
 
 from __future__ import annotations
 
@@ -84,11 +74,8 @@ def check_objective_choice(key: str, value: str, allowed) -> None:
 
 
 def check_objective(objective: PolicyObjective) -> None:
-    """Run ``objective`` once on made-up tensors (2 rollouts of 3 tokens): its ``loss_agg`` is a
-    known mode and it returns ``(scalar loss with a gradient, dict of metrics)``. ``ValueError``
-    naming the class otherwise: a user's objective that returns something else failed inside the
-    update (``iteration over a 0-d tensor``, ``grad can be implicitly created only for scalar
-    outputs``), and an unknown mode weighed micro-batches silently as another."""
+    """Try ``objective`` on made-up tensors (2 rollouts of 3 tokens): a known ``loss_agg`` and ``(scalar loss with a
+    gradient, metrics dict)`` returned, else ``ValueError`` naming the class (not an obscure failure mid-update)."""
     name = type(objective).__name__
     if objective.loss_agg not in AGGREGATIONS:
         raise ValueError(f"{name}.loss_agg={objective.loss_agg!r} is unknown: allowed {list(AGGREGATIONS)}")

@@ -7,9 +7,7 @@ Per token, with ratio ``r = exp(logp - old_logp)`` and sequence advantage ``A``:
     tok = pg + kl_coef * KL_est(logp, ref_logp)
     loss = aggregate(tok, mask, loss_agg, norm_length)
 
-``clip_high > clip_low`` is DAPO's clip-higher. With ``r == 1`` and no KL the gradient
-is the plain policy gradient ``-A * grad logp``.
-"""
+``clip_high > clip_low``: DAPO's clip-higher; with ``r == 1`` and no KL the gradient is ``-A * grad logp``."""
 
 from __future__ import annotations
 
@@ -82,11 +80,9 @@ class GRPO(PolicyObjective):
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         kl_clamp: each token's KL estimate clamped to ``[-kl_clamp, kl_clamp]`` (verl's
             ``low_var_kl`` = k3 clamped at 10, the default; None = no clamp).
-        loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm``.
-        norm_length: the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO: the
-            maximum response length, e.g. ``rollout.max_new_tokens``); None = the batch's
-            padded response length.
+        loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``.
+        norm_length: the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO: the maximum response length, e.g.
+            ``rollout.max_new_tokens``); None = the batch's padded response length.
     """
 
     token_advantages = True  # accepts per-token advantages [N, L] (truncated importance sampling)

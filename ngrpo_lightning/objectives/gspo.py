@@ -4,19 +4,14 @@ The importance ratio is a sequence's, length-normalized (a geometric mean of tok
 
     s_i = exp( mean_t (logp_it - old_logp_it) )
 
-and it is clipped at the sequence level. The loss uses the paper's token-level
-straight-through form (GSPO-token), whose value and gradient equal GSPO's when every
-token of a sequence shares the sequence's advantage::
+clipped per sequence. The loss is the paper's straight-through GSPO-token form (GSPO's when tokens share A_i)::
 
     s_it = sg[s_i] * exp(logp_it - sg[logp_it])          (value s_i, gradient s_i * grad logp_it)
     pg_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - clip_low, 1 + clip_high))
     loss  = mean_i mean_t (pg_it + kl_coef * KL_est_it)    (seq-mean-token-mean)
 
-Unclipped, the gradient is ``-A_i * s_i * mean_t grad logp_it``: every token of a
-sequence gets the same weight. The ratio ignores token order, so permuting a sequence's
-tokens leaves it unchanged. The paper's clip ranges are tiny because a sequence ratio
-is an average: 3e-4 / 4e-4.
-"""
+Unclipped, the gradient is ``-A_i * s_i * mean_t grad logp_it``: every token of a sequence weighs
+the same. The paper's clip ranges are tiny (3e-4 / 4e-4) because a sequence ratio is an average."""
 
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ def gspo_loss(
     kl_estimator="k3",
     kl_clamp=None,
 ):
-    """The GSPO loss and its metrics (see the module docstring). Ratio and clip metrics
-    are per sequence."""
+    """The GSPO loss and its metrics (module docstring); ratio and clip metrics per sequence."""
     adv = advantages.to(logp.dtype)
     seq_log_ratio = sequence_log_ratio(logp, old_logp, mask).clamp(max=MAX_LOG_SEQ_RATIO)
     log_ratio_tok = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # straight-through
@@ -84,12 +78,10 @@ def gspo_loss(
 
 @register_objective("gspo")
 class GSPO(PolicyObjective):
-    """GSPO objective: sequence-level ratio and clip, sequence-mean aggregation.
-    See :func:`gspo_loss`.
+    """GSPO objective: sequence-level ratio and clip, sequence-mean aggregation (:func:`gspo_loss`).
 
     Args:
-        clip_low / clip_high: sequence-ratio clip range ``[1 - clip_low, 1 + clip_high]``
-            (paper: 3e-4 / 4e-4).
+        clip_low / clip_high: sequence-ratio clip range ``[1 - clip_low, 1 + clip_high]`` (paper: 3e-4 / 4e-4).
         kl_coef: weight of a KL penalty to the reference (paper: 0 = no reference model).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         kl_clamp: each token's KL estimate clamped to ``[-kl_clamp, kl_clamp]`` (verl: 10; None = none).

@@ -1,18 +1,13 @@
 """Importance weights of off-policy trajectories: replayed ones, and rollouts whose engine or
 weights differ from the trainer's (``train.tis_*``, ``train.max_staleness``).
 
-A trajectory replayed from an earlier step was sampled by an older policy (its
-*behaviour* policy, whose log-probs were stored with it). The objective's ratio is taken
-against the policy at the start of the current step (the *proximal* policy, as for fresh
-rollouts), so clipping behaves as on-policy; the mismatch between proximal and behaviour
-policies is a separate, detached, capped weight on the trajectory's advantage (the
-"decoupled" PPO objective)::
+A replayed trajectory was sampled by an older *behaviour* policy (its log-probs stored with it). The objective's ratio
+is taken against the *proximal* policy (the current step's start), so clipping behaves as on-policy; the mismatch is a
+separate, detached, capped weight on the advantage ("decoupled" PPO)::
 
     w_i = min( exp( mean_t (logp_prox_it - logp_behaviour_it) ), cap )
 
-The length-normalized (geometric mean) form is GSPO's sequence ratio: a plain product of
-token ratios over hundreds of tokens vanishes or explodes.
-"""
+The geometric-mean form is GSPO's sequence ratio: a product over hundreds of tokens vanishes or explodes."""
 
 from __future__ import annotations
 
@@ -39,10 +34,9 @@ def rollout_importance_weights(
     level: str = "token",
     mode: str = "truncate",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weights of ``pi(logp) / pi_rollout`` for the ``fresh`` rows ([N] bool; the others get 1):
-    [N, L] per ``token``, [N] per ``sequence`` (the product of its tokens' ratios) or
-    ``geometric`` (their geometric mean, as above). ``mode``: ``truncate`` to ``cap``, or ``mask``
-    (0 above it). Also their mean, max and the share above the cap over the fresh entries."""
+    """Weights of ``pi(logp) / pi_rollout`` for the ``fresh`` rows (others get 1): [N, L] per ``token``,
+    [N] per ``sequence`` (product) or ``geometric`` (geometric mean); ``mode``: ``truncate`` to ``cap``
+    or ``mask`` (0 above it). Also their mean, max and share above the cap."""
     mask = mask.bool()
     if level == "token":
         ratio, fresh = torch.where(mask, logp - rollout_logp, 0.0).clamp(max=20.0).exp(), fresh[:, None] & mask

@@ -1,9 +1,7 @@
 """Per-token KL estimators between the policy and a reference (Schulman's k1/k2/k3).
 
-With ``log_r = log pi_ref(y) - log pi(y)`` for tokens ``y ~ pi``:
-k1 = -log_r (unbiased, high variance, can be negative), k2 = log_r^2 / 2 (biased,
-second order accurate), k3 = exp(log_r) - 1 - log_r (unbiased, non-negative, low variance).
-"""
+With ``log_r = log pi_ref(y) - log pi(y)`` for tokens ``y ~ pi``: k1 = -log_r (unbiased, high variance, signed),
+k2 = log_r^2 / 2 (biased, second-order), k3 = exp(log_r) - 1 - log_r (unbiased, non-negative, low variance)."""
 
 from __future__ import annotations
 
@@ -27,11 +25,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 def reference_kl(
     logp, ref_logp, kl_coef: float, estimator: str = "k3", clamp: float | None = None
 ) -> torch.Tensor | None:
-    """The per-token KL penalty term of an objective, or None when ``kl_coef == 0``; with ``clamp``
-    each token's estimate is clamped to ``[-clamp, clamp]`` (verl's ``low_var_kl`` is k3 clamped
-    at 10: one token far from the reference cannot dominate the loss, and its gradient is 0).
-
-    Fails clearly when a KL weight is set but no reference log-probs were computed."""
+    """The per-token KL penalty term, or None when ``kl_coef == 0``; ``clamp`` bounds each token's
+    estimate to ``[-clamp, clamp]`` (verl's ``low_var_kl``: k3 clamped at 10), so one far token
+    cannot dominate. Fails clearly when a KL weight is set without reference log-probs."""
     if kl_coef <= 0:
         return None
     if ref_logp is None:

@@ -1,9 +1,6 @@
-"""Verifiable math rewards: answer extraction, math-verify equivalence, and a reward
-function whose checks run in worker processes under a hard time limit.
+"""Verifiable math rewards: answer extraction, math-verify equivalence, checks in workers under a hard time limit.
 
-``MathReward``/``RewardResult`` are imported lazily: verifier workers import this package
-on start-up, and must not pay for importing torch.
-"""
+``MathReward``/``RewardResult`` are imported lazily, so verifier workers never import torch."""
 
 from ngrpo_lightning.rewards.extract import EXTRACT_METHODS, extract_answer
 from ngrpo_lightning.rewards.verify import verify_answer

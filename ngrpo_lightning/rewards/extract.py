@@ -1,19 +1,11 @@
 """Pull the final answer out of a model completion.
 
-Two methods:
-
-* ``boxed`` -- the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), brace-balanced
-  so that ``\\boxed{\\frac{1}{2}}`` yields ``\\frac{1}{2}``. The DeepSeek-R1 / DeepScaleR
-  prompt asks for exactly this. A last box that never closes (a completion truncated at
-  the token limit) counts as *no answer*: an earlier box is an intermediate result, not the
-  final answer, and rewarding it would reward truncation.
-* ``last_number`` -- the last number in the text (GSM8K-style fallback), with thousands
-  separators removed (``1,000`` -> ``1000``).
-* ``boxed_or_last_number`` -- ``boxed`` when the text has a box, else ``last_number``: the
-  "flexible" format for small models that answer "The answer is 12." without boxing. Use
-  strict ``boxed`` for reasoning models, where a truncated derivation's last number is not
-  an answer.
-"""
+* ``boxed`` -- the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), brace-balanced, as the
+  DeepSeek-R1 / DeepScaleR prompt asks. A last box that never closes (a truncated completion) is
+  *no answer*: rewarding an earlier, intermediate box would reward truncation.
+* ``last_number`` -- the last number in the text (GSM8K-style), thousands separators removed.
+* ``boxed_or_last_number`` -- ``boxed`` when the text has a box, else ``last_number``: for small
+  models that answer "The answer is 12."; use strict ``boxed`` for reasoning models."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """A soft per-call limit on the CPU time a check spends, from SIGPROF (``setitimer(ITIMER_PROF)``).
 
-CPU time, not wall time: on a busy machine (a sweep beside an eval, a test suite beside a run) a
-check waits for a core, and that wait is no fault of the check; counted in wall time, a check of
-a few milliseconds ran past a 2 s limit there. A check that computes too long still stops.
-
-Soft because a signal handler only runs between Python bytecodes: a long C call (one huge
-big-int multiplication) finishes before the limit takes effect. The verifier pool
-(:mod:`.pool`) adds the hard limit on top by killing the worker process.
-
-math-verify has its own ``signal.alarm`` timeouts (wall time, SIGALRM); they are disabled
-here (pass ``None``): they work in the main thread only and count the machine's load.
-"""
+CPU time, not wall time: on a busy machine a check waits for a core, no fault of the check. Soft because a signal
+handler runs only between bytecodes, so a long C call finishes first; the verifier pool (:mod:`.pool`) adds the hard
+limit by killing the worker. math-verify's own ``signal.alarm`` timeouts (wall time, main thread only) are disabled."""
 
 from __future__ import annotations
 
@@ -20,17 +12,12 @@ from contextlib import contextmanager
 
 
 class _Expired(BaseException):
-    """Raised by the alarm handler. A BaseException so that the ``except Exception``
-    blocks inside math-verify and sympy do not swallow it."""
+    """Raised by the alarm handler; a BaseException, so math-verify's and sympy's ``except Exception`` miss it."""
 
 
 @contextmanager
 def soft_time_limit(seconds: float | None):
-    """Raise ``TimeoutError`` in the body once it has used ``seconds`` of this process's CPU time
-    (None or <= 0: no limit).
-
-    Main thread only (POSIX signals are delivered there).
-    """
+    """Raise ``TimeoutError`` in the body after ``seconds`` of process CPU time (None, <= 0: none); main thread only."""
     if seconds is None or seconds <= 0:
         yield
         return

@@ -1,33 +1,15 @@
 """A pool of verifier processes with a HARD per-item time limit.
 
-Why processes: math-verify/sympy can run for minutes on a pathological answer
-(``9^{9^{9^{9^{9}}}}``), and the only limit Python can enforce from outside a running C
-call is killing the process. Workers are *spawned* (not forked): the trainer holds
-threads and possibly CUDA state that must not be forked.
-
-Two limits per item:
+math-verify/sympy can run for minutes on a pathological answer (``9^{9^{9^{9^{9}}}}``), and only a kill stops a
+running C call. Workers are *spawned*, not forked (the trainer holds threads, maybe CUDA state). Two limits per item:
 
 * soft, ``timeout_s`` of the check's CPU time: SIGPROF inside the worker (:mod:`.limits`);
-  cheap, the worker lives on.
-  It stops every case we have seen (``9^{9^{9^{9^{9}}}}`` included: CPython's big-int power
-  loop checks for signals between multiplications);
-* hard, ``timeout_s + kill_grace_s`` of the item's own time since the worker STARTED it (read
-  from a shared progress array, see :mod:`.worker`): the parent kills the whole pool, marks the
-  item ``timeout``, and re-runs the other unfinished items in a fresh pool.
+* hard, ``timeout_s + kill_grace_s`` of the item's own time since its start (a shared progress array,
+  :mod:`.worker`): the parent kills the pool, marks the item ``timeout``, re-runs the others in a fresh pool.
 
-Both limits count what the check itself spends: its CPU time, and (the hard one) the time it
-sleeps (a check blocked on something that never comes). Time a worker waits for a core on a busy
-machine is no fault of the check and counts toward neither (:class:`_Charged`); a wall-clock
-backstop (:data:`_BACKSTOP_FACTOR` times the limit) still ends anything.
-
-A worker crash (segfault, OOM kill) breaks the pool: the items in progress at that moment are
-checked again in a fresh pool, and marked ``error`` only if they are in progress at a second
-crash; the rest are re-run.
-
-Workers are started while ``__main__`` is an empty module: a spawned process imports the
-parent's main script first, which for ``ngrpo train`` is the whole trainer (torch, Lightning,
-transformers: 0.6 GiB per worker), where a worker needs only :mod:`.worker`.
-"""
+Both count what the check spends (CPU; the hard one also sleep), not waits for a core (:class:`_Charged`); a wall-clock
+backstop (:data:`_BACKSTOP_FACTOR` x the limit) ends anything. Items in progress at a worker crash are checked again
+once, ``error`` at a second. Workers start while ``__main__`` is empty, so they do not import the parent's script."""
 
 from __future__ import annotations
 
@@ -42,6 +24,7 @@ import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
+from ngrpo_lightning.compat.stdlib import executor_processes
 from ngrpo_lightning.rewards import worker
 
 log = logging.getLogger(__name__)
@@ -79,8 +62,7 @@ class VerifierPool:
         self._finalizer = weakref.finalize(self, self._state.shutdown)
 
     def __getstate__(self) -> dict:
-        # Worker processes belong to the process that started them: a copy (deepcopy, or a
-        # module pickled to another process) gets its own pool, started on first use.
+        # workers belong to the process that started them: a copy gets its own pool, started on first use
         return {"num_workers": self.num_workers, "start_timeout_s": self.start_timeout_s}
 
     def __setstate__(self, state: dict) -> None:
@@ -92,11 +74,8 @@ class VerifierPool:
         return self._state.executor is not None
 
     def start(self) -> list[int]:
-        """Start the workers (if needed) and wait until every one has imported the verifier.
-
-        Waiting for all of them makes hard deadlines independent of start-up time and
-        guarantees that the next batch spreads over every worker. Returns the worker PIDs.
-        """
+        """Start the workers (if needed) and wait until every one has imported the verifier, so hard
+        deadlines do not count start-up and a batch spreads over every worker. Returns the worker PIDs."""
         st = self._state
         if st.executor is not None and st.owner_pid != os.getpid():
             st.executor = st.slots = st.counter = None  # inherited through fork: the workers are not ours
@@ -239,9 +218,7 @@ class VerifierPool:
 
 
 class _Charged:
-    """The time an item has cost its worker: CPU time plus time asleep, from ``/proc/<pid>/stat``,
-    polled by the parent. A worker that waits for a core (runnable, not running) is charged
-    nothing. Where ``/proc`` is missing, wall time since the item started."""
+    """An item's cost to its worker: CPU plus sleep time from ``/proc/<pid>/stat`` (not core waits), else wall time."""
 
     _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
@@ -295,8 +272,7 @@ class _PoolState:
         self.slots = self.counter = None
         if ex is None or os.getpid() != self.owner_pid:
             return  # a forked child (e.g. a DataLoader worker) must not touch its parent's workers
-        # No public way to kill workers before Python 3.14 (Executor.kill_workers).
-        procs = list((getattr(ex, "_processes", None) or {}).values())
+        procs = executor_processes(ex)  # no public way to kill workers before Python 3.14 (compat.stdlib)
         if graceful:
             ex.shutdown(wait=False, cancel_futures=True)
         for p in procs:
@@ -310,8 +286,6 @@ class _PoolState:
 
 
 def _split(items: list, num_chunks: int) -> list[list]:
-    """``num_chunks`` chunks of near-equal size (fewer if there are fewer items), dealt round-robin:
-    neighbouring items (a group's answers, often pathological together) land in different chunks,
-    so their time-outs run in parallel on different workers."""
+    """At most ``num_chunks`` near-equal round-robin chunks: a group's (often pathological) answers run in parallel."""
     n = max(1, min(num_chunks, len(items)))
     return [items[i::n] for i in range(n)]

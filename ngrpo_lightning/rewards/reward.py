@@ -1,12 +1,8 @@
 """Math reward: 1.0 if the completion's final answer equals the gold answer (math-verify), or,
 for a problem that carries a task verifier (reasoning-gym), the task's own graded score.
 
-Answers are extracted in the calling process (cheap, linear-time scans) and only the
-short extracted strings are shipped to the verifier pool, so a 16k-token completion costs
-no IPC. Checking always happens in a worker process, for every batch size: an in-process
-check cannot be hard-limited (a signal does not interrupt a long C call, and a thread
-cannot be killed), and one hung check would stall training forever.
-"""
+Answers are extracted in the calling process and only the short extracted strings go to the verifier
+pool: an in-process check cannot be hard-limited, and one hung check would stall training forever."""
 
 from __future__ import annotations
 
@@ -57,36 +53,26 @@ class RewardResult:
 
 class MathReward:
     """``reward(completions, golds, verifiers=None) -> RewardResult``, safe against pathological
-    answers. ``verifiers[i]``, when given and not None, is a task verifier spec (a reasoning-gym
-    entry as JSON, :mod:`.task_score`): row ``i`` is then scored by that task's ``score_answer``
-    instead of math-verify against ``golds[i]``.
+    answers. A non-None ``verifiers[i]`` (a reasoning-gym entry as JSON, :mod:`.task_score`) scores
+    row ``i`` by that task's ``score_answer`` instead of math-verify.
 
     Args:
         extract: ``boxed`` or ``last_number`` (see :mod:`.extract`).
-        answer_after: a marker (e.g. ``"</think>"``, for reasoning models): the answer is
-            extracted from the text after its last occurrence, and a completion without it (it
-            never stopped thinking) has no answer. ``None``: the whole completion (as the N-GRPO
-            release scores it).
-        timeout_s: time limit per answer, in the check's own CPU time (a busy machine's wait
-            for a core does not count). Enforced softly inside the worker (SIGPROF), and hard at
-            ``timeout_s + kill_grace_s`` of CPU and sleep by killing the worker pool.
+        answer_after: a marker (e.g. ``"</think>"``): the answer is read after its last occurrence,
+            and a completion without it has none. ``None``: the whole completion (as the release).
+        timeout_s: time limit per answer in the check's own CPU time; soft inside the worker
+            (SIGPROF), hard at ``timeout_s + kill_grace_s`` by killing the pool (:mod:`.pool`).
         num_workers: verifier processes; default ``min(os.cpu_count(), 8)``.
-        parallel_threshold: batches with fewer answers to check are sent one answer per task,
-            so that workers take the next answer as they become free and a few pathological
-            answers time out in parallel (a batch costs about ``timeout_s x
-            ceil(pathological / num_workers)``, not their sum); larger batches are dealt
-            round-robin into ``4 * num_workers`` chunks spread over all workers. Either way the
-            check runs in a worker, never in-process (see module docstring).
+        parallel_threshold: smaller batches are sent one answer per task, so pathological answers
+            time out in parallel; larger ones are dealt round-robin into ``4 * num_workers`` chunks.
         kill_grace_s: slack past ``timeout_s`` before the hard kill.
         check_fn: ``(answer, gold) -> bool`` run in the workers, default
             :func:`~.verify.verify_answer`; must be picklable (a module-level function).
         start_timeout_s: how long the workers may take to start.
-        graded: keep a task verifier's partial scores (in [0, 1]; e.g. reasoning-gym's
-            ``chain_sum`` gives ``len(gold) / len(answer)`` to an answer containing the gold);
-            ``False`` (the config default) scores 1 only for ``correct`` answers, 0 otherwise.
+        graded: keep a task verifier's partial scores in [0, 1]; ``False`` (the config default)
+            scores 1 only for ``correct`` answers.
 
-    The pool starts on the first call (or :meth:`start`), is reused across calls and is
-    shut down by :meth:`close`, ``with`` exit, garbage collection or interpreter exit.
+    The pool starts on the first call (or :meth:`start`) and ends at :meth:`close` or exit.
     """
 
     def __init__(
@@ -198,11 +184,8 @@ STOP_ERROR_FRAC = 0.5
 
 
 def score_responses(reward, completions: list[str], golds: list[str], verifiers=None) -> RewardResult:
-    """``reward(completions, golds)``, plus the rows' task verifier specs when any row has one and
-    the reward takes a third argument: a reward written with two arguments keeps working (and
-    judges task problems by their gold answers). A batch whose answers mostly failed in the
-    verifier itself is refused (:func:`check_verifier`): training on those zeros would be
-    training on a broken check."""
+    """``reward(completions, golds)``, plus the rows' task verifier specs when any row has one and the reward takes a
+    third argument. A batch whose answers mostly failed in the verifier itself is refused (:func:`check_verifier`)."""
     if verifiers is not None and any(v is not None for v in verifiers) and _takes_verifiers(reward):
         result = reward(completions, golds, list(verifiers))
     else:
@@ -212,8 +195,7 @@ def score_responses(reward, completions: list[str], golds: list[str], verifiers=
 
 
 def check_verifier(result: RewardResult) -> None:
-    """``RuntimeError`` when more than :data:`STOP_ERROR_FRAC` of at least 4 answers got the
-    status ``error``."""
+    """``RuntimeError`` when more than :data:`STOP_ERROR_FRAC` of at least 4 answers got the status ``error``."""
     errors = sum(s == "error" for s in result.status)
     answered = sum(s != "no_answer" for s in result.status)
     if answered >= 4 and errors > STOP_ERROR_FRAC * answered:

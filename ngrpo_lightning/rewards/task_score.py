@@ -1,10 +1,7 @@
 """A task's own verifier, run inside the verifier workers (kept free of torch, like :mod:`.worker`).
 
-Problems from reasoning-gym carry their generated entry (question, answer, metadata) as JSON
-text, their *verifier spec*; the task's ``score_answer`` reads the metadata (a graded score in
-[0, 1] for some tasks). reasoning-gym is imported on the first task answer a worker checks, so
-math-only runs never pay for it.
-"""
+reasoning-gym problems carry their generated entry as JSON, their *verifier spec*, which the task's
+``score_answer`` reads. reasoning-gym is imported on a worker's first task answer only."""
 
 from __future__ import annotations
 

@@ -2,16 +2,12 @@
 
 * Gold answers are wrapped in ``$...$`` and predictions in ``\\boxed{...}`` unless they
   already carry math delimiters, so that bare ``12`` or ``\\frac{1}{2}`` parse as LaTeX.
-* Multiple-choice golds (one capital letter, optionally in parentheses) are compared as
-  letters, NOT through math-verify: it reads ``E`` and ``I`` as Euler's number and the
-  imaginary unit (gold ``I`` would accept ``\\sqrt{-1}`` and reject ``i``).
-* Identical answers after light normalization always match. This is what saves answers
-  math-verify cannot parse (``10\\%``, plain words) -- it then returns an empty parse.
+* Multiple-choice golds (one capital letter) are compared as letters, not through math-verify,
+  which reads ``E`` and ``I`` as Euler's number and the imaginary unit.
+* Identical answers after light normalization always match (``10\\%``, plain words, which math-verify cannot parse).
 
-math-verify's own ``signal.alarm`` timeouts are disabled here (they only work in the main
-thread and would cancel an outer timer); pass ``timeout_s`` for a soft limit, and use
-:class:`~ngrpo_lightning.rewards.MathReward` for a hard one.
-"""
+math-verify's ``signal.alarm`` timeouts are disabled (main thread only; they would cancel an outer
+timer): ``timeout_s`` is a soft limit, :class:`~ngrpo_lightning.rewards.MathReward` a hard one."""
 
 from __future__ import annotations
 
@@ -42,10 +38,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 
 def verify_answer(pred: str | None, gold: str, *, timeout_s: float | None = None) -> bool:
-    """True if ``pred`` (an extracted answer) is mathematically equal to ``gold``.
-
-    ``timeout_s``: soft limit (main thread only), raising ``TimeoutError``; None = no limit.
-    """
+    """True if ``pred`` equals ``gold``; ``timeout_s``: soft limit raising ``TimeoutError`` (None: none)."""
     if pred is None:
         return False
     pred, gold = str(pred).strip(), str(gold).strip()

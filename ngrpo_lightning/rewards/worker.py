@@ -1,14 +1,8 @@
-"""Code that runs inside the verifier worker processes (see :mod:`.pool`).
+"""Code that runs inside the verifier worker processes (see :mod:`.pool`); free of torch.
 
-Kept free of torch: a spawned worker imports this module (and the package ``__init__``
-files above it) on start-up, and importing torch there would cost seconds and hundreds
-of MB per worker.
-
-Progress protocol: each worker owns one 4-float slot of a shared array,
-``[pid, call_id, item_index, start_time]``. It writes the slot before every item, so the
-parent can see which item a worker is on and for how long (``time.monotonic`` is
-system-wide on Linux, so the clocks agree), and kill it when it overruns the hard limit.
-"""
+Progress protocol: each worker owns one 4-float slot of a shared array, ``[pid, call_id,
+item_index, start_time]``, written before every item, so the parent sees which item a worker is on
+and since when (``time.monotonic`` is system-wide on Linux) and kills it past the hard limit."""
 
 from __future__ import annotations
 
@@ -43,10 +37,8 @@ def init_worker(slots, counter) -> None:
 
 
 def die_with_parent() -> None:
-    """A worker must not outlive a trainer killed outright (SIGKILL runs no clean-up): on Linux the
-    kernel sends it SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), even if it is stuck
-    in C code; elsewhere a daemon thread exits once the parent is gone. Once the workers are gone,
-    multiprocessing's resource tracker sees its last pipe close and exits too."""
+    """A worker must not outlive a trainer killed outright: on Linux the kernel sends it SIGKILL when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), even in C code; elsewhere a daemon thread exits once the parent is gone."""
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -73,11 +65,8 @@ def run_chunk(
     call_id: int, items: list[tuple[int, str, str]], check_fn, timeout_s: float
 ) -> tuple[int, list[tuple[int, str, float]]]:
     """Check ``(index, answer, gold)`` items; returns ``(pid, [(index, status, score), ...])``.
-
-    A check may name what it needs before its first answer (``check_fn.prepare(answer, gold)``: an
-    import, a task's scorer): that runs outside every time limit, once its own work is done in this
-    process. Imported under a limit on a busy machine, a module cut off midway stayed half-made, and
-    every later check in the worker raised."""
+    ``check_fn.prepare(answer, gold)``, if present, runs outside every time limit (an import cut off midway by a limit
+    would leave a half-made module that breaks every later check)."""
     out = []
     prepare = getattr(check_fn or verify_answer, "prepare", None)
     for index, answer, gold in items:

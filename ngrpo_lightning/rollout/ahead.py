@@ -1,29 +1,14 @@
 """Rollouts generated ahead of training: bounded staleness (``train.max_staleness``).
 
-With ``max_staleness = k > 0`` the rollouts of training step ``b`` are generated from the
-policy's weights after step ``b - k`` (``max(0, b - k)`` optimizer-step versions, one update per
-step), while steps ``b - k .. b - 1`` train. Generation runs on a worker thread with its own
-copy of the policy and its own rollout engine; the training thread hands it a snapshot of the
-weights with each job, so the worker never reads weights the optimizer is changing (what the
-copy and the snapshots are, in one process and under FSDP2: :mod:`.worker_copy`).
-
-Why a thread: PyTorch's kernels release the GIL, so a decoding loop and a training step run
-side by side, with no second process, no second copy of the libraries and no weight transfer
-beyond one in-memory snapshot per job (in one process the trainable parameters: LoRA's adapters
-only). The worker has its own intra-op threads (the backend's ``ahead_threads``); the training
-thread keeps its own. What it costs and when it pays: ``docs/async.md``.
-
-An engine with weights of its own (vLLM: ``needs_sync``) is not built twice: the worker drives
-the run's engine (``shared_engine``), syncing it from the worker's copy of the policy before each
-job whose version it does not hold, and sampling from a generator stream of its own, so that the
-run's other rollouts (validation, Pass@k) neither change the training rollouts' draws nor see
-them. Those other rollouts use the engine only while the worker is idle (:meth:`RolloutsAhead.settle`).
-
-The schedule is a pure function of the step index, not of timing: the job for step ``b + k``
-is submitted when step ``b`` starts (its weights are version ``b``) and jobs run in the order
-submitted on one sampling generator. A run therefore gives the same rollouts however fast
-either side is, and a checkpoint can hold the rollouts in flight (:meth:`RolloutsAhead.settle`
-waits for them) so that ``resume=last`` continues exactly.
+With ``max_staleness = k > 0`` step ``b``'s rollouts are generated from the weights after step ``b - k`` while steps
+``b - k .. b - 1`` train, on a worker thread (PyTorch's kernels release the GIL) with its own intra-op threads
+(``ahead_threads``), copy of the policy and engine; each job carries a snapshot of the weights, so the worker never
+reads weights the optimizer is changing (:mod:`.worker_copy`). Costs and when it pays: ``docs/async.md``. An engine
+with weights of its own (vLLM) is not built twice: the worker drives the run's (``shared_engine``), synced from its
+copy, sampling from its own generator stream; the run's other rollouts use it only while the worker is idle
+(:meth:`RolloutsAhead.settle`). The schedule depends on the step index, not timing: the job for step ``b + k`` is
+submitted when step ``b`` starts, and jobs run in order on one sampling generator. So a run gives the same rollouts
+however fast either side is, and a checkpoint can hold the rollouts in flight so that ``resume=last`` continues exactly.
 """
 
 from __future__ import annotations
@@ -54,11 +39,9 @@ class RolloutsAhead:
         policy: the live policy; the worker decodes with a copy of it (:mod:`.worker_copy`).
         make_engine: builds the worker's engine for a model (the DataModule's engine settings).
         threads: intra-op threads of the worker.
-        shared_engine: instead of building one, drive this engine with weights of its own (the
-            run's vLLM): synced from the worker's copy, sampled on a stream of its own, never closed here.
+        shared_engine: drive this engine (the run's vLLM) instead of building one; never closed here.
         backend: the run's backend, which prepares the plain copy of a sharded policy.
-        sharded_root: where FSDP2 shards ``policy``, its root module: the copy is a plain model of
-            its gathered weights, and every snapshot a gather (a collective).
+        sharded_root: where FSDP2 shards ``policy``, its root module (every snapshot is then a gather).
     """
 
     def __init__(
@@ -87,9 +70,8 @@ class RolloutsAhead:
 
     # -------------------------------------------------------------- jobs
     def submit(self, key: Key, generate: Callable[[RolloutEngine], RolloutBatch], weights: dict, version: int) -> None:
-        """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are
-        ``weights`` (a :meth:`snapshot` of policy ``version``, or none where the job queued before
-        it has that version: the worker holds them by then)."""
+        """Queue the rollout of batch ``key``: ``generate(engine)`` once the worker's weights are ``weights`` (a
+        :meth:`snapshot` of policy ``version``, or none where the job queued before it has that version)."""
         self.pending[key] = self._queue(generate, weights, version)
 
     def _queue(self, generate, weights: dict, version: int) -> Future:
@@ -98,9 +80,7 @@ class RolloutsAhead:
         return self._executor.submit(self._run, generate, [weights], version, time.perf_counter())
 
     def _weights_for(self, version: int, weights: Callable[[], dict]) -> dict:
-        """The weights a job of policy ``version`` carries: ``weights()``, or none where the last job
-        queued has that version (jobs run in order). Every rank decides alike (its jobs are queued
-        alike), so under FSDP2 every rank gathers, or none does."""
+        """``weights()``, or none where the last job queued has ``version``; every rank decides alike (FSDP2)."""
         return {} if version == self._queued_version else weights()
 
     def _run(self, generate, holder: list[dict], version: int, submitted: float) -> RolloutBatch:
@@ -122,15 +102,12 @@ class RolloutsAhead:
         return batch
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as a job carries them, taken now (on the training thread): the
-        trainable parameters; under FSDP2 gathered (every rank calls it), the full weights where
-        they all train."""
+        """The policy's weights as a job carries them, taken now on the training thread (:mod:`.worker_copy`)."""
         return self.copy.snapshot(self.policy)
 
     @contextmanager
     def _own_stream(self) -> Iterator[None]:
-        """A shared engine samples the training rollouts from their own generator state, and the
-        run's other rollouts from theirs: swapped in for the job, and back out after it."""
+        """A shared engine samples the training rollouts from their own generator state, swapped in for the job."""
         if not self.shared:
             yield
             return
@@ -150,9 +127,8 @@ class RolloutsAhead:
         weights: Callable[[], dict],
         version: int,
     ) -> RolloutBatch:
-        """The rollouts of batch ``key`` (waiting for them), after queueing it and ``upcoming`` where
-        not queued yet: ``job(k)`` rolls batch k out, all on one copy of the current ``weights()``
-        (policy ``version``). Their staleness is ``version`` minus the version they were made with."""
+        """The rollouts of batch ``key`` (waiting for them), after queueing it and ``upcoming`` where not queued yet:
+        ``job(k)`` rolls batch k out on the current ``weights()`` (policy ``version``)."""
         snapshot = None
         for k in [key, *upcoming]:
             if not self.queued(k):
@@ -165,9 +141,8 @@ class RolloutsAhead:
     def run_now(
         self, generate: Callable[[RolloutEngine], RolloutBatch], weights: Callable[[], dict], version: int
     ) -> RolloutBatch:
-        """A rollout outside the schedule (dynamic sampling's extra batches), after the queued
-        ones: the worker owns the engine's generator, so its draws stay in one order. Where the job
-        queued last has ``version`` (the step's own, mostly), it carries no weights of its own."""
+        """A rollout outside the schedule (dynamic sampling's extra batches), after the queued ones (the worker owns the
+        engine's generator, so its draws stay in one order)."""
         return self._queue(generate, self._weights_for(version, weights), version).result()
 
     def take(self, key: Key) -> RolloutBatch | None:
@@ -215,8 +190,7 @@ class RolloutsAhead:
             self.engine.load_state_dict(state["engine"])
 
     def close(self) -> None:
-        """Stop the worker; rollouts queued and not started are dropped. A shared engine stays open
-        (the run's later rollouts use it)."""
+        """Stop the worker; rollouts queued and not started are dropped. A shared engine stays open."""
         for future in self.pending.values():
             future.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)

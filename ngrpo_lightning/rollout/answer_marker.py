@@ -1,13 +1,9 @@
 """No mixing once a sequence has emitted its answer marker (``explorer.answer_start``).
 
-The N-GRPO release explores only while the model thinks: after ``</think>`` a sequence's
-steps are plain. The marker is matched on token ids (so a marker of several tokens works),
-over each row's emitted tokens; the step that completes it is not mixed either, nor any later
-one. Engines keep one :class:`AnswerMarker` per rollout and pass every step through
-:meth:`AnswerMarker.unmix`, keyed by something that names a sequence across steps (vLLM: the
-request id, since a request's row changes between steps). An engine whose rows keep their
-index for the whole rollout (HFEngine) uses :meth:`AnswerMarker.rows`, the same rule on the
-device, so that no step waits for the host.
+The N-GRPO release explores only while the model thinks (before ``</think>``). The marker is matched on token ids over
+each row's emitted tokens; the step that completes it is not mixed, nor any later one. Engines pass every step through
+:meth:`AnswerMarker.unmix`, keyed by what names a sequence (vLLM: the request id); HFEngine, whose rows keep their
+index, uses :meth:`AnswerMarker.rows`, the same rule on the device.
 """
 
 from __future__ import annotations
@@ -38,8 +34,8 @@ class AnswerMarker:
         return cls(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def unmix(self, step: ExplorerStep, keys: Sequence[Hashable], emitted: torch.Tensor | None = None) -> None:
-        """Record this step's tokens (``emitted``: rows whose token counts, default all) and clear
-        ``step.mixed`` for every row whose sequence has completed the marker, now or before."""
+        """Record this step's tokens (``emitted``: rows whose token counts, default all) and clear ``step.mixed`` for
+        every row whose sequence has completed the marker, now or before."""
         tokens = step.tokens.tolist()
         counts = [True] * len(tokens) if emitted is None else emitted.tolist()
         done = []
@@ -59,9 +55,8 @@ class AnswerMarker:
 
 
 class RowAnswerMarker:
-    """:class:`AnswerMarker` for rows 0..R-1, kept on the device: each row's last ``len(marker)``
-    counted tokens and whether it has answered, updated in place without a look from the host (a
-    recorded decoding step keeps writing the same tensors)."""
+    """:class:`AnswerMarker` for rows 0..R-1, kept on the device and updated in place: each row's last
+    ``len(marker)`` counted tokens and whether it has answered."""
 
     def __init__(self, marker: Sequence[int], rows: int, device):
         self.marker = torch.tensor(marker, dtype=torch.long, device=device)
@@ -74,8 +69,7 @@ class RowAnswerMarker:
         self.answered.zero_()
 
     def unmix(self, step: ExplorerStep, emitted: torch.Tensor) -> None:
-        """Record the tokens of the ``emitted`` rows and clear ``step.mixed`` for every row that has
-        completed the marker, now or before."""
+        """Record the ``emitted`` rows' tokens and clear ``step.mixed`` for every row that has completed the marker."""
         shifted = torch.cat([self.recent[:, 1:], step.tokens[:, None]], 1)
         self.recent.copy_(torch.where(emitted[:, None], shifted, self.recent))
         self.answered |= emitted & (self.recent == self.marker).all(-1)

@@ -12,12 +12,8 @@ from ngrpo_lightning.rollout.records import NOISE_GENERATOR, InputRecords, rebui
 
 @dataclass
 class RolloutBatch:
-    """N = P x G rollouts: P prompts, G samples each, stored group by group
-    (rows ``g*G .. g*G+G-1`` share prompt ``g``).
-
-    Token layout of the training forward: ``[prompt_ids (left padded) | response_ids
-    (right padded)]``; ``response_mask`` covers the emitted tokens including EOS.
-    """
+    """N = P x G rollouts, stored group by group (rows ``g*G .. g*G+G-1`` share prompt ``g``). The training forward's
+    tokens: ``[prompt_ids (left padded) | response_ids (right padded)]``; ``response_mask`` covers EOS too."""
 
     prompt_ids: torch.Tensor  # [N, P] long, left padded
     prompt_mask: torch.Tensor  # [N, P] long
@@ -60,8 +56,7 @@ class RolloutBatch:
     # ------------------------------------------------------------ utilities
     @classmethod
     def concat(cls, batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
-        """The rows of several batches (same ``group_size``), in order: prompts re-padded on
-        the left and responses on the right (with ``pad_id``), records renumbered. ``stats``
+        """The rows of several batches (same ``group_size``), re-padded with ``pad_id``, records renumbered; ``stats``
         are the first batch's."""
         if not batches:
             raise ValueError("RolloutBatch.concat needs at least one batch")
@@ -114,8 +109,7 @@ class RolloutBatch:
         return RolloutBatch(**out)
 
     def state_dict(self) -> dict:
-        """The batch as plain containers (tensors, lists, dicts): a checkpoint stores it and
-        ``torch.load(weights_only=True)`` reads it back (:meth:`from_state_dict`)."""
+        """The batch as plain containers, which ``torch.load(weights_only=True)`` reads (:meth:`from_state_dict`)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["records"] = dict(vars(self.records))
         out["noise_generator"] = NOISE_GENERATOR
@@ -123,8 +117,7 @@ class RolloutBatch:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RolloutBatch:
-        """The batch :meth:`state_dict` saved; ``ValueError`` when its noise was made by another
-        generator than this version's (its noisy inputs could not be rebuilt as they were)."""
+        """The batch :meth:`state_dict` saved; ``ValueError`` when its noise came from another generator."""
         state = dict(state)
         generator = state.pop("noise_generator", None)
         records = InputRecords(**state["records"])
@@ -135,8 +128,7 @@ class RolloutBatch:
         return cls(**{**state, "records": records})
 
     def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
-        """A sub-batch of the given rows (records renumbered). ``group_size`` is kept, so
-        select whole groups if group structure matters downstream."""
+        """A sub-batch of the given rows (records renumbered); ``group_size`` is kept, so select whole groups."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = lambda xs: [xs[i] for i in rows.tolist()] if xs else xs  # noqa: E731
         return replace(

@@ -1,14 +1,8 @@
-"""What the parts of a run share: the policy and how it computes, the explorers, and the one
-policy version.
+"""What the parts of a run share: the policy and how it computes, the explorers, and the one policy version.
 
-The training module (``RLModule.context``) describes the run with a :class:`RunContext`; the
-DataModule and the callbacks read that, never the module's own attributes, so a user's
-LightningModule that provides a ``context`` drives them too (:func:`run_context`).
-
-:class:`PolicyVersion` counts the optimizer steps the policy has taken. It is the one clock of
-a run: an engine with its own copy of the weights (vLLM) syncs when it moves, rollouts made
-ahead are stamped with it and their staleness is measured against it, and it is saved in
-checkpoints, so a resumed run continues the count.
+The training module describes the run with a :class:`RunContext` (``RLModule.context``); the DataModule and callbacks
+read only that, so a user's LightningModule with a ``context`` drives them too (:func:`run_context`).
+:class:`PolicyVersion` counts optimizer steps: the run's one clock for weight syncs and staleness, checkpointed.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ class PolicyVersion:
 
 
 class UpdateShape(Protocol):
-    """How a step's rollouts are cut into optimizer updates and micro-batches (``train.*``,
-    ``optim.*``): what a memory estimate needs to know of the update."""
+    """How a step's rollouts are cut into optimizer updates and micro-batches (``train.*``, ``optim.*``)."""
 
     updates_per_step: int
     num_mini_batches: int

@@ -1,25 +1,14 @@
 """RolloutDataModule: a LightningDataModule whose batches are rollouts of the current policy.
 
-The dataloaders yield batches of tokenized prompts; ``on_after_batch_transfer`` (a
-DataModule hook Lightning calls on every batch, after moving it to the device) turns each
-into a :class:`RolloutBatch` by rolling out the *current* policy with the configured
-engine: the training explorer and G samples per prompt in training, plain sampling and
-``val_samples`` per prompt in validation.
+The dataloaders yield tokenized prompts; ``on_after_batch_transfer`` turns each batch into a :class:`RolloutBatch` of
+the *current* policy: the training explorer and G samples per prompt in training, plain sampling and ``val_samples``
+per prompt in validation. :meth:`RolloutDataModule.more_rollouts` rolls out one more training batch on demand (DAPO's
+dynamic sampling). With ``max_staleness = k > 0`` training batches are rolled out ``k`` steps ahead on a worker
+thread with its own copy of the policy (:mod:`.ahead`): step ``b``'s rollouts come from the weights after step
+``b - k``; an engine with weights of its own (vLLM) is shared, its other rollouts waiting for the worker.
 
-:meth:`RolloutDataModule.more_rollouts` rolls out one more training prompt batch on
-demand, outside the dataloader: the module's dynamic sampling (DAPO) calls it to refill
-a batch that lost its zero-variance groups.
-
-With ``max_staleness = k > 0`` training batches are rolled out ``k`` steps ahead, on a worker
-thread with its own copy of the policy (:mod:`.ahead`): the rollouts of step ``b`` come from
-the weights after step ``b - k`` while steps ``b - k .. b - 1`` train. An engine with weights
-of its own (vLLM) is the worker's and the run's at once: its other rollouts wait for the worker.
-
-The DataModule composes three parts, each in its own module: the order of the training
-prompts (:class:`~.prompt_order.PromptStream`, which the loader reads and rollouts ahead peek
-into), the engine and its weight syncs (:class:`~.policy_engine.PolicyEngine`) and the worker
-of rollouts ahead (:class:`~.ahead.RolloutsAhead`). What it needs of the run it reads from the
-trainer's :class:`~.context.RunContext`.
+It composes :class:`~.prompt_order.PromptStream`, :class:`~.policy_engine.PolicyEngine` and
+:class:`~.ahead.RolloutsAhead`, reading the run from the trainer's :class:`~.context.RunContext`.
 """
 
 from __future__ import annotations
@@ -45,10 +34,6 @@ from ngrpo_lightning.rollout.prompt_order import Key, PromptLoader, PromptStream
 class RolloutDataModule(L.LightningDataModule):
     """Prompts in, rollouts of the current policy out.
 
-    What it reads of the run comes from the module's :class:`~.context.RunContext`: the policy,
-    tokenizer and backend (the engine is built for them), the explorers (training and validation
-    rollouts), the policy version (weight syncs, staleness) and the update's shape.
-
     Args:
         tokenizer: renders and tokenizes prompts.
         train_problems / val_problems: lists of :class:`~ngrpo_lightning.data.Problem`.
@@ -63,8 +48,7 @@ class RolloutDataModule(L.LightningDataModule):
         ignore_eos: every response is ``max_new_tokens`` long (fixed-length rollouts, for benchmarks).
         instruction / system_prompt: prompt rendering (see :mod:`ngrpo_lightning.data.prompts`).
         seed: shuffling and sampling seed.
-        max_staleness: roll training batches out this many steps ahead of the step that trains
-            on them (``train.max_staleness``; 0 = each step rolls out its own batch first).
+        max_staleness: roll training batches out this many steps ahead (``train.max_staleness``; 0: none).
         ahead_threads: intra-op threads of that rollout worker (default: the module's backend's).
     """
 
@@ -135,9 +119,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.engines.engine
 
     def train_dataloader(self) -> DataLoader:
-        """This rank's prompts, ``prompts_per_step`` per batch (the global batch is
-        ``prompts_per_step x world_size`` prompts), from the :class:`PromptStream`: a shuffle
-        seeded by ``seed + pass``; a resumed run continues at its saved position."""
+        """This rank's prompts, ``prompts_per_step`` per batch, from the :class:`PromptStream` (a shuffle seeded by
+        ``seed + pass``); a resumed run continues at its saved position."""
         rank, world = self._rank()
         self.stream = PromptStream(len(self.train_set), self.seed, self.shuffle, self.prompts_per_step, rank, world)
         if self._position is not None:
@@ -170,8 +153,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------ rollouts ahead (max_staleness > 0)
     def rollout_ahead(self, key: Key, prompts: dict) -> RolloutBatch:
-        """The rollouts of training batch ``key``, rolled out ahead; queues the batches of the next
-        ``max_staleness`` steps (within the run's ``trainer.max_steps``) with the current weights."""
+        """The rollouts of training batch ``key``; queues the next ``max_staleness`` steps' batches (within
+        ``trainer.max_steps``) with the current weights."""
         context, ahead = run_context(self.trainer), self.ensure_ahead()
         upcoming = self.stream.following(key, self._steps_ahead(context))
 
@@ -196,11 +179,8 @@ class RolloutDataModule(L.LightningDataModule):
         return max(ahead, 0)
 
     def ensure_ahead(self) -> RolloutsAhead:
-        """The rollout worker (built at the first training batch): a copy of the policy, an engine
-        of the configured kind on it, and ``ahead_threads`` intra-op threads of its own (the
-        training thread keeps its own: halving them slowed the step while the worker idled,
-        docs/async.md). An engine with weights of its own (vLLM) is not started twice: the worker
-        drives the run's, syncing it from its copy."""
+        """The rollout worker (built at the first training batch): a copy of the policy, an engine on it (vLLM's is
+        the run's, not started twice) and ``ahead_threads`` intra-op threads of its own (docs/async.md)."""
         if self.ahead is None:
             context = run_context(self.trainer)
             threads = self.ahead_threads or context.backend.ahead_threads
@@ -225,21 +205,15 @@ class RolloutDataModule(L.LightningDataModule):
             self.ahead = None
 
     def ensure_engine(self) -> RolloutEngine:
-        """The rollout engine, built at the first rollout and synced to the policy version
-        (:meth:`PolicyEngine.ready`); an engine the rollout worker shares once the worker is idle."""
+        """The engine, synced to the policy version (:meth:`PolicyEngine.ready`); a shared one once the worker idles."""
         if self.ahead is not None and self.ahead.shared:
             self.ahead.settle()
         return self.engines.ready(run_context(self.trainer))
 
     def more_rollouts(self) -> RolloutBatch:
-        """Roll out one more batch of ``prompts_per_step`` training prompts with the training
-        explorer (``group_size`` samples each), outside the dataloader.
-
-        Prompts come from a second stream over the training set: seeded shuffles, one per
-        pass, independent of the dataloader's order. With several processes every rank draws
-        the same ``prompts_per_step x world_size`` and rolls out its own share. Its position
-        (``extra_prompts_drawn``) is saved in checkpoints, so a resumed run draws the same prompts.
-        """
+        """Roll out one more batch of ``prompts_per_step`` training prompts with the training explorer, from a second
+        stream of seeded shuffles (every rank draws the same ``prompts_per_step x world_size`` and rolls out its
+        share; ``extra_prompts_drawn`` is checkpointed)."""
         context = run_context(self.trainer)
         self.setup("fit")
         rank, world = self._rank()
@@ -267,8 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self._generation(prompts, explorer, n)(self.ensure_engine())
 
     def _generation(self, prompts: dict, explorer, n: int) -> Callable[[RolloutEngine], RolloutBatch]:
-        """The rollout of a collated prompt batch (``n`` samples each, with gold answers and ids)
-        by a given engine."""
+        """The rollout of a collated prompt batch (``n`` samples each, gold answers and ids) by a given engine."""
 
         def generate(engine: RolloutEngine) -> RolloutBatch:
             out = engine.generate(prompts["prompt_ids"], explorer, n=n, max_new_tokens=self.max_new_tokens)
@@ -280,14 +253,11 @@ class RolloutDataModule(L.LightningDataModule):
         return generate
 
     def sync_engine(self) -> None:
-        """Give an engine with its own weights (vLLM) the policy's current weights if the policy
-        version moved since its last sync (the Pass@k callback calls it before evaluating)."""
+        """Give an engine with its own weights (vLLM) the policy's current weights if the version moved."""
         self.ensure_engine()
 
     def teardown(self, stage: str | None = None) -> None:
-        """The engine outlives ``fit``: a validation after training (``ngrpo train`` runs one)
-        reuses it, since starting vLLM again costs seconds. :meth:`close` releases it. The
-        rollout worker of ``max_staleness`` stops with ``fit``."""
+        """Stop the rollout worker with ``fit``; the engine outlives it (released by :meth:`close`)."""
         if stage == "fit":
             self.close_ahead()
 
@@ -298,10 +268,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        """Seed, data position (the next training batch: pass and index), the extra-prompt
-        stream's position and the engine's sampling RNG (every rank's, gathered); with
-        ``max_staleness`` the rollouts in flight (waited for) and the worker engine's RNG after
-        them, so that a resumed run trains on them."""
+        """Seed, data positions and the engine's sampling RNG (every rank's); with ``max_staleness`` the rollouts in
+        flight (waited for) and the worker engine's RNG, so a resumed run trains on them."""
         position = self.stream.state_dict() if self.stream is not None else self._position
         # the worker first: it waits for the rollouts in flight, after which a shared engine is idle
         ahead = self.ahead.state_dict() if self.ahead is not None else self._ahead_state
@@ -331,7 +299,7 @@ class RolloutDataModule(L.LightningDataModule):
                 "resume with the same trainer (number of devices)"
             )
         ahead = state.get("ahead") if self.max_staleness else None
-        if isinstance(ahead, list):  # by rank (a checkpoint before that held the one process's)
+        if isinstance(ahead, list):  # by rank (else one process's state)
             ahead = ahead[self._rank()[0]]
         self._ahead_state = ahead
         if self.ahead is not None and self._ahead_state is not None:

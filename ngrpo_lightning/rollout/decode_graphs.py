@@ -1,35 +1,17 @@
 """The decoding step of a static-cache rollout, replayed from CUDA graphs, one per batch bucket.
 
-On a GPU a decoding step of a small model is hundreds of small kernels, each launched from
-Python: the launches, not the arithmetic, set its time. A CUDA graph records the step's kernels
-once and replays them with one launch. Recording needs every shape and every address fixed: the
-static KV cache (:mod:`.static_cache`) gives fixed buffers and a batch in buckets, and the step's
-inputs are copied into buffers of the graph's own before each replay (the embeddings of the
-sampled tokens, their positions, the attention mask as a boolean [b, 1, 1, width] tensor built
-outside the graph, and where the step writes).
-
-A graph is recorded the first time its bucket decodes (:attr:`DecodeGraphs.warmup_s` counts
-the time), after two warm-up runs on a side stream; the warm-up writes the step's keys and
-values where the replay writes them again, and the cache's positions are put back after it.
-
-A graph reads the weights where they were when it was recorded. The engine keeps its graphs
-from one rollout to the next (on the cache it keeps, :class:`~.static_cache.StaticCaches`) while
-:meth:`DecodeGraphs.current` holds: every tensor the model reads during the rollout (its
-parameters and buffers, and copies a backend makes for decoding such as LoRA's merged weights)
-still has the address it had. Training updates weights in place, so they keep it; a copy made
-anew may not, and then the graphs are recorded again.
-
-``replay="compile"`` hands the same step to ``torch.compile`` instead (``mode="reduce-overhead"``
-on a GPU: Inductor's fused kernels, replayed from CUDA graphs that torch records per shape), so
-that a GPU can measure the two ways against each other (``benchmarks/decoding_modes.py``); one
-compiled step serves every engine and bucket (a new batch size compiles a step of dynamic
-batch once). On a CPU it compiles without graphs: the check of the path (the same rollouts).
-
-``replay="rerun"`` runs the step on the same buffers instead of a graph: the CPU's check that
-every input goes through them (``tests/test_static_decoding.py``).
-
-This records the model's step only, for explorers that do not declare ``capturable``; the whole
-step, the explorer and the bookkeeping included, is :class:`~.step_graphs.StepGraphs`.
+A small model's GPU decoding step is hundreds of small kernels whose launches set its time; a CUDA graph replays them
+with one launch. Recording needs every shape and address fixed: the static KV cache (:mod:`.static_cache`) gives fixed
+buffers and a batch in buckets, and the step's inputs are copied into the graph's own buffers before each replay.
+This records the model's step only, for explorers that are not ``capturable`` (the whole step:
+:class:`~.step_graphs.StepGraphs`). A graph is recorded the first time its bucket decodes
+(:attr:`DecodeGraphs.warmup_s`), after two warm-up runs on a side stream, the cache's positions put back after them.
+It reads the weights where they were when recorded: the engine keeps its graphs across rollouts while
+:meth:`DecodeGraphs.current` holds (every tensor the model reads still at its address; training updates weights in
+place), else records them again. ``replay="compile"`` hands the step to ``torch.compile`` (``mode="reduce-overhead"``
+on a GPU; on a CPU without graphs, the check of the path), to measure both ways (``benchmarks/harness.py decoding``).
+``replay="rerun"`` runs the step on the same buffers instead of a graph: the CPU's check that every input goes
+through them (``tests/test_static_decoding.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +24,7 @@ import torch
 
 from ngrpo_lightning.backends.swap import original_class
 from ngrpo_lightning.backends.width_buckets import additive_mask
+from ngrpo_lightning.compat.torch import own_buffers, own_parameters
 from ngrpo_lightning.models.walks import modules_of
 
 __all__ = ["REPLAYS", "DecodeGraphs"]
@@ -65,17 +48,17 @@ class DecodeGraphs:
         if replay == "compile" and any(getattr(m, "pack_once", False) for m in model.modules()):
             raise ValueError(
                 "graphs='compile' cannot compile the CPU backend's packed (oneDNN) products: "
-                "decode with backend.packing=off, or without compilation"
+                "decode with backend.disable=[packed_products], or without compilation"
             )
         self.model, self.cache, self.replay = model, cache, replay
         self.addresses = tensor_addresses(model)
         self.recorded: dict[int, _Recorded] = {}
         self.pool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         self.warmup_s = 0.0
+        self.compiled = None  # replay="compile": the compiled step, made at the first call
 
     def current(self, model: torch.nn.Module, cache) -> bool:
-        """Whether these graphs still replay ``model`` on ``cache``: the same cache, and every tensor
-        the model reads where it was when they were made."""
+        """Whether these graphs still replay ``model`` on ``cache``: the same cache, every tensor where it was."""
         return model is self.model and cache is self.cache and tensor_addresses(model) == self.addresses
 
     def __call__(self, inputs_embeds, position_ids, attention_mask, cache_position) -> torch.Tensor:
@@ -93,7 +76,7 @@ class DecodeGraphs:
         for name, value in given.items():
             entry.inputs[name].copy_(value)
         if self.replay == "compile":
-            return compiled_call(self.model, self.cache, entry.inputs)
+            return self._compiled_call(entry.inputs)
         if entry.graph is None:
             return self._forward(entry.inputs)
         entry.graph.replay()
@@ -102,23 +85,31 @@ class DecodeGraphs:
     def _forward(self, inputs: dict) -> torch.Tensor:
         return decode_step(self.model, self.cache, inputs)
 
+    def _compiled_call(self, inputs: dict) -> torch.Tensor:
+        """The compiled step on ``inputs`` (its output, on a GPU, is overwritten by the next call)."""
+        device_type = inputs["inputs_embeds"].device.type
+        if self.compiled is None:
+            self.compiled = compiled_step(device_type)
+        if device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # each call a new step: the last one's outputs are read
+        return self.compiled(self.model, self.cache, inputs)
+
     def _record(self, given: dict) -> _Recorded:
         inputs = {name: value.clone() for name, value in given.items()}
         if self.replay == "rerun":
             return _Recorded(inputs, torch.empty(0), None)
         if self.replay == "compile":  # compiled (and, on a GPU, recorded) by its first calls
             t0 = time.perf_counter()
-            self._warm_up(lambda: compiled_call(self.model, self.cache, inputs))
+            self._warm_up(lambda: self._compiled_call(inputs))
             self.warmup_s += time.perf_counter() - t0
             return _Recorded(inputs, torch.empty(0), None)
         step = lambda: self._forward(inputs)  # noqa: E731
         return self._capture(step, step, inputs=inputs)
 
     def _capture(self, warm, step, generator=None, inputs=None, way_out: str = "") -> _Recorded:
-        """Record ``step`` as a CUDA graph after two runs of ``warm`` on a side stream (its time
-        counted in :attr:`warmup_s`); ``generator``: one the step draws from, registered with the
-        graph so that each replay draws the next numbers; ``way_out``: what the error of a step
-        that cannot be recorded suggests first."""
+        """Record ``step`` as a CUDA graph after two runs of ``warm`` on a side stream (counted in :attr:`warmup_s`);
+        ``generator``: one the step draws from, registered so each replay draws the next numbers; ``way_out``: what
+        the error of a step that cannot be recorded suggests first."""
         t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -135,15 +126,14 @@ class DecodeGraphs:
         except RuntimeError as err:  # a model whose step reads the host or changes shape cannot be recorded
             raise RuntimeError(
                 f"recording the decoding step of {type(self.model).__name__} as a CUDA graph failed ({err}); "
-                f"{way_out}decode without graphs with backend.name=cuda_eager"
+                f"{way_out}decode without graphs with backend.disable=[decode_graphs]"
             ) from err
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
         return _Recorded(inputs or {}, logits, graph)
 
     def _warm_up(self, step) -> None:
-        """Run ``step`` twice, the cache's positions put back after each: the keys and values it
-        writes are written again, the same, by the step that follows."""
+        """Run ``step`` twice, the cache's positions put back after each (the step that follows rewrites the same)."""
         positions = [layer.cumulative_length.clone() for layer in self.cache.layers]
         for _ in range(2):
             step()
@@ -154,10 +144,8 @@ class DecodeGraphs:
 
 
 def decode_step(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
-    """One decoding step on a static cache: the last position's logits [b, V]. The boolean mask
-    becomes the additive one attention reads here, once per step: given a boolean mask, PyTorch's
-    GPU attention makes that conversion itself in every layer (a fill and a masked fill, counted in
-    a recorded step: docs/performance.md, "Fused norms"), the same values."""
+    """One decoding step on a static cache: the last position's logits [b, V]. A boolean mask becomes additive once
+    per step, not in every layer as PyTorch's GPU attention would (the same values)."""
     mask = inputs["attention_mask"]
     if mask.dtype == torch.bool:  # PyTorch's own conversion: 0 where read, -inf where not
         inputs = {**inputs, "attention_mask": additive_mask(mask, inputs["inputs_embeds"].dtype)}
@@ -165,24 +153,10 @@ def decode_step(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
     return out.logits[:, -1]
 
 
-_COMPILED: dict[str, object] = {}
-
-
 def compiled_step(device_type: str):
-    """:func:`decode_step` compiled once per process and device type (Dynamo keeps an entry per
-    model and shape kind), replayed from CUDA graphs on a GPU."""
-    if device_type not in _COMPILED:
-        mode = "reduce-overhead" if device_type == "cuda" else None
-        _COMPILED[device_type] = torch.compile(decode_step, mode=mode)
-    return _COMPILED[device_type]
-
-
-def compiled_call(model: torch.nn.Module, cache, inputs: dict) -> torch.Tensor:
-    """The compiled step on ``inputs`` (its output, on a GPU, is overwritten by the next call)."""
-    device_type = inputs["inputs_embeds"].device.type
-    if device_type == "cuda":
-        torch.compiler.cudagraph_mark_step_begin()  # each call a new step: the last one's outputs are read
-    return compiled_step(device_type)(model, cache, inputs)
+    """:func:`decode_step` for ``torch.compile`` (replayed from CUDA graphs on a GPU); compiled once, it serves every
+    engine and bucket."""
+    return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
 _SEQUENCES = (tuple, list)
@@ -191,14 +165,9 @@ _HOLD_NO_TENSOR = frozenset({bool, int, float, str, type(None), dict, collection
 
 
 def tensor_addresses(model: torch.nn.Module) -> tuple:
-    """Where every tensor ``model``'s forward reads lies: its parameters and buffers, and tensors a
-    backend's layer holds for the pass (a merged copy), with their shapes and dtypes. Only the
-    layers a backend swapped (:mod:`ngrpo_lightning.backends.swap`) hold such copies, so only
-    their attributes are looked through: a peft model has thousands of modules, and reading all of
-    their attributes at every rollout took longer than the rollout's decoding of a small model.
-    A layer's caches for training passes, which a rollout's step never reads (its
-    ``not_read_in_rollouts``: LoRA's cast adapters, remade after every optimizer step), are left
-    out: counted, they had the graphs recorded again at every rollout of a LoRA run."""
+    """Where every tensor ``model``'s forward reads lies, with shapes and dtypes: parameters, buffers, and tensors a
+    swapped layer (:mod:`ngrpo_lightning.backends.swap`; only their attributes are looked through) holds for the pass,
+    less its ``not_read_in_rollouts`` (training caches, or every rollout would record again)."""
 
     def held(value):
         if isinstance(value, torch.Tensor):
@@ -209,12 +178,12 @@ def tensor_addresses(model: torch.nn.Module) -> tuple:
 
     tensors = []  # with the None of unset parameters and buffers, dropped below (a C-level extend per dict)
     for module in modules_of(model):
-        tensors += module._parameters.values()
-        tensors += module._buffers.values()
+        tensors += own_parameters(module).values()
+        tensors += own_buffers(module).values()
         if type(module) is not original_class(module):
-            skipped = ("_parameters", "_buffers", *getattr(module, "not_read_in_rollouts", ()))
+            skipped = getattr(module, "not_read_in_rollouts", ())
             for name, value in vars(module).items():
-                # most attributes are flags, settings and hook dictionaries: ruled out by their exact type
+                # most attributes are flags, settings and the module's own dicts: ruled out by their exact type
                 if type(value) in _HOLD_NO_TENSOR or not isinstance(value, _HOLDERS) or name in skipped:
                     continue
                 tensors.extend(held(value))

@@ -1,16 +1,11 @@
 """What a rollout's decoding steps write, kept on the device and updated in place.
 
-After the model gives a step's logits, the rest of the step is bookkeeping: the explorer picks
-tokens and next inputs, the answer marker stops mixing, the emitted tokens and their log-probs
-are written at response position ``t``, rows that emitted EOS end, and the mixed rows' records
-are kept. :meth:`DecodeState.advance` does all of it with device tensors only (``t`` too), every
-result written into tensors the state owns. So the host never waits for it, and a CUDA graph can
-record a whole decoding step, the model and this bookkeeping, and replay it
-(:mod:`.step_graphs`): a graph replays its kernels on the tensors it recorded, so nothing here
-may rebind a tensor the next step reads.
-
-Rows keep their index: ``[R, ...]`` tensors are by original row. A step sees either every row
-(``live=None``) or the rows still in the decoding batch (``live``: their original indices).
+After a step's logits, :meth:`DecodeState.advance` does the bookkeeping (the explorer's tokens and next inputs, the
+answer marker, tokens and log-probs at response position ``t``, rows ending at EOS, the mixed rows' records) with
+device tensors only (``t`` too), written into tensors the state owns, so the host never waits and a CUDA graph can
+record the whole step (:mod:`.step_graphs`); nothing here may rebind a tensor the next step reads. ``[R, ...]``
+tensors are by original row; a step sees every row (``live=None``) or the rows still decoding (``live``: their
+original indices).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import torch
 from ngrpo_lightning.explorers import Explorer, explorer_step
 from ngrpo_lightning.rollout.padding import pad_to
 from ngrpo_lightning.rollout.reconstruction import mixture_vectors
-from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords
+from ngrpo_lightning.rollout.records import NO_NOISE, ComponentHashes, InputRecords
 
 __all__ = ["DecodeState", "mixed_inputs"]
 
@@ -47,10 +42,10 @@ class DecodeState:
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # the cache slot of response position 0
         self.slots: dict[str, torch.Tensor] = {}  # the records, by step and row (made at the first mixed step)
         self.explorer_logits: torch.Tensor | None = None  # [R, V]: every row's last logits, once rows have left
+        self.noise_hashes = ComponentHashes()  # the noise's per-component half, made once (records.noise_vectors)
 
     def restart(self, max_new: int, start: int) -> None:
-        """Empty the state for a rollout of at most ``max_new`` tokens whose first response token
-        is written at cache slot ``start``: the same tensors, refilled."""
+        """Refill the same tensors for a rollout of at most ``max_new`` tokens, the first at cache slot ``start``."""
         self.tokens.fill_(self.pad_id)
         self.logprobs.zero_()
         self.finished.zero_()
@@ -78,8 +73,8 @@ class DecodeState:
         embedding: torch.Tensor,
         live: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One step's bookkeeping for ``logits`` ([b, V] float32: every row, or the ``live`` rows).
-        Returns the next inputs of the same rows ([b, d]) and moves ``t`` on."""
+        """One step's bookkeeping for ``logits`` ([b, V] float32: every row, or the ``live`` rows). Returns the next
+        inputs of the same rows ([b, d]) and moves ``t`` on."""
         whole = live is None
         if not whole:  # the explorer sees every row: the ended rows' last logits stay
             self.explorer_logits.index_copy_(0, live, logits)
@@ -96,7 +91,7 @@ class DecodeState:
             mixed = step.mixed & ~self.finished
             self._record(step, mixed)
             here = mixed if whole else mixed[live]
-            inputs = torch.where(here[:, None], mixed_inputs(embedding, step, mixed, live), inputs)
+            inputs = torch.where(here[:, None], mixed_inputs(embedding, step, mixed, live, self.noise_hashes), inputs)
         ended = torch.isin(token, self.eos) & running
         if whole:
             self.tokens.index_copy_(1, self.t, token[:, None])
@@ -143,10 +138,11 @@ class DecodeState:
         return InputRecords.from_dense(*(self.slots[f][:steps] if f in self.slots else None for f in fields))
 
 
-def mixed_inputs(embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    """The mixture of every ``live`` row of ``step`` (every row: ``live=None``), [b, d]; only the
-    ``mixed`` rows' are used, so an unmixed row's fields are ignored whatever they hold (its ids are
-    read as 0, its noise seed as none)."""
+def mixed_inputs(
+    embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch.Tensor | None, hashes: ComponentHashes | None = None
+) -> torch.Tensor:
+    """The mixture of every ``live`` row of ``step`` (every row: ``live=None``), [b, d]; unmixed rows' fields are
+    ignored. ``hashes``: as :func:`~.reconstruction.mixture_vectors`'s."""
 
     def rows(value: torch.Tensor) -> torch.Tensor:
         return value if live is None else value[live]
@@ -157,4 +153,4 @@ def mixed_inputs(embedding: torch.Tensor, step, mixed: torch.Tensor, live: torch
     if step.noise_seed is not None:
         seed = torch.where(here, rows(step.noise_seed), NO_NOISE)
         scale = rows(step.noise_scale) if step.noise_scale is not None else torch.zeros_like(seed, dtype=torch.float32)
-    return mixture_vectors(embedding, ids, rows(step.weights), seed, scale)
+    return mixture_vectors(embedding, ids, rows(step.weights), seed, scale, hashes)

@@ -1,23 +1,18 @@
 """The RolloutEngine contract, its registry, and what every engine shares.
 
-An engine turns tokenized prompts and an explorer into a :class:`RolloutBatch`. Engines are
-components like explorers and objectives: registered by name and selected in configs::
+An engine turns tokenized prompts and an explorer into a :class:`RolloutBatch`; engines are registered by name::
 
     @register_engine("my_engine")             # rollout.engine=my_engine
     class MyEngine(RolloutEngine):
         def __init__(self, model, tokenizer, max_new_tokens=256, seed=0, ignore_eos=False, beam=1): ...
         def generate(self, prompts, explorer, n=1, max_new_tokens=None) -> RolloutBatch: ...
 
-or, written outside the package, by class path (``rollout.engine=my_pkg.engines.MyEngine``).
-The constructor's keyword arguments beyond the common ones are the engine's settings, read
-from ``rollout.<settings_key>.*`` (``rollout.hf.*``, ``rollout.vllm.*``) and checked by
-:meth:`RolloutEngine.check_settings` before any model loads.
+or, outside the package, by class path (``rollout.engine=my_pkg.engines.MyEngine``). Constructor keyword arguments
+beyond the common ones are the engine's settings (``rollout.<settings_key>.*``, checked by
+:meth:`RolloutEngine.check_settings` before any model loads). A new engine writes only its decoding loop; shared here:
 
-What every engine does the same way lives here, so that a new engine writes only its
-decoding loop:
-
-- :meth:`RolloutEngine.start`: the prologue of a rollout (the explorer's special ids and
-  ``prepare(E)``, the seeded generator, the log-prob temperature, the answer marker);
+- :meth:`RolloutEngine.start`: a rollout's prologue (the explorer's special ids and ``prepare(E)``, the seeded
+  generator, the log-prob temperature, the answer marker);
 - :meth:`RolloutEngine.set_eos_ids`: the ids that end a response (none with ``ignore_eos``);
 - :meth:`RolloutEngine.rollout_stats`: the ``rollout/*`` statistics of a batch;
 - the sampling generator, seeded and saved in checkpoints (:meth:`state_dict`).
@@ -52,10 +47,7 @@ __all__ = [
 ENGINES = Registry("engine", key="rollout.engine")
 register_engine = ENGINES.register  # class decorator: selectable as ``rollout.engine=<name>``
 
-# Constructor arguments every engine is given by the framework (not settings of its own).
-# ``backend``: how the model computes (ngrpo_lightning/backends), the run's choice, not a setting;
-# ``checks_every``, ``static_cache``, ``graphs``: how HFEngine decodes, the backend's choices (benchmarks
-# may pass them).
+# Constructor arguments the framework gives every engine, not its settings (the backend's choices for HFEngine too)
 CONTEXT_ARGS = (
     "self",
     "model",
@@ -73,8 +65,7 @@ CONTEXT_ARGS = (
 
 
 def eos_token_ids(generation_eos, tokenizer) -> list[int]:
-    """All ids that end a response: a generation config's ``eos_token_id`` (an int, a list or
-    None) and the tokenizer's, in that order."""
+    """All ids that end a response: a generation config's ``eos_token_id`` (int, list or None), then the tokenizer's."""
     ids = (
         [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
     )
@@ -84,8 +75,7 @@ def eos_token_ids(generation_eos, tokenizer) -> list[int]:
 
 
 def special_token_ids(tokenizer, vocab_size: int) -> list[int]:
-    """Ids an explorer should never pick by itself: the tokenizer's special tokens and the
-    embedding rows no token maps to (vocabularies padded beyond the tokenizer)."""
+    """Ids an explorer should never pick by itself: the tokenizer's special tokens and embedding rows beyond it."""
     return sorted(set(tokenizer.all_special_ids) | set(range(len(tokenizer), vocab_size)))
 
 
@@ -99,23 +89,16 @@ class RolloutStart:
 
 
 class RolloutEngine(ABC):
-    """Generates ``n`` samples per prompt with a given explorer.
-
-    Engines that decode with their own copy of the weights (vLLM) receive the policy's
-    weights after every optimizer step through :meth:`sync_weights` (``needs_sync``); engines
-    that decode with the policy module itself (``HFEngine``) need no sync.
-
-    Sampling draws from one seeded ``torch.Generator`` (``seed``), whose state is saved in
-    checkpoints so that a resumed run samples what it would have.
-    """
+    """Generates ``n`` samples per prompt with a given explorer. Engines with their own copy of the weights (vLLM,
+    ``needs_sync``) receive the policy's through :meth:`sync_weights`; ``HFEngine`` decodes with the policy itself.
+    Sampling draws from one seeded ``torch.Generator``, checkpointed so a resumed run samples what it would have."""
 
     registered_name: str = ""
     settings_key: str | None = None  # rollout.<settings_key>.* are the engine's settings (None: it has none)
     needs_sync: bool = False  # True for engines that decode with their own copy of the weights
     weights_version: int | None = None  # the policy version (optimizer steps) of the engine's weights
-    # the live policy's version at the next rollout, told by the run before each (None: not known). An
-    # engine that keeps weights of its own without a sync (HFEngine's copy of an FSDP2 policy) rewrites
-    # them only when it moved: every rank holds the same version, so every rank gathers, or none does
+    # the live policy's version at the next rollout (None: not known); an engine keeping weights without a sync
+    # (HFEngine's copy of an FSDP2 policy) rewrites them only when it moved
     policy_version: int | None = None
     tokenizer = None
     eos_ids: list[int] = []
@@ -126,18 +109,15 @@ class RolloutEngine(ABC):
     # ------------------------------------------------------------ building
     @classmethod
     def check_available(cls) -> None:
-        """Raise ``ValueError`` if this machine cannot run the engine (e.g. a missing optional
-        dependency). Called before any model loads."""
+        """Raise ``ValueError`` if this machine cannot run the engine. Called before any model loads."""
 
     @classmethod
     def check_explorer(cls, explorer: Explorer) -> None:
-        """Raise ``ValueError`` if the engine cannot run ``explorer`` (an engine that cannot feed
-        mixed inputs runs plain sampling only). Called before any model loads."""
+        """Raise ``ValueError`` if the engine cannot run ``explorer``. Called before any model loads."""
 
     @classmethod
     def check_model(cls, model: torch.nn.Module) -> None:
-        """Raise ``ValueError`` if the engine cannot decode ``model`` on this machine. Called once
-        the model has loaded, before the first rollout."""
+        """Raise ``ValueError`` if the engine cannot decode ``model`` here. Called once it has loaded."""
 
     @classmethod
     def settings_names(cls) -> list[str]:
@@ -147,8 +127,8 @@ class RolloutEngine(ABC):
 
     @classmethod
     def check_settings(cls, settings: dict, prefix: str) -> None:
-        """Refuse a setting the engine does not take (``ValueError`` naming ``<prefix>.<key>`` and
-        the allowed ones); engines add value checks. Called before any model loads."""
+        """``ValueError`` naming ``<prefix>.<key>`` and the allowed ones for a setting the engine does not take;
+        engines add value checks. Called before any model loads."""
         allowed = cls.settings_names()
         unknown = sorted(set(settings) - set(allowed))
         if unknown:
@@ -168,11 +148,8 @@ class RolloutEngine(ABC):
         backend=None,
         **settings,
     ) -> RolloutEngine:
-        """The engine for a live policy. ``max_prompt_tokens`` bounds the prompts (engines that
-        size buffers from it use it); ``sharded_root`` is the policy's FSDP2 root module when it is
-        sharded (engines that decode with the policy unshard it); ``backend`` is the run's
-        (:mod:`ngrpo_lightning.backends`: engines that compute with the policy follow it);
-        ``settings`` are the engine's own."""
+        """The engine for a live policy. ``max_prompt_tokens`` bounds the prompts; ``sharded_root``: the policy's FSDP2
+        root when sharded; ``backend``: the run's (:mod:`ngrpo_lightning.backends`); ``settings``: the engine's own."""
         return cls(policy, tokenizer, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=ignore_eos, **settings)
 
     # ------------------------------------------------------------ rollouts
@@ -187,14 +164,12 @@ class RolloutEngine(ABC):
         """Roll out ``n`` samples of each tokenized prompt (rows grouped by prompt)."""
 
     def set_eos_ids(self, ids: Iterable[int], ignore_eos: bool = False) -> None:
-        """The ids that end a response; none with ``ignore_eos`` (every response is
-        ``max_new_tokens`` long: fixed-length rollouts, for benchmarks)."""
+        """The ids that end a response; none with ``ignore_eos`` (every response ``max_new_tokens`` long)."""
         self.eos_ids = [] if ignore_eos else list(ids)
 
     def start(self, explorer: Explorer, embedding: torch.Tensor, native: bool = False) -> RolloutStart:
-        """The prologue of a rollout: tell the explorer the special ids and the embedding matrix
-        ``E`` it decodes with (skipped for ``native`` sampling that never calls the explorer),
-        and hand out the seeded generator, the log-prob temperature and the answer marker."""
+        """A rollout's prologue: tell the explorer the special ids and embedding matrix ``E`` (not for ``native``
+        sampling); hand out the seeded generator, the log-prob temperature and the answer marker."""
         if not native:
             explorer.set_special_ids(special_token_ids(self.tokenizer, embedding.shape[0]))
             explorer.prepare(embedding.detach())
@@ -215,8 +190,7 @@ class RolloutEngine(ABC):
 
     # ------------------------------------------------------------- weights
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Load the policy's current weights (full tensors, Hugging Face names) and remember
-        their ``version``. A no-op for engines that share the policy."""
+        """Load the policy's weights (full tensors, Hugging Face names) as ``version``; no-op sharing the policy."""
 
     def close(self) -> None:
         """Release engine resources (processes, device memory)."""
@@ -246,10 +220,8 @@ class RolloutEngine(ABC):
 
 
 def full_named_tensors(model: torch.nn.Module):
-    """``(name, tensor)`` for every entry of ``model.state_dict()``, with FSDP2's sharded
-    DTensors gathered into full tensors one at a time (a collective: all ranks iterate
-    together), so that an engine with its own weights can load them. A policy with LoRA
-    adapters gives its base model's entries with the adapters merged in (model.lora)."""
+    """``(name, tensor)`` for every entry of ``model.state_dict()``, FSDP2's DTensors gathered one at a time (a
+    collective: all ranks iterate together). A policy with LoRA adapters gives its base entries, adapters merged."""
     if has_adapters(model):
         yield from merged_named_tensors(model)
         return

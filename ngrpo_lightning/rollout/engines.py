@@ -1,10 +1,6 @@
-"""Building a rollout engine from its config name: the one place that maps ``rollout.engine``
-(training) and ``engine`` (``ngrpo eval``, ``ngrpo diagnose``) to an engine for a live policy.
-
-A name is a registered engine (``hf``, ``vllm``, or one registered with
-:func:`~ngrpo_lightning.rollout.engine.register_engine`) or the class path of a
-:class:`~ngrpo_lightning.rollout.engine.RolloutEngine` subclass written anywhere
-(``rollout.engine=my_pkg.engines.MyEngine``).
+"""Building a rollout engine from its config name (``rollout.engine``; ``engine`` in ``ngrpo eval``, ``ngrpo
+diagnose``): a registered engine (``hf``, ``vllm``, :func:`~ngrpo_lightning.rollout.engine.register_engine`) or the
+class path of a :class:`~ngrpo_lightning.rollout.engine.RolloutEngine` subclass (``my_pkg.engines.MyEngine``).
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ def engine_class(name: str, key: str = "rollout.engine") -> type[RolloutEngine]:
 
 
 def check_engine(name: str, settings: dict | None = None, key: str = "rollout.engine") -> type[RolloutEngine]:
-    """The engine class of ``name``, after checking, before any model loads, that it exists, that
-    this machine can run it (``vllm`` needs a supported vLLM) and that ``settings`` (the engine's
-    ``rollout.<settings_key>.*``) are its own and in range. Errors are ``ValueError`` naming the key."""
+    """The engine class of ``name``, checked before any model loads: it exists, this machine can run it, and
+    ``settings`` (``rollout.<settings_key>.*``) are its own and in range (``ValueError`` naming the key)."""
     cls = engine_class(name, key)
     try:
         cls.check_available()
@@ -48,10 +43,8 @@ def check_engine(name: str, settings: dict | None = None, key: str = "rollout.en
 def build_engine(
     name: str, policy, tokenizer, *, max_new_tokens: int, seed: int, key: str = "rollout.engine", **context_and_settings
 ) -> RolloutEngine:
-    """The engine ``name`` for ``policy`` (see :meth:`RolloutEngine.from_policy` for the common
-    arguments: ``ignore_eos``, ``max_prompt_tokens``, ``sharded_root``, ``backend``; the rest are the engine's
-    settings). ``hf`` decodes with the policy module itself; ``vllm`` loads the policy's directory
-    and must be given the policy's weights with ``sync_weights`` whenever they differ from it."""
+    """The engine ``name`` for ``policy`` (:meth:`RolloutEngine.from_policy` takes the common arguments:
+    ``ignore_eos``, ``max_prompt_tokens``, ``sharded_root``, ``backend``; the rest are the engine's settings)."""
     common = ("ignore_eos", "max_prompt_tokens", "sharded_root", "backend")
     context = {k: context_and_settings.pop(k) for k in common if k in context_and_settings}
     cls = check_engine(name, context_and_settings, key)

@@ -1,19 +1,11 @@
 """A KV cache whose layers write each decoding step in place.
 
-transformers' ``DynamicCache`` grows every layer's keys and values by concatenation: each
-decoding step copies the whole cache, once per layer for keys and once for values, so a
-rollout of L tokens copies O(L^2) cache entries, a share of the rollout's time that grows with
-the response length (docs/performance.md).
-:func:`reserved_cache` gives a ``Cache`` of :class:`ReservedLayer`: each layer reserves room
-for the whole rollout (prompt + ``max_new_tokens``) at its first update and writes later
-positions into it; the model reads views of the filled part, so values are those of
-``DynamicCache``.
-
-``store_dtype`` (the backend's choice: float32 for a half-precision model decoding on CPU with ``sdpa_gqa``) keeps
-the keys and values in a wider dtype than the model computes them in: each is widened once,
-when written, where a decoding step would otherwise widen the whole cache for every layer and
-token (see :mod:`ngrpo_lightning.backends.attention`; bfloat16 keys and values are exact in float32).
-The prefill's attention reads the keys and values as the model made them.
+transformers' ``DynamicCache`` grows by concatenation, copying O(L^2) entries over a rollout of L tokens.
+:func:`reserved_cache` gives a ``Cache`` of :class:`ReservedLayer`: each layer reserves room for the whole rollout at
+its first update and writes later positions into it; the model reads views of the filled part (``DynamicCache``'s
+values). ``store_dtype`` (the backend's: float32 for a half model decoding on CPU with ``sdpa_gqa``,
+:mod:`ngrpo_lightning.backends.attention`) keeps keys and values wider, widened once when written (bfloat16 is exact
+in float32); the prefill reads them as the model made them.
 """
 
 from __future__ import annotations
@@ -25,12 +17,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class ReservedLayer(DynamicLayer):
-    """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown).
-
-    ``read_width`` (the backend's, :meth:`~ngrpo_lightning.backends.base.Backend.kv_read_width`):
-    a decoding step reads the first ``read_width(length)`` positions, the unwritten ones zero (an
-    attention that masks the keys past its mask: a GPU's attention plans per key length, and the
-    view at a width it has met costs no copy); the cache's length stays the filled part's."""
+    """A ``DynamicLayer`` backed by buffers of ``capacity`` positions (doubled if outgrown). ``read_width``
+    (:meth:`~ngrpo_lightning.backends.base.Backend.kv_read_width`): a decoding step reads the first
+    ``read_width(length)`` positions, the unwritten ones zero; the cache's length stays the filled part's."""
 
     def __init__(self, capacity: int, store_dtype: torch.dtype | None = None, read_width=None):
         super().__init__()
@@ -108,7 +97,6 @@ class ReservedLayer(DynamicLayer):
 
 
 def reserved_cache(capacity: int, store_dtype: torch.dtype | None = None, read_width=None) -> Cache:
-    """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each, kept in
-    ``store_dtype`` (default: the model's), read at ``read_width`` of their length (default: the
-    length)."""
+    """A cache whose layers reserve ``capacity`` positions (prompt + new tokens) each, kept in ``store_dtype``
+    (default: the model's), read at ``read_width`` of their length (default: the length)."""
     return Cache(layer_class_to_replicate=partial(ReservedLayer, capacity, store_dtype, read_width))

@@ -1,6 +1,4 @@
-"""Padding, in one place: rollouts keep prompts left-padded and responses right-padded
-(``[prompt | response]`` per row), and every join of rows of different widths pads with these
-two functions."""
+"""Padding, in one place: prompts left-padded, responses right-padded (``[prompt | response]`` per row)."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ def pad_rows(
     width: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of different lengths as one ``[N, width]`` tensor (``width``: the longest row unless
-    given) padded with ``value`` on the right (or ``left``), and its ``[N, width]`` long mask of
-    real entries. Lists of ints become long tensors; tensors keep their dtype."""
+    """Rows of different lengths as one ``[N, width]`` tensor (``width``: the longest row unless given) padded with
+    ``value`` on the right (or ``left``), and its long mask of real entries. Lists of ints become long tensors."""
     tensors = [r if isinstance(r, torch.Tensor) else torch.as_tensor(list(r), dtype=torch.long) for r in rows]
     dtype = dtype or (tensors[0].dtype if tensors else torch.long)
     width = max([len(t) for t in tensors] + [0]) if width is None else width

@@ -1,9 +1,6 @@
-"""The rollout engine of a run's policy: built at its first rollout, given the policy's weights
-when the policy version moved, its sampling state saved and restored per rank.
-
-The DataModule keeps one for the rollouts of each step and validation; the rollouts-ahead
-worker builds its own engine with :meth:`PolicyEngine.build` on its copy of the policy, or,
-where the engine has weights of its own (``needs_sync``), drives this one.
+"""The rollout engine of a run's policy: built at its first rollout, given the policy's weights when the version
+moved, its sampling state saved and restored per rank. The rollouts-ahead worker builds its own with
+:meth:`PolicyEngine.build`, or drives this one where the engine has weights of its own (``needs_sync``).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ class PolicyEngine:
 
     Args:
         name: a registered engine or an engine's class path.
-        settings: its own settings (``rollout.vllm.*``) and the common ones (``ignore_eos``,
-            ``max_prompt_tokens``).
+        settings: its own settings (``rollout.vllm.*``) and the common ones (``ignore_eos``, ``max_prompt_tokens``).
         max_new_tokens: the response length limit.
         seed: of the sampling generator (each rank adds its rank).
         rank: this process's rank (a function: the trainer tells it once attached).
@@ -44,8 +40,7 @@ class PolicyEngine:
         return engine_class(self.name).needs_sync
 
     def build(self, model: torch.nn.Module, context: RunContext, sharded_root=None) -> RolloutEngine:
-        """An engine of this kind for ``model`` (the policy, or a copy of it), computing as the run's
-        backend says (it also states the KV cache's dtype)."""
+        """An engine of this kind for ``model`` (the policy, or a copy), computing as the run's backend says."""
         return build_engine(
             self.name,
             model,
@@ -58,11 +53,9 @@ class PolicyEngine:
         )
 
     def ready(self, context: RunContext) -> RolloutEngine:
-        """The engine, built at the first call for the context's policy (under FSDP2 its root),
-        with a resumed checkpoint's sampling state, and synced: an engine with its own copy of
-        the weights (vLLM) gets the policy's when the policy version moved since its last sync,
-        and every engine is told the version (``RolloutEngine.policy_version``). Under FSDP2
-        the full tensors are gathered (a collective: every rank rolls out, so every rank syncs)."""
+        """The engine, built at the first call (with a resumed checkpoint's sampling state) and told the version
+        (``RolloutEngine.policy_version``); one with its own weights (vLLM) gets the policy's when the version moved,
+        a collective under FSDP2."""
         if self.engine is None:
             self.engine = self.build(context.policy, context, context.sharded_root(context.policy))
             if self._state is not None:
@@ -93,8 +86,7 @@ class PolicyEngine:
 
 
 def by_rank(state, world: int) -> list:
-    """Every rank's ``state``, in rank order (gathered: a collective, when several processes run),
-    for a checkpoint that the first rank writes and every rank reads its own from."""
+    """Every rank's ``state``, in rank order (gathered when several processes run), for a checkpoint."""
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         states = [None] * world
         torch.distributed.all_gather_object(states, state)

@@ -1,14 +1,10 @@
-"""The order of a run's training prompts: one stream of batches that the training DataLoader
-reads, rollouts ahead peek into, and checkpoints save.
+"""The order of a run's training prompts: one stream of batches that the training DataLoader reads, rollouts ahead
+peek into, and checkpoints save.
 
-A batch is known by its key ``(pass, index)``: pass p over the training set is a shuffle seeded
-by ``seed + p``, cut into this rank's share and into batches of ``prompts_per_step``. The
-:class:`PromptStream` is the loader's batch sampler; every batch it yields carries its key
-(:func:`keyed_collate`), so whoever consumes the batch knows where it stands in the stream,
-and :meth:`PromptStream.following` names the batches after it (rollouts ahead queue those)
-from the same order. Its position is the next batch to train; a resumed run starts there.
-
-Validation prompts use :class:`RankShare`: every prompt once, split by rank.
+A batch is known by its key ``(pass, index)``: pass p over the training set is a shuffle seeded by ``seed + p``, cut
+into this rank's share and into batches of ``prompts_per_step``. :class:`PromptStream` is the loader's batch sampler;
+every batch carries its key (:func:`keyed_collate`), and :meth:`PromptStream.following` names the batches after it. A
+resumed run starts at its position, the next batch to train. Validation uses :class:`RankShare` (each prompt once).
 """
 
 from __future__ import annotations
@@ -27,24 +23,18 @@ Key = tuple[int, int]  # (pass over the training set, batch index in it)
 
 
 def rank_share(order: list[int], per_rank: int, rank: int, world_size: int) -> list[int]:
-    """This rank's ``per_rank`` items of ``order``, padded by repeating it (``DistributedSampler``'s
-    way) so every rank gets as many: rollouts under FSDP are collectives."""
+    """This rank's ``per_rank`` items of ``order``, padded by repeating it so every rank gets as many (rollouts
+    under FSDP are collectives)."""
     total = per_rank * world_size
     order = (order * math.ceil(total / max(len(order), 1)))[:total] if total > len(order) else order[:total]
     return order[rank:total:world_size]
 
 
 class PromptStream(Sampler[list[tuple[int, Key]]]):
-    """Training prompt batches in order, from a position, for one rank.
-
-    Distributed runs split *prompts* by rank (every rank rolls out its prompts G times, so a
-    group never spans ranks), with the same number of whole batches on every rank. Iterating
-    yields the batches from the position to the end of its pass, as lists of ``(dataset index,
-    key)``; Lightning's epoch is one pass. The position moves when a batch is
-    :meth:`consumed`. The stream counts its
-    passes itself: after resuming from a checkpoint written at the end of training, Lightning
-    starts a new epoch while the data continues the old pass.
-    """
+    """Training prompt batches in order, from a position, for one rank. Distributed runs split *prompts* by rank (a
+    group never spans ranks), the same number of whole batches on every rank. Iterating yields the batches from the
+    position to the end of its pass (Lightning's epoch), as lists of ``(dataset index, key)``; the position moves when
+    a batch is :meth:`consumed`. The stream counts its passes itself (a resumed run's new epoch may continue a pass)."""
 
     def __init__(self, size: int, seed: int, shuffle: bool, batch_size: int, rank: int = 0, world_size: int = 1):
         self.size, self.seed, self.shuffle, self.batch_size = size, seed, shuffle, batch_size
@@ -82,8 +72,7 @@ class PromptStream(Sampler[list[tuple[int, Key]]]):
         return out
 
     def consumed(self, key: Key) -> None:
-        """Batch ``key`` was trained on: the position moves past it (the loader reads ahead of
-        training, so the one who consumes the batch says so, not the iterator)."""
+        """Batch ``key`` was trained on: the position moves past it (the loader reads ahead: the consumer says so)."""
         self.position = self.next_key(key)
 
     def __iter__(self) -> Iterator[list[tuple[int, Key]]]:
@@ -123,9 +112,8 @@ def keyed_collate(items: list[dict]) -> dict:
 
 
 class PromptLoader(DataLoader):
-    """The training DataLoader over a :class:`PromptStream`. The stream's position is saved and
-    restored by the DataModule; these two methods tell Lightning that the loader resumes
-    mid-epoch correctly."""
+    """The training DataLoader over a :class:`PromptStream` (whose position the DataModule saves); its state methods
+    tell Lightning that it resumes mid-epoch correctly."""
 
     def __init__(self, dataset, stream: PromptStream):
         super().__init__(KeyedDataset(dataset), batch_sampler=stream, collate_fn=keyed_collate)

@@ -1,15 +1,14 @@
 """Rebuild the input embeddings a rollout actually saw, for the training forward.
 
-One generic function for every explorer and every engine: start from ``E[input_ids]``
-and overwrite the positions named in the :class:`InputRecords` with their mixtures.
-Gradients flow through ``E`` (into the mixed rows too, unless ``detach_mixture``).
+One function for every explorer and engine: ``E[input_ids]`` with the positions named in the :class:`InputRecords`
+overwritten by their mixtures. Gradients flow through ``E`` (into the mixed rows too, unless ``detach_mixture``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ngrpo_lightning.rollout.records import NO_NOISE, InputRecords, noise_vectors
+from ngrpo_lightning.rollout.records import NO_NOISE, ComponentHashes, InputRecords, noise_vectors
 
 
 def mixture_vectors(
@@ -18,27 +17,27 @@ def mixture_vectors(
     weights: torch.Tensor,
     noise_seed: torch.Tensor | None = None,
     noise_scale: torch.Tensor | None = None,
+    hashes: ComponentHashes | None = None,
 ) -> torch.Tensor:
-    """The mixed input vectors ``sum_j w_j E[ids_j] + scale * noise(seed)`` ([M, d]) of M rows.
-
-    Each row's vector depends on that row alone, in the same order of operations whatever M is,
-    so a decoding loop that mixes every row of its batch (keeping the mixed ones) and training
-    that rebuilds only the recorded rows get the same bits. A row whose seed is ``NO_NOISE``
-    gets no noise."""
+    """The mixed input vectors ``sum_j w_j E[ids_j] + scale * noise(seed)`` ([M, d]) of M rows, each depending on its
+    row alone in the same order of operations whatever M is (decoding and training's rebuild get the same bits). A
+    row whose seed is ``NO_NOISE`` gets no noise. ``hashes``: as :func:`~.records.noise_vectors`'s."""
     weights = weights.to(device=embedding.device, dtype=torch.float32)
     mix = (weights[..., None] * embedding[ids.to(embedding.device)].float()).sum(1)
     if noise_seed is not None:
         seed = noise_seed.to(mix.device)
-        noise = noise_vectors(seed.clamp(min=0), mix.shape[-1])
+        noise = noise_vectors(seed.clamp(min=0), mix.shape[-1], hashes)
         scale = noise_scale.to(mix.device, torch.float32)[:, None]
         mix = torch.where((seed != NO_NOISE)[:, None], mix + scale * noise, mix)
     return mix.to(embedding.dtype)
 
 
-def mixture_embeddings(embedding: torch.Tensor, records: InputRecords) -> torch.Tensor:
+def mixture_embeddings(
+    embedding: torch.Tensor, records: InputRecords, hashes: ComponentHashes | None = None
+) -> torch.Tensor:
     """The M mixed input vectors of ``records`` ([M, d]): :func:`mixture_vectors` of its fields."""
     seed, scale = (records.noise_seed, records.noise_scale) if records.has_noise() else (None, None)
-    return mixture_vectors(embedding, records.ids, records.weights, seed, scale)
+    return mixture_vectors(embedding, records.ids, records.weights, seed, scale, hashes)
 
 
 def build_inputs_embeds(
@@ -51,8 +50,7 @@ def build_inputs_embeds(
     """Input embeddings [B, T, d] for ``input_ids`` with the recorded mixtures in place.
 
     Args:
-        embedding: the policy's input embedding matrix E (V x d), e.g.
-            ``model.get_input_embeddings().weight``.
+        embedding: the policy's input embedding matrix E (V x d), e.g. ``model.get_input_embeddings().weight``.
         input_ids: B x T token ids: left-padded prompt, then the response.
         records: the rollout's non-discrete steps (``pos`` indexes the response).
         response_offset: column of ``input_ids`` where the response starts.

@@ -1,9 +1,8 @@
 """Sparse records of the non-discrete decoding steps of a rollout.
 
-One record per non-discrete step: which row, which response position, and the
-mixture ``sum_j weights[j] * E[ids[j]] + noise_scale * randn(d, seed=noise_seed)``
-that replaced ``E[token]`` as the input embedding of that position. Discrete steps
-(the vast majority) cost nothing. Noise is regenerated from its seed, never stored.
+One record per non-discrete step: its row, response position, and the mixture ``sum_j weights[j] * E[ids[j]] +
+noise_scale * randn(d, seed=noise_seed)`` that replaced ``E[token]`` as that position's input embedding. Discrete
+steps cost nothing; noise is regenerated from its seed, never stored.
 """
 
 from __future__ import annotations
@@ -16,17 +15,14 @@ import torch
 from ngrpo_lightning.rollout.padding import pad_to
 
 NO_NOISE = -1  # noise_seed of records without additive noise
-# How noise is made from a seed (:func:`noise_vectors`), saved beside records in checkpoints: records
-# saved under another generator would rebuild other noise than their rollout saw.
-NOISE_GENERATOR = "hash32-box-muller"
+NOISE_GENERATOR = "hash32-box-muller"  # how noise is made from a seed (noise_vectors), saved in checkpoints
 RECORD_FIELDS = ("pos", "ids", "weights", "noise_seed", "noise_scale")  # a record's fields besides its row
 
 
 @dataclass
 class InputRecords:
-    """M records for a batch. ``pos`` is the *response* index of the emitted token whose
-    input embedding was replaced; ``ids``/``weights`` are padded to the largest K with
-    weight 0."""
+    """M records for a batch. ``pos`` is the *response* index of the emitted token whose input embedding was
+    replaced; ``ids``/``weights`` are padded to the largest K with weight 0."""
 
     row: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [M]
     pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [M]
@@ -56,15 +52,13 @@ class InputRecords:
 
     @classmethod
     def from_step(cls, step, mixed: torch.Tensor, pos: int) -> InputRecords:
-        """The records of one decoding step's ``mixed`` rows (an :class:`ExplorerStep`), at
-        response position ``pos``."""
+        """The records of one decoding step's ``mixed`` rows (an :class:`ExplorerStep`) at response position ``pos``."""
         return cls.from_steps([(pos, step, mixed)])
 
     @classmethod
     def from_steps(cls, steps: list) -> InputRecords:
-        """The records of a rollout's decoding steps, kept dense until now: ``steps`` holds
-        ``(pos, step, mixed)`` per step, each :class:`ExplorerStep` and ``mixed`` mask over the
-        same R rows (:meth:`from_dense` of them stacked)."""
+        """The records of a rollout's decoding steps, kept dense until now: ``(pos, step, mixed)`` per step, each
+        :class:`ExplorerStep` and ``mixed`` mask over the same R rows (:meth:`from_dense` of them stacked)."""
         if not steps:
             return cls()
         k = max(s.ids.shape[1] for _, s, _ in steps)
@@ -88,11 +82,9 @@ class InputRecords:
 
     @classmethod
     def from_dense(cls, mixed, ids, weights, noise_seed=None, noise_scale=None, pos=None) -> InputRecords:
-        """The records of the ``mixed`` entries of steps kept dense: ``mixed`` [S, R], ``ids`` and
-        ``weights`` [S, R, K], ``noise_seed`` and ``noise_scale`` [S, R] (None: no noise), ``pos``
-        [S] the steps' response positions (None: 0..S-1). One look at the masks for the whole
-        rollout (a decoding loop that builds records step by step would wait on the device at every
-        token). Step-major, then row."""
+        """The records of the ``mixed`` entries of steps kept dense: ``mixed`` [S, R], ``ids`` and ``weights`` [S, R,
+        K], ``noise_seed`` and ``noise_scale`` [S, R] (None: no noise), ``pos`` [S] the steps' response positions
+        (None: 0..S-1). Step-major, then row."""
         at, row = mixed.nonzero().unbind(1)
         return cls(
             row=row,
@@ -122,8 +114,7 @@ class InputRecords:
 
 
 def rebuilds_as_saved(noise_seed: torch.Tensor, generator: str | None) -> bool:
-    """Whether records saved under noise ``generator`` (None: before checkpoints named it) rebuild
-    the noise their rollout saw: the same generator, or no noise to rebuild."""
+    """Whether records saved under noise ``generator`` (None: unnamed) rebuild the noise their rollout saw."""
     return generator == NOISE_GENERATOR or not bool((noise_seed != NO_NOISE).any())
 
 
@@ -136,8 +127,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash whose every output bit depends on every input bit (the "lowbias32"
-    xor-shift-multiply constants), on int64 tensors holding 32-bit values."""
+    """A 32-bit integer hash ("lowbias32" xor-shift-multiply), on int64 tensors holding 32-bit values."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -145,33 +135,35 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-_COMPONENT_HASHES: dict[tuple[int, torch.device], torch.Tensor] = {}
+class ComponentHashes:
+    """``_hash32(arange(count))`` made once per width and device and kept by the decoding loop: the half of every
+    noise vector's bits that depends on the component alone."""
+
+    def __init__(self):
+        self.kept: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        key = (count, torch.device(device))
+        if key not in self.kept:
+            with torch.inference_mode(False):  # made inside a rollout's no-grad code, read anywhere after
+                self.kept[key] = _hash32(torch.arange(count, device=device))
+        return self.kept[key]
 
 
-def _component_hashes(count: int, device: torch.device) -> torch.Tensor:
-    """``_hash32(arange(count))`` on ``device``, made once per width and device: the half of every
-    noise vector's bits that depends on the component alone (21 kernels fewer per decoding step
-    of a noise explorer, where each kernel launch costs a GPU's decoding loop time)."""
-    key = (count, torch.device(device))
-    if key not in _COMPONENT_HASHES:
-        with torch.inference_mode(False):  # made inside a rollout's no-grad code, read anywhere after
-            _COMPONENT_HASHES[key] = _hash32(torch.arange(count, device=device))
-    return _COMPONENT_HASHES[key]
-
-
-def noise_vectors(seeds: torch.Tensor, dim: int) -> torch.Tensor:
-    """Standard normal vectors [M, dim] (float32), one per seed, computed on the seeds' device.
-
-    A counter-based generator: every component is a pure function of (seed, component), pairs of
-    32-bit hashes turned into pairs of normals by the Box-Muller transform (in float64). So a rollout
-    makes its noise on the device without a host round trip per step, and training rebuilds the
-    same vectors from the recorded seeds; the integer part is exact on every device and the
-    transform agrees across devices to float32 rounding."""
+def noise_vectors(seeds: torch.Tensor, dim: int, hashes: ComponentHashes | None = None) -> torch.Tensor:
+    """Standard normal vectors [M, dim] (float32), one per seed, computed on the seeds' device. Counter-based: every
+    component is a function of (seed, component), pairs of 32-bit hashes turned into normals by Box-Muller (float64),
+    so a rollout makes its noise without a host round trip and training rebuilds it from the recorded seeds (exact in
+    the integer part, to float32 rounding across devices). ``hashes``: kept component hashes (a decoding loop's)."""
     seeds = seeds.long()
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _hash32(lo ^ _hash32(hi ^ 0x9E3779B9))[:, None]
     pairs = (dim + 1) // 2  # a pair of uniforms gives a pair of normals
-    bits = _hash32(key ^ _component_hashes(2 * pairs, seeds.device)[None])  # [M, 2 pairs]
+    if hashes is None:
+        components = _hash32(torch.arange(2 * pairs, device=seeds.device))
+    else:
+        components = hashes(2 * pairs, seeds.device)
+    bits = _hash32(key ^ components[None])  # [M, 2 pairs]
     radius = torch.sqrt(-2.0 * torch.log((bits[:, 0::2].double() + 1.0) / 2.0**32))  # u in (0, 1]: a finite log
     angle = (2.0 * math.pi / 2.0**32) * bits[:, 1::2].double()
     return torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], -1).flatten(1)[:, :dim].float()

@@ -1,20 +1,12 @@
-"""Decoding a policy that FSDP2 shards, two ways; the backend chooses which
-(:meth:`~ngrpo_lightning.backends.base.Backend.decodes_sharded_on_copy`).
+"""Decoding an FSDP2-sharded policy, two ways (:meth:`~ngrpo_lightning.backends.base.Backend.decodes_sharded_on_copy`).
 
-- **Through the policy, unsharded** (:func:`unsharded`): every sharded module gathers its weights
-  once per rollout and keeps them until the rollout ends, and the policy decodes through FSDP2's
-  modules, eagerly: their hooks run at every step and wait on FSDP2's streams, which a CUDA graph
-  cannot record. The full weights are held during rollouts only.
-- **On a copy** (:class:`DecodeCopy`): a plain model of the policy's architecture, kept on the
-  device, into which each rollout writes the policy's current weights (a LoRA layer's merged,
-  ``W + scale B A``), gathering one sharded module at a time. It decodes as a policy on one GPU
-  does: the backend's modules, a static cache, CUDA graphs. Its weights are rewritten in place, so
-  graphs recorded on it stay valid from one rollout to the next; a rollout at the policy version
-  the copy already holds (a validation's later batches) gathers nothing. The cost: the full
-  weights are held between rollouts too.
+- **Through the policy, unsharded** (:func:`unsharded`): each sharded module gathers its weights once per rollout and
+  the policy decodes eagerly (FSDP2's hooks cannot be recorded in a CUDA graph); full weights held during rollouts.
+- **On a copy** (:class:`DecodeCopy`): a plain model of the policy's architecture on the device, into which each
+  rollout writes the current weights (LoRA's merged), one sharded module at a time. It decodes as on one GPU, graphs
+  included (weights rewritten in place); a rollout at the version it holds gathers nothing. Full weights held always.
 
-Either way the rollout is the same; the copy multiplies exactly the weights FSDP2 would gather
-(in its compute dtype), LoRA's merged as one-GPU decoding merges them (``tests/test_sharded_decoding.py``).
+Either way the rollout is the same (``tests/test_sharded_decoding.py``).
 """
 
 from __future__ import annotations
@@ -27,20 +19,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.compat.torch import CHECKPOINT_WRAPPED
+from ngrpo_lightning.compat.transformers import model_from_config
 from ngrpo_lightning.models.lora import add_adapter_deltas, has_adapters, is_adapter_weight
 from ngrpo_lightning.models.walks import modules_of
 
 log = logging.getLogger(__name__)
 
-_WRAPPED = "._checkpoint_wrapped_module"  # activation checkpointing's wrapper, not in the copy's names
+_WRAPPED = "." + CHECKPOINT_WRAPPED  # activation checkpointing's wrapper, not in the copy's names
 
 
 @contextlib.contextmanager
 def unsharded(modules: list):
-    """Within the block the FSDP2 ``modules`` (the root first) hold their full weights, gathered once,
-    not once per decoding step. All-gathers are collectives: every rank enters here as often (the
-    datamodule gives every rank the same number of prompt batches); the decoding inside has none,
-    so ranks may stop after different numbers of steps."""
+    """Within the block the FSDP2 ``modules`` (the root first) hold their full weights, gathered once, not once per
+    decoding step. A collective: every rank enters as often; the decoding inside has none."""
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
     for m in modules:
@@ -56,18 +48,14 @@ def unsharded(modules: list):
 
 
 class DecodeCopy:
-    """A sharded ``policy``'s weights written into a plain model of its own for decoding (see the
-    module docstring), built at the first :meth:`refresh` that ``backend`` accepts and prepared by it
-    as it prepares an unsharded policy. Engines take it from :meth:`of`: one copy per policy and
-    backend in a process, whichever engines decode it (the DataModule's, Pass@k's)."""
+    """A sharded ``policy``'s weights in a plain model for decoding, built at the first :meth:`refresh` that
+    ``backend`` accepts and prepared by it; one per policy and backend in a process (:meth:`of`)."""
 
     _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy -> {id(backend): copy}
 
     @classmethod
     def of(cls, policy: torch.nn.Module, backend) -> DecodeCopy:
-        """The copy of ``policy`` for ``backend``, made at the first call: a second engine on the same
-        policy (an evaluation's beside the rollouts') shares it, and with it its memory and the policy
-        version it holds, rather than keeping the full weights twice."""
+        """The copy of ``policy`` for ``backend``, made at the first call and shared by a second engine on it."""
         copies = cls._kept.setdefault(policy, {})
         kept = copies.get(id(backend))
         if kept is None or kept.backend is not backend:
@@ -84,11 +72,8 @@ class DecodeCopy:
         self.version: int | None = None  # the policy version the copy holds (None: not known)
 
     def refresh(self, modules: list, version: int | None = None) -> torch.nn.Module | None:
-        """The copy holding the policy's current weights, or ``None`` where the backend refuses it.
-        Gathers ``modules`` (the policy's FSDP2 modules, the root first) one at a time, a collective:
-        every rank calls this as often; each writes the tensors it holds. Where ``version`` (the
-        policy version, the same on every rank) is the one the copy holds, nothing is gathered: the
-        rollouts of one validation, or a step's extra batches, decode the weights already written."""
+        """The copy holding the policy's current weights, or ``None`` where the backend refuses it. Gathers ``modules``
+        (FSDP2's, the root first) one at a time, a collective; nothing where ``version`` is the one the copy holds."""
         if self.refused:
             return None
         if version is not None and version == self.version and self.model is not None:
@@ -99,8 +84,7 @@ class DecodeCopy:
                 m.unshard()
                 try:
                     if self.model is None:
-                        # a model of normal tensors whatever pass rolls out (validation runs under
-                        # inference mode), which the backend may time products of, backward included
+                        # normal tensors even under inference mode: the backend may time products, backward too
                         with torch.inference_mode(False), torch.enable_grad():
                             if not self._build(m):
                                 return None
@@ -113,9 +97,7 @@ class DecodeCopy:
         return self.model
 
     def _groups(self, modules: list) -> list[list[tuple]]:
-        """The targets by the FSDP2 module whose gathering makes them whole: the innermost one that
-        holds their source (an outer module's walk is overridden by the inner ones after it). Worked
-        out once per list of modules (each engine sharing the copy hands it the same)."""
+        """The targets by the FSDP2 module whose gathering makes them whole (the innermost holding their source)."""
         key = [id(m) for m in modules]
         if self._by_module is None or key != self._modules_key:
             self._modules_key = key
@@ -133,8 +115,7 @@ class DecodeCopy:
         return self._by_module
 
     def _build(self, root: torch.nn.Module) -> bool:
-        """Build the copy in the dtype and on the device of ``root``'s gathered weights, if the backend
-        accepts its size (else remember it refused)."""
+        """Build the copy like ``root``'s gathered weights (dtype, device) if the backend accepts its size."""
         gathered = next(p for p in root.parameters() if not isinstance(p, DTensor))
         policy = self._policy()
         base = policy.get_base_model() if has_adapters(policy) else policy
@@ -163,8 +144,7 @@ class DecodeCopy:
 
 
 def compute_dtype_and_device(root: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
-    """The dtype FSDP2 gathers ``root``'s weights to compute in (its mixed precision's, not the
-    shards'), and their device: read off one gathered weight (a collective: every rank calls it)."""
+    """The dtype FSDP2 gathers ``root``'s weights to compute in, and their device (a collective)."""
     root.unshard()
     try:
         gathered = next(p for p in root.parameters() if not isinstance(p, DTensor))
@@ -174,11 +154,9 @@ def compute_dtype_and_device(root: torch.nn.Module) -> tuple[torch.dtype, torch.
 
 
 def plain_model(base: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """An empty model of ``base``'s architecture (a sharded policy's, adapters not included) in
-    ``dtype`` on ``device``, frozen, in eval mode, holding ``base``'s buffers (not sharded: the
-    rotary frequencies); its weights are written afterwards."""
+    """An empty, frozen, eval-mode model of ``base``'s architecture (no adapters; its buffers) on ``device``."""
     with torch.device("meta"):
-        model = type(base)._from_config(base.config, dtype=dtype)
+        model = model_from_config(type(base), base.config, dtype)
     model.to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()  # to_empty gives tied weights (an LM head that is the embedding) a tensor each
     with torch.no_grad():
@@ -194,9 +172,8 @@ def plain_name(name: str) -> str:
 
 
 def _targets(base: torch.nn.Module, copy: torch.nn.Module):
-    """``(source module, what, copy's tensor)`` for every tensor the copy takes from ``base``: what is a
-    parameter's name, or ``None`` for a LoRA layer's merged weight. ``KeyError``: a module of ``base``
-    the copy has no place for."""
+    """``(source module, what, copy's tensor)`` for every tensor the copy takes from ``base`` (``what``: a
+    parameter's name, or ``None`` for a LoRA layer's merged weight). ``KeyError``: a module with no place in it."""
     from peft.tuners.lora import LoraLayer
 
     copies = dict(copy.named_modules())
@@ -209,16 +186,17 @@ def _targets(base: torch.nn.Module, copy: torch.nn.Module):
             if module.base_layer.bias is not None:
                 yield module.base_layer, "bias", into.bias
             continue
-        for key, param in module._parameters.items():
-            if param is not None:
-                yield module, key, into._parameters[key]
-        stack.extend((f"{name}.{key}" if name else key, child) for key, child in module._modules.items() if child)
+        params = dict(into.named_parameters(recurse=False, remove_duplicate=False))
+        for key, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            yield module, key, params[key]
+        # (an empty container, a peft ModuleDict of no adapter, has nothing to copy)
+        stack.extend((f"{name}.{key}" if name else key, child) for key, child in module.named_children() if child)
 
 
 def _fill(source: torch.nn.Module, what: str | None, into: torch.Tensor) -> bool:
     """Write ``source``'s tensor into ``into``; ``False`` while it is still sharded."""
     if what is not None:
-        value = source._parameters[what]
+        value = source.get_parameter(what)
         if isinstance(value, DTensor):
             return False
         into.copy_(value)

@@ -1,25 +1,13 @@
-"""A static KV cache whose rows can be compacted in place: the decoding step of fixed shapes a
-CUDA graph can replay.
+"""A static KV cache whose rows can be compacted in place: a decoding step of fixed shapes a CUDA graph can replay.
 
-transformers' ``StaticLayer`` keeps every layer's keys and values in buffers of the rollout's
-whole length, written in place at a position held in a tensor, and the model attends over the
-whole buffer under a mask of that fixed width: the step's shapes never change, which is what
-CUDA graphs (and ``torch.compile``) need. :class:`RowsStaticLayer` adds what a rollout needs on
-top: buffers for ``capacity`` rows allocated once, of which the first ``batch`` rows are the
-decoding batch, and :meth:`RowsStaticLayer.select_rows`, which moves the rows that go on to the
-front of the same buffers (a group's prefill repeated to its n samples, ended rows leaving),
-and one set of write positions for all of a cache's layers (:class:`WritePositions`). The batch
-only takes the sizes of :func:`batch_buckets`, so a graph per bucket covers a rollout.
-
-An engine keeps its caches from one rollout to the next (:class:`StaticCaches`: one per batch
-size, for the two batch sizes used last, its length rounded up to a bucket width:
-:func:`~ngrpo_lightning.backends.width_buckets.bucket_width`, a multiple of 64), so the
-buffers, and the graphs recorded on them, keep their addresses: a graph is recorded once per
-run, not once per rollout.
-
-The attention over the full-width buffer gives the values of the growing cache up to float
-rounding (masked positions add zeros); ``tests/test_static_decoding.py`` checks tokens and
-log-probs against it for every built-in explorer.
+transformers' ``StaticLayer`` keeps keys and values in buffers of the rollout's whole length, written in place at a
+position held in a tensor, attended under a fixed-width mask: the step's shapes never change, as CUDA graphs (and
+``torch.compile``) need. :class:`RowsStaticLayer` adds buffers for ``capacity`` rows allocated once (the first
+``batch`` rows the decoding batch), :meth:`RowsStaticLayer.select_rows` moving the rows that go on to their front, and
+one set of write positions for all layers (:class:`WritePositions`). The batch takes only :func:`batch_buckets`'
+sizes, so a graph per bucket covers a rollout. An engine keeps its caches across rollouts (:class:`StaticCaches`), so a
+graph is recorded once per run. Attention over the full-width buffer gives the growing cache's values up to float
+rounding (``tests/test_static_decoding.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from ngrpo_lightning.backends.width_buckets import bucket_width
+from ngrpo_lightning.compat.torch import mark_static_address
 
 __all__ = ["RowsStaticLayer", "StaticCaches", "WritePositions", "batch_buckets", "rows_static_cache"]
 
@@ -42,11 +31,8 @@ def batch_buckets(rows: int) -> list[int]:
 
 
 class WritePositions:
-    """Where a step writes, shared by a cache's layers: every layer writes its keys and values at
-    the same positions, so the first layer works them out and advances the one position counter
-    (``length``), and the others take them as they are. transformers' ``StaticLayer`` does it in
-    every layer: three small kernels per layer and step, 7% of a decoding step's kernels at the
-    packaged model's shape, where a replayed step's time is its kernels."""
+    """Where a step writes, shared by a cache's layers: the first layer works the positions out and advances the one
+    counter (``length``), the others take them as they are (fewer kernels per step than ``StaticLayer``)."""
 
     def __init__(self):
         self.length = torch.tensor(0, dtype=torch.long)  # positions written so far
@@ -54,9 +40,8 @@ class WritePositions:
 
 
 class RowsStaticLayer(StaticLayer):
-    """A ``StaticLayer`` over buffers of ``capacity`` rows; its ``keys`` and ``values`` are views of
-    the first ``batch`` rows. ``positions``: the :class:`WritePositions` of its cache, which it
-    advances where ``leads`` (the first layer) and reads otherwise; its own when alone."""
+    """A ``StaticLayer`` over buffers of ``capacity`` rows; its ``keys`` and ``values`` are views of the first
+    ``batch`` rows. ``positions``: its cache's :class:`WritePositions`, advanced where ``leads`` (the first layer)."""
 
     def __init__(self, max_cache_len: int, capacity: int, positions: WritePositions | None = None, leads: bool = True):
         super().__init__(max_cache_len)
@@ -98,12 +83,11 @@ class RowsStaticLayer(StaticLayer):
             shared.length = shared.length.to(self.device)
         self.cumulative_length = shared.length
         if not torch.compiler.is_compiling():  # where the step writes: advanced in place by every step
-            torch._dynamo.mark_static_address(self.cumulative_length)
+            mark_static_address(self.cumulative_length)
         self.is_initialized = True
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """The batch becomes ``rows`` of the current one, in that order (gathered first, so a row may
-        move to a place another row leaves)."""
+        """The batch becomes ``rows`` of the current one, in that order (gathered first)."""
         if not self.is_initialized:
             return
         rows = torch.as_tensor(rows, device=self.device)
@@ -114,16 +98,14 @@ class RowsStaticLayer(StaticLayer):
         self.batch_size = count
 
     def _views(self, count: int) -> None:
-        """``keys`` and ``values``: the first ``count`` rows of the buffers, marked as tensors that
-        keep their address (a compiled step replayed from CUDA graphs reads them in place)."""
+        """``keys`` and ``values``: the first ``count`` rows of the buffers, marked as keeping their address."""
         self.keys, self.values = self.key_buffer[:count], self.value_buffer[:count]
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values):
-                torch._dynamo.mark_static_address(t)
+                mark_static_address(t)
 
     def restart(self) -> None:
-        """Empty for the next rollout, keeping the buffers (and their addresses): the next prefill
-        writes from position 0 into the first rows of the same storage."""
+        """Empty for the next rollout, keeping the buffers (and their addresses)."""
         self.is_initialized = False
         self.cumulative_length.zero_()
 
@@ -144,19 +126,11 @@ def rows_static_cache(model, max_cache_len: int, capacity: int) -> Cache:
 
 
 class StaticCaches:
-    """An engine's static caches, kept across rollouts with the decoding graphs recorded on them
-    (:attr:`graphs`, by the same batch size): one per batch size (training's and validation's
-    rollouts differ), as long as the longest rollout asked for so far, rounded up to its
-    :func:`~ngrpo_lightning.backends.width_buckets.bucket_width` (prompts of other widths reuse it,
-    and a GPU's attention reads keys at a width it has planned for). A rollout that fits restarts
-    the kept cache; a longer one replaces it.
-
-    Only the ``keep`` batch sizes used last are kept (default :data:`KEEP`): a cache holds every
-    row's keys and values at full length (at Qwen2.5-7B's shape, 32 rows of 12,288 positions are
-    22.5 GB), so one kept per kind of rollout an engine ever made would hold them all for the whole
-    run. Two cover training with one other kind (validation, or dynamic sampling's extra rollouts);
-    a third kind costs the least recently used its cache and graphs, which the next rollout of that
-    size allocates and records again (tenths of a second)."""
+    """An engine's static caches, kept across rollouts with the decoding graphs recorded on them (:attr:`graphs`): one
+    per batch size, as long as the longest rollout so far rounded up to its
+    :func:`~ngrpo_lightning.backends.width_buckets.bucket_width`; a rollout that fits restarts it, a longer one
+    replaces it. Only the ``keep`` batch sizes used last are kept (default :data:`KEEP`: training and one other kind);
+    a third costs the least recently used its cache and graphs, made again when next needed."""
 
     KEEP = 2
 

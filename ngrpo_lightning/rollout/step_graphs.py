@@ -1,22 +1,13 @@
 """Whole decoding steps replayed from CUDA graphs: the model, the explorer and the bookkeeping.
 
-:class:`~.decode_graphs.DecodeGraphs` records only the model's step; the explorer, the sampling,
-the log-prob, the records and the rows' ends then run between replays, each a kernel launched
-from Python (at the packaged shape on an H100, 45 kernels and 157 dispatched operations per step
-outside the graph, the replays 2.8 ms apart for 1.5 ms of kernels: docs/performance.md). When the
-explorer declares it can be recorded (:func:`~ngrpo_lightning.explorers.base.declares_capturable`),
-:class:`StepGraphs` records all of it instead, per batch bucket: the step reads its inputs from
-buffers of its own (:class:`Batch`), writes the rollout's outputs into the kept
-:class:`~.decode_state.DecodeState`, and writes the next step's inputs into the same buffers. The
-host only replays, and looks at which rows ended every few steps.
-
-What makes that exact: the step's position ``t`` is a device tensor the step moves on itself; the
-sampling generator is registered with every graph, so a replay draws what the eager step would
-have drawn; nothing the step writes is a new tensor (``replay="rerun"`` checks it on the CPU).
-
-The graphs, the state and the batch buffers are kept across rollouts while the model's tensors,
-the cache, the generator and the explorer (its settings and tensors) are those they were recorded
-with (:meth:`StepGraphs.current`).
+Where the explorer declares it can be recorded (:func:`~ngrpo_lightning.explorers.base.declares_capturable`),
+:class:`StepGraphs` records per batch bucket what :class:`~.decode_graphs.DecodeGraphs` leaves between replays (the
+explorer, sampling, log-prob, records, rows' ends): the step reads its inputs from buffers of its own (:class:`Batch`),
+writes the rollout's outputs into the kept :class:`~.decode_state.DecodeState` and the next step's inputs into the
+same buffers. The host only replays. It is exact: the step moves its position ``t`` (a device tensor) itself; the
+sampling generator is registered with every graph, so a replay draws what the eager step would; nothing the step
+writes is a new tensor (``replay="rerun"`` checks it on the CPU). Graphs, state and buffers are kept across rollouts
+while :meth:`StepGraphs.current` holds.
 """
 
 from __future__ import annotations
@@ -76,8 +67,8 @@ class StepGraphs(DecodeGraphs):
         self.columns = torch.arange(cache.layers[0].max_cache_len, device=embedding.device)
 
     def current(self, model, cache, explorer=None, generator=None, capacity: int = 0) -> bool:
-        """As :meth:`DecodeGraphs.current`, and the same generator, an explorer whose settings and
-        tensors are those recorded, and a state that holds ``capacity`` tokens."""
+        """As :meth:`DecodeGraphs.current`, and the same generator, an explorer as recorded, and a state that holds
+        ``capacity`` tokens."""
         return (
             super().current(model, cache)
             and generator is self.generator
@@ -102,8 +93,8 @@ class StepGraphs(DecodeGraphs):
         return self.batches[rows]
 
     def step(self, batch: Batch) -> torch.Tensor:
-        """Replay the step of ``batch`` (its own buffers, :meth:`batch`), recorded the first time:
-        its logits [b, V] float32, a buffer the next step overwrites."""
+        """Replay the step of ``batch`` (its own buffers, :meth:`batch`), recorded the first time: its logits [b, V]
+        float32, a buffer the next step overwrites."""
         rows = batch.inputs.shape[0]
         entry = self.recorded.get(rows)
         if entry is None:
@@ -145,21 +136,18 @@ class StepGraphs(DecodeGraphs):
     def _record_step(self, batch: Batch) -> _Recorded:
         if self.replay == "rerun":
             return _Recorded({}, self._run(batch), None)
-        # The model's step warms up (kernels pick their algorithms) on a side stream; the bookkeeping
-        # ran eagerly in the rollout's first step, and its writes must happen once, in the replay.
+        # The model's step warms up on a side stream; the bookkeeping's writes must happen once, in the replay
         name = type(self.explorer).__name__
         way_out = (
             f"an explorer ({name}) whose step cannot be recorded must not declare capturable; or record the "
-            "model's step alone with backend.name=cuda_model_step; or "
+            "model's step alone with backend.disable=[whole_step_graphs]; or "
         )
         return self._capture(lambda: self._model_step(batch), lambda: self._run(batch), self.generator, way_out=way_out)
 
 
 def fingerprint(obj, depth: int = 3) -> tuple:
-    """What a recorded step took from ``obj`` (an explorer) when it was recorded: its class, its
-    settings (public attributes holding numbers, texts, flags) and where its tensors lie, looking
-    into the objects it holds (an index, a sampler) ``depth`` levels deep. Anything else counts by
-    its type; a private plain value (``_prepare_calls``, a counter of rollouts) is bookkeeping."""
+    """What a recorded step took from ``obj`` (an explorer): its class, public plain settings and where its tensors
+    lie, looking ``depth`` levels into the objects it holds; anything else counts by its type."""
     if obj is None:
         return ()
     items = []

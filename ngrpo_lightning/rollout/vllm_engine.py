@@ -1,24 +1,16 @@
 """VLLMEngine: rollouts with vLLM, every explorer running inside its decoding loop.
 
-vLLM keeps its own copy of the weights, loaded from the directory the policy was loaded
-from; :meth:`VLLMEngine.sync_weights` replaces them with the policy's current ones (the
-DataModule calls it before a rollout whenever the policy took optimizer steps since the
-last sync). Plain sampling (``TemperatureExplorer``) is vLLM's own sampler; any other
-explorer decides each step in place of it through the runner patch of
-:mod:`.vllm_runner_patch`, and its non-discrete steps come back as records that training
-replays exactly as with :class:`~.hf_engine.HFEngine`.
+vLLM keeps its own copy of the weights, loaded from the policy's directory; :meth:`VLLMEngine.sync_weights` replaces
+them with the policy's current ones before a rollout whenever the policy took optimizer steps. Plain sampling
+(``TemperatureExplorer``) is vLLM's own sampler; any other explorer decides each step in its place through the runner
+patch of :mod:`ngrpo_lightning.compat.vllm` (one call's session: :mod:`.vllm_session`), its non-discrete steps coming
+back as records that training replays exactly as with :class:`~.hf_engine.HFEngine`.
 
-vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the explorer, its
-generator and the records live next to the trainer, and each training process drives its
-own colocated engine. The patch is written for vLLM's Model Runner V1, which the engine
-selects explicitly on CPU and GPU alike (``VLLM_USE_V2_MODEL_RUNNER=0``; vLLM's default on a
-GPU is V2), and start-up fails, naming the runner class, if vLLM ran another one.
-
-On GPU, CUDA graphs stay on (the mixed rows are written into the persistent input buffer
-the graphs read), and the engine sleeps between rollouts (``sleep``), giving its KV cache
-and weights memory back to training, in the order wake weights -> sync -> wake KV cache ->
-generate -> sleep (docs/vllm.md, "Weight sync"). The engine never reloads weights from
-disk after start-up: that would overwrite a sync.
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each training process driving its own colocated
+engine. The patch is for vLLM's Model Runner V1, selected explicitly (``VLLM_USE_V2_MODEL_RUNNER=0``); start-up fails,
+naming the runner class, on another one. On GPU, CUDA graphs stay on and the engine sleeps between rollouts
+(``sleep``): wake weights -> sync -> wake KV cache -> generate -> sleep (docs/vllm.md, "Weight sync"). Weights are
+never reloaded from disk after start-up: that would overwrite a sync.
 """
 
 from __future__ import annotations
@@ -30,12 +22,13 @@ from collections.abc import Iterable
 
 import torch
 
+from ngrpo_lightning.compat.vllm import install, runner_class
 from ngrpo_lightning.explorers import Explorer, TemperatureExplorer
 from ngrpo_lightning.models.loading import resolve_model_path
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.engine import RolloutEngine, eos_token_ids, full_named_tensors, register_engine
 from ngrpo_lightning.rollout.padding import pad_rows
-from ngrpo_lightning.rollout.vllm_runner_patch import RolloutSession, install, runner_class
+from ngrpo_lightning.rollout.vllm_session import RolloutSession
 from ngrpo_lightning.rollout.vllm_support import VLLMVersionError, check_vllm, select_model_runner_v1
 
 WEIGHTS_DISCARDED = -1  # weights_version after a level-2 sleep: never a policy version, so the next rollout syncs
@@ -47,9 +40,8 @@ def _start_in_process() -> None:
 
 
 class _RotaryCacheNotSynced(logging.Filter):
-    """vLLM's reload warns "RotaryEmbedding: Failed to load weights" at every sync: its cos/sin
-    cache is derived, not in any checkpoint, and is put back as it was (log-probs agree to 1e-5
-    after syncs, tests/test_vllm_engine.py). Other layers' warnings still show."""
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at every sync: a derived cache, put back as it was
+    (tests/test_vllm_engine.py). Other layers' warnings show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
@@ -62,8 +54,7 @@ def _quiet_rotary_reload() -> None:
 
 
 def _made_outside_inference(named_tensors: Iterable[tuple[str, torch.Tensor]]):
-    """``named_tensors`` one at a time, each made with inference mode off, whatever the caller's
-    mode: a sharded model's state dict cannot gather under it, nor inside a validation's."""
+    """``named_tensors`` one at a time, each made with inference mode off (a sharded state dict gathers only so)."""
     tensors = iter(named_tensors)
     while True:
         with torch.inference_mode(False):
@@ -87,15 +78,12 @@ class VLLMEngine(RolloutEngine):
         max_model_len: longest prompt + response.
         gpu_memory_utilization: share of GPU memory vLLM may take (colocated with training).
         kv_cache_gib: KV cache size on CPU.
-        sleep: on GPU, release vLLM's memory between rollouts (``LLM.sleep``/``wake_up``):
-            ``True`` or ``1`` = sleep level 1 (weights offloaded to host memory, KV cache
-            freed); ``2`` = level 2 (weights discarded too: every rollout must then follow a
-            sync, which :meth:`generate` makes itself from the live policy of
-            :meth:`from_policy`, or refuses); ``False``/``0`` = never. Ignored on CPU.
+        sleep: on GPU, release vLLM's memory between rollouts: ``True``/``1`` = level 1 (weights to host memory, KV
+            cache freed); ``2`` = weights discarded too (each rollout then syncs from :meth:`from_policy`'s live
+            policy, or is refused); ``False``/``0`` = never. Ignored on CPU.
         enforce_eager: ``None`` = eager on CPU, CUDA graphs on GPU (they see the mixed inputs).
         engine_kwargs: further ``vllm.LLM`` arguments.
-        policy: the live policy module whose weights the engine mirrors (set by
-            :meth:`from_policy`); only used to restore weights discarded by a level-2 sleep.
+        policy: the live policy the engine mirrors (:meth:`from_policy`); restores weights a level-2 sleep discarded.
     """
 
     settings_key = "vllm"  # rollout.vllm.*
@@ -146,9 +134,7 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=self.sleep_enabled,
             **(engine_kwargs or {}),
         )
-        # vLLM's CPU worker picks its own thread count for decoding (1: more threads spin-wait against
-        # each other) and disables torch.set_num_threads process-wide; the trainer gets its threads
-        # back, and decoding runs with vLLM's count (see generate).
+        # vLLM's CPU worker sets its own thread count and disables torch.set_num_threads: restored for the trainer
         self.serving_threads = torch.get_num_threads()
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
@@ -180,8 +166,7 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def check_model(cls, model: torch.nn.Module) -> None:
-        """vLLM's CPU attention takes a few head sizes only (the tiny test model's 16 is not one of
-        them): refused here, not when vLLM builds its attention after loading the model again."""
+        """vLLM's CPU attention takes a few head sizes only: refused here, before vLLM loads the model again."""
         if torch.cuda.is_available():
             return
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -209,13 +194,9 @@ class VLLMEngine(RolloutEngine):
         backend=None,
         **settings,
     ) -> VLLMEngine:
-        """An engine for a live policy model and its tokenizer: vLLM loads the directory the
-        policy was loaded from (``settings["model"]`` overrides it) in the policy's dtype unless
-        ``settings["dtype"]`` says otherwise, with room for ``max_prompt_tokens + max_new_tokens``
-        unless ``settings["max_model_len"]`` says otherwise; the policy's own weights, which may
-        differ from that directory's, arrive with :meth:`sync_weights` (gathered from the
-        policy's shards under FSDP2: ``sharded_root`` is not needed). ``settings`` are the other
-        constructor arguments (``rollout.vllm.*``; nulls take the defaults)."""
+        """An engine for a live policy: vLLM loads the policy's directory (or ``settings["model"]``) in its dtype, with
+        room for ``max_prompt_tokens + max_new_tokens``, unless ``settings`` (the other constructor arguments,
+        ``rollout.vllm.*``; nulls take the defaults) say otherwise; the weights arrive with :meth:`sync_weights`."""
         settings = {k: v for k, v in settings.items() if v is not None}
         path = settings.pop("model", None) or resolve_model_path(policy.name_or_path)
         dtype = settings.pop("dtype", None) or str(next(policy.parameters()).dtype).removeprefix("torch.")
@@ -250,19 +231,11 @@ class VLLMEngine(RolloutEngine):
         weight = embed.weight
         return weight[: self.llm.llm_engine.model_config.get_vocab_size()]
 
-    # ------------------------------------------------------------- weights
-    # The order on GPU: [sleeping] -> wake weights -> sync_weights -> wake KV cache -> generate -> sleep.
-    # Only the weights are woken for a sync (the KV cache stays released while the full tensors
-    # arrive), and weights are loaded from the given tensors only, never from disk again, so
-    # nothing can overwrite a sync before the rollout it was made for.
+    # ------------------------------------------------------------- weights (order: see the module docstring)
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Load the policy's current weights (Hugging Face names; full, unsharded tensors)
-        into vLLM, converting them to vLLM's layout (fused projections, packed kernels). The
-        tensors are copied into the storage vLLM's CUDA graphs were captured with."""
+        """Load the policy's weights (Hugging Face names; full tensors) into the storage vLLM's CUDA graphs read."""
         self._wake(tags=["weights"])
-        # written under inference mode: an engine built inside it (a run's first rollout is its
-        # validation's) holds inference tensors, which take writes only there (normal tensors take
-        # them too); each tensor is made outside it, where FSDP2's state dict can gather
+        # written in inference mode (the engine's tensors are inference tensors), each made outside it (FSDP2 gathers)
         with torch.inference_mode():
             self.runner.reload_weights(
                 weights_iterator=_made_outside_inference(named_tensors), is_checkpoint_format=True
@@ -286,8 +259,7 @@ class VLLMEngine(RolloutEngine):
             self.weights_version = WEIGHTS_DISCARDED
 
     def _ensure_weights(self) -> None:
-        """Before a rollout: weights dropped by a level-2 sleep and not synced since are restored
-        from the live policy (a collective under FSDP2, as in the DataModule's sync), or refused."""
+        """Before a rollout: weights a level-2 sleep dropped, not synced since, come from the live policy, or refuse."""
         if self.weights_version != WEIGHTS_DISCARDED:
             return
         if self.policy is None:

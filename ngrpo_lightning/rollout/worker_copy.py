@@ -1,18 +1,14 @@
 """The rollouts-ahead worker's copy of the policy, and the weights each job hands it.
 
-The worker (:mod:`.ahead`) decodes while the trainer changes the policy, so it decodes a copy,
-and every job carries the weights of the policy version it was queued at (a *snapshot*, taken
-on the training thread), which the worker writes into its copy before rolling out. Three kinds:
+The worker (:mod:`.ahead`) decodes a copy while the trainer changes the policy; every job carries the weights of the
+version it was queued at (a *snapshot*, taken on the training thread):
 
-- :class:`ModuleCopy`, for a policy in one process: a deep copy sharing what training never
-  changes (a LoRA policy's base weights, buffers); a snapshot is the trainable parameters only.
-- :class:`GatheredCopy`, for a policy FSDP2 shards over several processes: a plain model of its
-  architecture holding the full weights on this rank, in FSDP2's compute dtype (the worker cannot
-  decode through the sharded policy: every forward there is a collective, which the training
-  thread runs too); a snapshot is the full weights, gathered. Gathers are collectives: every
-  rank builds its worker and queues the same jobs at the same steps, so every rank gathers together.
-- :class:`GatheredLoraCopy`, for a sharded LoRA policy: the plain model of its base, gathered once
-  (training never changes it), with adapters of its own; a snapshot is the adapters, gathered.
+- :class:`ModuleCopy`, one process: a deep copy sharing what training never changes (a LoRA policy's base weights,
+  buffers); a snapshot is the trainable parameters.
+- :class:`GatheredCopy`, FSDP2: a plain model of the full weights on this rank in FSDP2's compute dtype (a sharded
+  forward is a collective); a snapshot is the full weights, gathered (every rank queues the same jobs together).
+- :class:`GatheredLoraCopy`, sharded LoRA: the plain model of its base, gathered once, with adapters of its own; a
+  snapshot is the adapters, gathered.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ __all__ = ["GatheredCopy", "GatheredLoraCopy", "ModuleCopy", "trainable_snapshot
 
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``model``'s trainable parameters by name: what an optimizer step changes (the
-    frozen weights of a LoRA policy are shared with the worker's copy, never copied again)."""
+    """A copy of ``model``'s trainable parameters by name: what an optimizer step changes."""
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -53,9 +48,8 @@ class ModuleCopy:
 
 
 class GatheredCopy:
-    """A plain model of a sharded policy's architecture, on this rank's device in FSDP2's compute
-    dtype, prepared by the run's ``backend`` as an unsharded policy is; snapshots are the full,
-    gathered weights under the plain model's names (a LoRA policy's: :class:`GatheredLoraCopy`)."""
+    """A plain model of a sharded policy's architecture, on this rank's device in FSDP2's compute dtype, prepared by
+    the run's ``backend``; snapshots are the full, gathered weights under the plain model's names."""
 
     def __init__(self, policy: torch.nn.Module, root: torch.nn.Module, backend):
         self.dtype, device = compute_dtype_and_device(root)
@@ -87,9 +81,8 @@ class GatheredCopy:
 
 
 class GatheredLoraCopy(GatheredCopy):
-    """A sharded LoRA policy's base, gathered once into a plain model, with adapters of the policy's
-    configuration; snapshots are the adapters alone, gathered: a job carries megabytes where the
-    merged weights would be the whole model."""
+    """A sharded LoRA policy's base, gathered once into a plain model, with adapters of the policy's configuration;
+    snapshots are the adapters alone, gathered."""
 
     def _plain(self, policy: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, dict]:
         from peft import get_peft_model
@@ -108,9 +101,8 @@ class GatheredLoraCopy(GatheredCopy):
 
 
 def _whole(named_tensors, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """``named_tensors`` whole on this rank, by the plain model's names, in ``dtype`` (None: as they
-    are), each a tensor of its own: a sharded one is gathered (new), one held whole is copied (the
-    optimizer changes it in place)."""
+    """``named_tensors`` whole on this rank, by the plain model's names, in ``dtype`` (None: as they are), each a
+    tensor of its own (gathered, or copied)."""
     out = {}
     for name, tensor in named_tensors:
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
@@ -119,8 +111,8 @@ def _whole(named_tensors, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
 
 
 def worker_copy(policy: torch.nn.Module, backend, root: torch.nn.Module | None = None):
-    """The worker's copy of ``policy``: a deep copy in one process, or, where FSDP2 shards it
-    (``root``: its FSDP2 root module), a plain model of its gathered weights (LoRA: its base)."""
+    """The worker's copy of ``policy``: a deep copy, or, where FSDP2 shards it (``root``: its root module), a plain
+    model of its gathered weights (LoRA: its base)."""
     if root is None:
         return ModuleCopy(policy)
     return GatheredLoraCopy(policy, root, backend) if has_adapters(policy) else GatheredCopy(policy, root, backend)

@@ -1,14 +1,8 @@
 """What a run's explorer and objective ran with, recorded so that the run can be run again.
 
-The config holds only what was given: for a class of your own (``explorer._target_=my_pkg.Mine``)
-that is the keys on the command line, not the defaults the class filled in. Here the settings
-are read back from the built objects: every argument of the class's ``__init__`` that the object
-keeps under the same name, defaults included. They are logged as MLflow params beside the
-config's (``explorer.k``, ``objective.clip_high``, ...; a key the config already holds keeps its
-value), and as ``components.json``. A class defined outside this package has its source file
-logged too (``code/<module>.py``), with its SHA-256 as the tag ``ngrpo.code.<module>``: the
-framework's commit tag does not say which version of your code ran.
-"""
+The config holds only what was given, not the defaults a class of your own filled in, so the settings are read back from
+the built objects (:func:`settings`) and logged as MLflow params and as ``components.json``. A class defined outside
+this package has its source logged too (``code/<module>.py``), its SHA-256 as the tag ``ngrpo.code.<module>``."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ SIMPLE = (bool, int, float, str, type(None))
 
 
 def settings(component) -> dict:
-    """The ``__init__`` arguments ``component`` keeps as attributes of the same name, with their
-    values (numbers, text, booleans, None, and lists or tuples of those)."""
+    """``__init__`` arguments ``component`` keeps as same-named attributes: numbers, text, bools, None, lists/tuples."""
     try:
         names = [
             name
@@ -90,9 +83,7 @@ def log_components(logger, components: dict, config_params: dict) -> None:
 
 
 def user_experiment_name(cfg) -> str | None:
-    """The MLflow experiment of a run whose explorer or objective is a class of the user's own and
-    whose experiment is the config's default: ``<explorer>-<objective>`` (their class or config
-    names), so that such runs do not land among the default's. ``None`` otherwise."""
+    """``<explorer>-<objective>`` for a user's class's run in the default experiment (apart from its runs), or None."""
     parts = []
     user = False
     for role in ("explorer", "objective"):

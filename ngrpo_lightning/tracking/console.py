@@ -1,10 +1,7 @@
 """What a run prints: a header, one progress bar per phase, warnings that need the user, a summary.
 
-Libraries are quietened at their source, by their loggers' levels and their own switches
-(never by redirecting output): MLflow's store and system-metrics INFO lines, Lightning's
-"GPU available" lines and tips, transformers' weight-loading bars. ``logger.verbose=true``
-(``ngrpo train -v``) leaves them as they are. This package's warnings read ``ngrpo: warning: ...``.
-"""
+Libraries are quietened at their source, by their loggers' levels and their own switches (never by
+redirecting output); ``logger.verbose=true`` (``ngrpo train -v``) leaves them as they are."""
 
 from __future__ import annotations
 
@@ -35,16 +32,14 @@ QUIET = {
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Silence the libraries' routine output, unless ``verbose``, and show this package's own notes
-    (:func:`show_notes`)."""
+    """Silence the libraries' routine output unless ``verbose``; show this package's notes (:func:`show_notes`)."""
     show_notes()
     show_own_warnings()
     if verbose:
         return
     for name, level in QUIET.items():
         logging.getLogger(name).setLevel(level)
-    # MLflow sets its loggers' levels when it is imported, which a run that logs to it does later:
-    # its own switch keeps them quiet then (a level the user set stays)
+    # MLflow sets its loggers' levels when imported, later: its own switch keeps them quiet then
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
@@ -66,9 +61,7 @@ PACKAGE_DIRS = tuple(
 
 
 def show_own_warnings() -> None:
-    """This package's warnings (a disk too small for the run's checkpoints, an update that may not
-    fit in memory) as ``ngrpo: warning: <message>``, not under the path and line of the code that
-    warned; every other warning is formatted as before."""
+    """This package's warnings as ``ngrpo: warning: <message>``, without the code's path and line; others unchanged."""
     previous = warnings.formatwarning
     if getattr(previous, "ngrpo", False):
         return
@@ -83,10 +76,8 @@ def show_own_warnings() -> None:
 
 
 def show_notes() -> None:
-    """This package's INFO lines on stderr, as ``ngrpo: <line>``: what a run decided as it went (how a
-    sharded policy decodes, an explorer whose steps run between replayed graphs), once each. Python
-    shows a library's INFO lines nowhere by default; where a handler on the root logger already
-    shows them (a sweep's), the level is all that is set."""
+    """This package's INFO lines (what a run decided as it went) on stderr as ``ngrpo: <line>``; where
+    a root handler already shows them (a sweep's), only the level is set."""
     package = logging.getLogger("ngrpo_lightning")
     package.setLevel(logging.INFO)
     if logging.getLogger().handlers or any(isinstance(h, logging.StreamHandler) for h in package.handlers):
@@ -98,14 +89,12 @@ def show_notes() -> None:
 
 
 def c_allocator() -> str:
-    """The C allocator this process runs on: ``mimalloc`` when it was preloaded (``make train``
-    does; docs/performance.md, "The allocator"), else ``system``."""
+    """``mimalloc`` when it was preloaded (docs/performance.md, "The allocator"), else ``system``."""
     return "mimalloc" if hasattr(ctypes.CDLL(None), "mi_version") else "system"
 
 
 def header(cfg: DictConfig, threads=None) -> str:
-    """One block saying what this run is: model, task, explorer x objective, steps, device, store
-    (``threads``: this process's :class:`~ngrpo_lightning.backends.threads.ProcessThreads`)."""
+    """One block saying what this run is (``threads``: :class:`~ngrpo_lightning.backends.threads.ProcessThreads`)."""
     model, data, r = cfg.model, cfg.data, cfg.rollout
     explorer = cfg.explorer.get("name") or cfg.explorer.get("_target_")
     objective = cfg.objective.get("name") or cfg.objective.get("_target_")
@@ -146,8 +135,7 @@ def _lora(model) -> str:
 
 
 class StepProgressBar(TQDMProgressBar):
-    """One bar per phase: "step 7/15" with reward, accuracy, seconds per step and tokens/s, and
-    "validate 3/4" for validation; no epoch counter (a run is a number of steps)."""
+    """One bar per phase: "step 7/15" (reward, accuracy, s/step, tok/s) and "validate 3/4"; no epochs."""
 
     def init_train_tqdm(self) -> Tqdm:
         return self._bar("step {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}", 0, leave=True)
@@ -191,8 +179,12 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """End the bars' lines: the error the command prints next starts on a line of its own."""
-        for bar in (self._val_progress_bar, self._train_progress_bar):
-            if bar is not None and not bar.disable:
+        for name in ("val_progress_bar", "train_progress_bar"):
+            try:
+                bar = getattr(self, name)
+            except TypeError:  # Lightning's property raises for a bar not made yet
+                continue
+            if not bar.disable:
                 bar.close()
 
     def get_metrics(self, trainer, pl_module) -> dict:

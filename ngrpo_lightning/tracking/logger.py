@@ -26,8 +26,7 @@ from ngrpo_lightning.tracking.code_version import code_tags
 
 
 def mlflow_key(name: str) -> str:
-    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``; other characters it refuses,
-    such as ``=`` and ``,`` of a sweep arm's name, become ``_``)."""
+    """A metric name MLflow accepts (``pass@4`` -> ``pass_at_4``; other refused characters -> ``_``)."""
     return re.sub(r"[^A-Za-z0-9_/. -]", "_", name.replace("@", "_at_"))
 
 
@@ -48,10 +47,8 @@ def resolve_tracking_uri(uri: str) -> str:
 
 
 def existing_store(uri: str) -> str | None:
-    """``uri`` for reading a store that must already be there: a SQLite file's made absolute (MLflow
-    caches stores by URI), also given as a path (the file, or the folder holding ``mlflow.db``, as
-    ``./mlruns``); a server's as it is; ``None`` where there is no such store (MLflow would read a
-    plain path as a file store, which it no longer supports)."""
+    """``uri`` of a store that must already exist: a SQLite file (also given as a path, or the folder
+    holding ``mlflow.db``) made absolute, a server's as it is; ``None`` where there is none."""
     if uri.startswith(("http://", "https://", "databricks")):
         return uri
     path = Path(uri[len(SQLITE) :] if uri.startswith(SQLITE) else uri).expanduser().absolute()
@@ -68,9 +65,8 @@ def _store_error(uri: str, reason: str) -> ConfigError:
 
 
 def check_tracking_store(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, naming ``logger.tracking_uri``, when the store cannot be used: a SQLite file in a
-    folder that cannot be written, or a server that does not answer within ``timeout_s`` (MLflow's
-    own client would retry for minutes)."""
+    """Fail fast, naming ``logger.tracking_uri``, when the store cannot be used: an unwritable SQLite
+    file, or a server that does not answer within ``timeout_s`` (MLflow's client would retry long)."""
     if uri.startswith(SQLITE):
         path = Path(uri[len(SQLITE) :])
         target = path if path.exists() else path.parent
@@ -94,8 +90,7 @@ def check_tracking_store(uri: str, timeout_s: float = 5.0) -> None:
 
 @contextmanager
 def store_lock(uri: str):
-    """Hold an exclusive file lock beside a SQLite store while it may be created or migrated:
-    two runs creating the same new store at once would otherwise race in MLflow's migrations."""
+    """An exclusive file lock beside a SQLite store while it may be created or migrated: two runs never race."""
     if not uri.startswith(SQLITE):
         yield
         return
@@ -108,8 +103,7 @@ def store_lock(uri: str):
 
 
 def default_run_name(cfg: DictConfig) -> str:
-    """What ran, readable in the MLflow UI: experiment, explorer, objective, seed and a short id
-    (MLflow's own random names repeat for every run of the same seed)."""
+    """A readable run name: experiment, explorer, objective, seed and a short id."""
     parts = [str(cfg.get("experiment_name") or "run")]
     for group in ("explorer", "objective"):
         node = cfg.get(group)
@@ -120,11 +114,8 @@ def default_run_name(cfg: DictConfig) -> str:
 
 
 class RunLogger(MLFlowLogger):
-    """``MLFlowLogger`` whose run status tells the truth. Lightning calls ``finalize`` at the end of
-    every ``trainer.validate`` and ``trainer.fit``, which would mark a run FINISHED after the
-    validation before training; here the run stays RUNNING until :meth:`close` ends it once:
-    FINISHED, FAILED (an exception) or KILLED (interrupted). A run killed outright stays RUNNING
-    and is set RUNNING again when ``resume`` continues it."""
+    """``MLFlowLogger`` whose run stays RUNNING until :meth:`close` ends it once (FINISHED, FAILED or
+    KILLED): Lightning's ``finalize`` after each ``validate`` would mark it FINISHED before training."""
 
     _monitor = None
 
@@ -136,8 +127,7 @@ class RunLogger(MLFlowLogger):
         pass  # the run ends in close()
 
     def monitor_system(self, interval_s: float, resume: bool = False) -> None:
-        """Log system metrics (``system/*``: CPU, memory, GPU, this process's RSS) into the run
-        every ``interval_s`` seconds until :meth:`close`."""
+        """Log ``system/*`` metrics into the run every ``interval_s`` seconds until :meth:`close`."""
         # imported here: MLflow is needed only by a run that logs to it (``logger=none`` runs without)
         from ngrpo_lightning.tracking.system_metrics import start_system_metrics
 
@@ -151,9 +141,7 @@ class RunLogger(MLFlowLogger):
 
 
 def mlflow_ui_command(uri: str) -> str:
-    """The command that opens MLflow's UI on ``uri``, as it runs from where the user is: ``mlflow``
-    where the shell finds this environment's, else its path (a virtual environment not activated,
-    as ``make train`` leaves it)."""
+    """The command opening MLflow's UI on ``uri``: ``mlflow`` if the shell finds this venv's, else its full path."""
     here = Path(sys.executable).parent / "mlflow"
     found = shutil.which("mlflow")
     program = "mlflow" if found and (not here.exists() or Path(found).resolve() == here.resolve()) else str(here)
@@ -164,11 +152,9 @@ NOTHING_RAN = "Nothing has run yet: free space, or give logger.tracking_uri= a s
 
 
 def build_logger(cfg: DictConfig, run_id: str | None = None, *, monitor: bool = False) -> RunLogger | None:
-    """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``), its store checked, created
-    (under a lock) and its run started, tagged with the code it runs (:mod:`.code_version`), all
-    before any model loads; ``run_id`` continues an
-    existing run (resume). ``monitor``: a training run, whose system metrics are logged when
-    ``logger.system_metrics`` is on (by the first process only)."""
+    """The MLflow logger of ``logger.*`` (``None`` for ``logger=none``): store checked and created
+    under a lock, run started and tagged with the code (:mod:`.code_version`), before any model
+    loads. ``run_id`` continues a run; ``monitor``: log system metrics when ``logger.system_metrics``."""
     if cfg.logger.name == "none":
         return None
     if cfg.logger.name != "mlflow":
@@ -230,9 +216,8 @@ def log_config(logger, cfg: DictConfig) -> None:
 
 
 def log_report_run(cfg: DictConfig, metrics: dict[str, float], files) -> tuple[str | None, list[str]]:
-    """A one-off MLflow run (``ngrpo eval``, ``ngrpo diagnose``): the flat config, ``metrics`` at
-    step 0 (names made MLflow-safe) and ``files`` as artifacts. Returns the run id and the
-    summary lines that say how to open it (None and no lines when logging is off)."""
+    """A one-off MLflow run (``ngrpo eval``, ``ngrpo diagnose``): the flat config, ``metrics`` at step 0
+    and ``files`` as artifacts. Returns the run id and summary lines (None and [] without logging)."""
     logger = build_logger(cfg)
     if logger is None:
         return None, []
@@ -270,9 +255,8 @@ def _steps(n: int) -> str:
 
 
 def summarize_run(trainer, logger, before, after, seconds: float, first_step: int = 0) -> dict:
-    """A summary dict with a ``text`` field: validation accuracy before/after, reward of the
-    first vs last steps, where the run is stored and how to look at it. ``first_step``: where a
-    resumed run started (its summary counts the steps it trained, to the run's total)."""
+    """A summary dict with a ``text`` field: validation accuracy before/after, first vs last rewards,
+    where the run is stored. ``first_step``: where a resumed run started."""
     acc = lambda res: res[0].get("val/accuracy", math.nan) if res else math.nan  # noqa: E731
     rewards = metric_history(logger, "train/reward")
     k = max(1, len(rewards) // 3)

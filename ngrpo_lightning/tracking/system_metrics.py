@@ -1,12 +1,7 @@
 """System metrics of a training run in MLflow (``logger.system_metrics``).
 
-MLflow's own monitor samples CPU utilisation, system memory, disk and network and, where NVML
-answers (``nvidia-ml-py``, an NVIDIA driver), each GPU's memory and utilisation. It knows
-nothing of this process, so :class:`ProcessMemoryMonitor` adds what a user needs to see where
-the run's memory goes without a profiler: the trainer's resident memory (and its peak), its
-worker processes' (verifier pool, vLLM engine), and on CUDA what torch itself holds.
-Everything is logged under ``system/`` with MLflow's step counter (one step per sample).
-"""
+MLflow's own monitor samples CPU, memory, disk, network and (with NVML) each GPU; :class:`ProcessMemoryMonitor` adds
+this process's memory (and its workers', torch's on CUDA), all under ``system/`` (one step per sample)."""
 
 from __future__ import annotations
 
@@ -17,23 +12,23 @@ import torch
 from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+from ngrpo_lightning.compat.mlflow import add_monitor
+
 MB = 1e6
 
 
 class ProcessMemoryMonitor(BaseMetricsMonitor):
-    """This process's memory: ``process_rss_megabytes`` (mean over the samples of one logging
-    period), ``process_peak_rss_megabytes`` (the process's high-water mark so far),
-    ``process_children_rss_megabytes`` (all its descendants) and, on CUDA,
-    ``torch_cuda_allocated_megabytes`` / ``torch_cuda_peak_allocated_megabytes``."""
+    """This process's memory: ``process_rss_megabytes`` (mean over a period), ``process_peak_rss_megabytes``,
+    ``process_children_rss_megabytes`` and, on CUDA, ``torch_cuda_(peak_)allocated_megabytes``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._process = psutil.Process()
 
     def collect_metrics(self) -> None:
-        self._metrics["process_rss_megabytes"].append(self._process.memory_info().rss / MB)
+        self.metrics["process_rss_megabytes"].append(self._process.memory_info().rss / MB)
         # ru_maxrss is in KiB on Linux: the peak between samples is not missed
-        self._metrics["process_peak_rss_megabytes"].append(
+        self.metrics["process_peak_rss_megabytes"].append(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB
         )
         children = 0
@@ -42,24 +37,23 @@ class ProcessMemoryMonitor(BaseMetricsMonitor):
                 children += child.memory_info().rss
             except psutil.Error:  # ended between listing and reading
                 pass
-        self._metrics["process_children_rss_megabytes"].append(children / MB)
+        self.metrics["process_children_rss_megabytes"].append(children / MB)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._metrics["torch_cuda_allocated_megabytes"].append(torch.cuda.memory_allocated() / MB)
-            self._metrics["torch_cuda_peak_allocated_megabytes"].append(torch.cuda.max_memory_allocated() / MB)
+            self.metrics["torch_cuda_allocated_megabytes"].append(torch.cuda.memory_allocated() / MB)
+            self.metrics["torch_cuda_peak_allocated_megabytes"].append(torch.cuda.max_memory_allocated() / MB)
 
     def aggregate_metrics(self) -> dict[str, float]:
-        return {k: round(max(v) if "peak" in k else sum(v) / len(v), 1) for k, v in self._metrics.items() if v}
+        return {k: round(max(v) if "peak" in k else sum(v) / len(v), 1) for k, v in self.metrics.items() if v}
 
 
 def start_system_metrics(
     run_id: str, tracking_uri: str, interval_s: float, resume: bool = False
 ) -> SystemMetricsMonitor:
-    """A started monitor thread logging into ``run_id`` every ``interval_s`` seconds; it stops by
-    itself when the run ends, or with ``finish()``. ``resume`` continues the step numbering of an
-    earlier part of the run."""
+    """A started monitor thread logging into ``run_id`` every ``interval_s`` seconds until the run ends
+    or ``finish()``; ``resume`` continues an earlier part's step numbering."""
     monitor = SystemMetricsMonitor(
         run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=tracking_uri
     )
-    monitor.monitors.append(ProcessMemoryMonitor())
+    add_monitor(monitor, ProcessMemoryMonitor())
     monitor.start()
     return monitor

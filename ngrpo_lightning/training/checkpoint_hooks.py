@@ -1,10 +1,8 @@
 """What :class:`~ngrpo_lightning.training.module.RLModule` adds to Lightning's checkpoints, and leaves out.
 
-Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
-(ReplayBuffer) and the datamodule (data position, engine RNG). The module adds the explorer's
-state, the update plan's shuffling, the process RNG states and what identifies the run, and
-leaves out the frozen weights: the KL reference's (and, with LoRA adapters, the base model's),
-recorded by name and SHA-256 instead and checked when a run resumes.
+Beside Lightning's own state the module saves the explorer's state, the update plan's shuffling, the RNG states and
+what identifies the run, and leaves out the frozen weights (reference, LoRA base), recorded by name and SHA-256 and
+checked on resume.
 """
 
 from __future__ import annotations
@@ -23,12 +21,10 @@ from ngrpo_lightning.models import lora
 
 
 class CheckpointHooks:
-    """The checkpoint hooks of ``RLModule`` (a mixin before ``L.LightningModule``); they use its
-    ``policy``, ``reference``, ``adapters``, ``explorer``, ``plan``, ``run_meta``, ``base_model`` and ``backend``."""
+    """The checkpoint hooks of ``RLModule`` (a mixin before ``L.LightningModule``)."""
 
     def setup(self, stage: str) -> None:
-        """Record the frozen reference's identity (before any sharding): checkpoints keep it in
-        place of its weights, and a resumed run checks that its reference hashes the same."""
+        """Record the frozen reference's identity (before any sharding), saved in place of its weights."""
         if self.reference is not None and not self.base_model:
             with file_weights.materialized(self.reference):  # a file-backed one is read back for the hash
                 self.base_model = {
@@ -43,8 +39,7 @@ class CheckpointHooks:
             }
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """The module's state without the frozen reference (see :meth:`setup`); with adapters,
-        without the frozen base weights either (recorded by hash in the same way)."""
+        """The module's state without the frozen reference (and, with adapters, base) weights."""
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         for key in [k for k in state if k.startswith(f"{prefix}reference.")]:
@@ -56,9 +51,6 @@ class CheckpointHooks:
         return state
 
     # ---------------------------------------------------------- checkpoints
-    # Lightning saves the weights, optimizer, scheduler, loop progress (step), callbacks
-    # (ReplayBuffer) and the datamodule (data position, engine RNG); the module adds the
-    # explorer's state, the process RNG states and what identifies the run.
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["explorer"] = self.explorer.state_dict()  # counters and schedules (e.g. index refresh)
         checkpoint["update_plan"] = self.plan.state_dict()  # the mini-batch shuffling
@@ -89,8 +81,7 @@ class CheckpointHooks:
 
 
 def reference_not_required(module: L.LightningModule, incompatible) -> None:
-    """``load_state_dict`` post-hook: checkpoints hold no ``reference.*`` weights (the module keeps
-    the base model's, checked by hash), so their absence is not a missing key."""
+    """``load_state_dict`` post-hook: absent ``reference.*`` weights are not missing keys."""
     base = "policy."  # with adapters, the frozen base weights are not in checkpoints either
     incompatible.missing_keys[:] = [
         k

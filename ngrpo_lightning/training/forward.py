@@ -1,18 +1,10 @@
 """The training forward: log-probs of a rollout's response tokens under a model.
 
-The inputs are rebuilt from the rollout's tokens plus its records, so the log-probs are
-computed on exactly the inputs the rollout saw (mixed steps included).
-
-Memory. The obvious forward, ``log_softmax(model(...).logits)``, materialises float32 logits
-[N, L, V], their log-softmax and, in backward, their gradient: about three such tensors, 7 GiB
-for 2 x 2,048 tokens at V = 151,936, far more than a small policy's weights. So by default the
-model is split into its decoder stack and its LM head: the decoder produces the final hidden
-states [N, L, d] of the response positions, and the head is applied to ``chunk_size`` tokens
-at a time inside one autograd function that recomputes each chunk's logits in backward
-(:class:`ChunkedTokenLogprobs`). No [N, L, V] tensor exists in forward or backward; the peak
-is a few [chunk_size, V] tensors, whatever the response length. Where a micro-batch's whole
-softmax fits a small budget (``keep_softmax_mib``, 512 MiB by default: short responses, small
-vocabularies), forward keeps it and backward skips the recomputation.
+The inputs are rebuilt from the rollout's tokens and records: exactly what the rollout saw (mixed steps included).
+``log_softmax(model(...).logits)`` would hold about three float32 [N, L, V] tensors (7 GiB for 2 x 2,048 tokens at
+V = 151,936), so the LM head is applied ``chunk_size`` tokens at a time in one autograd function that recomputes each
+chunk's logits in backward (:class:`ChunkedTokenLogprobs`): a few [chunk_size, V] tensors whatever the response
+length, a softmax that fits ``keep_softmax_mib`` kept for backward.
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds
 DEFAULT_LOGPROB_CHUNK = Backend.logprob_chunk_size
 DEFAULT_KEEP_SOFTMAX_MIB = Backend.keep_softmax_mib
 
-# Config attributes of architectures whose logits are not just ``lm_head(hidden)`` (soft-capping,
-# scaling after the head, a vocabulary cut): those models take the full-logits path.
+# Config attributes of models whose logits are not just ``lm_head(hidden)``: they take the full-logits path
 LOGIT_TRANSFORM_ATTRS = (
     "final_logit_softcapping",
     "logit_scale",
@@ -54,10 +45,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """``(decoder, head)`` when ``model``'s logits are exactly ``head(decoder(...).last_hidden_state)``
-    for a plain ``nn.Linear`` head (bias allowed, weight possibly tied to the input embeddings);
-    ``None`` otherwise (no separable decoder, a custom or quantized head, or a config that
-    transforms the logits after the head, see :data:`LOGIT_TRANSFORM_ATTRS`)."""
+    """``(decoder, head)`` when ``model``'s logits are exactly ``head(decoder(...).last_hidden_state)`` for a plain
+    ``nn.Linear`` head; ``None`` otherwise (see :data:`LOGIT_TRANSFORM_ATTRS`)."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -82,23 +71,12 @@ def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Lin
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """``log_softmax(head(hidden) / T)[target]`` for M tokens, ``chunk`` tokens at a time.
-
-    Forward keeps only each token's log-sum-exp (M floats) besides its inputs; backward
-    recomputes every chunk's logits and turns them into the gradient in place, so each pass
-    holds one [chunk, V] buffer at a time:
-    ``d logp / d z = (onehot(target) - softmax(z)) / T``, then ``d hidden = dz @ W`` and
-    ``d W += dz^T @ hidden`` (``d b += sum dz``). The softmax is taken in float32 (float64 for a
-    float64 head) whatever the head's dtype; the head's own matmuls run in its dtype, as in the
-    model's forward. The weight gradient of a low-precision head is accumulated in float32 over
-    the chunks and rounded once. The optional entropy is computed in the same pass and is not
-    differentiable.
-
-    ``keep``: forward writes every chunk's softmax into one [M, V] float32 tensor and backward
-    turns it into the gradient chunk by chunk instead of recomputing the logits: one LM-head matmul
-    and its exponentials fewer, for M x V x 4 bytes held from forward to backward
-    (:func:`chunked_token_logprobs` decides by a memory budget).
-    """
+    """``log_softmax(head(hidden) / T)[target]`` for M tokens, ``chunk`` tokens at a time. Forward keeps each token's
+    log-sum-exp; backward recomputes every chunk's logits and turns them into the gradient in place, one [chunk, V]
+    buffer at a time: ``d logp / d z = (onehot(target) - softmax(z)) / T``, ``d hidden = dz @ W``,
+    ``d W += dz^T @ hidden``. Softmax in float32 (float64 for a float64 head), the head's matmuls in its dtype, a
+    low-precision head's weight gradient accumulated in float32; the entropy is not differentiable. ``keep``: forward
+    stores the [M, V] float32 softmax for backward instead of recomputing (:func:`chunked_token_logprobs` decides)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool, keep: bool):
@@ -189,11 +167,9 @@ def chunked_token_logprobs(
     with_entropy: bool = False,
     keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [M] of ``targets`` [M] under ``softmax(head(hidden) / T)`` for hidden states [M, d],
-    and optionally the (detached) entropies [M], never holding more than ``chunk_size`` tokens'
-    logits at once. When a backward will follow and the M x V float32 softmax fits in
-    ``keep_softmax_mib`` MiB, it is kept for that backward rather than recomputed there
-    (0: always recompute, the memory floor)."""
+    """Log-probs [M] of ``targets`` under ``softmax(head(hidden) / T)`` for hidden states [M, d], and optionally the
+    detached entropies [M], ``chunk_size`` tokens' logits at a time. A softmax of at most ``keep_softmax_mib`` MiB is
+    kept for backward (0: always recompute, the memory floor)."""
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     keep = needs_grad and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_softmax_mib * 2**20
     logp, entropy = ChunkedTokenLogprobs.apply(
@@ -214,26 +190,14 @@ def response_logprobs(
     keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
     share_prompts: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the
-    per-token entropy [N, L] (detached, for metrics; 0 on padding on the chunked path).
+    """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the detached entropy [N, L].
 
-    ``chunk_size`` tokens of LM-head logits are materialised at a time (see the module
-    docstring); a softmax of at most ``keep_softmax_mib`` MiB is kept for backward rather than
-    recomputed (see :func:`chunked_token_logprobs`). ``None`` takes the full-logits path,
-    ``model(...).logits`` for all N x L positions at once: kept for comparison and benchmarks,
-    and taken anyway by models whose logits are not a plain linear head of the decoder's output
-    (see :func:`split_lm_head`: e.g. Gemma 2's ``final_logit_softcapping`` or Cohere's
-    ``logit_scale``). Both paths give the same values and gradients up to float rounding.
-
-    ``share_prompts``: rows with the same prompt (the G samples of a group) run the prompt's
-    tokens once (see :func:`_hidden_with_shared_prompts`); same values and gradients. Chunked
-    path only, and not under activation checkpointing (a recomputed layer would append to
-    the shared cache twice): the caller decides. ``"always"``: the prompts' pass and the
-    responses' pass apart even where no prompt repeats (several processes: every rank's pass then
-    calls the decoder as often, whatever its rows).
-
-    ``use_records=False`` ignores the mixed steps (feeds ``E[token]`` everywhere): only
-    useful as a negative control.
+    ``chunk_size`` tokens of LM-head logits at a time (:func:`chunked_token_logprobs`); ``None`` takes the full-logits
+    path, also taken by models whose logits are not a plain linear head (:func:`split_lm_head`). Both paths agree up
+    to float rounding. ``share_prompts``: rows with the same prompt run its tokens once
+    (:func:`_hidden_with_shared_prompts`); chunked path only, not under activation checkpointing. ``"always"`` splits
+    the passes even where no prompt repeats (every rank then calls the decoder as often). ``use_records=False``
+    ignores the mixed steps: a negative control.
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(
@@ -264,9 +228,7 @@ def response_logprobs(
         return logp, entropy
 
     decoder, head = split
-    # only real response tokens reach the head. Found before the decoder runs: ``nonzero`` makes
-    # the host wait for the device, at the pass's start a short wait, after the decoder a wait for
-    # all of it (the host would queue nothing meanwhile)
+    # only real response tokens reach the head; found first, since ``nonzero`` waits for the device
     keep = batch.response_mask.bool()
     where = keep.nonzero(as_tuple=True)
     shared = shared_prompts(batch, always=share_prompts == "always") if share_prompts else None
@@ -289,9 +251,9 @@ def _last_hidden(out) -> torch.Tensor:
 
 
 def shared_prompts(batch: RolloutBatch, always: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(first, inverse)`` when rows repeat a prompt: ``first`` [U] is a row of each distinct
-    prompt, ``inverse`` [N] the index into ``first`` of every row's prompt. ``None`` when every
-    prompt is distinct (nothing to share), unless ``always``: then every row its own."""
+    """``(first, inverse)`` when rows repeat a prompt: ``first`` [U] is a row of each distinct prompt, ``inverse`` [N]
+    the index into ``first`` of every row's prompt. ``None`` when every prompt is distinct, unless ``always``: then
+    every row its own."""
     key = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1)
     unique, inverse = torch.unique(key, dim=0, return_inverse=True)
     rows = torch.arange(len(batch), device=inverse.device)
@@ -302,14 +264,10 @@ def shared_prompts(batch: RolloutBatch, always: bool = False) -> tuple[torch.Ten
 
 
 def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixture, first, inverse) -> torch.Tensor:
-    """Final hidden states [N, L, d] of the positions that predict the response tokens, with each
-    distinct prompt run once (Prefix Grouper, arXiv 2506.05433): the prompts' pass returns their
-    keys and values, whose rows are repeated for the samples, and the responses attend to them.
-    Gradients flow back into the one prompt pass through those keys and values, so they equal
-    the repeated-prompt forward's. Only the prompt part is shared: mixed steps lie in the
-    responses, whose inputs are rebuilt from the records as usual."""
-    # the responses' inputs first: rebuilding them reads the device (whether records add noise),
-    # which after the prompts' pass would wait for all of it
+    """Final hidden states [N, L, d] of the positions predicting the response tokens, each distinct prompt run once
+    (Prefix Grouper, arXiv 2506.05433): the responses attend to the prompts' keys and values, repeated per sample,
+    and gradients flow back through them into the one prompt pass."""
+    # the responses' inputs first: rebuilding them reads the device, after the prompts' pass a long wait
     response_embeds = build_inputs_embeds(embedding, batch.response_ids, records, 0, detach_mixture)
     prompt_mask = batch.prompt_mask[first]
     prompt = decoder(
@@ -333,10 +291,9 @@ def _hidden_with_shared_prompts(decoder, embedding, batch, records, detach_mixtu
 
 
 class SharedPrefixLayer(DynamicLayer):
-    """One layer's keys and values of the distinct prompts, serving every row: ``update`` returns
-    each row's prompt rows followed by its new keys or values, and stores nothing (the responses'
-    pass is the cache's last use). The per-row copy is recomputed in backward instead of kept,
-    under :func:`~ngrpo_lightning.backends.recompute.recomputing`."""
+    """One layer's keys and values of the distinct prompts: ``update`` returns each row's prompt rows followed by its
+    new keys or values and stores nothing (the per-row copy is recomputed in backward under
+    :func:`~ngrpo_lightning.backends.recompute.recomputing`)."""
 
     def __init__(self, layer: DynamicLayer, rows: torch.Tensor):
         super().__init__()
@@ -348,7 +305,6 @@ class SharedPrefixLayer(DynamicLayer):
 
 
 def _read_only_prefix(cache, inverse: torch.Tensor):
-    """``cache`` (the distinct prompts' keys and values) with each layer a :class:`SharedPrefixLayer`
-    serving the rows ``inverse`` names."""
+    """``cache`` (the distinct prompts' keys and values), each layer a :class:`SharedPrefixLayer` for ``inverse``."""
     cache.layers = [SharedPrefixLayer(layer, inverse) for layer in cache.layers]
     return cache

@@ -1,14 +1,9 @@
-"""Ctrl-C during training: the first stops the run after the step under way, which is then
-checkpointed; a second stops it at once.
+"""Ctrl-C during training: the first stops the run after the step under way (checkpointed), a second at once.
 
-Lightning turns Ctrl-C into a teardown wherever it lands, so a run stopped mid-step kept only its
-last periodic checkpoint (with ``checkpoint.every_n_steps=10``, none at all for a 6-step run), and
-a save at that moment would hold a half-made step: the next batch already taken from the data,
-its rollout cut off. Here the first Ctrl-C only asks to stop: at the end of the step Lightning is
-told to stop (``trainer.should_stop``, which it agrees on across processes), the fit ends as at
-``max_steps``, and :class:`~ngrpo_lightning.checkpoints.run.RunCheckpoint` saves the last step as it
-saves a run's final one. ``resume=last`` continues from there. SIGTERM (a scheduler's stop) is
-Lightning's own: it stops after the step under way, and ``RunCheckpoint`` saves that step too.
+Lightning tears down wherever Ctrl-C lands, losing the step under way. Here the first Ctrl-C sets
+``trainer.should_stop`` at the end of the step, the fit ends as at ``max_steps``, and
+:class:`~ngrpo_lightning.checkpoints.run.RunCheckpoint` saves the last step; ``resume=last`` continues from there.
+SIGTERM is Lightning's own, saved the same way.
 """
 
 from __future__ import annotations
@@ -21,8 +16,8 @@ import lightning as L
 
 
 class StopOnInterrupt(L.Callback):
-    """The first SIGINT (Ctrl-C) asks the fit to stop after the step under way; a second raises
-    ``KeyboardInterrupt`` at once (the previous handler is back after the first)."""
+    """The first SIGINT (Ctrl-C) asks the fit to stop after the step under way; a second raises ``KeyboardInterrupt``
+    at once (the previous handler is back after the first)."""
 
     def __init__(self):
         self.requested = False

@@ -1,8 +1,6 @@
-"""How the training module computes response log-probs: each pass cut to its rows' longest
-sequence, through the FSDP2 root when sharded, the LM head in the backend's chunks, a group's
-prompt once, and frozen passes on weights the backend packed for them. A mixin of
-:class:`~ngrpo_lightning.training.module.RLModule`, which provides ``policy``, ``backend``,
-``parallel``, ``optim``, ``plan``, ``explorer`` and ``sharded_root``."""
+"""How the training module computes response log-probs: each pass cut to its rows' longest sequence, through the
+FSDP2 root when sharded, the LM head in the backend's chunks, a group's prompt once, frozen passes on packed weights.
+A mixin of :class:`~ngrpo_lightning.training.module.RLModule`."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def layers_checkpointed(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s decoder layers recompute in backward (transformers' gradient
-    checkpointing), read from the layers: the model's ``is_gradient_checkpointing`` walks every
-    module, thousands in a peft model (milliseconds, once per pass), for the same answer."""
+    """Whether ``model``'s decoder layers recompute in backward (gradient checkpointing), read from the layers
+    (``is_gradient_checkpointing`` walks every module, thousands in a peft model)."""
     flags = [getattr(layer, "gradient_checkpointing", None) for layer in _layers(model)] or [None]
     if None in flags:
         return bool(getattr(model, "is_gradient_checkpointing", False))
@@ -37,9 +34,8 @@ def layers_checkpointed(model: torch.nn.Module) -> bool:
 
 
 def shared_prompt_tokens(batch: RolloutBatch) -> int:
-    """The prompt tokens a pass over ``batch`` leaves out by running each group's prompt once, read
-    from its shape (the device is not asked): every row but one per group, at the prompts' width.
-    A micro-batch that mixes groups shares less than this."""
+    """The prompt tokens sharing saves on ``batch``, from its shape: every row but one per group, at the prompts'
+    width (at most: a micro-batch mixing groups shares less)."""
     rows = len(batch)
     return (rows - math.ceil(rows / max(1, batch.group_size))) * batch.prompt_ids.shape[1]
 
@@ -54,10 +50,8 @@ class LogprobPasses:
     """The log-prob passes of :class:`~ngrpo_lightning.training.module.RLModule`."""
 
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, temperature: float, **kwargs):
-        """Response log-probs (and entropies) of ``batch`` under ``model``, computed on the batch
-        cut to its own longest sequence and padded back to its width, so a micro-batch of short
-        rows costs what its rows cost. The LM head works the backend's ``logprob_chunk_size`` tokens
-        at a time; a group's common prompt runs once (``share_prompts``)."""
+        """Response log-probs (and entropies) of ``batch`` under ``model``, on the batch cut to its longest sequence
+        and padded back; the LM head in ``logprob_chunk_size`` chunks, a group's prompt once (``share_prompts``)."""
         width = batch.response_ids.shape[1]
         forward = self.sharded_root(model)
         trimmed = batch.trim()
@@ -76,16 +70,13 @@ class LogprobPasses:
         return pad_to(logp, width), None if entropy is None else pad_to(entropy, width)
 
     def _agreed_sharing(self, share: bool) -> bool | str:
-        """Several processes: a pass that shares its prompts calls the decoder twice, else once, and
-        every rank's pass must enter FSDP2's collectives as often. So a pass shares where every
-        rank's would (``plan.agree``: the most of all ranks, here of refusals), and then splits its
-        prompts from its responses even where its own rows repeat none (``"always"``)."""
+        """Several processes: a sharing pass calls the decoder twice and every rank must enter FSDP2's collectives as
+        often, so a pass shares only where every rank's would (``plan.agree``), then always (``"always"``)."""
         return "always" if self.plan.agree(int(not share)) == 0 else False
 
     def _shares_prompts(self, model: torch.nn.Module) -> bool:
-        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (activation
-        checkpointing: a recomputed layer would extend the shared prompt cache twice). FSDP2's
-        root forward shares as the plain model does."""
+        """The backend's ``share_prompts``, unless ``model`` recomputes its layers in backward (a recomputed layer
+        would extend the shared prompt cache twice)."""
         checkpointed = layers_checkpointed(model) or (
             model is self.policy and self.parallel is not None and self.parallel.activation_checkpointing
         )
@@ -95,9 +86,7 @@ class LogprobPasses:
         return self._logprobs_no_grad(self.policy, batch)  # the same products as the update's forward
 
     def _packed(self, model: torch.nn.Module, batch: RolloutBatch):
-        """A frozen pass: the linear layers the backend chose to pack once multiply by weights packed
-        for it (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`). A file-backed reference frees
-        each plain weight once it is packed."""
+        """A frozen pass on weights the backend packed (:func:`~ngrpo_lightning.backends.passes.packed_for_pass`)."""
         rows = self.optim.micro_batch_size or len(batch)
         return packed_for_pass(model, rows, release=file_weights.weight_releaser(model))
 

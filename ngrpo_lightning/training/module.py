@@ -1,26 +1,19 @@
 """The LightningModule: policy optimization on rollouts of the current policy.
 
-A run composes an :class:`~ngrpo_lightning.explorers.Explorer` (how rollouts explore;
-used by the rollout DataModule) with a :class:`~ngrpo_lightning.objectives.PolicyObjective`
-(how rollouts become a loss). Each training step receives a :class:`RolloutBatch` of the
-current policy and does::
+A run composes an :class:`~ngrpo_lightning.explorers.Explorer` (how rollouts explore) with a
+:class:`~ngrpo_lightning.objectives.PolicyObjective` (how rollouts become a loss). A training step::
 
     rewards -> [replay: mix in stored trajectories] -> [dynamic sampling: drop groups with
     equal rewards, roll out more] -> group advantages -> old log-probs (policy, no grad)
     -> reference log-probs -> for each planned update: micro-batched loss -> backward
     -> clip -> optimizer step -> lr scheduler step
 
-The updates are planned by :class:`~ngrpo_lightning.training.planning.UpdatePlan` (``train.ppo_epochs x
-train.num_mini_batches`` of them, each in ``optim.micro_batch_size`` micro-batches), dynamic
-sampling by :class:`~ngrpo_lightning.training.planning.DynamicSampling`; the module's ``step_hooks``
-(:class:`~ngrpo_lightning.training.updates.StepHook`, e.g. ``ngrpo_lightning.callbacks.ReplayBuffer``)
-take part in every step, and those that are callbacks join the Trainer through ``configure_callbacks``.
-
-Optimization is manual because one batch of rollouts may serve several optimizer updates
-and because rollouts must see the weights of the last update. Lightning counts
-``trainer.global_step`` in optimizer steps under manual optimization: ``max_steps`` is a
-number of optimizer updates, i.e. ``max_steps / (ppo_epochs * num_mini_batches)`` rollout
-batches. Logged metrics are indexed by rollout batch (:mod:`~ngrpo_lightning.training.reports`).
+Updates are planned by :class:`~ngrpo_lightning.training.planning.UpdatePlan`, dynamic sampling by
+:class:`~ngrpo_lightning.training.planning.DynamicSampling`; ``step_hooks``
+(:class:`~ngrpo_lightning.training.updates.StepHook`) take part in every step. Optimization is manual: one rollout
+batch may serve several optimizer updates, and rollouts must see the last update's weights. ``trainer.global_step``
+counts optimizer steps, so ``max_steps`` is ``max_steps / (ppo_epochs * num_mini_batches)`` rollout batches. Logged
+metrics are indexed by rollout batch (:mod:`~ngrpo_lightning.training.reports`).
 """
 
 from __future__ import annotations
@@ -75,26 +68,16 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         reward: maps (responses, gold answers) to scores and statuses.
         reference: frozen reference model for the KL term; required iff ``objective.kl_coef > 0``.
         optim: optimizer settings and micro-batching (``optim.*``).
-        train: how rollouts become updates (``train.*``): PPO epochs x mini-batches, DAPO's
-            dynamic sampling (extra rollouts come from the DataModule's ``more_rollouts()``),
-            and ``tis_cap``, truncated importance sampling of the rollout/train mismatch (an
-            engine's log-probs differ from the trainer's, e.g. vLLM in bf16): the policy
-            gradient of every fresh token is weighted by ``min(exp(old_logp - rollout_logp),
-            tis_cap)`` (``tis_level``: per token, which needs an objective with
-            ``token_advantages`` (GRPO), or per sequence; ``tis_mode``: truncated or masked). Under
-            ``max_staleness`` > 0 the rollout log-probs are an older policy's and the same weights
-            correct for it (the DataModule rolls out ahead; ``tis_cap`` defaults to 2.0 then).
+        train: how rollouts become updates (``train.*``, :class:`~ngrpo_lightning.training.settings.TrainConfig`):
+            PPO epochs x mini-batches, dynamic sampling, truncated importance sampling (``tis_*``), ``max_staleness``.
         advantage: group advantage estimator (a name registered with ``register_advantage``).
         eval_explorer: how validation rollouts sample (plain sampling; never mixing).
         detach_mixture: stop gradients into the embedding matrix through mixed inputs.
         parallel: FSDP2 settings (``trainer.parallel``), applied in ``configure_model``.
         seed: seed of the mini-batch shuffling.
-        step_hooks: what takes part in every step (``ReplayBuffer``), in order; hooks that are
-            Lightning callbacks are attached to the Trainer by ``configure_callbacks``.
+        step_hooks: what takes part in every step, in order (callbacks among them join the Trainer).
         adapters: the policy is a peft model whose reference is itself with its adapters off.
-        backend: how the models compute on their device (:mod:`ngrpo_lightning.backends`; the
-            run's builder chose it and swapped the models' modules; default: the policy's
-            device's backend, which leaves the models as they are).
+        backend: how the models compute (:mod:`ngrpo_lightning.backends`; default: the policy device's, unprepared).
     """
 
     def __init__(
@@ -158,10 +141,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     # --------------------------------------------------------------- sharding
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer, then at
-        the root (a wrapper around the model whose forward rebuilds the inputs), for the
-        policy and the reference. bf16 parameters with fp32 gradient reduction, or fp32;
-        optional activation checkpointing and CPU offload. A no-op without a device mesh."""
+        """FSDP2 under ``ModelParallelStrategy``: ``fully_shard`` per decoder layer and at a root wrapper, for the
+        policy and the reference. A no-op without a device mesh."""
         if self.parallel is None or self._forwards:
             return
         try:
@@ -175,9 +156,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         )
 
     def sharded_root(self, model: torch.nn.Module) -> torch.nn.Module | None:
-        """The FSDP2 root wrapper of ``model`` (the policy or the reference) after
-        ``configure_model`` sharded it; ``None`` when it is not sharded. A rollout engine that
-        decodes with the policy unshards it (and the sharded layers) once per rollout."""
+        """The FSDP2 root wrapper of ``model`` after ``configure_model`` sharded it, else ``None``."""
         return self._forwards.get(id(model))
 
     @property
@@ -209,18 +188,16 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     # ------------------------------------------------------------------ train
     def configure_callbacks(self) -> list[L.Callback]:
-        """The step hooks that are also Lightning callbacks (``ReplayBuffer`` stores each step's
-        successes after it and keeps its state in checkpoints)."""
+        """The step hooks that are also Lightning callbacks (e.g. ``ReplayBuffer``)."""
         return [hook for hook in self.step_hooks if isinstance(hook, L.Callback)]
 
     def _models_on_device(self) -> None:
-        """What the backend does once the policy and the frozen reference sit on their device (CUDA:
-        their projections joined), unsharded; idempotent, so a validation before the fit and the fit
-        share one join. A reference held in a file, read back for each pass, is left as it is."""
+        """The backend's preparation of the unsharded policy and reference on their device (idempotent; a reference
+        held in a file is left as it is)."""
         if self.parallel is None:
             self.backend.on_device(self.policy)
             if self.reference is not None and file_weights.weight_releaser(self.reference) is None:
-                self.backend.on_device(self.reference)
+                self.backend.on_device(self.reference, reference=True)
 
     def on_validation_start(self) -> None:
         self._models_on_device()  # a validation on its own (trainer.validate) rolls out too
@@ -260,8 +237,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
             rewards = scored.scores.to(self.device)
             step = self.collect(batch, rewards)
         with self._phase("logprobs") as logprobs:
-            # one on-policy update takes its old log-probs from its own forward, unless a hook must
-            # weigh replayed rows by them first
+            # one on-policy update takes old log-probs from its own forward, unless a hook weighs by them
             step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
             for hook in self.step_hooks:
                 step = hook.weigh(step)
@@ -275,9 +251,10 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return {"rewards": rewards.detach().cpu(), "status": scored.status, "rollouts": step}
 
     def _phase(self, name: str):
-        """A phase of the step (:mod:`~ngrpo_lightning.phases`): timed as the device runs
-        it, reported to the trainer's profiler."""
-        return phase(name, self.device, self._trainer.profiler if self._trainer is not None else None)
+        """A timed phase of the step (:mod:`~ngrpo_lightning.phases`), reported to the profiler."""
+        trainer = self._attached_trainer()
+        self.backend.between_phases()  # e.g. the C library's freed pages handed back (backends/freed_memory.py)
+        return phase(name, self.device, trainer.profiler if trainer is not None else None)
 
     def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
         """A scored rollout batch as a step, with the hooks' stored trajectories mixed in."""
@@ -287,9 +264,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return step
 
     def collect(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
-        """The rollouts this step trains on: the batch with the hooks' stored trajectories mixed
-        in and, under dynamic sampling, its zero-variance groups replaced by informative groups
-        of extra rollouts (the DataModule's ``more_rollouts()``)."""
+        """The rollouts this step trains on: the batch with the hooks' trajectories mixed in and, under dynamic
+        sampling, zero-variance groups replaced from the DataModule's ``more_rollouts()``."""
         step = self.mix_in(batch, rewards)
         if self.dynamic_sampling is None:
             return step
@@ -301,7 +277,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return self.dynamic_sampling.fill(step, more, self.plan.agree)
 
     def _more_rollouts(self) -> RolloutBatch:
-        datamodule = getattr(self._trainer, "datamodule", None)
+        datamodule = getattr(self._attached_trainer(), "datamodule", None)
         if not hasattr(datamodule, "more_rollouts"):
             raise RuntimeError(
                 "train.dynamic_sampling=true needs a datamodule with more_rollouts() "
@@ -311,11 +287,9 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
 
     @torch.no_grad()
     def prepare(self, step: StepRollouts, reuse_forward: bool = False) -> StepRollouts:
-        """The step with its advantages, old (proximal) log-probs and reference log-probs.
-
-        With ``reuse_forward`` (one on-policy update per step) the old log-probs stay ``None``:
-        :meth:`optimize` takes them from the update's own forward, detached, and returns them (the
-        same weights compute the same numbers, so a separate no-grad pass would be pure cost)."""
+        """The step with its advantages, old (proximal) log-probs and reference log-probs. With ``reuse_forward`` (one
+        on-policy update per step) the old log-probs stay ``None``: :meth:`optimize` takes them, detached, from the
+        update's own forward, which computes the same."""
         ref_logp = None
         if self.reference is not None:
             with file_weights.materialized(self.reference):  # a file-backed reference is in memory only meanwhile
@@ -333,10 +307,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         )
 
     def optimize(self, updates: list[StepRollouts]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """One optimizer (and lr scheduler) step per update. Returns the metrics of all updates
-        combined (means; ``*_min``/``*_max`` over updates) and, for a single update prepared
-        without old log-probs (``prepare(reuse_forward=True)``), the old log-probs [N, L] its
-        forward gave (``None`` otherwise)."""
+        """One optimizer and lr scheduler step per update. Returns the updates' combined metrics and, for a single
+        update prepared with ``reuse_forward``, the old log-probs [N, L] (else ``None``)."""
         opt, sched = self.optimizers(), self.lr_schedulers()
         temperature = self.explorer.temperature or 1.0
         self.update_metrics = []
@@ -360,8 +332,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return out, reused
 
     def _accumulate_gradients(self, update: StepRollouts, temperature: float, reused: torch.Tensor | None) -> dict:
-        """Forward and backward of ``update``, one micro-batch at a time; returns its metrics. Where
-        the update has no old log-probs, its forward's go into ``reused``."""
+        """Forward and backward of ``update``, one micro-batch at a time; returns its metrics. Where the update has no
+        old log-probs, its forward's go into ``reused``."""
         parts, weights = [], []
         if self._recomputes is None:  # whether the backend swapped in recomputing modules (backends/recompute.py)
             self._recomputes = recomputes(self.policy)
@@ -383,11 +355,8 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
         return combine_metrics(parts, weights)
 
     def _tis_advantages(self, mb: StepRollouts, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Advantages weighted by the importance ratio ``p_train_old / p_rollout`` of the fresh
-        rows, capped at ``tis_cap`` (``tis_mode``: truncated to it, or 0 above it), per token or per
-        sequence (``tis_level``). The rollout log-probs are those of the policy that generated the
-        rows: the engine's numerics, and under ``max_staleness`` older weights. Replayed rows carry
-        their own correction (weight 1)."""
+        """Advantages weighted by fresh rows' importance ratio ``p_train_old / p_rollout``, capped at ``tis_cap``
+        (``tis_mode``, ``tis_level``); replayed rows get weight 1."""
         if self.tis_cap is None:
             return mb.advantages, {}
         weights, stats = rollout_importance_weights(

@@ -7,17 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ngrpo_lightning.compat.torch import apply_activation_checkpointing, foreach_mul_, lazy_init_fsdp
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.training.forward import DEFAULT_KEEP_SOFTMAX_MIB, DEFAULT_LOGPROB_CHUNK, response_logprobs
 
 
 @dataclass
 class ParallelConfig:
-    """How ``configure_model`` shards the models (``trainer.parallel.*`` in configs).
-
-    ``name=fsdp2``: ``fully_shard`` on every decoder layer and at the root of the policy
-    (and of the reference, the same way) over the strategy's data-parallel mesh.
-    """
+    """How ``configure_model`` shards the models (``trainer.parallel.*``). ``name=fsdp2``: ``fully_shard`` on every
+    decoder layer and at the root of the policy and the reference, over the strategy's data-parallel mesh."""
 
     name: str = "fsdp2"
     data_parallel_size: int | str = "auto"
@@ -35,9 +33,8 @@ class ParallelConfig:
 
 
 class LogprobsForward(torch.nn.Module):
-    """The training forward as one module call, so that under FSDP2 the input embeddings
-    (rebuilt from tokens + records with the embedding matrix) are computed inside the root's
-    forward, where the root's parameters are unsharded and their gradients are reduced."""
+    """The training forward as one module call, so under FSDP2 the input embeddings are rebuilt inside the root's
+    forward, where its parameters are unsharded and their gradients reduced."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -68,10 +65,8 @@ class LogprobsForward(torch.nn.Module):
 def shard_fsdp2(
     models, config: ParallelConfig, mesh, checkpoint: torch.nn.Module | None = None
 ) -> dict[int, torch.nn.Module]:
-    """``fully_shard`` every decoder layer, then a root :class:`LogprobsForward` wrapper, of
-    each model (``None`` entries skipped) over ``mesh``; activation checkpointing on the
-    ``checkpoint`` model if configured. Returns the roots by ``id(model)`` (``RLModule.sharded_root``
-    hands the policy's to the rollout engine, which unshards it for a rollout)."""
+    """``fully_shard`` every decoder layer, then a root :class:`LogprobsForward` wrapper, of each model (``None``
+    skipped) over ``mesh``; activation checkpointing on ``checkpoint`` if configured. Returns roots by ``id(model)``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
@@ -90,8 +85,6 @@ def shard_fsdp2(
             continue
         layers = decoder_layers(model)
         if config.activation_checkpointing and model is checkpoint:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
             kinds = tuple({type(layer) for layer in layers})
             apply_activation_checkpointing(model, check_fn=lambda m, kinds=kinds: isinstance(m, kinds))
             layers = decoder_layers(model)
@@ -99,14 +92,14 @@ def shard_fsdp2(
             fully_shard(layer, **kw)
         root = LogprobsForward(model)
         fully_shard(root, **kw)
-        root._get_fsdp_state()._lazy_init()  # the wrapper is the root even if a rollout calls the model first
+        lazy_init_fsdp(root)  # the wrapper is the root even if a rollout calls the model first
         roots[id(model)] = root
     return roots
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` that also works on FSDP2's sharded (DTensor) gradients: the total
-    norm is that of the full gradient, the same on every rank."""
+    """``clip_grad_norm_`` that also works on FSDP2's sharded (DTensor) gradients: the total norm is that of the full
+    gradient, the same on every rank."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
@@ -114,25 +107,23 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     if math.isfinite(max_norm):
-        # read once: the host waits for the device once per step, not once per parameter; a Python
-        # number scales every dtype's gradients in float32 at least (a tensor would be cast to bfloat16's)
+        # read once (one host wait per step); a Python number scales every dtype's gradients in float32 at least
         coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
-        torch._foreach_mul_([p.grad for p in params], coef)
+        foreach_mul_([p.grad for p in params], coef)
     return total.detach()
 
 
 def most_over_ranks(n: int, device: torch.device) -> int:
-    """The largest ``n`` of all ranks: an all-reduce, which every rank enters as often (``device``:
-    where the process group's backend reduces, the GPU under NCCL)."""
+    """The largest ``n`` of all ranks: an all-reduce, which every rank enters as often (``device``: where the process
+    group's backend reduces, the GPU under NCCL)."""
     count = torch.tensor([n], device=device)
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
     return int(count.item())
 
 
 def rank_share(count: float, device: torch.device) -> float:
-    """``count`` times the number of ranks over the sum of every rank's ``count``: the factor that
-    turns this rank's mean into its part of the global mean once the ranks' gradients are averaged.
-    An all-reduce, which every rank enters as often."""
+    """``count`` x ranks / the sum of all ranks' ``count``: the factor turning this rank's mean into its part of the
+    global mean once gradients are averaged. An all-reduce, entered by every rank."""
     both = torch.tensor([count, 1.0], device=device, dtype=torch.float64)
     torch.distributed.all_reduce(both)
     total, ranks = both.tolist()
@@ -140,8 +131,7 @@ def rank_share(count: float, device: torch.device) -> float:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (``model.model.layers`` and the like;
-    inside a peft model, its base model's)."""
+    """The decoder layers of a causal LM (``model.model.layers`` and the like; a peft model's base model's)."""
     if hasattr(model, "get_base_model"):  # LoRA adapters (model.lora): the layers hold them
         model = model.get_base_model()
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers"):

@@ -1,16 +1,13 @@
 """How one step's rollouts become optimizer updates, each computed in micro-batches.
 
-Two small planners, each one concept, composed by the module in every training step::
+Two planners, composed by the module in every training step::
 
     step = DynamicSampling.fill(step, more)   # train.dynamic_sampling: refill zero-variance groups
     ...advantages, old and reference log-probs...
     for update in UpdatePlan.updates(step):   # train.ppo_epochs x train.num_mini_batches
         for rows, weight in UpdatePlan.micro_batches(update.batch, ...):   # optim.micro_batch_size
             backward(loss(rows) * weight)
-        optimizer step
-
-Replay of past trajectories is a callback (``ngrpo_lightning.callbacks.ReplayBuffer``) that
-hooks into the same step (:class:`~ngrpo_lightning.training.updates.StepHook`).
+        optimizer step                        # replay hooks in too (training.updates.StepHook)
 """
 
 from __future__ import annotations
@@ -30,25 +27,12 @@ __all__ = ["DynamicSampling", "UpdatePlan"]
 class UpdatePlan:
     """``ppo_epochs x num_mini_batches`` optimizer updates per step, and the micro-batches of each.
 
-    Each epoch shuffles the rows (seeded) and splits them into ``num_mini_batches``
-    mini-batches; the first update sees ratios of exactly 1, later ones see the policy move.
-
-    Each update is computed in micro-batches, with the micro-batch losses weighted so that
-    their gradients add up to the update's: at most ``micro_batch_size`` rows (0 = no row
-    limit) and, with a token budget ``max_tokens_per_micro_batch`` (verl's dynamic batch
-    size), rows grouped by length so that rows x the micro-batch's longest sequence (prompt +
-    response) stays within the budget. The forward cuts each micro-batch to its own longest
-    sequence (``RolloutBatch.trim``), so short rows are not padded to the batch's longest.
-
-    Several processes (FSDP2): each micro-batch's forward and backward gather and scatter the
-    shards, collectives every rank must enter as often, but ranks may cut their rows into
-    different numbers of micro-batches (a token budget over other lengths, replayed rows, dynamic
-    sampling's refill). ``agree`` (the module sets it: the most over ranks) makes every rank run
-    as many: a rank with fewer splits its largest micro-batches, and where its rows run out, it
-    runs a row again with weight 0 (its passes' collectives without a gradient). FSDP2 averages
-    the ranks' gradients, so each rank's shares are scaled by ``rank_share`` (its count of tokens,
-    or rows, times the ranks, over all ranks' count): the gradient is that of the global batch's
-    token mean (or row mean) also where ranks hold different numbers of tokens or rows.
+    Each epoch shuffles the rows (seeded) into ``num_mini_batches`` mini-batches. Each update runs in micro-batches
+    whose weighted gradients add up to the update's: at most ``micro_batch_size`` rows and, with
+    ``max_tokens_per_micro_batch``, rows grouped by length within the token budget. Several processes (FSDP2): every
+    rank must run as many micro-batches (each pass has collectives). ``agree`` (the most over ranks) makes a rank with
+    fewer split its largest ones, or run a row again with weight 0; ``rank_share`` scales each rank's shares so the
+    gradient is the global batch's token (or row) mean, whatever each rank holds.
     """
 
     agree: Callable[[int], int] | None = None  # micro-batch count -> the most over ranks (several processes)
@@ -99,9 +83,8 @@ class UpdatePlan:
         return updates
 
     def micro_batches(self, batch: RolloutBatch, token_level: bool) -> Iterator[tuple[torch.Tensor, float]]:
-        """Yield ``(rows, weight)``: each micro-batch's loss is scaled by its share of the
-        batch (of response tokens when the loss is a token mean, ``token_level``; of rows
-        otherwise), so that the micro-batch gradients add up to the whole batch's."""
+        """Yield ``(rows, weight)``, weight the micro-batch's share of the batch's response tokens (``token_level``)
+        or rows, so the micro-batch gradients add up to the batch's."""
         n = len(batch)
         groups = self._row_groups(batch)
         pads = 0
@@ -110,7 +93,7 @@ class UpdatePlan:
         if not groups:
             return
         if not token_level:
-            shares = torch.tensor([len(rows) / n for rows in groups]).tolist()  # rounded as a tensor, as before
+            shares = torch.tensor([len(rows) / n for rows in groups]).tolist()  # rounded as a tensor
         else:  # every micro-batch's share in one read of the device, before the first pass is queued
             tokens = batch.response_mask.sum().clamp(min=1)
             mask = batch.response_mask
@@ -123,8 +106,7 @@ class UpdatePlan:
             yield groups[0][:1], 0.0
 
     def _row_groups(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """The rows of each micro-batch: in order, ``micro_batch_size`` at a time, or, with a
-        token budget, longest first, each micro-batch as many rows as fit the budget."""
+        """Each micro-batch's rows: in order, ``micro_batch_size`` at a time, or with a token budget longest first."""
         n = len(batch)
         size = self.micro_batch_size or n
         if self.max_tokens is None:
@@ -151,8 +133,8 @@ class UpdatePlan:
 
 
 def _to_count(groups: list[torch.Tensor], count: int) -> tuple[list[torch.Tensor], int]:
-    """``groups`` split into ``count`` micro-batches where rows allow (the largest halved first, each
-    within the size and token budget its whole kept), and how many passes are still missing."""
+    """``groups`` split into ``count`` micro-batches where rows allow (the largest halved first, each within the
+    size and token budget its whole kept), and how many passes are still missing."""
     groups = list(groups)
     while len(groups) < count:
         largest = max(range(len(groups)), key=lambda i: len(groups[i]), default=None)
@@ -164,18 +146,10 @@ def _to_count(groups: list[torch.Tensor], count: int) -> tuple[list[torch.Tensor
 
 
 class DynamicSampling:
-    """DAPO's dynamic sampling: groups whose rewards are all equal carry no learning signal;
-    they are dropped (``drop="all_correct"``: only the all-correct ones, as NGRPO does) and
-    the step is refilled with informative groups of extra rollouts, at most
-    ``max_extra_rollouts`` prompt batches per step. Surplus groups are discarded; if
-    nothing informative is found within the bound, the step trains on its original batch
-    (whose zero-variance groups then have zero advantages).
-
-    Several processes: a rollout may be a collective (an FSDP2 policy gathered for it), so every
-    rank rolls out as many extra batches, as many as the rank that needs the most (``agree``: the
-    most over ranks); a rank already full keeps its first ``target`` groups. Ranks may then train
-    on different numbers of groups, which the update's micro-batches allow
-    (:attr:`UpdatePlan.agree`)."""
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal and are dropped
+    (``drop="all_correct"``: only all-correct ones, as NGRPO does); the step is refilled from at most
+    ``max_extra_rollouts`` extra prompt batches, surplus discarded. If nothing informative is found, the step trains
+    on its original batch. Several processes: every rank rolls out as many extra batches as the neediest (``agree``)."""
 
     def __init__(self, max_extra_rollouts: int = TrainConfig.max_extra_rollouts, drop: str = TrainConfig.drop_groups):
         TrainConfig(max_extra_rollouts=max_extra_rollouts, drop_groups=drop)  # checks both, naming their keys
@@ -195,9 +169,8 @@ class DynamicSampling:
     def fill(
         self, step: StepRollouts, more: Callable[[], StepRollouts], agree: Callable[[int], int] | None = None
     ) -> StepRollouts:
-        """The step with its zero-variance groups replaced; ``more()`` rolls out and scores one
-        more prompt batch; ``agree`` (several processes) gives the most of all ranks. Counts go to
-        ``stats`` as ``dynamic/*``."""
+        """The step with its zero-variance groups replaced; ``more()`` rolls out and scores one more prompt batch;
+        ``agree`` gives the most over ranks. Counts go to ``stats`` as ``dynamic/*``."""
         target, kept, dropped, extra, piece = step.num_groups, [], 0, 0, step
         while True:
             informative = ~self.uninformative(piece.rewards, piece.group_size)

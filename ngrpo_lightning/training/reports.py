@@ -1,10 +1,5 @@
-"""What the training module reports: a step's metrics to the logger and the progress bar, and
-validation's accuracy and reward.
-
-:class:`StepReports` is a mixin of :class:`~ngrpo_lightning.training.module.RLModule` (before
-``L.LightningModule``); it uses the module's ``score``, ``val_accuracy``, ``val_reward``,
-``_fit_start`` and ``_last_step_end``, and Lightning's ``log`` and ``log_dict``.
-"""
+"""What the training module reports (step metrics to the logger and progress bar, validation's accuracy and reward):
+:class:`StepReports`, a mixin of :class:`~ngrpo_lightning.training.module.RLModule`."""
 
 from __future__ import annotations
 
@@ -22,11 +17,18 @@ from ngrpo_lightning.training.updates import StepRollouts
 class StepReports:
     """A step's metrics and validation's, as the module logs them (see the module docstring)."""
 
+    def _attached_trainer(self):
+        """The trainer the module is attached to, or ``None``."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
     def log_step(
         self, batch: RolloutBatch, scored, rewards: torch.Tensor, step: StepRollouts, metrics: dict, phases: dict
     ) -> None:
-        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and
-        ``phases``: seconds of the step's reward, log-prob (old, reference) and update phases."""
+        """Log the step: rollout statistics of the fresh batch, loss metrics of the updates, and ``phases``: seconds
+        of the step's reward, log-prob (old, reference) and update phases."""
         log = {f"train/{k}": v for k, v in metrics.items()}
         log.update(rollout_step_metrics(batch, rewards, step))
         log.update(step.stats)  # replay/*, dynamic/*
@@ -37,10 +39,9 @@ class StepReports:
         now = time.perf_counter()
         log["time/step_s"] = now - (self._last_step_end or self._fit_start or now)
         self._last_step_end = now
-        # Under several processes every rank logs its own rollouts' statistics: they are
-        # averaged over ranks (sync_dist; ``*_max``/``*_min`` reduced as such). The loss metrics
-        # are those of each rank's share of the global batch.
-        sync = self._trainer is not None and self._trainer.world_size > 1
+        # several processes: each rank's statistics averaged over ranks (sync_dist; *_max/*_min reduced as such)
+        trainer = self._attached_trainer()
+        sync = trainer is not None and trainer.world_size > 1
         device = self.device if sync else "cpu"
         log = host_floats({**log, "reward": rewards.mean()})  # one read of the device for all of them
         reward = log.pop("reward")
@@ -75,11 +76,11 @@ class StepReports:
         return {"rewards": scored.scores, "status": scored.status}
 
     def on_validation_epoch_end(self):
-        sync = self._trainer is not None and self._trainer.world_size > 1  # compute() already reduced over ranks
+        trainer = self._attached_trainer()
+        sync = trainer is not None and trainer.world_size > 1  # compute() already reduced over ranks
         self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True, sync_dist=sync)
         self.log("val/reward", self.val_reward.compute(), sync_dist=sync)
-        # fresh states as normal tensors: reset() under inference mode (trainer.validate) would make
-        # them inference tensors, which validation during fit (under no_grad) cannot update in place
+        # normal tensors: reset() in inference mode (trainer.validate) would leave them unwritable during a later fit
         with torch.inference_mode(False):
             self.val_accuracy.reset()
             self.val_reward.reset()

@@ -1,9 +1,8 @@
 """The training settings as validated dataclasses: ``optim.*``, ``train.*`` and ``replay.*``.
 
-Their fields, types and defaults are the schema's (:mod:`ngrpo_lightning.schema`, where each
-default lives once); these classes add the ranges and the behaviour. A wrong value fails at
-construction, before any model loads, with its full key: ``OptimConfig(lr=-1)`` ->
-``optim.lr=-1 is out of range: allowed (0.0, inf]``.
+Fields, types and defaults are the schema's (:mod:`ngrpo_lightning.schema`); these classes add the ranges and the
+behaviour. A wrong value fails at construction with its full key: ``OptimConfig(lr=-1)`` -> ``optim.lr=-1 is out of
+range: allowed (0.0, inf]``.
 """
 
 from __future__ import annotations
@@ -20,12 +19,9 @@ __all__ = ["OptimConfig", "ReplayConfig", "TrainConfig"]
 
 @dataclass
 class OptimConfig(OptimSchema):
-    """Optimizer, schedule, and the memory of the training forward (``optim.*``).
-
-    ``micro_batch_size`` and ``max_tokens_per_micro_batch`` bound the rows and the tokens of
-    one forward/backward (see :class:`~ngrpo_lightning.training.planning.UpdatePlan`); gradients are
-    the same whatever they are. How the products, the LM head's chunks and the shared prompts
-    compute is the backend's choice, not a setting (:mod:`ngrpo_lightning.backends`).
+    """Optimizer, schedule, and the memory of the training forward (``optim.*``). ``micro_batch_size`` and
+    ``max_tokens_per_micro_batch`` bound one forward/backward (:class:`~ngrpo_lightning.training.planning.UpdatePlan`)
+    without changing the gradients; how the passes compute is the backend's choice (:mod:`ngrpo_lightning.backends`).
     """
 
     def __post_init__(self):
@@ -44,9 +40,8 @@ class OptimConfig(OptimSchema):
         )
 
     def build(self, params: list[torch.nn.Parameter], sharded: bool = False):
-        """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused
-        (one kernel per tensor rather than ~10 ops and their temporaries) on plain CPU/CUDA
-        tensors; FSDP2's sharded parameters (``sharded``) take its default form."""
+        """``(AdamW, LambdaLR)`` over ``params``: linear warm-up, then constant. AdamW is fused (one kernel per tensor)
+        on plain CPU/CUDA tensors; ``sharded`` FSDP2 parameters take the default."""
         fused = not sharded and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         opt = torch.optim.AdamW(
             params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay, fused=fused or None
@@ -66,20 +61,13 @@ DEFAULT_STALE_CAP = 2.0  # the importance weight cap of a run with max_staleness
 class TrainConfig(TrainSchema):
     """How a step's rollouts become optimizer updates (``train.*``).
 
-    A step makes ``ppo_epochs x num_mini_batches`` optimizer steps (later ones see ratios != 1,
-    so the clip acts); ``trainer.max_steps`` counts optimizer steps. ``dynamic_sampling`` (DAPO)
-    drops groups whose rewards are all equal and rolls out up to ``max_extra_rollouts`` more
-    prompt batches to refill the step; ``drop_groups=all_correct`` drops only the groups whose
-    rewards are all correct and keeps all-wrong ones (NGRPO, whose ``calibrated`` advantage
-    learns from them). ``tis_cap`` weights each fresh token's policy gradient by
-    ``min(p_train_old / p_rollout, tis_cap)`` (truncated importance sampling of the rollout/train
-    mismatch; null = off). ``tis_level`` takes the ratio per token, per sequence (the product of
-    its tokens' ratios) or as the sequence's geometric mean (``auto``: per token for objectives
-    with per-token advantages, GRPO; geometric otherwise, GSPO); ``tis_mode=mask`` gives a weight
-    above the cap 0 instead of the cap. ``max_staleness`` > 0 rolls batches out that many steps
-    ahead of training (see :mod:`ngrpo_lightning.rollout.ahead`); the recorded rollout log-probs
-    are then the stale behaviour policy's, and the weights correct for it (``tis_cap`` defaults
-    to 2.0 then).
+    A step makes ``ppo_epochs x num_mini_batches`` optimizer steps; ``trainer.max_steps`` counts them.
+    ``dynamic_sampling`` (DAPO) drops groups whose rewards are all equal and refills from up to ``max_extra_rollouts``
+    more prompt batches (``drop_groups=all_correct``: only all-correct groups, as NGRPO). ``tis_cap`` weights each
+    fresh token's gradient by ``min(p_train_old / p_rollout, tis_cap)`` (null = off), per token, sequence or geometric
+    mean (``tis_level``; ``auto``: token for GRPO, geometric for GSPO); ``tis_mode=mask`` zeroes weights above the
+    cap. ``max_staleness`` > 0 rolls out that many steps ahead (:mod:`ngrpo_lightning.rollout.ahead`), the weights
+    correcting for it (``tis_cap`` defaults to 2.0 then).
     """
 
     @property
@@ -90,8 +78,8 @@ class TrainConfig(TrainSchema):
         return self.tis_cap
 
     def importance_level(self, objective) -> str:
-        """``tis_level`` for ``objective`` (``auto`` resolved); ``ValueError`` naming the keys when
-        per-token weights meet an objective whose advantages are per sequence."""
+        """``tis_level`` for ``objective`` (``auto`` resolved); ``ValueError`` naming the keys when per-token weights
+        meet an objective whose advantages are per sequence."""
         per_token = getattr(objective, "token_advantages", False)
         level = self.tis_level if self.tis_level != "auto" else "token" if per_token else "geometric"
         if self.importance_cap is not None and level == "token" and not per_token:
@@ -115,8 +103,7 @@ class TrainConfig(TrainSchema):
 
 @dataclass
 class ReplayConfig(ReplaySchema):
-    """Replay of past successes into groups whose fresh rollouts are all wrong (``replay.*``;
-    see ``ngrpo_lightning.callbacks.ReplayBuffer``)."""
+    """Replay of past successes into all-wrong groups (``replay.*``; ``ngrpo_lightning.callbacks.ReplayBuffer``)."""
 
     def __post_init__(self):
         check_number("replay.capacity", self.capacity, 0, integer=True)

@@ -1,20 +1,13 @@
 """A training step's rollouts, and the hook through which callbacks shape them.
 
-:class:`StepRollouts` is what one training step trains on: the rollout batch, its rewards
-and, once the module has prepared it, advantages, old (proximal) log-probs and reference
-log-probs, all row-aligned. Rows may be *replayed* past trajectories; their stored
-behaviour log-probs travel with them.
-
-:class:`StepHook` is the interface a Lightning callback implements to take part in a step
-(``ngrpo_lightning.callbacks.ReplayBuffer`` does), given to the module as
-``RLModule(step_hooks=[...])``. The module calls each hook, in that order, and goes on with
-the ``StepRollouts`` it returns:
+:class:`StepRollouts` is what a step trains on: the rollout batch, its rewards and, once prepared, advantages, old
+(proximal) and reference log-probs, row-aligned; *replayed* rows carry their stored behaviour log-probs.
+:class:`StepHook` is what a callback implements to take part in a step, given as ``RLModule(step_hooks=[...])``; the
+module calls each in order and goes on with what it returns:
 
 1. ``mix_in(step)``: add or substitute stored trajectories, before advantages are computed;
-2. ``weigh(step)``: change the prepared step (advantages, old and reference log-probs are
-   set) before it is split into updates, e.g. importance-weight replayed rows.
-
-Splitting a step into updates and micro-batches is :mod:`ngrpo_lightning.training.planning`'s job.
+2. ``weigh(step)``: change the prepared step before its updates (e.g. importance-weight replayed rows); then
+   :mod:`ngrpo_lightning.training.planning` splits it into updates.
 """
 
 from __future__ import annotations

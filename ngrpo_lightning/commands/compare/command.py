@@ -19,8 +19,7 @@ from ngrpo_lightning.tracking.logger import existing_store, log_report_run
 
 
 def check_compare_settings(cfg: DictConfig) -> None:
-    """``level`` and ``power`` lie in (0, 1), ``detect`` in (0, 1] (a fraction: 0.05 = 5 points),
-    ``draws`` and ``resamples`` are positive integers."""
+    """``level``, ``power`` in (0, 1), ``detect`` in (0, 1] (0.05: 5 points), ``draws``, ``resamples`` ints > 0."""
     for key, low, high in (("level", 0, 1), ("power", 0, 1), ("detect", 0, 1)):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high + (key == "detect"):

@@ -1,19 +1,14 @@
 """Learning curves against compute, and the saturating fit that tells efficiency from ceiling.
 
 Most design choices of an RL recipe change how fast it learns more than where it ends (ScaleRL,
-arXiv 2510.13786), and at a fixed budget two such arms can rank either way. So each arm's
-validation accuracy is read against three measures of compute (optimizer steps, generated
-tokens, wall time) and fitted, per arm, with ScaleRL's saturating curve::
+arXiv 2510.13786), so at a fixed budget two arms can rank either way. Each arm's validation accuracy
+is read against optimizer steps, generated tokens and wall time, and fitted with ScaleRL's curve::
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 
-R0 the accuracy before training (measured, not fitted), A the asymptote, C_mid the compute at
-which half the gain A - R0 is reached, B the slope. Intervals come from refitting on seeds
-drawn with replacement (or, with one seed, from the fit's covariance). The ceiling counts as
-identified only when the midpoint's interval lies within the measured compute and the
-asymptote's stays below 1: a curve that has not bent within the runs tells its pace, not
-where it ends.
-"""
+R0 the accuracy before training (not fitted), A the asymptote, C_mid the compute at half the gain,
+B the slope; intervals from refitting on resampled seeds. The ceiling counts only when C_mid's
+interval lies within the runs and A's below 1: an unbent curve tells its pace, not where it ends."""
 
 from __future__ import annotations
 
@@ -38,15 +33,10 @@ def saturating(c, r0: float, asymptote: float, midpoint: float, slope: float) ->
 
 
 def compute_points(run: RunData, key: str = "val/accuracy") -> list[tuple[dict[str, float], float]]:
-    """``key``'s points of one run, each as ({"step", "tokens", "minutes"}, value).
-
-    A validation follows the optimizer steps whose training metrics were logged before it
-    (Lightning logs validations inside an epoch at the last step's index and the one after
-    training at the step count, so the index alone is ambiguous); a Pass@k evaluation along
-    the run (``val/<set>/pass_at_k``) is logged at the steps done. Tokens are the generated
-    rollout tokens up to that step (``rollout/tokens``, 0 where the run did not log them);
-    wall time counts from the first validation (model loading left out). A later point at the
-    same step replaces an earlier one."""
+    """``key``'s points of one run, each as ({"step", "tokens", "minutes"}, value). A validation follows the optimizer
+    steps whose training metrics were logged before it (its own step index is ambiguous); a Pass@k evaluation is
+    logged at the steps done. Tokens are the rollout tokens generated so far (``rollout/tokens``), wall time counts
+    from the first validation. A later point at the same step replaces an earlier one."""
     points = run.curves.get(key) or []
     train = run.curves.get("train/reward") or run.curves.get("rollout/tokens") or []
     train_times = sorted(m for _, m, _ in train)
@@ -81,8 +71,7 @@ class CurveFit:
 
 
 def fit_saturating(x, y, r0: float) -> tuple[np.ndarray, np.ndarray | None]:
-    """(asymptote, midpoint, slope) of :func:`saturating` through the points (x > 0) with R0 fixed,
-    and their covariance (None where the fit could not estimate it)."""
+    """(asymptote, midpoint, slope) of :func:`saturating` through points x > 0, R0 fixed; their covariance or None."""
     from scipy.optimize import curve_fit
 
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -186,8 +175,7 @@ def contrast(a: str, b: str, fa: CurveFit | None, fb: CurveFit | None, axis: str
 
 
 def along_run_keys(runs: list[RunData]) -> list[str]:
-    """Pass@k metrics evaluated along the runs (``pass_at_k.every_n_steps``): Pass@1 and the
-    largest k of each set, where some run has two evaluations or more."""
+    """Pass@1 and the largest Pass@k of each set evaluated along the runs (two evaluations or more)."""
     keys = {k for r in runs for k, points in r.curves.items() if "/pass_at_" in k and len(points) > 1}
     prefixes = sorted({k.rsplit("/", 1)[0] for k in keys})
     if len(prefixes) == 2 and "val/avg" in prefixes:  # one set: its average is itself
@@ -200,9 +188,8 @@ def along_run_keys(runs: list[RunData]) -> list[str]:
 
 
 def plot_compute(runs: list[RunData], fits: dict, path, keys: list[str] | None = None) -> None:
-    """Each of ``keys`` (default ``val/accuracy`` and the Pass@k evaluated along the runs) against
-    each axis of :data:`AXES`: per arm the mean over seeds at each evaluation, a band from the
-    lowest to the highest seed, and for ``val/accuracy`` the fitted curve (dashed)."""
+    """Each of ``keys`` (default ``val/accuracy`` and the Pass@k along the runs) against each axis of
+    :data:`AXES`: per arm the mean over seeds, a min-max band and, for ``val/accuracy``, the fit."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,25 +1,17 @@
-"""What a sweep can conclude about two arms: the smallest difference it detects, a verdict, and
-the seeds or problems a wanted difference needs.
+"""A sweep's power on two arms: the smallest difference it detects, a verdict, and the seeds or problems a target needs.
 
-The paired differences of two arms (per seed, per problem: :func:`.stats.paired_differences`)
-get a t interval over the seeds' means (:func:`.stats.seed_interval`); a difference is *seen*
-when that interval excludes 0. For planning, the spread of the mean difference over S seeds of
-M problems each is written with a one-way random-effects model::
+Paired differences (:func:`.stats.paired_differences`) get a t interval over the seeds' means
+(:func:`.stats.seed_interval`); a difference is *seen* when it excludes 0. S seeds of M problems::
 
     SE^2(S, M) = (v_seed + v_problem / M) / S
 
-``v_problem`` is the pooled variance of the differences within a seed, ``v_seed`` how much more
-the seeds' means vary than their problems explain. A true difference D is seen with
-probability ``power`` (80%) at level ``alpha`` (5%) when::
+``v_problem`` is the pooled within-seed variance, ``v_seed`` the seeds' extra spread. A true
+difference D is seen with probability ``power`` (80%) at level ``alpha`` (5%) when::
 
     D = (t_{S-1}(1 - alpha/2) + t_{S-1}(power)) * SE(S, M)
 
-the *minimum detectable difference* (MDD). The sweep's own MDD uses its measured SE; a plan
-solves the same equation for the seeds (at these problems) or the problems per seed (at these
-seeds) that bring it down to a wanted difference. Past a point only seeds help: ``v_seed / S``
-stays whatever the problems. With one seed ``v_seed`` is unknown, taken as 0, and said so.
-Checked by simulation in tests/test_compare_power.py.
-"""
+the *minimum detectable difference* (MDD). A plan solves it for the seeds or the problems per seed that reach a wanted
+difference; past a point only seeds help (``v_seed / S``). With one seed ``v_seed`` is unknown and taken as 0."""
 
 from __future__ import annotations
 
@@ -63,8 +55,7 @@ def _quantiles(dof: float, level: float, power: float) -> float:
 
 
 def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: float = 0.8) -> Detection:
-    """The paired differences ``groups`` (one list per seed) summarised: mean, interval, MDD and
-    the variance components that plan a larger sweep."""
+    """The paired differences ``groups`` (one list per seed): mean, interval, MDD, variance components."""
     groups = [np.asarray(g, dtype=float) for g in groups if len(g)]
     interval = seed_interval(groups, level)
     nan = float("nan")
@@ -101,8 +92,7 @@ def detection(groups: Sequence[Sequence[float]], level: float = 0.95, power: flo
 
 
 def holm(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjustment of ``p_values`` (NaN left as it is): a family of comparisons
-    keeps its error rate at the level when each adjusted p is compared with it."""
+    """Holm's step-down adjustment of ``p_values`` (NaN kept), for a family of comparisons."""
     order = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
     out, running = list(p_values), 0.0
     for rank, (p, i) in enumerate(order):
@@ -112,8 +102,7 @@ def holm(p_values: list[float]) -> list[float]:
 
 
 def planned_se(d: Detection, seeds: int, problems: float) -> float:
-    """The standard error of a sweep of ``seeds`` seeds of ``problems`` problems each, from ``d``'s
-    variance components (the module docstring's SE(S, M))."""
+    """SE(S, M) of a sweep of ``seeds`` seeds of ``problems`` problems, from ``d``'s variance components."""
     return math.sqrt((d.var_seed + d.var_problem / problems) / seeds)
 
 
@@ -123,9 +112,7 @@ def mdd(d: Detection, seeds: int, problems: float) -> float:
 
 
 def joint_bound(found: list[Detection]) -> float:
-    """The largest difference that all of ``found``'s intervals allow at once, each widened so
-    that together they cover at their level (Bonferroni): what "no difference larger than X"
-    becomes when every verdict of a report must hold at the same time. NaN with no interval."""
+    """The largest difference ``found``'s intervals allow, Bonferroni-widened so verdicts hold jointly (or NaN)."""
     usable = [d for d in found if d.dof and not math.isnan(d.se)]
     if not usable:
         return float("nan")
@@ -134,8 +121,7 @@ def joint_bound(found: list[Detection]) -> float:
 
 
 def seeds_needed(d: Detection, wanted: float) -> int | None:
-    """The fewest seeds (at this sweep's problems per seed, at least 2) whose MDD is at most
-    ``wanted``; None: more than :data:`MAX_PLAN`."""
+    """The fewest seeds (>= 2, at this sweep's problems per seed) with MDD <= ``wanted``; None past :data:`MAX_PLAN`."""
     return _smallest(lambda s: mdd(d, s, d.problems) <= wanted, 2)
 
 
@@ -180,12 +166,9 @@ def _half_width(d: Detection, seeds: int) -> float:
 
 
 def seeds_to_conclude(d: Detection, target: float) -> tuple[int | None, int | None]:
-    """``(to bound, to show)``: if the difference stayed at today's estimate, the fewest seeds whose
-    interval would lie within +-``target`` (None when the estimate is ``target`` or more, or past
-    :data:`MAX_PLAN`), and the fewest whose interval would exclude 0 (None for an estimate of 0).
-
-    A projection, not a power calculation: the estimate itself moves as seeds come in. It answers
-    the question an inconclusive verdict leaves, how far the sweep is from any verdict."""
+    """``(to bound, to show)``: at today's estimate, the fewest seeds whose interval would lie within +-``target``
+    (None for an estimate >= ``target``, or past :data:`MAX_PLAN`), and the fewest whose interval would exclude 0 (None
+    for an estimate of 0). A projection (not a power calculation) of how far an inconclusive sweep is from a verdict."""
     if math.isnan(d.diff) or d.problems <= 0 or not d.se > 0 or not d.var_seed + d.var_problem > 0:
         return None, None  # no spread to project with: no number of seeds can be said (the verdict says why)
     size = abs(d.diff)
@@ -211,8 +194,7 @@ ONE_SEED = " (one seed: its problems are the units, and the seeds' spread is unk
 
 
 def verdict_kind(d: Detection, target: float) -> str:
-    """``greater``, ``bounded``, ``inconclusive`` or ``none``: :func:`verdict`'s classification
-    alone, without its text (whose plans search many sweep sizes)."""
+    """``greater``, ``bounded``, ``inconclusive`` or ``none``: :func:`verdict`'s class without its text."""
     if math.isnan(d.diff):
         return "none"
     if d.low > 0 or d.high < 0:
@@ -226,11 +208,9 @@ def verdict(a: str, b: str, d: Detection, target: float) -> dict:
     """One line on ``a - b``: a difference the interval shows, a bound on it, or what is missing.
 
     * ``greater``: the interval excludes 0 (``a > b by X points``);
-    * ``bounded``: it holds 0 and no value beyond ``target``: no difference larger than its
-      widest end;
-    * ``inconclusive``: it holds 0 and values beyond ``target``, or it cannot be computed (one
-      seed with one problem, or no spread: every paired difference 0, as when both arms score 0
-      everywhere); the plan says what would detect ``target`` at 80% power."""
+    * ``bounded``: it holds 0 and nothing beyond ``target``;
+    * ``inconclusive``: it holds values beyond ``target``, or cannot be computed (no spread); the
+      plan says what would detect ``target`` at 80% power."""
     pts = lambda v: f"{100 * v:.1f}"  # noqa: E731
     interval = f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
     kind = verdict_kind(d, target)

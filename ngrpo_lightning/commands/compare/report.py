@@ -1,6 +1,5 @@
-"""The comparison report: verdicts first, then what the sweep detects, per-arm tables (final
-Pass@k with intervals over seeds, posterior Pass@k, exploration, speed), the curve fits, and
-figures (learning curves against steps and wall time, Pass@k)."""
+"""The comparison report: verdicts first, then what the sweep detects, per-arm tables (final Pass@k with intervals
+over seeds, posterior Pass@k, exploration, speed), the curve fits, and figures (learning curves, Pass@k)."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def arm_tables(runs: list[RunData], cfg) -> dict:
                     "steadiness": steadiness(history),
                 }
             )
-    # read together only where each verdict joined bounds something: a comparison without a spread
-    # (every paired difference 0) or an inconclusive one bounds nothing, jointly or alone
+    # read together only where each verdict bounds something (not inconclusive, not without spread)
     bounded = [f for f, p in zip(found_all, out["paired"]) if p["verdict"]["kind"] == "bounded"]
     out["joint_bound"] = joint_bound(bounded) if len(bounded) > 1 else float("nan")
     out["joint_count"] = len(bounded)
@@ -302,8 +300,7 @@ def _cell(fit, param: str, fmt: str) -> str:
 
 
 def best_checkpoints(runs: list[RunData]) -> dict[str, tuple[RunData, float, str]]:
-    """Per arm, the run with the best final ``val/accuracy`` and its checkpoint: ``best.ckpt`` if
-    the run kept one, else ``last.ckpt`` (``not on this machine`` when its output_dir is elsewhere)."""
+    """Per arm, the run with the best final ``val/accuracy`` and its ``best.ckpt`` or ``last.ckpt``."""
     final = lambda run: (run.curves.get("val/accuracy") or [(0, 0.0, math.nan)])[-1][2]  # noqa: E731
     out = {}
     for run in runs:
@@ -332,9 +329,7 @@ def _ci(value, signed: bool = False) -> str:
 
 
 def plot_curves(runs: list[RunData], path, x: str = "step") -> None:
-    """Learning curves of :data:`CURVES`, one colour per arm: the mean over seeds at each step and
-    a band from the lowest to the highest seed; ``x="minutes"`` plots against wall time (each step
-    at the mean time the arm's seeds reached it)."""
+    """Learning curves of :data:`CURVES`, a colour per arm: seed mean, min-max band; ``x="minutes"``: vs wall time."""
     import matplotlib
 
     matplotlib.use("Agg")

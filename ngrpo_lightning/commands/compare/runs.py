@@ -1,10 +1,7 @@
 """Training runs read back from the MLflow store, grouped into arms.
 
-An *arm* is what a comparison compares: the runs of one sweep job's overrides without the seed
-(tag ``ngrpo.arm``), or, for runs outside a sweep, their MLflow experiment. Each run brings its
-metric histories (steps and wall times), its final Pass@k per-problem results (the last
-``pass_at_k/step_*/results.json`` artifact) and the settings that must agree across arms.
-"""
+An *arm* is the runs of one sweep job's overrides without the seed (tag ``ngrpo.arm``), or, outside a sweep, an MLflow
+experiment. Each run brings its metric histories, last per-problem Pass@k and the settings arms must share."""
 
 from __future__ import annotations
 
@@ -52,8 +49,7 @@ class RunData:
 
 
 def select_runs(client, sweep: str | None, experiments, runs, store: str = "this store") -> list:
-    """The MLflow runs named by a sweep id, experiment names and/or run ids; an unknown one is
-    refused with the ones that exist (in ``store``, named in the message)."""
+    """The MLflow runs of a sweep id, experiments and/or run ids; an unknown name is refused with those in ``store``."""
     if not (sweep or experiments or runs):
         raise ConfigError("ngrpo compare needs sweep=<id>, experiments=[...] or runs=[...]")
     all_experiments = {e.name: e.experiment_id for e in client.search_experiments()}
@@ -131,9 +127,8 @@ LEFT_OUT_ERROR_FRAC = 0.2  # a run whose answers failed in the verifier this oft
 
 
 def broken_verifier_runs(runs: list[RunData]) -> list[tuple[RunData, float]]:
-    """Runs whose answers got the status ``error`` (the check itself failed, not a wrong answer)
-    in more than :data:`LEFT_OUT_ERROR_FRAC` of them on average, with that share: their zeros
-    say nothing of the arm."""
+    """Runs whose answers got the status ``error`` (a failed check) in more than
+    :data:`LEFT_OUT_ERROR_FRAC` of them on average, with that share: their zeros say nothing."""
     out = []
     for run in runs:
         points = [v for _, _, v in run.curves.get("reward/error_frac") or []]

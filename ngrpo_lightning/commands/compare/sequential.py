@@ -1,17 +1,9 @@
 """How a sweep's verdicts moved as its seeds came in: each pair's difference and interval on its
 first 2, 3, ... seeds (in seed order), and since when the verdict it gives now has held.
 
-A reviewer asks this of any ranking reached by adding seeds: a verdict read after every new seed,
-with the sweep stopped at the first one that looks settled, is wrong more often than its level
-says (optional stopping). In simulated sweeps of 64 problems per seed (300-400 of them; a
-smaller version is tests/test_compare_power.py's), a 95% interval checked after each of seeds
-2-30 excludes a true difference of 0 somewhere along the way in about 30% of
-sweeps, not 5%; and where the true difference is exactly 5 points, some look calls it "no
-difference larger than 5" in about 10% of sweeps, against under 1% read once at 30 seeds. So
-fix the number of seeds before looking (the plan in the report says how many) and read the
-verdict there; the history shows whether it was steady or is one seed away from turning, which
-an interval at one number of seeds cannot.
-"""
+A verdict read after every new seed, stopping at the first that looks settled, is wrong far more often than its level
+says (optional stopping; simulated in tests/test_compare_power.py). Fix the number of seeds first (the report's plan
+says how many) and read the verdict there; the history shows whether it held or is one seed from turning."""
 
 from __future__ import annotations
 
@@ -22,10 +14,8 @@ from ngrpo_lightning.commands.compare.stats import paired_differences
 def verdict_history(
     a: dict[str, dict], b: dict[str, dict], metric: str, target: float, level: float = 0.95, power: float = 0.8
 ) -> list[dict]:
-    """The verdict on ``a - b`` (:func:`~.power.verdict`'s kind) on the first 2, 3, ... seeds both
-    arms have, in seed order: one entry ``{"seeds", "diff", "low", "high", "kind"}`` per count, the
-    last on every seed (the report's own). ``a`` and ``b`` map a seed to its per-problem scores,
-    as :func:`~.stats.paired_differences` takes them."""
+    """The verdict on ``a - b`` (:func:`~.power.verdict`'s kind) on the first 2, 3, ... seeds both arms have: one
+    ``{"seeds", "diff", "low", "high", "kind"}`` per count. ``a``, ``b``: as for :func:`~.stats.paired_differences`."""
     groups = paired_differences(a, b, metric)  # one list per seed, in seed order
     out = []
     for count in range(2, len(groups) + 1):
@@ -36,9 +26,8 @@ def verdict_history(
 
 
 def steadiness(history: list[dict]) -> dict:
-    """``{"held_since", "changes"}``: the fewest seeds from which on the verdict has been what it
-    is now, and how often it changed kind along the way (a ``greater`` verdict changes when its
-    winner does). Empty history (fewer than 2 seeds): ``held_since`` None."""
+    """``{"held_since", "changes"}``: the fewest seeds since which the verdict has been what it is now,
+    and how often it changed (``held_since`` None for fewer than 2 seeds)."""
     if not history:
         return {"held_since": None, "changes": 0}
     kinds = [_kind(h) for h in history]
@@ -56,10 +45,8 @@ def _kind(entry: dict) -> str:
 
 
 def plot_history(paired: list[dict], target: float, path) -> None:
-    """One panel per pair and metric: the difference (points) against the seeds it was computed
-    on, its 95% interval as a band, 0 and +-``target`` as lines, the verdict's kind as the
-    marker's colour. The axis spans 3 x ``target`` (more where a difference is larger): the
-    intervals of the first seeds reach past it."""
+    """One panel per pair and metric: the difference against the seeds, its 95% interval as a band,
+    0 and +-``target`` as lines, the verdict's kind as colour; the axis spans 3 x ``target`` or more."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,15 +1,9 @@
 """Intervals over seeds, and the paired comparison of two arms.
 
-A final score of an arm is the mean over its seeds of the mean over that seed's problems (each
-seed may hold different validation problems). The seeds are the independent units of a sweep,
-so intervals are t intervals over the seeds' means (:func:`seed_interval`): the spread between
-seeds, problems included, widens them as it should. The paired comparison applies the same to
-the per-problem *differences* between two arms on the same seed and problem.
-
-(A two-level bootstrap, seeds then problems, was used before: in simulation it counts the
-problems' spread twice and the seeds' spread (S - 1) / S times, and with 2-4 seeds of
-different means its 95% interval excluded a true difference of 0 in 21-30% of sweeps.)
-"""
+An arm's final score is the mean over its seeds of the mean over each seed's problems. Seeds are the independent units
+of a sweep, so intervals are t intervals over the seeds' means (:func:`seed_interval`), which carry every source of
+spread; the paired comparison applies the same to per-problem *differences* between two arms. (A two-level bootstrap,
+seeds then problems, miscounts both spreads: its intervals came out too narrow in simulation.)"""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ from ngrpo_lightning.metrics import maj_at_k, pass_at_k
 
 
 def per_problem_scores(results: dict, k: int) -> dict[str, dict[str, float]]:
-    """``{problem id: {"pass@k", "mean@n", "maj@n"}}`` from one run's Pass@k results.json
-    (every evaluation set, ids prefixed by the set's name)."""
+    """``{problem id: {"pass@k", "mean@n", "maj@n"}}`` from one run's results.json (ids prefixed by set)."""
     out = {}
     for name, block in results["sets"].items():
         for p in block["problems"]:
@@ -59,15 +52,9 @@ NAN_INTERVAL = Interval(math.nan, math.nan, math.nan, math.nan, 0, "seeds")
 def seed_interval(
     groups: Sequence[Sequence[float]], level: float = 0.95, bounds: tuple[float, float] | None = None
 ) -> Interval:
-    """The mean over groups (seeds) of the mean within each (problems), and its ``level`` t
-    interval with the seeds as the units: ``t_{S-1} * sd(seed means) / sqrt(S)``. ``bounds``:
-    the values the quantity can take (a rate's ``(0, 1)``): the interval is cut to them, which
-    loses no coverage (the true value lies inside them) and never shows a rate below 0.
-
-    Seeds are the independent draws of a sweep (each trains on its own order and is validated
-    on its own problems), so their means carry every source of spread, problems included. With
-    one seed the problems are the units instead, and the interval says nothing of seeds.
-    Empty groups are left out."""
+    """The mean over groups (seeds) of the mean within each (problems), and its ``level`` t interval with the seeds as
+    units: ``t_{S-1} * sd(seed means) / sqrt(S)``. ``bounds``: the values the quantity can take (a rate's ``(0, 1)``),
+    to which the interval is cut. With one seed the problems are the units. Empty groups are left out."""
     groups = [np.asarray(g, dtype=float) for g in groups if len(g)]
     if not groups:
         return NAN_INTERVAL
@@ -91,11 +78,8 @@ def seed_order(seed: str):
 
 
 def paired_differences(a: dict[str, dict], b: dict[str, dict], metric: str) -> list[list[float]]:
-    """Per seed (in :func:`seed_order`), the differences ``a - b`` of ``metric`` on the problems
-    both arms evaluated.
-
-    ``a`` and ``b`` map a seed to that run's :func:`per_problem_scores`; seeds or problems only
-    one arm has are left out (pairing needs both)."""
+    """Per seed (in :func:`seed_order`), the differences ``a - b`` of ``metric`` on the problems both
+    arms evaluated; ``a`` and ``b`` map a seed to that run's :func:`per_problem_scores`."""
     out = []
     for seed in sorted(set(a) & set(b), key=seed_order):
         common = sorted(set(a[seed]) & set(b[seed]))

@@ -1,6 +1,5 @@
-"""``ngrpo diagnose drift|rollouts``: compose ``conf/diagnose.yaml``, load the policy, run the
-pilot or the comparison, write ``<mode>.md``, ``<mode>.json`` and ``<mode>.png`` into
-``output_dir`` and log them (with the config and the metrics) to an MLflow run."""
+"""``ngrpo diagnose drift|rollouts``: compose ``conf/diagnose.yaml``, load the policy, run the pilot or comparison,
+write ``<mode>.md``, ``<mode>.json`` and ``<mode>.png`` into ``output_dir`` and log them to an MLflow run."""
 
 from __future__ import annotations
 
@@ -58,14 +57,9 @@ def _log_run(cfg, mode: str, metrics: dict[str, float], files: list[Path], secon
 
 # --------------------------------------------------------------------- drift
 def weight_pool(cfg, policy, tokenizer, k: int) -> tuple[torch.Tensor, str]:
-    """The mixture weights of the pilot and a line saying where they come from.
-
-    ``weights=explorer``: the weights ``NeighborMixingExplorer`` (the ``neighbor`` explorer
-    config, with this ``k`` and ``metric``) recorded at its mixed steps in G real rollouts of
-    the first ``weight_prompts`` prompts: ``softmax(z/T)`` over the anchor and its neighbors
-    in contexts where the anchor was the model's top token. A token-level pilot has no context
-    of its own, so these real weight vectors are reused for every pilot token, anchor weight
-    on the anchor and neighbor weights on its neighbors, nearest first.
+    """The mixture weights of the pilot and a line saying where they come from. ``weights=explorer``: the weights
+    ``NeighborMixingExplorer`` (with this ``k`` and ``metric``) recorded at its mixed steps in rollouts of the first
+    ``weight_prompts`` prompts, reused for every pilot token (a token-level pilot has no context of its own).
     ``weights=uniform``: ``1/k`` each, the largest displacement mixing can make."""
     if cfg.weights == "uniform":
         return torch.full((1, k), 1.0 / k), f"uniform weights 1/{k}"
@@ -248,7 +242,6 @@ def run_diagnose(mode: str, overrides: list[str]) -> dict:
 
 
 def _reseeded(engine, seed: int):
-    """The engine with its sampling generator reset to ``seed``: every explorer starts from the
-    same random state (one engine for all: starting vLLM once per explorer would cost seconds)."""
+    """The engine with its sampling generator reset to ``seed``: every explorer starts from the same random state."""
     engine.load_state_dict({"seed": seed, "generator": None})
     return engine

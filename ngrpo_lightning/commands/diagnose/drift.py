@@ -1,28 +1,17 @@
 """The semantic-drift pilot: where do perturbed input embeddings land?
 
-N-GRPO's motivation (the paper's Figure 1) is that isotropic Gaussian noise pushes an input
-embedding off the "semantic manifold" of the vocabulary while neighbor mixing keeps it on.
-This module measures that for a set of tokens, with no model forward:
+N-GRPO's motivation (the paper's Figure 1): isotropic Gaussian noise pushes an input embedding off
+the vocabulary's "semantic manifold", neighbor mixing keeps it on. Measured without a model forward:
 
-* **Gaussian**: ``e + r * u``, ``u`` a uniformly random unit direction and ``r = s * ||e||``
-  for each scale ``s`` of a grid. (``GaussianNoiseExplorer`` adds ``N(0, (s ||e||)^2 / d I)``,
-  whose norm is ``s ||e||`` up to a relative jitter of about ``1 / sqrt(2 d)``; fixing the norm
-  exactly makes the matched-norm comparison below exact, and the direction is the same
-  isotropic one.)
-* **Neighbor mixing**: ``sum_j w_j E[c_j]`` over ``C = [anchor] + its k-1 nearest tokens``,
-  exactly the explorer's mixture. The weights ``w`` are drawn from a *pool* of weight vectors
-  (see :func:`draw_weights`); :mod:`.command` fills the pool with the weights that
-  ``NeighborMixingExplorer`` itself recorded in real rollouts of the model (``weights=explorer``),
-  or with uniform weights ``1/k`` (``weights=uniform``, the largest displacement mixing can make).
-* **Gaussian at matched norms**: for every mixed vector, ``r = ||mix - e||`` and the Gaussian
-  perturbation of exactly that norm: the same displacement sizes, only the direction differs.
+* **Gaussian**: ``e + r * u``, ``u`` a uniformly random unit direction, ``r = s * ||e||`` for each
+  scale ``s`` (the norm fixed exactly, so the matched-norm comparison is exact).
+* **Neighbor mixing**: the explorer's mixture ``sum_j w_j E[c_j]`` over the anchor and its k-1
+  nearest tokens, ``w`` drawn from a pool (:func:`draw_weights`): the weights the explorer recorded
+  in rollouts (``weights=explorer``) or uniform ``1/k`` (``weights=uniform``, the largest displacement).
+* **Gaussian at matched norms**: per mixed vector, Gaussian noise of norm ``||mix - e||``.
 
-Every perturbed vector is decoded to its nearest token by cosine similarity (special tokens
-excluded, as the explorer excludes them from neighbors). Metrics per method and scale: the
-fraction decoding to the original token, the fraction decoding inside the anchor's
-k-neighborhood (the anchor and its k-1 neighbors), the mean cosine to the anchor, the mean
-relative displacement ``||p - e|| / ||e||``, and examples of what tokens turned into.
-"""
+Each perturbed vector is decoded to its nearest non-special token by cosine; metrics per method and
+scale: :func:`drift_metrics` and examples."""
 
 from __future__ import annotations
 
@@ -32,8 +21,7 @@ import torch
 
 from ngrpo_lightning.explorers.neighbor_index import NeighborIndex
 
-# The default pilot set: what a math rollout is made of. Only strings that are one token of
-# the tokenizer are used (e.g. "√" is two byte tokens in SmolLM2's vocabulary and is skipped).
+# The default pilot set: what a math rollout is made of; strings that are not one token are skipped.
 DIGITS = tuple(str(i) for i in range(10))
 OPERATORS = ("+", "-", "*", "/", "=", "^", "<", ">", "(", ")", "%", "!", ".", ",")
 MATH_SYMBOLS = ("π", "×", "±", "÷", "√", "≤", "≥", "≠", "∞", "\\", "{", "}", " x", " y", " n", " sqrt", " frac")
@@ -68,10 +56,8 @@ DEFAULT_TOKENS = DIGITS + OPERATORS + MATH_SYMBOLS + FUNCTION_WORDS
 
 # ------------------------------------------------------------------ tokens
 def token_id(tokenizer, text: str) -> int | None:
-    """The id of ``text`` as one token: a string that encodes to exactly one token (``"7"``,
-    ``" the"``) or, failing that, an exact vocabulary entry (``"Ġthe"``); ``None`` otherwise.
-    Encoding comes first: in a byte-level vocabulary ``"×"`` is also the entry of the lone
-    byte 0xD7, which is not the character."""
+    """The id of ``text`` as one token: what it encodes to, else an exact vocabulary entry (``"Ġthe"``), else
+    ``None``. Encoding comes first: in a byte-level vocabulary ``"×"`` is also the entry of the lone byte 0xD7."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) == 1:
         return int(ids[0])
@@ -81,11 +67,8 @@ def token_id(tokenizer, text: str) -> int | None:
 def select_tokens(
     tokenizer, tokens: Sequence | None = None, exclude_ids: Sequence[int] = ()
 ) -> tuple[list[int], list[str]]:
-    """``(ids, labels)`` of the pilot tokens.
-
-    ``tokens=None``: :data:`DEFAULT_TOKENS` that are single tokens of this tokenizer (others
-    are skipped). A user list must be all single, non-special tokens: the error names every
-    string that is not."""
+    """``(ids, labels)`` of the pilot tokens. ``tokens=None``: the :data:`DEFAULT_TOKENS` that are single tokens here;
+    a user list must be all single, non-special tokens, the error naming every string that is not."""
     excluded = {int(i) for i in exclude_ids}
     ids, labels, missing, special = [], [], [], []
     for text in DEFAULT_TOKENS if tokens is None else [str(t) for t in tokens]:
@@ -134,11 +117,8 @@ def draw_weights(pool: torch.Tensor, n: int, generator: torch.Generator | None =
 
 # ------------------------------------------------------------------ decoding
 class Decoder:
-    """Nearest token by cosine similarity, over the rows of ``E`` not in ``exclude_ids``.
-
-    The search is exact and chunked over the vocabulary (never an N x V matrix in memory
-    beyond one chunk); ties go to the lowest id, as in :class:`NeighborIndex`. Calling it
-    returns the ids; :meth:`nearest` also returns the cosine to that token."""
+    """Nearest token by cosine over the rows of ``E`` not in ``exclude_ids``: exact, chunked over the
+    vocabulary, ties to the lowest id (as :class:`NeighborIndex`). A call returns ids; :meth:`nearest` also cosines."""
 
     def __init__(self, embeddings: torch.Tensor, exclude_ids: Sequence[int] = (), chunk_size: int = 16384):
         self.keys = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1)
@@ -172,12 +152,10 @@ def drift_metrics(
     neighborhoods: torch.Tensor,
     nearest_cosine: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Metrics of N perturbations of ``anchors`` [N] (embeddings ``originals`` [N, d]):
-    ``same_frac`` (decoded == anchor), ``neighborhood_frac`` (decoded in the anchor's row of
-    ``neighborhoods`` [N, k], which includes the anchor), ``cosine`` (mean cosine of the
-    perturbed vector to the original), ``rel_norm`` (mean ``||p - e|| / ||e||``) and, given the
-    decoder's cosines, ``nearest_cosine`` (mean cosine to the nearest token: how close the
-    vector stays to *some* token, whichever it is)."""
+    """Metrics of N perturbations of ``anchors`` [N] (embeddings ``originals`` [N, d]): ``same_frac``
+    (decoded == anchor), ``neighborhood_frac`` (decoded in the anchor's row of ``neighborhoods``
+    [N, k]), ``cosine`` (mean cosine to the original), ``rel_norm`` (mean ``||p - e|| / ||e||``) and,
+    given the decoder's cosines, ``nearest_cosine`` (how close the vector stays to *some* token)."""
     originals, perturbed = originals.float(), perturbed.float()
     extra = {} if nearest_cosine is None else {"nearest_cosine": float(nearest_cosine.float().mean())}
     return {
@@ -190,8 +168,7 @@ def drift_metrics(
 
 
 def examples(anchors: torch.Tensor, decoded: torch.Tensor, label: Callable[[int], str], limit: int = 5) -> list[str]:
-    """Up to ``limit`` ``'anchor' -> 'decoded'`` changes: the most frequent change of each
-    anchor first (one per anchor, so a few tokens do not fill the list), then the rest."""
+    """Up to ``limit`` ``'anchor' -> 'decoded'`` changes: each anchor's most frequent first, then the rest."""
     counts: dict[tuple[int, int], int] = {}
     for a, d in zip(anchors.tolist(), decoded.tolist()):
         if a != d:
@@ -217,15 +194,10 @@ def run_drift(
     label: Callable[[int], str] = str,
     num_examples: int = 5,
 ) -> dict:
-    """Perturb each token's embedding ``n`` times per method; decode; measure.
-
-    Returns ``{"rows": [{method, scale, same_frac, neighborhood_frac, cosine, rel_norm,
-    nearest_cosine, examples}], "points": {...}, "neighborhoods": {anchor: [k ids]}}``: rows
-    ``gaussian`` (one per scale), ``mixing`` (its
-    ``scale`` is the mean relative displacement) and ``gaussian_matched`` (per-draw norms of
-    the mixing rows); ``points`` holds one draw per token and method for the PCA picture.
-    The k-neighborhood is :class:`NeighborIndex`'s (the explorer's own search, ``metric``).
-    """
+    """Perturb each token's embedding ``n`` times per method; decode; measure. Returns ``{"rows": [{method, scale,
+    same_frac, neighborhood_frac, cosine, rel_norm, nearest_cosine, examples}], "points": {...}, "neighborhoods":
+    {anchor: [k ids]}}``: rows ``gaussian`` (per scale), ``mixing`` (scale = mean relative displacement),
+    ``gaussian_matched``; ``points``: one draw per token and method, for the PCA picture."""
     if not 1 <= k <= embeddings.shape[0] - len(set(exclude_ids)):
         raise ValueError(f"k={k} is out of range: allowed [1, {embeddings.shape[0] - len(set(exclude_ids))}]")
     if weight_pool.shape[-1] != k:

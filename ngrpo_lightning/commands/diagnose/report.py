@@ -66,11 +66,8 @@ def drift_table(rows: list[dict], k: int) -> str:
 
 
 def plot_drift(result: dict, labels: list[str], path: str | os.PathLike, pca_key: str, title: str = "") -> Path:
-    """Three panels. Left: 2-D PCA (axes of the original embeddings) of the originals, mixed
-    and noised points (one draw per token). Middle: fraction decoding to the original (solid)
-    and into the k-neighborhood (dashed) against the relative displacement. Right: cosine to
-    the nearest token against the displacement. The Gaussian grid is a line, neighbor mixing
-    and the Gaussian matched to its norms are single points."""
+    """Three panels: 2-D PCA of the original, mixed and noised points; the fractions decoding to the original (solid)
+    and into the k-neighborhood (dashed) vs the relative displacement; the nearest token's cosine vs it."""
     fig = _figure(14, 4.6)
     ax, bx, cx = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
     pts = result["points"]

@@ -1,23 +1,16 @@
 """Side-by-side rollouts: the same prompts, the same G and the same seed, one explorer at a time.
 
-Explorer names are those of the training configs: an ``experiment`` option that selects an
-explorer (``grpo`` -> plain sampling, ``ngrpo`` -> neighbor mixing, ``stht`` -> Gaussian noise,
-``gumbel`` -> Gumbel soft thinking, ...) or an ``explorer`` option itself (``temperature``,
-``neighbor``, ``gaussian``, ``gumbel``). Each is built from exactly the settings
-``ngrpo train experiment=<name>`` / ``explorer=<name>`` would use, changed only where
-``explorer_args`` says so (``+explorer_args.ngrpo.rho=1.0``).
-
-Per explorer, over all groups of G responses to one prompt:
+Names are an ``experiment`` option (``grpo``, ``ngrpo``, ``stht``, ...) or an ``explorer`` option (``temperature``,
+``neighbor``, ``gaussian``, ``gumbel``), each with the settings ``ngrpo train`` would use, changed only by
+``explorer_args`` (``+explorer_args.ngrpo.rho=1.0``). Per explorer, over all groups of G responses to one prompt:
 
 * ``mean@G`` (accuracy) and ``pass@G`` (at least one of the G is correct);
 * ``distinct_answers``: distinct extracted final answers per group (no answer not counted);
 * ``distinct_{1..4}gram``: distinct n-grams / n-grams of the group's responses (token ids);
-* ``edit_distance``: mean token-level Levenshtein distance over the group's response pairs,
-  and ``edit_distance_norm``: the same divided by the longer response's length (0 = identical,
-  1 = nothing in common), computed on token ids by rapidfuzz;
+* ``edit_distance``: mean token-level Levenshtein distance over response pairs (rapidfuzz), and
+  ``edit_distance_norm``: divided by the longer response's length (0 = identical);
 * ``length``: mean response length in tokens, ``truncated_frac``: responses cut at the limit,
-  ``mixed_frac``: decoding steps whose next input was not a plain token embedding.
-"""
+  ``mixed_frac``: decoding steps whose next input was not a plain token embedding."""
 
 from __future__ import annotations
 
@@ -37,9 +30,8 @@ def explorer_choices() -> list[str]:
 
 
 def resolve_explorers(names: Sequence[str], args: Mapping[str, Mapping] | None = None) -> list[tuple[str, dict]]:
-    """``[(name, explorer config)]`` for each name, from the training configs, with
-    ``args[name]`` merged in; an unknown name raises
-    :class:`~ngrpo_lightning.config.ConfigError` listing the valid ones."""
+    """``[(name, explorer config)]`` from the training configs with ``args[name]`` merged in; an unknown
+    name raises :class:`~ngrpo_lightning.config.ConfigError` listing the valid ones."""
 
     if isinstance(names, str) or not names:
         raise ConfigError(f"explorers must be a non-empty list, e.g. explorers=[temperature,ngrpo], got {names!r}")
@@ -80,10 +72,9 @@ def group_metrics(seqs: list[list[int]], correct: list[bool], answers: list) -> 
 def explorer_rollouts(
     engine, items: list[dict], explorer, G: int, max_new_tokens: int, reward, batch_size: int = 8, progress=None
 ) -> dict:
-    """Roll out every prompt of ``items`` (``PromptDataset`` items) G times with ``explorer``
-    and score it; returns ``{"metrics": {...}, "groups": [{id, answer, responses, answers,
-    correct}]}``, the metrics averaged over groups (``mixed_frac``, ``truncated_frac`` over
-    all responses)."""
+    """Roll out every prompt of ``items`` G times with ``explorer`` and score it; returns
+    ``{"metrics": {...}, "groups": [{id, answer, responses, answers, correct}]}``, metrics averaged
+    over groups (``mixed_frac``, ``truncated_frac`` over responses)."""
     groups, per_group, tokens, mixed, truncated = [], [], 0, 0, 0
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
@@ -128,8 +119,7 @@ def compare_explorers(
     batch_size: int = 8,
     show_progress: bool = True,
 ) -> dict:
-    """:func:`explorer_rollouts` for each ``(name, explorer)``, each with a fresh engine from
-    ``engine_factory()`` (the same seed, so every explorer starts from the same RNG state)."""
+    """:func:`explorer_rollouts` for each ``(name, explorer)``, each on a fresh, equally seeded engine."""
     from tqdm.auto import tqdm
 
     out = {}
@@ -143,8 +133,7 @@ def compare_explorers(
 
 
 def mixture_weight_pool(engine, prompt_ids: list[list[int]], explorer, G: int, max_new_tokens: int) -> torch.Tensor:
-    """The mixture weights ([M, k]) ``explorer`` (a ``NeighborMixingExplorer``) drew in real
-    rollouts of ``prompt_ids``: the drift pilot's "weights drawn the way the explorer does"."""
+    """The mixture weights ([M, k]) a ``NeighborMixingExplorer`` drew in rollouts of ``prompt_ids``."""
     batch = engine.generate(prompt_ids, explorer, n=G, max_new_tokens=max_new_tokens)
     if not len(batch.records):
         raise ValueError(
