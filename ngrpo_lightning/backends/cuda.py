@@ -18,6 +18,8 @@ What a GPU does differently belongs here, never in config keys (docs/measurement
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ngrpo_lightning.backends import attention
@@ -143,8 +145,6 @@ class _DeprecatedName(CUDABackend):
     disables: tuple[str, ...] = ()
 
     def __init__(self, *args, disable=(), **kwargs):
-        import warnings
-
         names = ", ".join(self.disables)
         warnings.warn(
             f"backend.name={self.registered_name} is deprecated: use backend.name=cuda backend.disable=[{names}]",

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 from ngrpo_lightning.registry import Registry
 
-DEVICES = ("cpu", "cuda")
-
 
 @dataclass
 class SpeedUp:

@@ -48,34 +48,22 @@ __all__ = [
 # ------------------------------------------------------------------ modules
 def has_forward_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` has forward or forward pre-hooks of its own (global ones not counted)."""
-    try:
-        return bool(module._forward_hooks or module._forward_pre_hooks)
-    except AttributeError as err:
-        raise TORCH.error("Module._forward_hooks / _forward_pre_hooks") from err
+    return bool(TORCH.attribute(module, "_forward_hooks") or TORCH.attribute(module, "_forward_pre_hooks"))
 
 
 def child_modules(module: torch.nn.Module) -> dict:
     """``module``'s children by name (``None`` for an unset one), its own dictionary, to be read only."""
-    try:
-        return module._modules
-    except AttributeError as err:
-        raise TORCH.error("Module._modules") from err
+    return TORCH.attribute(module, "_modules")
 
 
 def own_parameters(module: torch.nn.Module) -> dict:
     """``module``'s own parameters by name (``None`` for an unset one), to be read only (``register_parameter``)."""
-    try:
-        return module._parameters
-    except AttributeError as err:
-        raise TORCH.error("Module._parameters") from err
+    return TORCH.attribute(module, "_parameters")
 
 
 def own_buffers(module: torch.nn.Module) -> dict:
     """``module``'s own buffers by name (``None`` for an unset one), to be read only."""
-    try:
-        return module._buffers
-    except AttributeError as err:
-        raise TORCH.error("Module._buffers") from err
+    return TORCH.attribute(module, "_buffers")
 
 
 # ------------------------------------------------------------------ tensors
