@@ -38,9 +38,36 @@ def gpu_name() -> str | None:
     return None
 
 
+# the environment variables that hold torch's, oneDNN's and MKL's kernels below what the CPU has
+KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine() -> dict:
+    """The machine a record was measured on; ``kernel_limits`` where the run held its kernels
+    below the CPU's own (measuring narrower kernels on a wider CPU is not that kind of CPU)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {**cpu_kind(), "gpu": gpu_name(), "cores": cores}
+    limits = {name: os.environ[name] for name in KERNEL_LIMITS if os.environ.get(name)}
+    return {**cpu_kind(), "gpu": gpu_name(), "cores": cores, **({"kernel_limits": limits} if limits else {})}
+
+
+def cpu_times() -> dict[str, int]:
+    """The machine's CPU time so far, in clock ticks (``/proc/stat``'s first line; empty elsewhere)."""
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    try:
+        values = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return {}
+    return dict(zip(names, map(int, values)))
+
+
+def stolen_pct(before: dict[str, int], after: dict[str, int]) -> float | None:
+    """The share of the CPU time between two :func:`cpu_times` that the hypervisor gave to other
+    machines (``steal``), in percent: a shared host's contention, which slows a run without
+    showing in its own figures."""
+    if not before or not after:
+        return None
+    total = sum(after.values()) - sum(before.values())
+    return 100.0 * (after["steal"] - before["steal"]) / total if total > 0 else None
 
 
 def commit() -> str:

@@ -9,9 +9,11 @@ its passes need (``compute_floor.step_flops``) at that rate: ``x_floor`` is step
 weight once and every row's keys and values so far), ``decode_ms`` generation's time per token of
 a row. The first step of every run is its warm-up: left out of the medians, its excess over the
 median step is ``warmup_s``, split by phase (``warmup_gen_s``, ...); ``startup_s`` is the
-process's time outside its steps. ``graphs`` says what the decoding graphs held (``whole steps``,
-``model step``, ``none``). ``--profile`` profiles each run's last step (``step_profile.py``; out
-of the medians) and prints its phases: host time, device time, kernels, the longest kernel.
+process's time outside its steps; ``steal_pct`` the share of the machine's CPU time a shared
+host gave to other machines meanwhile (a slow run on a busy host says so). ``graphs`` says what
+the decoding graphs held (``whole steps``, ``model step``, ``none``). ``--profile`` profiles each
+run's last step (``step_profile.py``; out of the medians) and prints its phases: host time, device
+time, kernels, the longest kernel.
 """
 
 from __future__ import annotations
@@ -22,20 +24,21 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from common import GIB, print_table, write_record
-from compute_floor import decode_floor_s, matmul_rate, model_shape, phase_flops, read_bandwidth, step_flops
+from compute_floor import decode_floor_s, matmul_rates, model_shape, phase_flops, read_bandwidth, step_flops
 from sides import PHASES, run_side
 from step_profile import phase_rows
 from workloads import LORA_RANK, describe
 
 COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "logprobs_x_floor", "update_x_floor",
-           "gen_x_floor", "decode_ms", "warmup_s", "loop_rss_gib", "tree_rss_gib", "cuda_gib", "error"]  # fmt: skip
+           "gen_x_floor", "decode_ms", "warmup_s", "loop_rss_gib", "tree_rss_gib", "cuda_gib", "steal_pct",
+           "error"]  # fmt: skip
 WARMUP = ["mode", "warmup_s", "warmup_gen_s", "warmup_logprobs_s", "warmup_update_s", "warmup_other_s",
           "graph_record_s", "startup_s"]  # fmt: skip
 
 
 def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
-    """The model's shape, the device's matmul rate (FLOP/s) and read bandwidth (bytes/s; a GPU's
-    from ``bandwidth_gbs``, else none)."""
+    """The model's shape, the device's matmul rate (FLOP/s: the faster way it multiplies, each way's
+    in ``rates``) and read bandwidth (bytes/s; a GPU's from ``bandwidth_gbs``, else none)."""
     import torch
 
     if workload.threads:  # the runs' threads
@@ -43,13 +46,15 @@ def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
     device = "cuda" if workload.accelerator == "gpu" else "cpu"
     shape = model_shape(workload.model_path())
     bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else read_bandwidth() if device == "cpu" else None
-    return {"shape": shape, "rate": matmul_rate(shape, workload.dtype, device=device), "bandwidth": bandwidth}
+    rates = matmul_rates(shape, workload.dtype, device=device)
+    return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth}
 
 
 def better_floor(floor: dict, again: dict) -> dict:
     """The faster of two measurements of the same device (a quiet moment of a shared machine)."""
     best = lambda key: max(v for v in (floor[key], again[key]) if v) if floor[key] or again[key] else None
-    return {**floor, "rate": best("rate"), "bandwidth": best("bandwidth")}
+    rates = {way: max(rate, again["rates"].get(way, 0.0)) for way, rate in floor["rates"].items()}
+    return {**floor, "rate": best("rate"), "rates": rates, "bandwidth": best("bandwidth")}
 
 
 def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
@@ -72,6 +77,7 @@ def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
         "loop_rss_gib": max(s["rss_bytes"] for r in runs for s in r["steps"]) / GIB,  # the steps, no exit
         "cmd_rss_gib": max(r["peak_rss_bytes"] for r in runs) / GIB,  # the whole process, its exit included
         "tree_rss_gib": max(r["tree_peak_rss_bytes"] for r in runs) / GIB,  # with child processes
+        "steal_pct": max((r["steal_pct"] for r in runs if r.get("steal_pct") is not None), default=None),
         "cuda_gib": max(s.get("cuda_peak_bytes", 0) for r in runs for s in r["steps"]) / GIB,
         "reserved_gib": max(s.get("cuda_reserved_bytes", 0) for r in runs for s in r["steps"]) / GIB,
         "logprob_diff_max": max(s.get("logprob_diff_max", float("nan")) for r in runs for s in r["steps"]),
@@ -127,6 +133,7 @@ def run(args, workload) -> None:
     rows = [summary({"mode": mode}, [result], in_mode(workload, mode), floor) for mode, result in results]
     report(rows)
     figures = {"matmul_gflops": floor["rate"] / 1e9, "model_shape": asdict(floor["shape"])}
+    figures["matmul_gflops_by_way"] = {way: rate / 1e9 for way, rate in floor["rates"].items()}
     figures["read_gbps"] = floor["bandwidth"] / 1e9 if floor["bandwidth"] else None
     write_record(
         "floor",
@@ -177,7 +184,7 @@ def report(rows: list[dict]) -> None:
 
 def brief_rows(rows: list[dict], key: str) -> dict:
     """Each row's main figures, by its ``key`` (numbered where it repeats), for a record's summary."""
-    keep = ("step_s", "x_floor", "gen_x_floor", "warmup_s", "cmd_rss_gib", "cuda_gib", "vs_ours", "error")
+    keep = ("step_s", "x_floor", "gen_x_floor", "warmup_s", "cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
     repeats = len({r[key] for r in rows}) < len(rows)
     return {(f"{i + 1}. " if repeats else "") + r[key]: {k: r[k] for k in keep if k in r} for i, r in enumerate(rows)}
 

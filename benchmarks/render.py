@@ -47,6 +47,9 @@ def machine(record: dict) -> str:
         m.get("kernels") or cpu.get("kernels"),
         {True: "with avx512_bf16", False: "without avx512_bf16"}.get(bf16),
         f"{cores} cores" if cores else None,
+        " ".join(["kernels held by", *(f"{k}={v}" for k, v in m["kernel_limits"].items())])
+        if m.get("kernel_limits")
+        else None,
     ]
     return ", ".join(p for p in parts if p) or "not named"
 

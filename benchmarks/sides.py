@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import GIB, kill_tree, wait_watching_rss
+from common import GIB, cpu_times, kill_tree, stolen_pct, wait_watching_rss
 from compute_floor import attention_pairs
 from workloads import Workload
 
@@ -100,11 +100,12 @@ def launcher_env() -> dict[str, str]:
 def run_side(side: str, workload: Workload, workdir: Path, index: int, options: tuple[str, ...] = (),
              limit_bytes: int | None = None, allocator: str = "launcher") -> dict:  # fmt: skip
     """One run of a side in a fresh process (``options``: :func:`child_main`'s): its records, its
-    process tree's peak RSS and wall time, or ``error`` (also above ``limit_bytes``: stopped there)."""
+    process tree's peak RSS, wall time and the CPU time stolen meanwhile (``steal_pct``, see
+    :func:`common.stolen_pct`), or ``error`` (also above ``limit_bytes``: stopped there)."""
     out, log = workdir / f"{index}-{side}.json", workdir / f"{index}-{side}.log"
     script, changes = SIDES[side]
     cmd = [sys.executable, str(HERE / script), "--workload", replace(workload, **changes).to_json(), "--out", str(out)]
-    t0 = time.perf_counter()
+    t0, ticks = time.perf_counter(), cpu_times()
     with open(log, "w") as fh:
         environ = child_env(workload, side, allocator)
         proc = subprocess.Popen([*cmd, *options], stdout=fh, stderr=subprocess.STDOUT, env=environ)
@@ -113,13 +114,13 @@ def run_side(side: str, workload: Workload, workdir: Path, index: int, options: 
         finally:
             if proc.poll() is None:  # Ctrl-C or an error here: the child and its workers go too
                 kill_tree(proc)
-    wall = time.perf_counter() - t0
+    wall, steal = time.perf_counter() - t0, stolen_pct(ticks, cpu_times())
     if limit_bytes is not None and tree_peak > limit_bytes:
         reason = f"MemoryError: stopped at {tree_peak / GIB:.1f} GiB, above {limit_bytes / GIB:.1f} GiB"
         return {"error": {"returncode": proc.returncode, "reason": reason, "log_tail": ""}, "wall_s": wall}
     if proc.returncode != 0 or not out.exists():
         return {"error": failure(log.read_text(errors="replace"), proc.returncode), "wall_s": wall}
-    return {**json.loads(out.read_text()), "tree_peak_rss_bytes": tree_peak, "wall_s": wall}
+    return {**json.loads(out.read_text()), "tree_peak_rss_bytes": tree_peak, "wall_s": wall, "steal_pct": steal}
 
 
 def failure(log: str, returncode: int, tail: int = 40) -> dict:

@@ -60,7 +60,8 @@ def run(args, workload) -> None:
     write_record("vs_trl", device_of(workload), describe(workload), "step_s", True, args.out, settings=asdict(workload),
                  summary=brief_rows(rows, "side"), rows=rows,
                  failed=failed, order=run_order(args.runs, args.sides), versions=versions(),
-                 matmul_gflops=floor["rate"] / 1e9)  # fmt: skip
+                 matmul_gflops=floor["rate"] / 1e9,
+                 matmul_gflops_by_way={way: rate / 1e9 for way, rate in floor["rates"].items()})  # fmt: skip
 
 
 def versions() -> dict:

@@ -13,8 +13,8 @@ import torch
 from conftest import chat_prompt_ids
 
 from ngrpo_lightning.backends import CPUBackend, describe
-from ngrpo_lightning.backends.linear import BackendLinear, packing_available
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.packing import BackendLinear, packing_available
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.backends.probe import Measurements
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP, RecomputingRMSNorm
@@ -113,6 +113,32 @@ def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
     assert describe(b) == describe(a)  # the same choices, for the same reasons
     choices = [(m.pack_once, m.pack_per_product) for m in a.modules() if isinstance(m, BackendLinear)]
     assert choices == [(m.pack_once, m.pack_per_product) for m in b.modules() if isinstance(m, BackendLinear)]
+
+
+def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_faster():
+    """``packing.choose`` on given answers: each of decoding, a frozen pass and training follows its
+    own measurement, at the margin; rows are bucketed to powers of two (training at most 1,024);
+    the LM head is judged on decoding alone."""
+    from ngrpo_lightning.backends.packing import MARGIN, TRAIN_ROWS_TIMED, choose
+
+    class Answers(dict):
+        def get(self, key, measure):
+            self.asked = [*getattr(self, "asked", []), key]
+            return self[key]
+
+    answers = Answers(
+        {
+            "decode:float32:96x64:32": {"plain_s": 1.0, "packed_s": MARGIN},  # at the margin: packed
+            "frozen:float32:96x64:1024": {"plain_s": 1.0, "packed_s": MARGIN + 0.01},  # just above it: plain
+            "train:float32:96x64:1024": {"plain_s": 1.0, "packed_s": 0.5},
+        }
+    )
+    once, frozen, per_product, why = choose(answers, 96, 64, torch.float32, 20, 5000, decoding_only=False)
+    assert (once, frozen, per_product) == (True, False, True)
+    assert answers.asked == [*answers] and TRAIN_ROWS_TIMED == 1024
+    assert "decoding 32 rows packed" in why and "frozen pass 1024 rows plain" in why
+    head = choose(answers, 96, 64, torch.float32, 17, 5000, decoding_only=True)
+    assert head[:3] == (True, False, False) and "decoding 32 rows packed" in head[3]
 
 
 def test_a_run_records_its_choices_and_a_resumed_run_makes_the_same_ones_without_measuring(tmp_path):

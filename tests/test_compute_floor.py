@@ -127,3 +127,25 @@ def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_t
     assert row["floor_s"] == pytest.approx(flops / rate) and row["x_floor"] == pytest.approx(3.0 * rate / flops)
     assert row["warmup_s"] == 6.0 and row["graph_record_s"] == 1.0 and row["startup_s"] == 5.0
     assert row["gen_x_floor"] == pytest.approx(0.75 / compute_floor.decode_floor_s(fixed_step(), SHAPE, 10.0, 4))
+    assert row["steal_pct"] is None  # the run said nothing of stolen time
+
+
+def test_the_floor_is_counted_at_the_faster_way_the_machine_multiplies():
+    """``matmul_rates`` times each way (torch.matmul; oneDNN's packed product where this build
+    has it) and the floor divides by the faster, so a library's narrow kernels never set it."""
+    import floor
+    from common import stolen_pct
+
+    from ngrpo_lightning.backends.packing import packing_available
+
+    shape = compute_floor.ModelShape(0, 0, hidden=64, intermediate=96)
+    rates = compute_floor.matmul_rates(shape, "float32", repeats=2)
+    assert rates["plain"] > 0 and ("packed" in rates) == packing_available(torch.float32)
+    first = {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": None}
+    again = {**first, "rates": {way: 2 * r for way, r in rates.items()}, "rate": 2 * first["rate"]}
+    best = floor.better_floor(first, again)
+    assert best["rate"] == 2 * first["rate"] and best["rates"] == again["rates"] and best["bandwidth"] is None
+    # a host that gave a quarter of the interval's CPU time to other machines
+    before = {"user": 100, "system": 0, "idle": 0, "steal": 0}
+    assert stolen_pct(before, {"user": 130, "system": 0, "idle": 60, "steal": 30}) == pytest.approx(25.0)
+    assert stolen_pct({}, before) is None

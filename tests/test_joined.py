@@ -118,7 +118,7 @@ def test_a_trained_model_s_projections_are_joined_and_a_rollout_reads_them_in_pl
     next rollout multiplies by the new weights."""
     from transformers import AutoModelForCausalLM
 
-    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
     from ngrpo_lightning.backends.passes import packed_for_pass
 
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_a_joint_product_s_gradients_go_to_each_block_s_own_parameter():
     """``JointLinear``: one product over weights (and biases) that are row blocks of one tensor,
     each block's gradient its parameter's: checked against finite differences in float64, with a
     frozen block given none, and its value ``F.linear`` on the blocks concatenated."""
-    from ngrpo_lightning.backends.joint_products import JointLinear
+    from ngrpo_lightning.backends.joined import JointLinear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -225,7 +225,7 @@ def test_lora_layers_reading_one_input_are_one_node_with_the_gradients_of_the_la
     """``JointLoraProduct``: q, k, v (and gate, up) LoRA layers with frozen base weights joined, their
     A's stacked and B's in one block-diagonal matrix: checked against finite differences in float64
     with three adapters of different ranks, widths and scales."""
-    from ngrpo_lightning.backends.joint_products import JointLoraProduct
+    from ngrpo_lightning.backends.joined import JointLoraProduct
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -273,7 +273,7 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
     the adapters' pass its one node."""
     from conftest import trained_lora
 
-    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
     from ngrpo_lightning.models import lora
 
     policy = trained_lora(std=0.3).to(torch.bfloat16)
@@ -319,7 +319,7 @@ def test_a_lora_policy_s_training_pass_multiplies_each_group_as_one_node(tiny, d
 def test_a_plain_linear_multiplies_by_its_own_weight_now_or_in_every_pass():
     """``plain_linear``: what the joins (kept from pass to pass) and LoRA's base product (this pass)
     ask of a layer. Hooks, per-product packing outside a pass and a rollout's packed copy say no."""
-    from ngrpo_lightning.backends.linear import BackendLinear, packing_available, plain_linear
+    from ngrpo_lightning.backends.packing import BackendLinear, packing_available, plain_linear
     from ngrpo_lightning.backends.passes import packed_for_pass
 
     layer = torch.nn.Linear(4, 3)

@@ -22,7 +22,7 @@ def test_a_fit_joins_the_policy_s_projections_once_lightning_has_placed_it(tiny)
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
     from ngrpo_lightning.backends.cuda import CUDABackend
-    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
 
     backend = CUDABackend(torch.float32, disable=["decode_graphs"], enable=JOINS)
     module, datamodule = tiny_rl(tiny, ScriptedReward([1, 0]), backend=backend)
@@ -42,7 +42,7 @@ def test_a_fit_joins_the_frozen_reference_too_and_its_log_probs_stay_those_of_th
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
     from ngrpo_lightning.backends.cuda import CUDABackend
-    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
     from ngrpo_lightning.objectives import GRPO
 
     backend = CUDABackend(torch.float32, disable=["decode_graphs"], enable=JOINS)
@@ -75,7 +75,7 @@ def test_a_validation_on_its_own_joins_them_too(tiny):
     from conftest import ScriptedReward, tiny_rl, tiny_trainer
 
     from ngrpo_lightning.backends.cuda import CUDABackend
-    from ngrpo_lightning.backends.joint_products import rows_of_one_tensor
+    from ngrpo_lightning.backends.joined import rows_of_one_tensor
     from ngrpo_lightning.data import reasoning_gym_problems
     from ngrpo_lightning.rollout import RolloutDataModule
 

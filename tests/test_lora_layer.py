@@ -255,8 +255,8 @@ def test_the_base_product_goes_into_the_adapter_s_node_only_when_it_is_a_frozen_
     """The base layer's product moves into ``LoraLinearProduct`` only where its forward is
     ``F.linear`` on weights nothing trains: not a layer with hooks, a trained weight or bias, or a
     CPU backend's packed products."""
-    from ngrpo_lightning.backends.linear import BackendLinear
     from ngrpo_lightning.backends.lora import frozen_product
+    from ngrpo_lightning.backends.packing import BackendLinear
 
     def frozen(**change):
         layer = torch.nn.Linear(4, 3)

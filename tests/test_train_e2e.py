@@ -61,7 +61,7 @@ def test_two_training_steps_are_logged_to_mlflow(store, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "samples"} <= artifacts
     assert len(client.list_artifacts(run.info.run_id, "samples")) == 2
-    from ngrpo_lightning.backends.linear import packing_available
+    from ngrpo_lightning.backends.packing import packing_available
 
     if packing_available(torch.float32):  # what the backend measured and chose on this machine
         assert "backend_choices.json" in artifacts

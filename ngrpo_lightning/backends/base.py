@@ -22,8 +22,8 @@ import torch
 
 from ngrpo_lightning.backends import speedups
 from ngrpo_lightning.backends.freed_memory import release_freed_memory
-from ngrpo_lightning.backends.linear import BackendLinear
 from ngrpo_lightning.backends.lora import lean_lora_layers
+from ngrpo_lightning.backends.packing import BackendLinear
 from ngrpo_lightning.backends.recompute import recomputing_modules
 from ngrpo_lightning.registry import Registry
 
@@ -150,7 +150,7 @@ class Backend:
 
     def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, tuple[bool, bool, bool, str]]:
         """``id(layer) -> (pack_once, pack_frozen, pack_per_product, why)`` for a model's plain linear layers
-        (:class:`~.linear.BackendLinear`); ``head``, the LM head among them, is only called by a rollout."""
+        (:class:`~.packing.BackendLinear`); ``head``, the LM head among them, is only called by a rollout."""
         return {id(m): (False, False, False, f"plain products on {self.device_type}") for m in layers}
 
     # ------------------------------------------------------------ what the run asks

@@ -1,10 +1,8 @@
 """The CPU backend: products on oneDNN-packed weights where this machine runs them faster.
 
-Whether packing pays depends on the CPU (vector units, oneDNN kernels) and the shape (docs/performance.md, "Packed
-products, measured per machine"). So when a run is built every distinct linear shape is timed both ways at three kinds
-of product (:class:`~.linear.BackendLinear`): a decoding step's rows (``pack_once``), a frozen pass's rows
-(``pack_frozen``) and a training forward and backward (``pack_per_product``); packed is taken where it takes at most
-:data:`MARGIN` of the plain time. The answers are kept per machine (:mod:`.probe`). Also chosen here, same values:
+Whether packing pays depends on the CPU (vector units, oneDNN kernels) and the shape, so when a run is built every
+distinct linear shape is timed both ways at a decoding step's rows, a frozen pass's and a training forward and
+backward (:func:`~.packing.choose`), the answers kept per machine (:mod:`.probe`). Also chosen here, same values:
 
 - attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.backends.attention`): grouped KV heads read in place;
 - a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in float32;
@@ -22,53 +20,11 @@ import torch
 
 from ngrpo_lightning.backends import attention, file_weights
 from ngrpo_lightning.backends.base import BACKENDS, Backend
-from ngrpo_lightning.backends.linear import PackedLinearFunction, pack, packed_linear, packing_available
-from ngrpo_lightning.backends.probe import Measurements, faster, median_seconds
+from ngrpo_lightning.backends.packing import choose, packing_available
+from ngrpo_lightning.backends.probe import Measurements, median_seconds
 
-MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
-# A training product's relative speed settles by about a thousand rows: larger passes are timed at this many
-TRAIN_ROWS_TIMED = 1024
 HALF = (torch.bfloat16, torch.float16)
 PACKING = ("auto", "on", "off")
-
-
-def _bucket(rows: int) -> int:
-    """Rows rounded up to a power of two: one measurement serves nearby batch sizes."""
-    return 1 << max(0, int(rows) - 1).bit_length()
-
-
-def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """A decoding step's product of ``rows`` rows: plain against one packed copy."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    packed = pack(weight, rows)
-    with torch.inference_mode():
-        t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed))
-    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
-
-
-def measure_frozen(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """A frozen pass's product of ``rows`` rows (no autograd): plain against one packed copy."""
-    return measure_decode(out_features, in_features, dtype, rows)
-
-
-def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """A training forward and backward of ``rows`` rows: plain against packed per product."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype).requires_grad_()
-    x = torch.randn(rows, in_features, generator=gen).to(dtype).requires_grad_()
-    grad = torch.randn(rows, out_features, generator=gen).to(dtype)
-
-    def run(product):
-        def step():
-            y = product(x, weight, None)
-            torch.autograd.grad(y, (x, weight), grad)
-
-        return step
-
-    t = faster(run(torch.nn.functional.linear), run(PackedLinearFunction.apply), rounds=2, budget_s=0.04)
-    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
 
 
 def matmul_rate(dtype: torch.dtype, size: int = 512) -> float:
@@ -134,27 +90,11 @@ class CPUBackend(Backend):
         if self.packing != "auto":
             on = self.packing == "on"
             return on, on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
-        decode_rows, train_rows = _bucket(self.decode_rows), min(_bucket(self.train_rows), TRAIN_ROWS_TIMED)
         answers = _Recording(self._answers(), self._used)
-        d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
-        if decoding_only:  # the LM head: only a rollout calls it
-            once = d["packed_s"] <= MARGIN * d["plain_s"]
-            why = f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows {'packed' if once else 'plain'}"
-            return once, False, False, why + f" ({d['packed_s'] / d['plain_s']:.2f}x the plain time)"
-        f = answers.get(f"frozen:{name}:{n}x{k}:{train_rows}", lambda: measure_frozen(n, k, dtype, train_rows))
-        t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
-        once, frozen, per_product = (r["packed_s"] <= MARGIN * r["plain_s"] for r in (d, f, t))
-        self._chosen[f"{n}x{k}"] = (once, frozen, per_product)
-
-        def say(what: str, rows: int, packed: bool, r: dict) -> str:
-            return f"{what} {rows} rows {'packed' if packed else 'plain'} ({r['packed_s'] / r['plain_s']:.2f}x)"
-
-        why = (
-            f"{n}x{k} {name}, measured on this CPU (packed time / plain time): "
-            f"{say('decoding', decode_rows, once, d)}, {say('frozen pass', train_rows, frozen, f)}, "
-            f"{say('training per product', train_rows, per_product, t)}"
-        )
-        return once, frozen, per_product, why
+        choice = choose(answers, n, k, dtype, self.decode_rows, self.train_rows, decoding_only)
+        if not decoding_only:
+            self._chosen[f"{n}x{k}"] = choice[:3]
+        return choice
 
     def recorded_choices(self) -> dict:
         return {"packing": self.packing, "measured": dict(self._used)} if self._used else {}

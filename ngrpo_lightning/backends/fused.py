@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.backends.joined import JoinedProjections, join_weights
-from ngrpo_lightning.backends.linear import plain_linear
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.memo import TensorMemo
+from ngrpo_lightning.backends.packing import plain_linear
 from ngrpo_lightning.backends.recompute import RecomputingGatedMLP
 from ngrpo_lightning.backends.swap import forwards_agree, swap_checked
 from ngrpo_lightning.compat.torch import has_forward_hooks

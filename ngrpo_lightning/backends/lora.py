@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ngrpo_lightning.backends.linear import BackendLinear, pack, packed_linear, plain_linear
+from ngrpo_lightning.backends.packing import BackendLinear, pack, packed_linear, plain_linear
 from ngrpo_lightning.backends.swap import swap
 from ngrpo_lightning.compat.peft import adapter_parts
 from ngrpo_lightning.compat.torch import mark_static_address, tensor_version

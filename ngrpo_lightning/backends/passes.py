@@ -1,7 +1,7 @@
 """A pass over weights that do not change: a rollout, the frozen reference's log-probs.
 
 Inside :func:`packed_for_pass` the layers the backend chose to pack multiply by one copy of their weights packed when
-the pass starts (:mod:`.linear`), LoRA layers by one merged copy (:mod:`.lora`), dropped when it ends.
+the pass starts (:mod:`.packing`), LoRA layers by one merged copy (:mod:`.lora`), dropped when it ends.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import contextlib
 import torch
 
 from ngrpo_lightning.backends.joined import JoinedProjections
-from ngrpo_lightning.backends.linear import BackendLinear, pack
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.packing import BackendLinear, pack
 from ngrpo_lightning.models.walks import modules_of
 
 

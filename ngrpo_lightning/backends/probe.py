@@ -3,7 +3,7 @@
 A machine-dependent choice (oneDNN-packed weights) is timed on the run's own shapes when the run is built, the answer
 kept in a JSON file per machine (``$NGRPO_CACHE/backend/``, default ``~/.cache/ngrpo-lightning/backend/``), a machine
 being its processor's name, the kernels torch may use (CPU capability, ``ONEDNN_MAX_CPU_ISA``,
-``ATEN_CPU_CAPABILITY``), the thread count and torch's version.
+``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``), the thread count and torch's version.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def machine_signature() -> dict:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -152,7 +152,7 @@ for _speedup in (
     SpeedUp(
         "packed_products",
         "products on oneDNN-packed weights, per shape where this machine measures them faster",
-        "ngrpo_lightning.backends.linear",
+        "ngrpo_lightning.backends.packing",
         ("cpu",),
         {"cpu": "speedup-packed_products-cpu-2026-11-26.json"},
     ),

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ngrpo_lightning.backends.base import Backend
-from ngrpo_lightning.backends.linear import BackendLinear
+from ngrpo_lightning.backends.packing import BackendLinear
 from ngrpo_lightning.backends.recompute import rows_then_new
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds

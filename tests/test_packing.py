@@ -1,4 +1,4 @@
-"""The linear layer a backend swaps in (``backends/linear.py``, ``backends/passes.py``): products on
+"""The linear layer a backend swaps in (``backends/packing.py``, ``backends/passes.py``): products on
 oneDNN-packed weights, per product in the policy's passes and its update, once per pass in a
 rollout or the frozen reference's pass. Values and gradients equal to plain products' to float
 rounding; which layers take them; the rest unchanged. ``packing="on"`` / ``"off"`` force both
@@ -11,9 +11,9 @@ import torch
 from conftest import chat_prompt_ids, trained_lora
 
 from ngrpo_lightning.backends import CPUBackend
-from ngrpo_lightning.backends import linear as backend_linear
-from ngrpo_lightning.backends.linear import BackendLinear, PackedLinearFunction, packing_available
+from ngrpo_lightning.backends import packing as packing_module
 from ngrpo_lightning.backends.lora import LeanLoraLinear
+from ngrpo_lightning.backends.packing import BackendLinear, PackedLinearFunction, packing_available
 from ngrpo_lightning.backends.passes import packed_for_pass
 from ngrpo_lightning.explorers import TemperatureExplorer
 from ngrpo_lightning.models import lora
@@ -50,7 +50,7 @@ def no_instance_forward(model):
 def counted_products(monkeypatch):
     """How many products ran through :class:`PackedLinearFunction` (a packed product per call)."""
     calls = []
-    original = backend_linear.PackedLinearFunction
+    original = packing_module.PackedLinearFunction
 
     class Counting(original):
         @staticmethod
@@ -58,7 +58,7 @@ def counted_products(monkeypatch):
             calls.append(1)
             return original.apply(*args)
 
-    monkeypatch.setattr(backend_linear, "PackedLinearFunction", Counting)
+    monkeypatch.setattr(packing_module, "PackedLinearFunction", Counting)
     return calls
 
 

@@ -1,14 +1,17 @@
-"""The linear layer a backend swaps in: one class says what each product computes.
+"""The speed-up ``packed_products``, whole: products on oneDNN-packed weights where this machine runs them faster.
 
-On some CPUs and shapes oneDNN multiplies faster by a weight reordered into its blocked layout (the CPU backend
-measures which, :mod:`.cpu`), the same values to float rounding. Two ways use it:
+On some CPUs and shapes oneDNN multiplies faster by a weight reordered into its blocked layout, the same values to
+float rounding. Whether it pays depends on the CPU and the shape, so the CPU backend times every distinct linear
+shape both ways when a run is built (:func:`choose`), at three kinds of product, and keeps the answers per machine
+(:mod:`.probe`). The linear layer the backend swaps in, :class:`BackendLinear`, then multiplies:
 
 - **packed once for a pass**: inside :func:`~.passes.packed_for_pass` (a rollout, the frozen reference's pass), where
-  weights do not change and nothing needs a backward, a layer multiplies by one packed copy made when the pass starts
-  and dropped when it ends (a file-backed reference frees each plain weight once packed); LoRA layers by their
-  merged copy (:mod:`.lora`), packed when the base layer would be.
+  weights do not change and nothing needs a backward, by one packed copy made when the pass starts and dropped when it
+  ends (a file-backed reference frees each plain weight once packed); LoRA layers by their merged copy
+  (:mod:`.lora`), packed when the base layer would be.
 - **packed per product**: in the policy's log-prob passes and update, each product packs its operands as it runs
   (:class:`PackedLinearFunction`), forward and backward.
+- otherwise plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import logging
 
 import torch
 
+from ngrpo_lightning.backends.probe import faster
 from ngrpo_lightning.compat.torch import has_forward_hooks, linear_pointwise, reorder_linear_weight
 
 log = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+MARGIN = 0.97  # packed is taken where it takes at most this share of the plain product's time
+# A training product's relative speed settles by about a thousand rows: larger passes are timed at this many
+TRAIN_ROWS_TIMED = 1024
 
 
 @functools.cache
@@ -134,3 +141,66 @@ def plain_linear(layer: torch.nn.Module, every_pass: bool = False) -> bool:
         packs_now = layer._pass_weight is not None or (layer.pack_per_product and not layer._in_pass)
         return not (packs_now or (every_pass and (layer.pack_once or layer.pack_per_product)))
     return forward is torch.nn.Linear.forward
+
+
+# ---------------------------------------------------------------- which products pack, measured per machine and shape
+def rows_bucket(rows: int) -> int:
+    """Rows rounded up to a power of two: one measurement serves nearby batch sizes."""
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """A decoding step's product of ``rows`` rows (no autograd): plain against one packed copy. A frozen pass's
+    product is the same at its own rows."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed = pack(weight, rows)
+    with torch.inference_mode():
+        t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed))
+    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
+
+
+def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """A training forward and backward of ``rows`` rows: plain against packed per product."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(rows, out_features, generator=gen).to(dtype)
+
+    def run(product):
+        def step():
+            y = product(x, weight, None)
+            torch.autograd.grad(y, (x, weight), grad)
+
+        return step
+
+    t = faster(run(torch.nn.functional.linear), run(PackedLinearFunction.apply), rounds=2, budget_s=0.04)
+    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
+
+
+def choose(answers, n: int, k: int, dtype: torch.dtype, decode_rows: int, train_rows: int, decoding_only: bool):
+    """``(pack_once, pack_frozen, pack_per_product, why)`` for an ``[n, k]`` weight of ``dtype``, each packed where
+    it takes at most :data:`MARGIN` of the plain time: decoding ``decode_rows`` rows, a frozen pass and a training
+    forward and backward of ``train_rows`` (both bucketed). ``answers.get(key, measure)`` reads a kept answer or
+    measures it (:class:`~.probe.Measurements`). ``decoding_only``: the LM head, which only a rollout calls."""
+    name = str(dtype).removeprefix("torch.")
+    decode_rows, train_rows = rows_bucket(decode_rows), min(rows_bucket(train_rows), TRAIN_ROWS_TIMED)
+    d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
+    if decoding_only:
+        once = d["packed_s"] <= MARGIN * d["plain_s"]
+        why = f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows {'packed' if once else 'plain'}"
+        return once, False, False, why + f" ({d['packed_s'] / d['plain_s']:.2f}x the plain time)"
+    f = answers.get(f"frozen:{name}:{n}x{k}:{train_rows}", lambda: measure_decode(n, k, dtype, train_rows))
+    t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
+    once, frozen, per_product = (r["packed_s"] <= MARGIN * r["plain_s"] for r in (d, f, t))
+
+    def say(what: str, rows: int, packed: bool, r: dict) -> str:
+        return f"{what} {rows} rows {'packed' if packed else 'plain'} ({r['packed_s'] / r['plain_s']:.2f}x)"
+
+    why = (
+        f"{n}x{k} {name}, measured on this CPU (packed time / plain time): "
+        f"{say('decoding', decode_rows, once, d)}, {say('frozen pass', train_rows, frozen, f)}, "
+        f"{say('training per product', train_rows, per_product, t)}"
+    )
+    return once, frozen, per_product, why
