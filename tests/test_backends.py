@@ -118,7 +118,7 @@ def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
 def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_faster():
     """``packing.choose`` on given answers: each of decoding, a frozen pass and training follows its
     own measurement, at the margin; rows are bucketed to powers of two (training at most 1,024);
-    the LM head is judged on decoding alone."""
+    the LM head is judged on decoding and on its log-prob chunks alone."""
     from ngrpo_lightning.backends.packing import MARGIN, TRAIN_ROWS_TIMED, choose
 
     class Answers(dict):
@@ -131,14 +131,31 @@ def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_fas
             "decode:float32:96x64:32": {"plain_s": 1.0, "packed_s": MARGIN},  # at the margin: packed
             "frozen:float32:96x64:1024": {"plain_s": 1.0, "packed_s": MARGIN + 0.01},  # just above it: plain
             "train:float32:96x64:1024": {"plain_s": 1.0, "packed_s": 0.5},
+            "logits:float32:96x64:512": {"plain_s": 1.0, "packed_s": 0.5},
         }
     )
-    once, frozen, per_product, why = choose(answers, 96, 64, torch.float32, 20, 5000, decoding_only=False)
-    assert (once, frozen, per_product) == (True, False, True)
-    assert answers.asked == [*answers] and TRAIN_ROWS_TIMED == 1024
-    assert "decoding 32 rows packed" in why and "frozen pass 1024 rows plain" in why
-    head = choose(answers, 96, 64, torch.float32, 17, 5000, decoding_only=True)
-    assert head[:3] == (True, False, False) and "decoding 32 rows packed" in head[3]
+    choice = choose(answers, 96, 64, torch.float32, 20, 5000)
+    assert choice[:3] == (True, False, True) and not choice.logits
+    assert answers.asked == [*answers][:3] and TRAIN_ROWS_TIMED == 1024
+    assert "decoding 32 rows packed" in choice.why and "frozen pass 1024 rows plain" in choice.why
+    answers.asked = []
+    head = choose(answers, 96, 64, torch.float32, 17, 5000, head_rows=300)
+    assert head == (True, False, False, head.why, True) and "log-prob chunks 512 rows packed" in head.why
+    assert answers.asked == ["decode:float32:96x64:32", "logits:float32:96x64:512"]
+    assert not choose(answers, 96, 64, torch.float32, 17, 5000, head_rows=0).logits  # not chunked: nothing to pack
+
+
+def test_the_cpu_backend_packs_the_head_s_log_prob_chunks_only_where_packed_logits_is_on(tiny):
+    from ngrpo_lightning.backends.packing import BackendLinear
+
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN packing here")
+    for switch, expected in (({"enable": ["packed_logits"]}, True), ({"disable": ["packed_logits"]}, False)):
+        model = copy.deepcopy(tiny[0])
+        CPUBackend(torch.float32, packing="on", **switch).prepare(model, trains=True)
+        head = model.get_output_embeddings()
+        assert isinstance(head, BackendLinear) and head.pack_logits is expected
+        assert all(not m.pack_logits for m in model.modules() if isinstance(m, BackendLinear) and m is not head)
 
 
 def test_a_run_records_its_choices_and_a_resumed_run_makes_the_same_ones_without_measuring(tmp_path):

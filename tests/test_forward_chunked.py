@@ -170,6 +170,30 @@ def test_untied_head_with_bias_in_float32(keep):
     assert_grads_close(grads, ref_grads, 2e-5)
 
 
+@KEEP
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
+def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradients(tied, bias, keep):
+    """``pack_logits`` (the CPU backend's ``packed_logits``): each chunk's logits as ``W @ h^T`` on
+    oneDNN's packed ``h``, read transposed; the same values, entropies and gradients as the full
+    path to float32's rounding."""
+    from ngrpo_lightning.backends.packing import BackendLinear, packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("this CPU build has no oneDNN packing")
+    model = small_llama(tied=tied, bias=bias)
+    batch = make_batch(model.config.vocab_size)
+    ref_logp, ref_entropy, ref_grads = run(model, batch, None, 0.7)
+    head = BackendLinear.swap_in(
+        model.get_output_embeddings(), False, False, "test", decode_only=True, pack_logits=True
+    )
+    assert head.pack_logits and split_lm_head(model)[1] is head
+    logp, entropy, grads = run(model, batch, 5, 0.7, keep_softmax_mib=keep)
+    mask = batch.response_mask.bool()
+    assert (logp - ref_logp).abs().max() <= 1e-5
+    assert (entropy - ref_entropy)[mask].abs().max() <= 1e-5 * ref_entropy[mask].abs().max()
+    assert_grads_close(grads, ref_grads, 2e-5)
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep-softmax"])
 def test_autograd_function_passes_gradcheck(keep):
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import torch
 from ngrpo_lightning.backends import speedups
 from ngrpo_lightning.backends.freed_memory import release_freed_memory
 from ngrpo_lightning.backends.lora import lean_lora_layers
-from ngrpo_lightning.backends.packing import BackendLinear
+from ngrpo_lightning.backends.packing import BackendLinear, Choice
 from ngrpo_lightning.backends.recompute import recomputing_modules
 from ngrpo_lightning.registry import Registry
 
@@ -135,12 +135,12 @@ class Backend:
                 layers.append(m)
         choices = self.linear_choices(layers, head)
         for m in layers:
-            once, frozen, per_product, why = choices[id(m)]
+            c = choices[id(m)]
             if m is head:  # only decoding calls it: the log-prob passes read its weight in chunks
-                why = "the LM head (the chunked log-probs read its weight directly); decoding: " + why
-                BackendLinear.swap_in(m, once, False, why, decode_only=True)
+                why = "the LM head (the chunked log-probs read its weight directly): " + c.why
+                BackendLinear.swap_in(m, c.once, False, why, decode_only=True, pack_logits=c.logits)
             else:
-                BackendLinear.swap_in(m, once, per_product, why, pack_frozen=frozen)
+                BackendLinear.swap_in(m, c.once, c.per_product, c.why, pack_frozen=c.frozen)
         return model
 
     def on_device(self, model: torch.nn.Module, reference: bool = False) -> torch.nn.Module:
@@ -148,10 +148,11 @@ class Backend:
         first rollout: nothing here. Never under FSDP2, nor for a reference held in a file. Returns ``model``."""
         return model
 
-    def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, tuple[bool, bool, bool, str]]:
-        """``id(layer) -> (pack_once, pack_frozen, pack_per_product, why)`` for a model's plain linear layers
-        (:class:`~.packing.BackendLinear`); ``head``, the LM head among them, is only called by a rollout."""
-        return {id(m): (False, False, False, f"plain products on {self.device_type}") for m in layers}
+    def linear_choices(self, layers: list[torch.nn.Linear], head=None) -> dict[int, Choice]:
+        """``id(layer) -> Choice`` (what it packs, and why) for a model's plain linear layers
+        (:class:`~.packing.BackendLinear`); ``head``, the LM head among them, is called by a rollout and, its weight
+        read directly, by the chunked log-probs."""
+        return {id(m): Choice(False, False, False, f"plain products on {self.device_type}") for m in layers}
 
     # ------------------------------------------------------------ what the run asks
     def recomputes(self, model: torch.nn.Module) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from ngrpo_lightning.backends import attention, file_weights
 from ngrpo_lightning.backends.base import BACKENDS, Backend
-from ngrpo_lightning.backends.packing import choose, packing_available
+from ngrpo_lightning.backends.packing import Choice, choose, packing_available
 from ngrpo_lightning.backends.probe import Measurements, median_seconds
 
 HALF = (torch.bfloat16, torch.float16)
@@ -47,6 +47,7 @@ class CPUBackend(Backend):
     speedups = (
         *Backend.speedups,
         "packed_products",
+        "packed_logits",
         "grouped_attention",
         "reference_in_file",
         "decoding_copy",
@@ -65,6 +66,7 @@ class CPUBackend(Backend):
         if self.attention == attention.NAME:
             attention.register()
         self._chosen: dict[str, tuple[bool, bool, bool]] = {}  # shape -> what was chosen, for the header
+        self._head_logits: bool | None = None  # whether the LM head's log-prob products pack (None: no head seen)
         self._used: dict[str, dict] = {}  # the measured answers the choices came from (recorded_choices)
 
     def _answers(self) -> Measurements:
@@ -77,22 +79,25 @@ class CPUBackend(Backend):
         for m in layers:
             w = m.weight
             if w.device.type != "cpu" or not packing_available(w.dtype):
-                why = f"plain products: oneDNN cannot pack {w.dtype} weights on {w.device}"
-                out[id(m)] = (False, False, False, why)
+                out[id(m)] = Choice(
+                    False, False, False, f"plain products: oneDNN cannot pack {w.dtype} weights on {w.device}"
+                )
                 continue
-            out[id(m)] = self._shape_choice(w.shape[0], w.shape[1], w.dtype, decoding_only=m is head)
+            out[id(m)] = self._shape_choice(w.shape[0], w.shape[1], w.dtype, head=m is head)
         return out
 
-    def _shape_choice(
-        self, n: int, k: int, dtype: torch.dtype, decoding_only: bool = False
-    ) -> tuple[bool, bool, bool, str]:
+    def _shape_choice(self, n: int, k: int, dtype: torch.dtype, head: bool = False) -> Choice:
         name = str(dtype).removeprefix("torch.")
         if self.packing != "auto":
             on = self.packing == "on"
-            return on, on, on, f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
+            why = f"packed products {'forced on' if on else 'forced off'} ({n}x{k} {name})"
+            return Choice(on, on, on, why, on and self.uses("packed_logits"))
         answers = _Recording(self._answers(), self._used)
-        choice = choose(answers, n, k, dtype, self.decode_rows, self.train_rows, decoding_only)
-        if not decoding_only:
+        head_rows = ((self.logprob_chunk_size or 0) if self.uses("packed_logits") else 0) if head else None
+        choice = choose(answers, n, k, dtype, self.decode_rows, self.train_rows, head_rows)
+        if head:
+            self._head_logits = choice.logits
+        else:
             self._chosen[f"{n}x{k}"] = choice[:3]
         return choice
 
@@ -128,6 +133,11 @@ class CPUBackend(Backend):
             notes.append(
                 f"packed products ({torch.backends.cpu.get_cpu_capability()}, measured): decoding {once}/{total} "
                 f"shapes, frozen passes {frozen}/{total}, training {per}/{total}"
+                + (
+                    ""
+                    if self._head_logits is None
+                    else f"; the LM head's log-prob chunks {'packed' if self._head_logits else 'plain'}"
+                )
             )
         return notes
 

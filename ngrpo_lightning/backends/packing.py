@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,8 @@ class BackendLinear(torch.nn.Linear):
     pack_per_product: bool = False
     # the LM head: packed for rollouts only (log-prob passes read its weight directly; a file never releases it)
     decode_only: bool = False
+    # the LM head: the chunked log-probs compute its logits as ``W @ h^T`` on a packed ``h`` (training.forward)
+    pack_logits: bool = False
     why: str = ""
     _pass_weight: torch.Tensor | None = None  # the packed copy, inside a pass
     _in_pass: bool = False
@@ -121,12 +124,13 @@ class BackendLinear(torch.nn.Linear):
         why: str,
         decode_only: bool = False,
         pack_frozen: bool | None = None,
+        pack_logits: bool = False,
     ) -> BackendLinear:
         """Make the plain linear ``layer`` a :class:`BackendLinear` (``pack_frozen`` defaults to ``pack_once``)."""
         layer.__class__ = cls
         layer.pack_once, layer.pack_per_product, layer.why = pack_once, pack_per_product, why
         layer.pack_frozen = (pack_once if pack_frozen is None else pack_frozen) and not decode_only
-        layer.decode_only = decode_only
+        layer.decode_only, layer.pack_logits = decode_only, pack_logits and decode_only
         return layer
 
 
@@ -179,28 +183,57 @@ def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows:
     return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
 
 
-def choose(answers, n: int, k: int, dtype: torch.dtype, decode_rows: int, train_rows: int, decoding_only: bool):
-    """``(pack_once, pack_frozen, pack_per_product, why)`` for an ``[n, k]`` weight of ``dtype``, each packed where
-    it takes at most :data:`MARGIN` of the plain time: decoding ``decode_rows`` rows, a frozen pass and a training
-    forward and backward of ``train_rows`` (both bucketed). ``answers.get(key, measure)`` reads a kept answer or
-    measures it (:class:`~.probe.Measurements`). ``decoding_only``: the LM head, which only a rollout calls."""
+class Choice(NamedTuple):
+    """What a layer packs: decoding (``once``), a frozen pass, training per product, and for the LM head its
+    log-prob products (``logits``); ``why`` says so in words."""
+
+    once: bool
+    frozen: bool
+    per_product: bool
+    why: str
+    logits: bool = False
+
+
+def measure_logits(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
+    """The LM head's logits for a chunk of ``rows`` tokens: ``h @ W^T`` plain against ``W @ h^T`` on a packed ``h``
+    (no copy of the head's weight either way)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(weight, pack(x, out_features)))
+    return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
+
+
+def choose(
+    answers, n: int, k: int, dtype: torch.dtype, decode_rows: int, train_rows: int, head_rows: int | None = None
+) -> Choice:
+    """What an ``[n, k]`` weight of ``dtype`` packs, each kind of product packed where it takes at most
+    :data:`MARGIN` of the plain time: decoding ``decode_rows`` rows, a frozen pass and a training forward and
+    backward of ``train_rows`` (rows bucketed to powers of two). ``answers.get(key, measure)`` reads a kept answer
+    or measures it (:class:`~.probe.Measurements`). ``head_rows``: the weight is the LM head, which a rollout calls
+    and the chunked log-probs multiply ``head_rows`` tokens at a time (``0``: not chunked)."""
     name = str(dtype).removeprefix("torch.")
+
+    def say(what: str, rows: int, r: dict) -> tuple[bool, str]:
+        packed = r["packed_s"] <= MARGIN * r["plain_s"]
+        return packed, f"{what} {rows} rows {'packed' if packed else 'plain'} ({r['packed_s'] / r['plain_s']:.2f}x)"
+
     decode_rows, train_rows = rows_bucket(decode_rows), min(rows_bucket(train_rows), TRAIN_ROWS_TIMED)
+    measured = f"{n}x{k} {name}, measured on this CPU (packed time / plain time): "
     d = answers.get(f"decode:{name}:{n}x{k}:{decode_rows}", lambda: measure_decode(n, k, dtype, decode_rows))
-    if decoding_only:
-        once = d["packed_s"] <= MARGIN * d["plain_s"]
-        why = f"{n}x{k} {name}, measured on this CPU: decoding {decode_rows} rows {'packed' if once else 'plain'}"
-        return once, False, False, why + f" ({d['packed_s'] / d['plain_s']:.2f}x the plain time)"
+    once, said = say("decoding", decode_rows, d)
+    if head_rows is not None:
+        if not head_rows:
+            return Choice(once, False, False, measured + said)
+        rows = rows_bucket(head_rows)
+        r = answers.get(f"logits:{name}:{n}x{k}:{rows}", lambda: measure_logits(n, k, dtype, rows))
+        logits, said_logits = say("log-prob chunks", rows, r)
+        return Choice(once, False, False, measured + said + ", " + said_logits, logits)
     f = answers.get(f"frozen:{name}:{n}x{k}:{train_rows}", lambda: measure_decode(n, k, dtype, train_rows))
     t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
-    once, frozen, per_product = (r["packed_s"] <= MARGIN * r["plain_s"] for r in (d, f, t))
-
-    def say(what: str, rows: int, packed: bool, r: dict) -> str:
-        return f"{what} {rows} rows {'packed' if packed else 'plain'} ({r['packed_s'] / r['plain_s']:.2f}x)"
-
-    why = (
-        f"{n}x{k} {name}, measured on this CPU (packed time / plain time): "
-        f"{say('decoding', decode_rows, once, d)}, {say('frozen pass', train_rows, frozen, f)}, "
-        f"{say('training per product', train_rows, per_product, t)}"
+    (frozen, said_f), (per_product, said_t) = (
+        say("frozen pass", train_rows, f),
+        say("training per product", train_rows, t),
     )
-    return once, frozen, per_product, why
+    return Choice(once, frozen, per_product, measured + ", ".join((said, said_f, said_t)))

@@ -157,6 +157,12 @@ for _speedup in (
         {"cpu": "speedup-packed_products-cpu-2026-11-26.json"},
     ),
     SpeedUp(
+        "packed_logits",
+        "the log-probs' LM head as W @ h^T on a packed chunk of hidden states, where this machine measures it faster",
+        "ngrpo_lightning.backends.packing",
+        ("cpu",),
+    ),
+    SpeedUp(
         "grouped_attention",
         "attention sdpa_gqa: grouped KV heads read in place, decoding as two matmuls, the causal kernel where it pays",
         "ngrpo_lightning.backends.attention",

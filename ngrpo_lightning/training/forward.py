@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ngrpo_lightning.backends.base import Backend
-from ngrpo_lightning.backends.packing import BackendLinear
+from ngrpo_lightning.backends.packing import BackendLinear, pack, packed_linear
 from ngrpo_lightning.backends.recompute import rows_then_new
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds
@@ -76,10 +76,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     buffer at a time: ``d logp / d z = (onehot(target) - softmax(z)) / T``, ``d hidden = dz @ W``,
     ``d W += dz^T @ hidden``. Softmax in float32 (float64 for a float64 head), the head's matmuls in its dtype, a
     low-precision head's weight gradient accumulated in float32; the entropy is not differentiable. ``keep``: forward
-    stores the [M, V] float32 softmax for backward instead of recomputing (:func:`chunked_token_logprobs` decides)."""
+    stores the [M, V] float32 softmax for backward instead of recomputing (:func:`chunked_token_logprobs` decides).
+    ``packed``: each chunk's logits are computed as ``W @ h^T`` on oneDNN's packed ``h`` (the CPU backend's measured
+    choice for the head, ``pack_logits``): the same dot products, read through a transposed view."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool, keep: bool):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool, keep: bool, packed=False
+    ):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=_softmax_dtype(weight), device=hidden.device)
         lse = torch.empty_like(logp)
@@ -87,7 +91,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         kept = logp.new_empty(m, weight.shape[0]) if keep else logp.new_empty(0)
         for start in range(0, m, chunk):  # one [chunk, V] buffer at a time, worked on in place
             part = slice(start, start + chunk)
-            z = _chunk_logits(hidden[part], weight, bias, temperature)
+            z = _chunk_logits(hidden[part], weight, bias, temperature, packed)
             target_logit = z.gather(-1, targets[part, None]).squeeze(-1)
             top = z.amax(-1, keepdim=True)
             if keep:  # z - max stays for the entropy; exp(z - max) goes to the kept softmax
@@ -105,7 +109,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             logp[part] = target_logit - lse[part]
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, kept)
-        ctx.temperature, ctx.chunk, ctx.keep = temperature, chunk, keep
+        ctx.temperature, ctx.chunk, ctx.keep, ctx.packed = temperature, chunk, keep, packed
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -124,7 +128,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if ctx.keep:  # the forward's softmax, left as it is (a retained graph may run backward again)
                 dz = kept[part].mul(-g[:, None])
             else:
-                dz = _chunk_logits(hidden[part], weight, bias, temperature).sub_(lse[part, None]).exp_()
+                dz = _chunk_logits(hidden[part], weight, bias, temperature, ctx.packed).sub_(lse[part, None]).exp_()
                 dz.mul_(-g[:, None])
             dz.scatter_add_(1, targets[part, None], g[:, None])
             if need_bias:
@@ -144,7 +148,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         if need_weight:
             grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -152,9 +156,17 @@ def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
-def _chunk_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """Float32 logits / T of one chunk: the head in its own dtype, as the model computes it."""
-    z = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).to(_softmax_dtype(weight))
+def _chunk_logits(hidden, weight, bias, temperature: float, packed: bool = False) -> torch.Tensor:
+    """Float32 logits / T of one chunk [chunk, V]: the head in its own dtype, as the model computes it. ``packed``:
+    ``(W @ h^T)^T`` on oneDNN's packed ``h``, a transposed view (no copy of the head's weight is made)."""
+    h = hidden.to(weight.dtype)
+    if packed:
+        z = packed_linear(weight, pack(h, weight.shape[0])).t()
+        if bias is not None:
+            z = z.add_(bias)
+    else:
+        z = torch.nn.functional.linear(h, weight, bias)
+    z = z.to(_softmax_dtype(weight))
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -172,8 +184,9 @@ def chunked_token_logprobs(
     kept for backward (0: always recompute, the memory floor)."""
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     keep = needs_grad and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_softmax_mib * 2**20
+    packed = getattr(head, "pack_logits", False) and hidden.device.type == "cpu"  # the backend's choice
     logp, entropy = ChunkedTokenLogprobs.apply(
-        hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size), bool(with_entropy), keep
+        hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size), bool(with_entropy), keep, packed
     )
     return logp, entropy if with_entropy else None
 
