@@ -161,6 +161,7 @@ for _speedup in (
         "the log-probs' LM head as W @ h^T on a packed chunk of hidden states, where this machine measures it faster",
         "ngrpo_lightning.backends.packing",
         ("cpu",),
+        {"cpu": "speedup-packed_logits-cpu-2026-12-06.json"},
     ),
     SpeedUp(
         "grouped_attention",
