@@ -100,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
     workload_options(p, ("default", "side_by_side"), "side_by_side")
     p.add_argument("--trim", action="store_true", help="hand freed heap memory back before each phase")
     p.add_argument("--trace", type=Path, help="the profiled step's Chrome trace here (.gz: gzipped)")
+    p.add_argument("--allocator", choices=["launcher", "system"], default="launcher", help="system: as .venv/bin/ngrpo")
 
     p = sub.add_parser("decoding", parents=[out], help="HFEngine's decoding modes side by side")
     p.add_argument("--model", default="smollm2-135m-instruct")

@@ -46,7 +46,7 @@ def run(args, workload) -> None:
     options = ("--profile-step", str(profiled), "--memory", "trim" if args.trim else "meter")
     options += ("--trace", str(args.trace)) if args.trace else ()
     with tempfile.TemporaryDirectory(prefix="profile-") as work:
-        result = run_side("ours", workload, Path(work), 0, options)
+        result = run_side("ours", workload, Path(work), 0, options, allocator=args.allocator)
     print(brief(result), flush=True)
     if "error" in result:
         raise SystemExit(1)
@@ -62,4 +62,4 @@ def run(args, workload) -> None:
     write_record("profile", device_of(workload), describe(workload), "step_s", True, args.out,
                  settings=asdict(workload), step_s=times,
                  profile=result["profile"], memory=memory, raw_memory=result["memory"],
-                 steps=result["steps"])  # fmt: skip
+                 steps=result["steps"], allocator=args.allocator)  # fmt: skip
