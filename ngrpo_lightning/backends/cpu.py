@@ -2,7 +2,8 @@
 
 Whether packing pays depends on the CPU (vector units, oneDNN kernels) and the shape, so when a run is built every
 distinct linear shape is timed both ways at a decoding step's rows, a frozen pass's and a training forward and
-backward (:func:`~.packing.choose`), the answers kept per machine (:mod:`.probe`). Also chosen here, same values:
+backward, and the LM head at its log-prob chunks (``packed_logits``) (:func:`~.packing.choose`), the answers kept per
+machine (:mod:`.probe`). Also chosen here, same values:
 
 - attention ``sdpa_gqa`` (:mod:`ngrpo_lightning.backends.attention`): grouped KV heads read in place;
 - a half-precision rollout keeps its KV cache in float32 for ``sdpa_gqa``, which decodes in float32;
