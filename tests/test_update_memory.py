@@ -74,3 +74,31 @@ def test_ngrpo_train_checks_its_update(tmp_path):
     (check,) = [cb for cb in build_trainer(cfg).callbacks if isinstance(cb, UpdateMemoryCheck)]
     assert check.rows_per_step == cfg.data.prompts_per_step * cfg.rollout.group_size
     assert check.longest_sequence == cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def test_a_training_forward_hands_freed_memory_back_between_the_decoder_and_the_head(tiny, monkeypatch):
+    """The backend's ``between_phases`` (``release_freed_memory`` on the CPU) runs once in a training forward, after
+    the decoder and before the chunked LM head; a frozen pass (no gradients) goes straight on; the values agree."""
+    from ngrpo_lightning.training import forward
+
+    module, _ = tiny_rl(tiny, ScriptedReward([1, 0]))
+    events = []
+    module.policy.model.norm.register_forward_hook(lambda *_: events.append("decoder"))
+    monkeypatch.setattr(module.backend, "between_phases", lambda: events.append("release"))
+    head = forward.chunked_token_logprobs
+    monkeypatch.setattr(forward, "chunked_token_logprobs", lambda *a, **k: events.append("head") or head(*a, **k))
+    ids = torch.randint(3, 1000, (2, 10))
+    batch = RolloutBatch(
+        prompt_ids=ids[:, :4],
+        prompt_mask=torch.ones(2, 4, dtype=torch.long),
+        response_ids=ids[:, 4:],
+        response_mask=torch.ones(2, 6, dtype=torch.long),
+        rollout_logprobs=torch.zeros(2, 6),
+    )
+    trained, _ = module._logprobs(module.policy, batch, 1.0, with_entropy=True)
+    assert events == ["decoder", "release", "head"]
+    events.clear()
+    with torch.no_grad():
+        frozen, _ = module._logprobs(module.policy, batch, 1.0)
+    assert events == ["decoder", "head"]
+    assert torch.equal(trained.detach(), frozen)

@@ -1,8 +1,10 @@
-"""Freed memory handed back to the system between a training step's phases (``release_freed_memory``).
+"""Freed memory handed back to the system between a training step's phases and, in a training forward, between the
+decoder and the LM head (``release_freed_memory``).
 
 glibc's malloc keeps freed pages resident, so one phase's short-lived tensors push the next phase's peak above what is
-alive; ``malloc_trim(0)`` hands every whole free page back. Under another allocator (``make train`` preloads
-mimalloc) it is cheap and changes little.
+alive; ``malloc_trim(0)`` hands every whole free page back. The decoder's freed temporaries in a training forward are
+such pages too: the LM head's [chunk, V] buffers and the backward's gradients do not fit in them. Under another
+allocator (``make train`` preloads mimalloc) it is cheap and changes little.
 """
 
 from __future__ import annotations

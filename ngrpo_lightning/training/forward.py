@@ -9,6 +9,8 @@ length, a softmax that fits ``keep_softmax_mib`` kept for backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -202,6 +204,7 @@ def response_logprobs(
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
     keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
     share_prompts: bool | str = False,
+    before_head: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, L] of ``batch.response_ids`` (0 on padding) and, optionally, the detached entropy [N, L].
 
@@ -210,7 +213,8 @@ def response_logprobs(
     to float rounding. ``share_prompts``: rows with the same prompt run its tokens once
     (:func:`_hidden_with_shared_prompts`); chunked path only, not under activation checkpointing. ``"always"`` splits
     the passes even where no prompt repeats (every rank then calls the decoder as often). ``use_records=False``
-    ignores the mixed steps: a negative control.
+    ignores the mixed steps: a negative control. ``before_head``: called between the decoder and the chunked LM head
+    (the backend hands the decoder's freed temporaries back there, before the head's [chunk, V] buffers).
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(
@@ -250,6 +254,8 @@ def response_logprobs(
     else:
         out = decoder(**whole_sequence_inputs())
         hidden = _last_hidden(out)[:, -(length + 1) : -1]  # as logits_to_keep=length+1, then [:, :-1]
+    if before_head is not None:
+        before_head()
     token_logp, token_entropy_ = chunked_token_logprobs(
         hidden[where], head, batch.response_ids[where], temperature, chunk_size, with_entropy, keep_softmax_mib
     )

@@ -63,6 +63,8 @@ class LogprobPasses:
         if self.plan.agree is not None:  # several processes: see _agreed_sharing
             share = self._agreed_sharing(share)
         kwargs["share_prompts"] = share
+        if torch.is_grad_enabled():  # a training forward: the decoder's freed temporaries handed back before the head
+            kwargs.setdefault("before_head", self.backend.between_phases)
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:

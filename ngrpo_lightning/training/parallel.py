@@ -49,6 +49,7 @@ class LogprobsForward(torch.nn.Module):
         chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         keep_softmax_mib: float = DEFAULT_KEEP_SOFTMAX_MIB,
         share_prompts: bool | str = False,
+        before_head=None,
     ):
         return response_logprobs(
             self.model,
@@ -59,6 +60,7 @@ class LogprobsForward(torch.nn.Module):
             chunk_size=chunk_size,
             keep_softmax_mib=keep_softmax_mib,
             share_prompts=share_prompts,
+            before_head=before_head,
         )
 
 
