@@ -91,7 +91,8 @@ def parser() -> argparse.ArgumentParser:
     sub.choices["vs_trl"].add_argument("--sides", nargs="+", choices=["ours", "trl", "trl-ac"], default=["ours", "trl"])
 
     p = sub.add_parser("main_job", parents=[out], help="the whole default command: wall time, peak RSS")
-    p.add_argument("--via", nargs="+", choices=["make", "ngrpo", "script"], default=["make"], help="ways, alternated")
+    p.add_argument("--via", nargs="+", default=["make"], help="ways, alternated: make, ngrpo or script, each with "
+                   "environment variables it runs with after commas (ngrpo,THP_MEM_ALLOC_ENABLE=0)")  # fmt: skip
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("overrides", nargs="*", help="`ngrpo train` overrides (after --)")

@@ -4,7 +4,8 @@ resident memory and its steps.
 Ways to run it: ``make`` (``make train ARGS=...``: the launcher's allocator environment, Makefile
 ``RUN_ENV``), ``ngrpo`` (the virtual environment's ``ngrpo train``, run directly: the system
 allocator) and ``script`` (a script that builds the same run with ``build_run`` and trains it with
-its own ``lightning.Trainer``, docs/python-api.md). Several ways alternate ``--pairs`` times. Each
+its own ``lightning.Trainer``, docs/python-api.md); a way may name environment variables it runs with
+(``ngrpo,THP_MEM_ALLOC_ENABLE=0``). Several ways alternate ``--pairs`` times. Each
 run starts in a fresh folder; its main process's peak is the kernel's high-water mark, its tree's
 peak (answer-checking workers included) the sum sampled every 0.1 s, its steps' times are read
 from its MLflow store (the median counts the steps after the first).
@@ -27,6 +28,7 @@ from common import GIB, print_table, status_bytes, tree_pids, tree_rss, write_re
 from workloads import describe, train_overrides
 
 ROOT = Path(__file__).parents[1]
+WAYS = ("make", "ngrpo", "script")
 SCRIPT = """
 import json, sys
 import lightning as L
@@ -51,14 +53,23 @@ def command(way: str, overrides: list[str], folder: Path) -> list[str]:
     return [sys.executable, str(folder / "script.py"), json.dumps(overrides), store]
 
 
-def measure(overrides: list[str], way: str = "ngrpo") -> dict:
+def split_way(spec: str) -> tuple[str, dict[str, str]]:
+    """``WAY[,NAME=VALUE...]``: a way to run the command and the environment variables it runs with."""
+    way, *assignments = spec.split(",")
+    if way not in WAYS or any("=" not in a for a in assignments):
+        raise ValueError(f"--via {spec!r}: a way ({', '.join(WAYS)}), then optionally ,NAME=VALUE pairs")
+    return way, dict(a.split("=", 1) for a in assignments)
+
+
+def measure(overrides: list[str], spec: str = "ngrpo") -> dict:
     """One run of the command, writing into a fresh folder."""
+    way, extra_env = split_way(spec)
     with tempfile.TemporaryDirectory(prefix="main-job-") as tmp:
         store = f"sqlite:///{tmp}/mlruns.db"
         overrides = [*overrides, f"output_dir={tmp}/outputs", f"logger.tracking_uri={store}"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t0 = time.perf_counter()
-        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **extra_env}
         proc = subprocess.Popen(command(way, overrides, Path(tmp)), cwd=tmp, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
         tree_peak, hwm = 0, 0
@@ -75,6 +86,7 @@ def measure(overrides: list[str], way: str = "ngrpo") -> dict:
     steps = history.pop("time/step_s")
     return {
         "way": way,
+        "env": extra_env,
         "overrides": overrides[:-2],
         "main_peak_bytes": peak if peak > before * 1024 else hwm,  # the kernel's, when a new largest child
         "tree_peak_bytes": tree_peak,
@@ -113,6 +125,8 @@ def job_overrides(workload) -> list[str]:
 
 
 def run(args, workload) -> None:
+    for spec in args.via:  # a misspelt way fails before the first run
+        split_way(spec)
     runs: dict[str, list[dict]] = {way: [] for way in args.via}
     for pair in range(args.pairs):
         for way in args.via if pair % 2 == 0 else args.via[::-1]:

@@ -48,3 +48,12 @@ def test_each_way_is_the_command_a_user_runs(tmp_path):
     assert main_job.command("ngrpo", overrides, tmp_path)[1:] == ["train", *overrides]
     script = main_job.command("script", overrides, tmp_path)
     assert script[-1] == "sqlite:///x.db" and "build_run(overrides)" in (tmp_path / "script.py").read_text()
+
+
+def test_a_way_may_name_the_environment_it_runs_with():
+    assert main_job.split_way("ngrpo") == ("ngrpo", {})
+    env = {"THP_MEM_ALLOC_ENABLE": "0", "A": "b=c"}
+    assert main_job.split_way("make,THP_MEM_ALLOC_ENABLE=0,A=b=c") == ("make", env)
+    for bad in ("ngrpo,THP_MEM_ALLOC_ENABLE", "trl,A=1"):
+        with pytest.raises(ValueError, match="--via"):
+            main_job.split_way(bad)
