@@ -10,7 +10,6 @@ import pytest
 
 from ngrpo_lightning.commands.compare.curves import contrast, fit_arm, saturating
 from ngrpo_lightning.commands.compare.posterior import (
-    fit_beta_prior,
     fit_hierarchical_prior,
     posterior_interval,
     ranking_changes,
@@ -179,14 +178,11 @@ def test_posterior_pass_at_k():
     # the prior fitted to the problems: Beta(2, 5) rates, 16 samples each
     rng = np.random.default_rng(0)
     rates = rng.beta(2, 5, 4000)
-    a, b = fit_beta_prior([(16, int(c)) for c in rng.binomial(16, rates)])
+    a, b = fit_hierarchical_prior([(16, int(c)) for c in rng.binomial(16, rates)]).typical()
     assert a == pytest.approx(2, rel=0.2) and b == pytest.approx(5, rel=0.2)
-    # no spread beyond the binomial noise: a weak prior centred on the pooled rate, not the uniform one
-    a, b = fit_beta_prior([(16, 4)] * 10)
-    assert a / (a + b) == pytest.approx(0.25) and a == pytest.approx(0.5 / 10)
     # with the fitted prior, 0 of 16 right on a task of hard problems is near 0 at Pass@16, not 48%
-    hard = fit_beta_prior([(16, 0)] * 90 + [(16, 16)] * 10)
-    assert posterior_pass_at_k(16, 0, 16, hard) < 0.1 < 0.48 < posterior_pass_at_k(16, 0, 16)
+    hard = fit_hierarchical_prior([(16, 0)] * 90 + [(16, 16)] * 10)
+    assert posterior_interval([[(16, 0)]], 16, prior=hard)[0] < 0.1 < 0.48 < posterior_pass_at_k(16, 0, 16)
     assert ranking_changes({"a": 0.5, "b": 0.4}, {"a": 0.5, "b": 0.4}) == []
 
 

@@ -16,10 +16,6 @@ from ngrpo_lightning.data.loaders import MissingFieldError, load_problems
 from ngrpo_lightning.data.problem import Problem
 
 GPQA_FIELDS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
-GPQA_INSTRUCTION = (
-    "Answer the multiple-choice question. Please reason step by step, and put the letter "
-    "of your final answer (A, B, C or D) within \\boxed{}."
-)
 LETTERS = "ABCD"
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ngrpo_lightning.explorers.base import Explorer, ExplorerStep, check_range, register_explorer
+from ngrpo_lightning.explorers.base import ExplorerStep, check_range, register_explorer
 from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 SEED_HIGH = 2**62  # noise seeds are drawn from [0, SEED_HIGH); -1 marks "no noise" in records
@@ -25,7 +25,7 @@ def noise_seeds(n: int, generator: torch.Generator | None, device) -> torch.Tens
 
 
 @register_explorer("gaussian")
-class GaussianNoiseExplorer(Explorer):
+class GaussianNoiseExplorer(TemperatureExplorer):
     """Isotropic Gaussian noise on the sampled token's embedding.
 
     Args:
@@ -34,7 +34,6 @@ class GaussianNoiseExplorer(Explorer):
         temperature, top_k, top_p, min_p: the token sampling (see :class:`TemperatureExplorer`).
     """
 
-    sync_free = True
     capturable = True  # recorded with the model's step on a GPU (rollout/step_graphs.py)
 
     def __init__(
@@ -46,19 +45,13 @@ class GaussianNoiseExplorer(Explorer):
         top_p: float = 1.0,
         min_p: float = 0.0,
     ):
+        super().__init__(temperature, top_k, top_p, min_p)
         check_range("sigma", sigma, 0.0)
         check_range("rho", rho, 0.0, 1.0)
-        self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
         self.sigma, self.rho = float(sigma), float(rho)
-        self.temperature, self.top_k, self.top_p, self.min_p = (
-            float(temperature),
-            int(top_k),
-            float(top_p),
-            float(min_p),
-        )
 
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
-        tokens = self._sampler.sample(logits, generator)
+        tokens = self.sample(logits, generator)
         if self.sigma == 0.0 or self.rho == 0.0:
             return ExplorerStep(tokens=tokens)
         b, device = tokens.shape[0], logits.device

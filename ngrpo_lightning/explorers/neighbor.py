@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.explorers.base import (
-    Explorer,
     ExplorerStep,
     check_answer_start,
     check_choice,
@@ -24,7 +23,6 @@ from ngrpo_lightning.explorers.base import (
     register_explorer,
 )
 from ngrpo_lightning.explorers.neighbor_index import METRICS, NeighborIndex
-from ngrpo_lightning.explorers.sampling import filter_logits
 from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 EMIT = ("anchor", "sampled")  # the text of a mixed step: the paper's anchor, or the release's sampled token
@@ -32,7 +30,7 @@ GATES = ("rate", "entropy")
 
 
 @register_explorer("neighbor")
-class NeighborMixingExplorer(Explorer):
+class NeighborMixingExplorer(TemperatureExplorer):
     """Neighbor mixing (N-GRPO).
 
     Args:
@@ -74,6 +72,7 @@ class NeighborMixingExplorer(Explorer):
         precompute: bool = False,
         chunk_size: int = 16384,
     ):
+        super().__init__(temperature, top_k, top_p, min_p)  # the unmixed steps' sampling
         check_range("k", k, 1, integer=True)
         check_range("rho", rho, 0.0, 1.0)
         check_choice("metric", metric, METRICS)
@@ -82,14 +81,7 @@ class NeighborMixingExplorer(Explorer):
         self.answer_start = check_answer_start(answer_start)
         check_range("refresh_every", refresh_every, 0, integer=True)
         check_range("chunk_size", chunk_size, 1, integer=True)
-        self._sampler = TemperatureExplorer(temperature, top_k, top_p, min_p)  # checks its own keys
         self.k, self.rho, self.metric = int(k), float(rho), metric
-        self.temperature, self.top_k, self.top_p, self.min_p = (
-            float(temperature),
-            int(top_k),
-            float(top_p),
-            float(min_p),
-        )
         self.exclude_special, self.exclude_ids = bool(exclude_special), tuple(int(i) for i in exclude_ids)
         self.refresh_every, self.precompute, self.chunk_size = int(refresh_every), bool(precompute), int(chunk_size)
         self._index: NeighborIndex | None = None
@@ -133,18 +125,18 @@ class NeighborMixingExplorer(Explorer):
     # ------------------------------------------------------------------- step
     def step(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> ExplorerStep:
         if self.gate == "rate" and self.rho == 0.0:
-            return self._sampler.step(logits, generator)  # identical to plain sampling, RNG included
+            return super().step(logits, generator)  # identical to plain sampling, RNG included
         b, device = logits.shape[0], logits.device
         warped = None  # the warped logits z~ (temperature, filters): of every row only for the entropy gate
         if self.gate == "entropy":
             warped = self.warp(logits)
             mixed = torch.special.entr(warped.softmax(-1)).sum(-1) >= self.entropy_threshold
-            tokens = self._sampler.sample(logits, generator)
+            tokens = self.sample(logits, generator)
         elif self.rho == 1.0 and self.emit == "anchor":  # every row mixed and emits its anchor: nothing to sample
             mixed, tokens = torch.ones(b, dtype=torch.bool, device=device), logits.argmax(-1)
         else:
             mixed = torch.rand(b, generator=generator, device=device) < self.rho
-            tokens = self._sampler.sample(logits, generator)
+            tokens = self.sample(logits, generator)
         if self.index.complete:  # every row's set, the mixed rows' kept: the step never waits for the host
             anchor, ids, weights = self.members(logits, warped)
             if self.emit == "anchor":
@@ -171,10 +163,6 @@ class NeighborMixingExplorer(Explorer):
             ids = torch.cat([ids, self.index.query(anchor).to(ids.device)], 1)
         warped = warped if warped is not None else self.warp(logits)
         return anchor, ids, warped.gather(-1, ids).softmax(-1)
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """``filter(logits / T)``: the distribution the sampling draws from, in logits."""
-        return filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

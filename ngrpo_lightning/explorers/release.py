@@ -19,7 +19,6 @@ import torch
 
 from ngrpo_lightning.explorers.base import ExplorerStep, check_answer_start, check_range, register_explorer
 from ngrpo_lightning.explorers.gaussian import noise_seeds
-from ngrpo_lightning.explorers.sampling import filter_logits
 from ngrpo_lightning.explorers.temperature import TemperatureExplorer
 
 
@@ -61,8 +60,7 @@ class TopKMixExplorer(TemperatureExplorer):
         """The gate, the sampled tokens, the scores ``z~ / tau`` and the ``k`` chosen ids (best first)."""
         mixed = torch.rand(logits.shape[0], generator=generator, device=logits.device) < self.rho
         tokens = self.sample(logits, generator)
-        scores = filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)
-        scores = scores / self.mix_temperature
+        scores = self.warp(logits) / self.mix_temperature
         select = scores
         if self.gumbel:
             u = torch.rand(scores.shape, generator=generator, device=scores.device).clamp_(1e-6, 1 - 1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ngrpo_lightning.explorers.base import Explorer, ExplorerStep, check_range, register_explorer
-from ngrpo_lightning.explorers.sampling import sample_tokens
+from ngrpo_lightning.explorers.sampling import filter_logits, sample_tokens
 
 
 @register_explorer("temperature")
@@ -36,3 +36,7 @@ class TemperatureExplorer(Explorer):
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The plain sampling step, reused by explorers that fall back to it."""
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.min_p, generator)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """``filter(logits / T)``: the distribution the sampling draws from, in logits (T = 0 counts as 1)."""
+        return filter_logits(logits.float() / (self.temperature or 1.0), self.top_k, self.top_p, self.min_p)

@@ -18,26 +18,6 @@ from ngrpo_lightning.metrics import posterior_pass_at_k
 UNIFORM = (1.0, 1.0)
 
 
-def fit_beta_prior(counts: list[tuple[int, int]]) -> tuple[float, float]:
-    """``(a, b)`` of a Beta of the problems' success rates by the method of moments on ``c / n``, the
-    binomial noise taken out; :func:`weak_prior` where the rates vary no more than that noise."""
-    if not counts:
-        return UNIFORM
-    weak = weak_prior(counts)
-    n, c = np.array(counts, dtype=float).T
-    if len(counts) < 2:
-        return weak
-    rates = c / n
-    mean = float(rates.mean())
-    if not 0 < mean < 1:
-        return weak
-    spread = float(rates.var(ddof=1)) - float(np.mean(rates * (1 - rates) / np.maximum(n - 1, 1)))
-    if spread <= 0:
-        return weak
-    total = max(mean * (1 - mean) / spread - 1, 0.1)  # at most mean (1 - mean): every problem all or nothing
-    return max(mean * total, 1e-3), max((1 - mean) * total, 1e-3)
-
-
 # the grid of the prior's mean (as a logit) and concentration a + b (as a log)
 _LOGIT_MEAN = np.linspace(-9.0, 9.0, 73)
 _LOG_CONCENTRATION = np.linspace(np.log(0.05), np.log(2000.0), 48)
@@ -75,14 +55,6 @@ def fit_hierarchical_prior(counts: list[tuple[int, int]]) -> HierarchicalPrior:
     log_post += 0.5 * np.log(m * (1 - m)) + np.log(conc) - 1.5 * np.log1p(conc)
     weight = np.exp(log_post - log_post.max())
     return HierarchicalPrior(a, b, weight / weight.sum())
-
-
-def weak_prior(counts: list[tuple[int, int]]) -> tuple[float, float]:
-    """Beta(a, b) centred on the pooled rate, its smaller side holding half a success (or failure) over all problems."""
-    n, c = np.array(counts, dtype=float).T
-    pooled = float(np.clip(c.sum() / n.sum(), 0.5 / n.sum(), 1 - 0.5 / n.sum()))
-    strength = 0.5 / len(counts) / min(pooled, 1 - pooled)  # a + b
-    return pooled * strength, (1 - pooled) * strength
 
 
 def per_problem_counts(results: dict) -> list[tuple[int, int]]:
