@@ -55,6 +55,27 @@ def _log_run(cfg, mode: str, metrics: dict[str, float], files: list[Path], secon
     return log_report_run(cfg, {**metrics, f"{mode}/seconds": seconds}, files)[1]
 
 
+def _write_outputs(cfg, mode: str, table: str, payload: dict) -> dict[str, Path]:
+    """Write the mode's table and its JSON (the config, then ``payload``) to ``output_dir``; their paths and the
+    plot's (``<mode>.md``, ``.json``, ``.png``), which the caller draws."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"table": out / f"{mode}.md", "json": out / f"{mode}.json", "plot": out / f"{mode}.png"}
+    paths["table"].write_text(table)
+    payload = {"config": OmegaConf.to_container(cfg, resolve=True), **payload}
+    paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
+    return paths
+
+
+def _summary(cfg, mode: str, head: list[str], table: str, paths: dict, metrics: dict, seconds: float, **fields) -> dict:
+    """Log the run (:func:`_log_run`) and return the mode's summary: ``fields``, the table, paths and ``text``
+    (``head``'s lines, the table, the paths and the run's lines)."""
+    lines = [*head, "", table] + [f"  {key}: {p}" for key, p in paths.items()]
+    lines += _log_run(cfg, mode, metrics, list(paths.values()), seconds)
+    paths = {key: str(p) for key, p in paths.items()}
+    return {**fields, "seconds": seconds, "table": table, "paths": paths, "text": "\n".join(lines)}
+
+
 # --------------------------------------------------------------------- drift
 def weight_pool(cfg, policy, tokenizer, k: int) -> tuple[torch.Tensor, str]:
     """The mixture weights of the pilot and a line saying where they come from. ``weights=explorer``: the weights
@@ -120,13 +141,8 @@ def run_drift_command(cfg) -> dict:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     seconds = time.perf_counter() - t0
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = drift_table(result["rows"], k)
-    paths = {"table": out / "drift.md", "json": out / "drift.json", "plot": out / "drift.png"}
-    paths["table"].write_text(table)
     payload = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
         "seconds": seconds,
         "weights": pool_text,
         "weight_pool": {"size": len(pool), "mean": pool.mean(0)},
@@ -137,7 +153,7 @@ def run_drift_command(cfg) -> dict:
             for a, hood in result["neighborhoods"].items()
         ],
     }
-    paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
+    paths = _write_outputs(cfg, "drift", table, payload)
     plot_drift(
         result,
         labels,
@@ -145,29 +161,16 @@ def run_drift_command(cfg) -> dict:
         pca_key=f"gaussian@{cfg.pca_scale:g}",
         title=f"{cfg.model.name_or_path}: {len(ids)} tokens x {n} draws; k={k}, {cfg.weights} weights",
     )
-    metrics = {}
-    for r in result["rows"]:
-        name = f"drift/{r['method']}" + (f"_{r['scale']:g}" if r["method"] == "gaussian" else "")
-        metrics.update(
-            {
-                f"{name}/{key}": r[key]
-                for key in ("same_frac", "neighborhood_frac", "cosine", "nearest_cosine", "rel_norm")
-            }
-        )
-    lines = [
+    metrics = {
+        f"drift/{r['method']}" + (f"_{r['scale']:g}" if r["method"] == "gaussian" else "") + f"/{key}": r[key]
+        for r in result["rows"]
+        for key in ("same_frac", "neighborhood_frac", "cosine", "nearest_cosine", "rel_norm")
+    }
+    head = [
         f"Drift pilot on {cfg.model.name_or_path}: {len(ids)} tokens x {n} draws per method in {seconds:.1f} s.",
         f"  mixture weights: {pool_text}",
-        "",
-        table,
-    ] + [f"  {key}: {p}" for key, p in paths.items()]
-    lines += _log_run(cfg, "drift", metrics, list(paths.values()), seconds)
-    return {
-        "result": result,
-        "seconds": seconds,
-        "table": table,
-        "paths": {k_: str(p) for k_, p in paths.items()},
-        "text": "\n".join(lines),
-    }
+    ]
+    return _summary(cfg, "drift", head, table, paths, metrics, seconds, result=result)
 
 
 # ------------------------------------------------------------------ rollouts
@@ -193,19 +196,14 @@ def run_rollouts_command(cfg) -> dict:
             lambda: _reseeded(engine, cfg.seed), items, explorers, G, max_new, rewards(ev.answer_format), batch_size
         )
     seconds = time.perf_counter() - t0
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = rollouts_table(results, G)
-    paths = {"table": out / "rollouts.md", "json": out / "rollouts.json", "plot": out / "rollouts.png"}
-    paths["table"].write_text(table)
     payload = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
         "seconds": seconds,
         "set": ev.name,
         "explorers": {name: repr(e) for name, e in explorers},
         "results": results,
     }
-    paths["json"].write_text(json.dumps(to_jsonable(payload), indent=1, ensure_ascii=False))
+    paths = _write_outputs(cfg, "rollouts", table, payload)
     plot_rollouts(
         results,
         G,
@@ -213,20 +211,11 @@ def run_rollouts_command(cfg) -> dict:
         title=f"{cfg.model.name_or_path} on {ev.name}: {len(items)} prompts x G={G}, at most {max_new} new tokens",
     )
     metrics = {f"rollouts/{name}/{key}": v for name, res in results.items() for key, v in res["metrics"].items()}
-    lines = [
+    head = [
         f"Rolled out {len(items)} prompts of {ev.name} x G={G} with {len(explorers)} explorers on "
-        f"{cfg.model.name_or_path} in {seconds:.1f} s.",
-        "",
-        table,
-    ] + [f"  {key}: {p}" for key, p in paths.items()]
-    lines += _log_run(cfg, "rollouts", metrics, list(paths.values()), seconds)
-    return {
-        "results": results,
-        "seconds": seconds,
-        "table": table,
-        "paths": {k: str(p) for k, p in paths.items()},
-        "text": "\n".join(lines),
-    }
+        f"{cfg.model.name_or_path} in {seconds:.1f} s."
+    ]
+    return _summary(cfg, "rollouts", head, table, paths, metrics, seconds, results=results)
 
 
 def run_diagnose(mode: str, overrides: list[str]) -> dict:
