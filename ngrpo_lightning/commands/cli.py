@@ -161,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         except Interrupted as err:
             print(f"ngrpo train: {err}", file=sys.stderr)
             return err.status
-    except ConfigError as err:
-        print(f"ngrpo: error: {err}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as err:
+    except (ConfigError, FileNotFoundError) as err:
         print(f"ngrpo: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - a full disk is one line; anything else is raised again
