@@ -153,12 +153,17 @@ def rows_bucket(rows: int) -> int:
     return 1 << max(0, int(rows) - 1).bit_length()
 
 
+def operands(out_features: int, in_features: int, dtype: torch.dtype, rows: int, grad: bool = False) -> tuple:
+    """A seeded weight [out, in] and input [rows, in] of ``dtype`` (and with ``grad`` an output gradient) to time."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(out_features, in_features), (rows, in_features)] + [(rows, out_features)] * grad
+    return tuple(torch.randn(shape, generator=gen).to(dtype) for shape in shapes)
+
+
 def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
     """A decoding step's product of ``rows`` rows (no autograd): plain against one packed copy. A frozen pass's
     product is the same at its own rows."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight, x = operands(out_features, in_features, dtype, rows)
     packed = pack(weight, rows)
     with torch.inference_mode():
         t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed))
@@ -167,10 +172,8 @@ def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows
 
 def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
     """A training forward and backward of ``rows`` rows: plain against packed per product."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype).requires_grad_()
-    x = torch.randn(rows, in_features, generator=gen).to(dtype).requires_grad_()
-    grad = torch.randn(rows, out_features, generator=gen).to(dtype)
+    weight, x, grad = operands(out_features, in_features, dtype, rows, grad=True)
+    weight.requires_grad_(), x.requires_grad_()
 
     def run(product):
         def step():
@@ -197,9 +200,7 @@ class Choice(NamedTuple):
 def measure_logits(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
     """The LM head's logits for a chunk of ``rows`` tokens: ``h @ W^T`` plain against ``W @ h^T`` on a packed ``h``
     (no copy of the head's weight either way)."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight, x = operands(out_features, in_features, dtype, rows)
     with torch.inference_mode():
         t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(weight, pack(x, out_features)))
     return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
