@@ -1,6 +1,6 @@
 """The compute floor of a GRPO step: the matmul FLOPs of the passes it needs, and the machine's
-dense matmul rate to divide them by (``harness.py floor`` and ``vs_trl`` report step / floor), and
-the bandwidth floor of its decoding steps.
+dense matmul rate to divide them by (``harness.py floor`` and ``vs_trl`` report step / floor), the
+bandwidth floor of its decoding steps, and the roofline that joins them at a decoding step's rows.
 
 A forward costs 2 x parameters x tokens in its linear layers (the decoder body on every token,
 the LM head on response tokens only) plus, in every layer, causal attention's two products
@@ -187,3 +187,52 @@ def decode_floor_s(step: dict, shape: ModelShape, bandwidth: float, value_bytes:
         return None
     weights, per_position = decode_bytes(shape, value_bytes)
     return sum(weights + per_position * cached for _, cached in steps) / bandwidth
+
+
+def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
+    """``(out, in, count)`` of a forward's linear layers: each decoder layer's q, k, v, o, gate, up and down, and
+    the LM head (a Llama-style model)."""
+    layer = [
+        (shape.attn_width, shape.hidden, 1),
+        (shape.kv_width, shape.hidden, 2),
+        (shape.hidden, shape.attn_width, 1),
+        (shape.intermediate, shape.hidden, 2),
+        (shape.hidden, shape.intermediate, 1),
+    ]
+    head = (shape.head_params // shape.hidden, shape.hidden, 1)
+    return [(n, k, count * shape.layers) for n, k, count in layer] + [head]
+
+
+def decode_products_s(shape: ModelShape, dtype: str, rows: int) -> float:
+    """A CPU decoding step's products at ``rows`` rows: each of the model's linear shapes timed plain and on a
+    packed weight (the faster kept, as the CPU backend chooses), with the weight warm in the caches, so their
+    arithmetic alone at the rate this machine multiplies that few rows."""
+    from ngrpo_lightning.backends.packing import measure_decode, operands, packing_available
+    from ngrpo_lightning.backends.probe import median_seconds
+
+    kind = getattr(torch, dtype)
+    total = 0.0
+    with torch.inference_mode():
+        for n, k, count in linear_shapes(shape):
+            if packing_available(kind):
+                seconds = min(measure_decode(n, k, kind, rows).values())
+            else:
+                weight, x = operands(n, k, kind, rows)
+                seconds = median_seconds(lambda: torch.nn.functional.linear(x, weight), 0.04)  # noqa: B023
+            total += count * seconds
+    return total
+
+
+def decode_roofline_s(step: dict, shape: ModelShape, rate: float, products_s: float, bandwidth: float,
+                      value_bytes: int) -> float | None:  # fmt: skip
+    """Generation's roofline: the prefill (and attention's products) at ``rate``, then each decoding step the longer
+    of its products at their own rows' rate (``products_s``, :func:`decode_products_s`) and its weights' read at
+    ``bandwidth``, plus its keys' and values' read. ``None`` where :func:`decode_steps` is."""
+    steps = decode_steps(step)
+    if steps is None or not shape.kv_width:
+        return None
+    weights, per_position = decode_bytes(shape, value_bytes)
+    decoded = 2 * (shape.body_params + shape.head_params) * sum(rows for rows, _ in steps)
+    prefill = (phase_flops(step, shape)["rollout"] - decoded) / rate
+    reads = sum(max(products_s, weights / bandwidth) + per_position * cached / bandwidth for _, cached in steps)
+    return prefill + reads

@@ -7,7 +7,12 @@ its passes need (``compute_floor.step_flops``) at that rate: ``x_floor`` is step
 ``logprobs_x_floor`` / ``update_x_floor`` the same for the reference pass and the update.
 ``gen_x_floor`` is generation over its decoding steps' bandwidth floor (each step reads every
 weight once and every row's keys and values so far), ``decode_ms`` generation's time per token of
-a row. The first step of every run is its warm-up: left out of the medians, its excess over the
+a row. On a CPU the roofline joins the two at a decoding step's rows: each step's products at the
+rate this machine multiplies that few rows (``decode_products_ms``: the model's linear shapes timed
+at those rows, the faster way, weights warm in the caches) or its weights' read, whichever is
+longer, plus its keys' and values' read; the prefill at the dense rate. ``gen_x_roofline`` is
+generation over it, ``x_roofline`` the step over the roofline with the passes at their floor.
+The first step of every run is its warm-up: left out of the medians, its excess over the
 median step is ``warmup_s``, split by phase (``warmup_gen_s``, ...); ``startup_s`` is the
 process's time outside its steps; ``steal_pct`` the share of the machine's CPU time a shared
 host gave to other machines meanwhile (a slow run on a busy host says so). ``graphs`` says what
@@ -24,21 +29,31 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from common import GIB, print_table, write_record
-from compute_floor import decode_floor_s, matmul_rates, model_shape, phase_flops, read_bandwidth, step_flops
+from compute_floor import (
+    decode_floor_s,
+    decode_products_s,
+    decode_roofline_s,
+    matmul_rates,
+    model_shape,
+    phase_flops,
+    read_bandwidth,
+    step_flops,
+)
 from sides import PHASES, run_side
 from step_profile import phase_rows
 from workloads import LORA_RANK, describe
 
-COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "logprobs_x_floor", "update_x_floor",
-           "gen_x_floor", "decode_ms", "warmup_s", "loop_rss_gib", "tree_rss_gib", "cuda_gib", "steal_pct",
-           "error"]  # fmt: skip
+COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "logprobs_x_floor",
+           "update_x_floor", "gen_x_floor", "gen_x_roofline", "decode_ms", "warmup_s", "loop_rss_gib", "tree_rss_gib",
+           "cuda_gib", "steal_pct", "error"]  # fmt: skip
 WARMUP = ["mode", "warmup_s", "warmup_gen_s", "warmup_logprobs_s", "warmup_update_s", "warmup_other_s",
           "graph_record_s", "startup_s"]  # fmt: skip
 
 
 def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
     """The model's shape, the device's matmul rate (FLOP/s: the faster way it multiplies, each way's
-    in ``rates``) and read bandwidth (bytes/s; a GPU's from ``bandwidth_gbs``, else none)."""
+    in ``rates``) and read bandwidth (bytes/s; a GPU's from ``bandwidth_gbs``, else none); on a CPU a decoding
+    step's products at the workload's rows (``decode_products_s``)."""
     import torch
 
     if workload.threads:  # the runs' threads
@@ -47,14 +62,17 @@ def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
     shape = model_shape(workload.model_path())
     bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else read_bandwidth() if device == "cpu" else None
     rates = matmul_rates(shape, workload.dtype, device=device)
-    return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth}
+    rows = workload.prompts * workload.group
+    products = decode_products_s(shape, workload.dtype, rows) if device == "cpu" and shape.kv_width else None
+    return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth, "products": products}
 
 
 def better_floor(floor: dict, again: dict) -> dict:
     """The faster of two measurements of the same device (a quiet moment of a shared machine)."""
     best = lambda key: max(v for v in (floor[key], again[key]) if v) if floor[key] or again[key] else None
     rates = {way: max(rate, again["rates"].get(way, 0.0)) for way, rate in floor["rates"].items()}
-    return {**floor, "rate": best("rate"), "rates": rates, "bandwidth": best("bandwidth")}
+    products = min((v for v in (floor.get("products"), again.get("products")) if v), default=None)
+    return {**floor, "rate": best("rate"), "rates": rates, "bandwidth": best("bandwidth"), "products": products}
 
 
 def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
@@ -102,6 +120,11 @@ def add_floors(row: dict, steps: list[dict], workload, floor: dict) -> None:
     if None not in reads:  # fixed lengths only: a natural length's rows per decoding step are not kept
         row["decode_ms"] = med(1e3 * s["gen_s"] * s["rows"] / s["tokens"] for s in steps)
         row["gen_x_floor"] = med(s["gen_s"] / r for s, r in zip(steps, reads))
+    if floor.get("products") and None not in reads:
+        roof = [decode_roofline_s(s, shape, rate, floor["products"], bandwidth, value_bytes) for s in steps]
+        row["gen_x_roofline"] = med(s["gen_s"] / r for s, r in zip(steps, roof))
+        passes = [(step_flops(s, shape, frozen=frozen) - phase_flops(s, shape)["rollout"]) / rate for s in steps]
+        row["x_roofline"] = med(s["step_s"] / (r + p) for s, r, p in zip(steps, roof, passes))
 
 
 def add_warmup(row: dict, runs: list[dict]) -> None:
@@ -135,6 +158,7 @@ def run(args, workload) -> None:
     figures = {"matmul_gflops": floor["rate"] / 1e9, "model_shape": asdict(floor["shape"])}
     figures["matmul_gflops_by_way"] = {way: rate / 1e9 for way, rate in floor["rates"].items()}
     figures["read_gbps"] = floor["bandwidth"] / 1e9 if floor["bandwidth"] else None
+    figures["decode_products_ms"] = floor["products"] * 1e3 if floor.get("products") else None
     write_record(
         "floor",
         device_of(workload),
@@ -184,7 +208,8 @@ def report(rows: list[dict]) -> None:
 
 def brief_rows(rows: list[dict], key: str) -> dict:
     """Each row's main figures, by its ``key`` (numbered where it repeats), for a record's summary."""
-    keep = ("step_s", "x_floor", "gen_x_floor", "warmup_s", "cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
+    keep = ("step_s", "x_floor", "x_roofline", "gen_x_floor", "gen_x_roofline", "warmup_s", "cmd_rss_gib", "cuda_gib")
+    keep += ("vs_ours", "steal_pct", "error")
     repeats = len({r[key] for r in rows}) < len(rows)
     return {(f"{i + 1}. " if repeats else "") + r[key]: {k: r[k] for k in keep if k in r} for i, r in enumerate(rows)}
 

@@ -48,6 +48,13 @@ def test_linear_and_attention_terms_match_torch_flop_counter(tiny):
     assert attention == pytest.approx(compute_floor.attention_flops(shape, tokens * tokens), rel=1e-3)
 
 
+def test_the_linear_shapes_are_the_models_linear_layers(tiny):
+    model, shape = tiny
+    linears = sorted(tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    listed = sorted((n, k) for n, k, count in compute_floor.linear_shapes(shape) for _ in range(count))
+    assert listed == linears
+
+
 def test_causal_pairs_match_explicit_masks():
     prompts, responses, group = [5, 5, 9, 9], [3, 7, 1, 4], 2
     causal = lambda n: int(torch.ones(n, n).tril().sum())
@@ -108,6 +115,24 @@ def test_the_decoding_floor_is_the_bytes_every_decoding_step_reads_over_the_band
     assert compute_floor.decode_floor_s({**step, "tokens": 19}, SHAPE, 10.0, 2) is None
 
 
+def test_the_roofline_takes_the_longer_of_a_decoding_steps_products_and_weights_read():
+    step, rate, bandwidth = fixed_step(), 1e3, 1e4  # a step reads its weights in 0.3 s
+    rollout = compute_floor.phase_flops(step, SHAPE)["rollout"]
+    prefill = (rollout - 2 * 1500 * 4 * 4) / rate  # 4 decoding steps of 4 rows, every weight per token
+    # products faster than the weights' read: the bandwidth floor of the decoding steps
+    quick = compute_floor.decode_roofline_s(step, SHAPE, rate, 1e-9, bandwidth, 2)
+    assert quick == pytest.approx(prefill + compute_floor.decode_floor_s(step, SHAPE, bandwidth, 2))
+    # products slower: each step's products, then its keys' and values' read
+    cache = sum(2 * 2 * 4 * 2 * (12 + 4 * t) for t in range(1, 5)) / bandwidth
+    assert compute_floor.decode_roofline_s(step, SHAPE, rate, 7.0, bandwidth, 2) == pytest.approx(prefill + 28 + cache)
+    assert compute_floor.decode_roofline_s({**step, "tokens": 19}, SHAPE, rate, 7.0, bandwidth, 2) is None
+
+
+def test_a_decoding_steps_products_are_timed_at_its_rows(tiny):
+    _, shape = tiny
+    assert 0 < compute_floor.decode_products_s(shape, "float32", rows=4) < 1.0
+
+
 def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_their_flops():
     import floor
     import workloads
@@ -128,6 +153,13 @@ def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_t
     assert row["warmup_s"] == 6.0 and row["graph_record_s"] == 1.0 and row["startup_s"] == 5.0
     assert row["gen_x_floor"] == pytest.approx(0.75 / compute_floor.decode_floor_s(fixed_step(), SHAPE, 10.0, 4))
     assert row["steal_pct"] is None  # the run said nothing of stolen time
+    assert "gen_x_roofline" not in row  # no decoding products measured (a GPU's floor)
+    floor_ = {"shape": SHAPE, "rate": rate, "bandwidth": 10.0, "products": 0.5}
+    row = floor.summary({"mode": "full"}, [run], workloads.side_by_side(), floor_)
+    roof = compute_floor.decode_roofline_s(fixed_step(), SHAPE, rate, 0.5, 10.0, 4)
+    assert row["gen_x_roofline"] == pytest.approx(0.75 / roof)
+    passes = (flops - compute_floor.phase_flops(fixed_step(), SHAPE)["rollout"]) / rate
+    assert row["x_roofline"] == pytest.approx(3.0 / (roof + passes))
 
 
 def test_the_floor_is_counted_at_the_faster_way_the_machine_multiplies():
