@@ -240,7 +240,7 @@ def module_level_caches() -> list[str]:
 def test_no_cache_at_module_level():
     """A run's state belongs to the run's objects (an engine, a backend, a recording forward):
     no module-level container that starts empty or is changed after import. Memoized pure
-    functions of hashable arguments (``functools.cache``: ``linear.packing_available``,
+    functions of hashable arguments (``functools.cache``: ``packing.packing_available``,
     ``swap.swapped_class``, ``lora.writes_out_dtype``) hold facts of the build, not of a run."""
     found = module_level_caches()
     assert not found, f"module-level caches (move them into the object that owns them): {found}"
