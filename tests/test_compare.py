@@ -106,6 +106,9 @@ def test_a_sweep_compared_from_its_store(store, tmp_path, capsys):
     assert main(["compare", "sweep=cmp", f"logger.tracking_uri={store}", f"output_dir={out}"]) == 0
     text = capsys.readouterr().out
     assert "**Not comparable" in text and "`trainer.max_steps` differs: experiment=grpo: 2" in text
+    # its Pass@k is of step 1, theirs of step 2
+    steps = "the last Pass@k evaluation is of different steps: experiment=grpo: 2; experiment=stht: 2; "
+    assert steps + "gumbel x grpo: 1" in text
 
     # refusals
     base = ["compare", f"store={store}", "logger=none"]

@@ -131,7 +131,7 @@ def markdown(tables: dict, runs: list[RunData], warnings: list[str], header: str
     left_out = [w for w in warnings if w.startswith("left out:")]
     differ = [w for w in warnings if not w.startswith("left out:")]
     if differ:
-        lines += ["**Not comparable as they stand** (settings differ between runs; the verdicts below mix them):", ""]
+        lines += ["**Not comparable as they stand** (the runs differ; the verdicts below mix them):", ""]
         lines += [f"- {w}" for w in differ] + [""]
     if left_out:
         lines += ["**Runs left out**:", ""] + [f"- {w.removeprefix('left out: ')}" for w in left_out] + [""]

@@ -138,11 +138,15 @@ def broken_verifier_runs(runs: list[RunData]) -> list[tuple[RunData, float]]:
 
 
 def budget_mismatches(runs: list[RunData]) -> list[str]:
-    """One line per setting of :data:`BUDGET` that is not the same in every run."""
+    """One line per setting of :data:`BUDGET` that is not the same in every run, and one where the runs' last Pass@k
+    evaluations come from different optimizer steps (a run stopped early, or one still running)."""
     lines = []
     for key in BUDGET:
         values = {r.params.get(key) for r in runs}
         if len(values) > 1:
             per_arm = sorted({(r.arm, r.params.get(key)) for r in runs})
             lines.append(f"`{key}` differs: " + "; ".join(f"{arm}: {value}" for arm, value in per_arm))
+    steps = sorted({(r.arm, r.pass_at_k_step) for r in runs if r.pass_at_k_step is not None})
+    if len({step for _, step in steps}) > 1:
+        lines.append("the last Pass@k evaluation is of different steps: " + "; ".join(f"{a}: {s}" for a, s in steps))
     return lines
