@@ -61,9 +61,9 @@ def split_way(spec: str) -> tuple[str, dict[str, str]]:
     return way, dict(a.split("=", 1) for a in assignments)
 
 
-def measure(overrides: list[str], spec: str = "ngrpo") -> dict:
-    """One run of the command, writing into a fresh folder."""
-    way, extra_env = split_way(spec)
+def measure(overrides: list[str], way: str = "ngrpo", extra_env: dict[str, str] | None = None) -> dict:
+    """One run of the command, writing into a fresh folder, with ``extra_env`` set (:func:`split_way`)."""
+    extra_env = extra_env or {}
     with tempfile.TemporaryDirectory(prefix="main-job-") as tmp:
         store = f"sqlite:///{tmp}/mlruns.db"
         overrides = [*overrides, f"output_dir={tmp}/outputs", f"logger.tracking_uri={store}"]
@@ -125,12 +125,11 @@ def job_overrides(workload) -> list[str]:
 
 
 def run(args, workload) -> None:
-    for spec in args.via:  # a misspelt way fails before the first run
-        split_way(spec)
+    ways = {spec: split_way(spec) for spec in args.via}  # a misspelt way fails before the first run
     runs: dict[str, list[dict]] = {way: [] for way in args.via}
     for pair in range(args.pairs):
         for way in args.via if pair % 2 == 0 else args.via[::-1]:
-            result = measure(job_overrides(workload), way)
+            result = measure(job_overrides(workload), *ways[way])
             runs[way].append(result)
             print(f"pair {pair + 1}, {way}: {result['wall_s']:.1f} s, {result['step_s']:.2f} s a step, "
                   f"peak {result['main_peak_bytes'] / GIB:.2f} GiB", flush=True)  # fmt: skip
