@@ -130,8 +130,8 @@ def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_fas
         {
             "decode:float32:96x64:32": {"plain_s": 1.0, "packed_s": MARGIN},  # at the margin: packed
             "frozen:float32:96x64:1024": {"plain_s": 1.0, "packed_s": MARGIN + 0.01},  # just above it: plain
-            "train:float32:96x64:1024": {"plain_s": 1.0, "packed_s": 0.5},
-            "logits:float32:96x64:512": {"plain_s": 1.0, "packed_s": 0.5},
+            "train-onednn:float32:96x64:1024": {"plain_s": 1.0, "packed_s": 0.5},
+            "logits-and-grads:float32:96x64:512": {"plain_s": 1.0, "packed_s": 0.5},
         }
     )
     choice = choose(answers, 96, 64, torch.float32, 20, 5000)
@@ -141,7 +141,7 @@ def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_fas
     answers.asked = []
     head = choose(answers, 96, 64, torch.float32, 17, 5000, head_rows=300)
     assert head == (True, False, False, head.why, True) and "log-prob chunks 512 rows packed" in head.why
-    assert answers.asked == ["decode:float32:96x64:32", "logits:float32:96x64:512"]
+    assert answers.asked == ["decode:float32:96x64:32", "logits-and-grads:float32:96x64:512"]
     assert not choose(answers, 96, 64, torch.float32, 17, 5000, head_rows=0).logits  # not chunked: nothing to pack
 
 

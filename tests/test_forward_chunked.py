@@ -171,15 +171,21 @@ def test_untied_head_with_bias_in_float32(keep):
 
 
 @KEEP
-@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
-def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradients(tied, bias, keep):
-    """``pack_logits`` (the CPU backend's ``packed_logits``): each chunk's logits as ``W @ h^T`` on
-    oneDNN's packed ``h``, read transposed; the same values, entropies and gradients as the full
-    path to float32's rounding."""
+@pytest.mark.parametrize("tied,bias,grad_slice", [(True, False, None), (False, True, None), (True, False, 7)])
+def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradients(
+    tied, bias, grad_slice, keep, monkeypatch
+):
+    """``pack_logits`` (the CPU backend's ``packed_logits``): each chunk's logits and backward's
+    products on oneDNN, the weight's gradient summed transposed (``grad_slice``: a few of V's columns
+    at a time, the last slice short); the same values, entropies and gradients as the full path to
+    float32's rounding."""
     from ngrpo_lightning.backends.packing import BackendLinear, packing_available
+    from ngrpo_lightning.training import forward
 
     if not packing_available(torch.float32):
         pytest.skip("this CPU build has no oneDNN packing")
+    if grad_slice is not None:
+        monkeypatch.setattr(forward, "WEIGHT_GRAD_SLICE", grad_slice)
     model = small_llama(tied=tied, bias=bias)
     batch = make_batch(model.config.vocab_size)
     ref_logp, ref_entropy, ref_grads = run(model, batch, None, 0.7)
@@ -192,6 +198,23 @@ def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradi
     assert (logp - ref_logp).abs().max() <= 1e-5
     assert (entropy - ref_entropy)[mask].abs().max() <= 1e-5 * ref_entropy[mask].abs().max()
     assert_grads_close(grads, ref_grads, 2e-5)
+
+
+def test_a_bfloat16_head_s_packed_chunks_match_its_plain_chunks():
+    """``pack_logits`` on a bfloat16 head: oneDNN's products in bfloat16, the weight's gradient summed
+    in float32, as the plain chunks do; the two agree to bfloat16's rounding."""
+    from ngrpo_lightning.backends.packing import BackendLinear, packing_available
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("this CPU build has no oneDNN bfloat16 products")
+    model = small_llama(tied=False).to(torch.bfloat16)
+    batch = make_batch(model.config.vocab_size)
+    ref_logp, _, ref_grads = run(model, batch, 5)
+    BackendLinear.swap_in(model.get_output_embeddings(), False, False, "test", decode_only=True, pack_logits=True)
+    logp, _, grads = run(model, batch, 5)
+    assert logp.dtype == torch.float32 and (logp - ref_logp).abs().max() <= 0.05
+    assert grads["lm_head.weight"].dtype == torch.bfloat16
+    assert_grads_close(grads, ref_grads, 0.03)
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep-softmax"])

@@ -9,8 +9,8 @@ shape both ways when a run is built (:func:`choose`), at three kinds of product,
   weights do not change and nothing needs a backward, by one packed copy made when the pass starts and dropped when it
   ends (a file-backed reference frees each plain weight once packed); LoRA layers by their merged copy
   (:mod:`.lora`), packed when the base layer would be.
-- **packed per product**: in the policy's log-prob passes and update, each product packs its operands as it runs
-  (:class:`PackedLinearFunction`), forward and backward.
+- **oneDNN per product**: in the policy's log-prob passes and update, each product, forward and backward, on
+  oneDNN with its operands as they lie (:class:`PackedLinearFunction`): no reorder or transposed copy of its own.
 - otherwise plain ``F.linear``.
 """
 
@@ -35,13 +35,15 @@ TRAIN_ROWS_TIMED = 1024
 
 @functools.cache
 def packing_available(dtype: torch.dtype) -> bool:
-    """Whether this build packs ``dtype`` weights and its packed product agrees with ``F.linear``."""
+    """Whether this build packs ``dtype`` weights and multiplies by a transposed view, each product agreeing with
+    ``F.linear``."""
     if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     try:
         weight, x = torch.randn(24, 16).to(dtype), torch.randn(3, 16).to(dtype)
-        out = packed_product(x, weight)
-        return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), rtol=1e-2, atol=1e-2)
+        wt = torch.randn(16, 24).to(dtype)
+        pairs = ((packed_product(x, weight), x @ weight.t()), (linear_pointwise(x, wt.t(), None), x @ wt))
+        return all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2) for a, b in pairs)
     except (RuntimeError, AttributeError) as err:  # no such op in this build, or not for this dtype
         log.debug("no packed linear weights for %s: %s", dtype, err)
         return False
@@ -63,13 +65,15 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class PackedLinearFunction(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` with every product, forward and backward, on packed operands."""
+    """``F.linear(x, weight, bias)`` with every product, forward and backward, on oneDNN: the weight and the
+    backward's transposed operands handed over as they lie (strided views), oneDNN packing blocks as it multiplies.
+    An explicit reorder and a transposed copy per product cost more than they save at a training pass's rows."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         ctx.save_for_backward(x if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
-        y = packed_product(x, weight.detach(), None if bias is None else bias.detach())
+        y = linear_pointwise(x, weight.detach(), None if bias is None else bias.detach())
         return y.detach()  # not a view of oneDNN's flat output: LoRA's layer adds to it in place
 
     @staticmethod
@@ -78,10 +82,9 @@ class PackedLinearFunction(torch.autograd.Function):
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = packed_product(grad.contiguous(), weight.detach().t().contiguous())
+            grad_x = linear_pointwise(grad, weight.detach().t(), None)  # grad @ W
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            grad_w = packed_product(grad2.t().contiguous(), x2.t().contiguous())
+            grad_w = linear_pointwise(grad2.t(), x.reshape(-1, x.shape[-1]).t(), None)  # grad^T @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0)
         return grad_x, grad_w, grad_b
@@ -99,7 +102,7 @@ class BackendLinear(torch.nn.Linear):
     pack_per_product: bool = False
     # the LM head: packed for rollouts only (log-prob passes read its weight directly; a file never releases it)
     decode_only: bool = False
-    # the LM head: the chunked log-probs compute its logits as ``W @ h^T`` on a packed ``h`` (training.forward)
+    # the LM head: the chunked log-probs run its products, forward and backward, on oneDNN (training.forward)
     pack_logits: bool = False
     why: str = ""
     _pass_weight: torch.Tensor | None = None  # the packed copy, inside a pass
@@ -171,7 +174,7 @@ def measure_decode(out_features: int, in_features: int, dtype: torch.dtype, rows
 
 
 def measure_train(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """A training forward and backward of ``rows`` rows: plain against packed per product."""
+    """A training forward and backward of ``rows`` rows: plain against oneDNN per product."""
     weight, x, grad = operands(out_features, in_features, dtype, rows, grad=True)
     weight.requires_grad_(), x.requires_grad_()
 
@@ -198,11 +201,19 @@ class Choice(NamedTuple):
 
 
 def measure_logits(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """The LM head's logits for a chunk of ``rows`` tokens: ``h @ W^T`` plain against ``W @ h^T`` on a packed ``h``
-    (no copy of the head's weight either way)."""
-    weight, x = operands(out_features, in_features, dtype, rows)
+    """The LM head's products for a chunk of ``rows`` tokens, the logits and their two gradients (``h @ W^T``,
+    ``dz @ W``, ``dz^T @ h``): plain against oneDNN on the operands as they lie (the weight's gradient transposed).
+    No copy of the head's weight either way."""
+    weight, x, dz = operands(out_features, in_features, dtype, rows, grad=True)
+
+    def plain():
+        torch.nn.functional.linear(x, weight), dz @ weight, dz.t() @ x
+
+    def onednn():
+        linear_pointwise(x, weight, None), linear_pointwise(dz, weight.t(), None), linear_pointwise(x.t(), dz.t(), None)
+
     with torch.inference_mode():
-        t = faster(lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(weight, pack(x, out_features)))
+        t = faster(plain, onednn)
     return {"plain_s": t["a_s"], "packed_s": t["b_s"]}
 
 
@@ -228,11 +239,13 @@ def choose(
         if not head_rows:
             return Choice(once, False, False, measured + said)
         rows = rows_bucket(head_rows)
-        r = answers.get(f"logits:{name}:{n}x{k}:{rows}", lambda: measure_logits(n, k, dtype, rows))
+        key = f"logits-and-grads:{name}:{n}x{k}:{rows}"  # apart from answers that timed the logits alone
+        r = answers.get(key, lambda: measure_logits(n, k, dtype, rows))
         logits, said_logits = say("log-prob chunks", rows, r)
         return Choice(once, False, False, measured + said + ", " + said_logits, logits)
     f = answers.get(f"frozen:{name}:{n}x{k}:{train_rows}", lambda: measure_decode(n, k, dtype, train_rows))
-    t = answers.get(f"train:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
+    # keyed apart from answers kept when each training product packed its operands first (slower: not comparable)
+    t = answers.get(f"train-onednn:{name}:{n}x{k}:{train_rows}", lambda: measure_train(n, k, dtype, train_rows))
     (frozen, said_f), (per_product, said_t) = (
         say("frozen pass", train_rows, f),
         say("training per product", train_rows, t),

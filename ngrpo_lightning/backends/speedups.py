@@ -158,7 +158,7 @@ for _speedup in (
     ),
     SpeedUp(
         "packed_logits",
-        "the log-probs' LM head as W @ h^T on a packed chunk of hidden states, where this machine measures it faster",
+        "the log-probs' LM head on oneDNN, logits and gradients, where this machine measures it faster",
         "ngrpo_lightning.backends.packing",
         ("cpu",),
         {"cpu": "speedup-packed_logits-cpu-2026-12-06.json"},

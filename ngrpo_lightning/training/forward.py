@@ -15,8 +15,9 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ngrpo_lightning.backends.base import Backend
-from ngrpo_lightning.backends.packing import BackendLinear, pack, packed_linear
+from ngrpo_lightning.backends.packing import BackendLinear
 from ngrpo_lightning.backends.recompute import rows_then_new
+from ngrpo_lightning.compat.torch import linear_pointwise
 from ngrpo_lightning.rollout.batch import RolloutBatch
 from ngrpo_lightning.rollout.reconstruction import build_inputs_embeds
 
@@ -79,8 +80,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     ``d W += dz^T @ hidden``. Softmax in float32 (float64 for a float64 head), the head's matmuls in its dtype, a
     low-precision head's weight gradient accumulated in float32; the entropy is not differentiable. ``keep``: forward
     stores the [M, V] float32 softmax for backward instead of recomputing (:func:`chunked_token_logprobs` decides).
-    ``packed``: each chunk's logits are computed as ``W @ h^T`` on oneDNN's packed ``h`` (the CPU backend's measured
-    choice for the head, ``pack_logits``): the same dot products, read through a transposed view."""
+    ``packed``: the head's products run on oneDNN (the CPU backend's measured choice for the head, ``pack_logits``),
+    which reads the weight and ``dz^T`` as they lie; ``d W`` is summed as ``hidden^T @ dz`` ([d, V]) and transposed
+    once."""
 
     @staticmethod
     def forward(
@@ -136,21 +138,41 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if need_bias:
                 grad_bias += dz.sum(0)
             dz = dz.to(weight.dtype)
-            if need_hidden:
-                grad_hidden[part] = dz @ weight
+            if need_hidden:  # with ``packed``: the same products on oneDNN, operands as they lie
+                grad_hidden[part] = linear_pointwise(dz, weight.t(), None) if ctx.packed else dz @ weight
             if need_weight:
                 h = hidden[part].to(weight.dtype)
-                if grad_weight is None:  # no zeroed [V, d] buffer to add the first product to
+                if ctx.packed:
+                    grad_weight = _add_weight_grad_t(grad_weight, dz, h, acc)
+                elif grad_weight is None:  # no zeroed [V, d] buffer to add the first product to
                     grad_weight = (dz.t() @ h).to(acc)
                 elif weight.dtype == acc:
                     grad_weight.addmm_(dz.t(), h)
                 else:  # a half-precision product, widened to float32 as it is added
                     grad_weight += dz.t() @ h
             del dz
+        if need_weight and ctx.packed and grad_weight is not None:
+            grad_weight = grad_weight.t().contiguous()  # summed as [d, V]: one transposing copy
         if need_weight:
             grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+# V columns of the head's weight gradient at a time: one such [d, slice] product is alive beside the sum
+WEIGHT_GRAD_SLICE = 8192
+
+
+def _add_weight_grad_t(total_t: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
+    """``total_t + (dz^T @ h)^T`` ([d, V] in ``acc``; ``total_t`` ``None``: the first chunk's), ``h^T @ dz`` on
+    oneDNN, which reads ``dz`` [chunk, V] as it lies; ``V`` a slice at a time, so no second [d, V] buffer is made."""
+    h_t = h.t()
+    if total_t is None:
+        return linear_pointwise(h_t, dz.t(), None).to(acc)
+    for start in range(0, dz.shape[1], WEIGHT_GRAD_SLICE):
+        cols = slice(start, start + WEIGHT_GRAD_SLICE)
+        total_t[:, cols] += linear_pointwise(h_t, dz[:, cols].t(), None)
+    return total_t
 
 
 def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -160,14 +182,9 @@ def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def _chunk_logits(hidden, weight, bias, temperature: float, packed: bool = False) -> torch.Tensor:
     """Float32 logits / T of one chunk [chunk, V]: the head in its own dtype, as the model computes it. ``packed``:
-    ``(W @ h^T)^T`` on oneDNN's packed ``h``, a transposed view (no copy of the head's weight is made)."""
+    on oneDNN, which reads the head's weight as it lies (no copy of it is made)."""
     h = hidden.to(weight.dtype)
-    if packed:
-        z = packed_linear(weight, pack(h, weight.shape[0])).t()
-        if bias is not None:
-            z = z.add_(bias)
-    else:
-        z = torch.nn.functional.linear(h, weight, bias)
+    z = linear_pointwise(h, weight, bias) if packed else torch.nn.functional.linear(h, weight, bias)
     z = z.to(_softmax_dtype(weight))
     return z.div_(temperature) if temperature != 1.0 else z
 
