@@ -176,8 +176,8 @@ def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradi
     tied, bias, grad_slice, keep, monkeypatch
 ):
     """``pack_logits`` (the CPU backend's ``packed_logits``): each chunk's logits and backward's
-    products on oneDNN, the weight's gradient summed transposed (``grad_slice``: a few of V's columns
-    at a time, the last slice short); the same values, entropies and gradients as the full path to
+    products on oneDNN, the weight's gradient summed a slice of V's rows at a time (``grad_slice``: a
+    few rows, the last slice short); the same values, entropies and gradients as the full path to
     float32's rounding."""
     from ngrpo_lightning.backends.packing import BackendLinear, packing_available
     from ngrpo_lightning.training import forward

@@ -15,6 +15,7 @@ from ngrpo_lightning.backends import packing as packing_module
 from ngrpo_lightning.backends.lora import LeanLoraLinear
 from ngrpo_lightning.backends.packing import BackendLinear, PackedLinearFunction, packing_available
 from ngrpo_lightning.backends.passes import packed_for_pass
+from ngrpo_lightning.compat.torch import linear_pointwise
 from ngrpo_lightning.explorers import TemperatureExplorer
 from ngrpo_lightning.models import lora
 from ngrpo_lightning.models.loading import load_policy
@@ -81,6 +82,17 @@ def test_products_and_their_gradients_equal_plain_ones(dtype, tol, bias):
     for plain, packed in zip(*grads):
         scale = plain.abs().max().float()
         assert (plain.float() - packed.float()).abs().max() <= tol * scale
+
+
+def test_a_product_on_a_weight_that_is_neither_layout_is_still_right():
+    """oneDNN reads a weight or its transpose as it lies; any other strides (a slice of a wider matrix,
+    transposed) go contiguous first, since oneDNN's path for them is hundreds of times slower."""
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN products on this CPU")
+    g = torch.Generator().manual_seed(0)
+    x, wide = torch.randn(6, 16, generator=g), torch.randn(16, 40, generator=g)
+    for weight in (wide[:, :24].t(), wide.t(), wide[:, :24].t().contiguous()):
+        torch.testing.assert_close(linear_pointwise(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_frozen_weight_keeps_no_input_and_gets_no_gradient():

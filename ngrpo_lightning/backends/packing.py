@@ -202,15 +202,15 @@ class Choice(NamedTuple):
 
 def measure_logits(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
     """The LM head's products for a chunk of ``rows`` tokens, the logits and their two gradients (``h @ W^T``,
-    ``dz @ W``, ``dz^T @ h``): plain against oneDNN on the operands as they lie (the weight's gradient transposed).
-    No copy of the head's weight either way."""
+    ``dz @ W``, ``dz^T @ h``): plain against oneDNN, which reads the head's weight as it lies. No copy of the head's
+    weight either way."""
     weight, x, dz = operands(out_features, in_features, dtype, rows, grad=True)
 
     def plain():
         torch.nn.functional.linear(x, weight), dz @ weight, dz.t() @ x
 
     def onednn():
-        linear_pointwise(x, weight, None), linear_pointwise(dz, weight.t(), None), linear_pointwise(x.t(), dz.t(), None)
+        linear_pointwise(x, weight, None), linear_pointwise(dz, weight.t(), None), linear_pointwise(dz.t(), x.t(), None)
 
     with torch.inference_mode():
         t = faster(plain, onednn)

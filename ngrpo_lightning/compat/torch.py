@@ -161,10 +161,13 @@ def reorder_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return op(weight, rows)
 
 
-def linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` on a weight :func:`reorder_linear_weight` made."""
+def linear_pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on oneDNN: ``weight`` [N, K] packed by :func:`reorder_linear_weight`, or plain, read as
+    it lies where it is dense (contiguous, or the transpose of a contiguous tensor); ``x`` is made contiguous."""
     try:
         op = torch.ops.mkldnn._linear_pointwise
     except AttributeError as err:
         raise TORCH.error("torch.ops.mkldnn._linear_pointwise") from err
-    return op(x, packed, bias, "none", [], "")
+    if not weight.is_mkldnn and not (weight.is_contiguous() or weight.t().is_contiguous()):
+        weight = weight.contiguous()  # oneDNN takes any other strides, but by a path hundreds of times slower
+    return op(x, weight, bias, "none", [], "")

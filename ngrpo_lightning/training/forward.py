@@ -81,8 +81,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     low-precision head's weight gradient accumulated in float32; the entropy is not differentiable. ``keep``: forward
     stores the [M, V] float32 softmax for backward instead of recomputing (:func:`chunked_token_logprobs` decides).
     ``packed``: the head's products run on oneDNN (the CPU backend's measured choice for the head, ``pack_logits``),
-    which reads the weight and ``dz^T`` as they lie; ``d W`` is summed as ``hidden^T @ dz`` ([d, V]) and transposed
-    once."""
+    which reads the weight as it lies; ``d W`` is summed a slice of ``V`` at a time."""
 
     @staticmethod
     def forward(
@@ -143,7 +142,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if need_weight:
                 h = hidden[part].to(weight.dtype)
                 if ctx.packed:
-                    grad_weight = _add_weight_grad_t(grad_weight, dz, h, acc)
+                    grad_weight = _add_weight_grad(grad_weight, dz, h, acc)
                 elif grad_weight is None:  # no zeroed [V, d] buffer to add the first product to
                     grad_weight = (dz.t() @ h).to(acc)
                 elif weight.dtype == acc:
@@ -151,28 +150,28 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 else:  # a half-precision product, widened to float32 as it is added
                     grad_weight += dz.t() @ h
             del dz
-        if need_weight and ctx.packed and grad_weight is not None:
-            grad_weight = grad_weight.t().contiguous()  # summed as [d, V]: one transposing copy
         if need_weight:
             grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-# V columns of the head's weight gradient at a time: one such [d, slice] product is alive beside the sum
+# Rows of the head's weight gradient [V, d] at a time: one [slice, chunk] copy of ``dz^T`` and one [slice, d]
+# product are alive beside the sum, never a second [V, d] buffer
 WEIGHT_GRAD_SLICE = 8192
 
 
-def _add_weight_grad_t(total_t: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
-    """``total_t + (dz^T @ h)^T`` ([d, V] in ``acc``; ``total_t`` ``None``: the first chunk's), ``h^T @ dz`` on
-    oneDNN, which reads ``dz`` [chunk, V] as it lies; ``V`` a slice at a time, so no second [d, V] buffer is made."""
-    h_t = h.t()
-    if total_t is None:
-        return linear_pointwise(h_t, dz.t(), None).to(acc)
+def _add_weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
+    """``total + dz^T @ h`` ([V, d] in ``acc``; ``total`` ``None``: this chunk's alone) on oneDNN, ``V`` a slice of
+    rows at a time."""
+    first = total is None
+    if first:
+        total = torch.empty(dz.shape[1], h.shape[1], dtype=acc, device=dz.device)
     for start in range(0, dz.shape[1], WEIGHT_GRAD_SLICE):
-        cols = slice(start, start + WEIGHT_GRAD_SLICE)
-        total_t[:, cols] += linear_pointwise(h_t, dz[:, cols].t(), None)
-    return total_t
+        rows = slice(start, start + WEIGHT_GRAD_SLICE)
+        part = linear_pointwise(dz[:, rows].t(), h.t(), None)
+        total[rows].copy_(part) if first else total[rows].add_(part)
+    return total
 
 
 def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
