@@ -117,7 +117,7 @@ def test_the_decoder_linears_take_them_and_the_lm_head_only_for_decoding(counted
     assert no_instance_forward(model)  # the class computes, not a patched forward
     ids = torch.randint(0, model.config.vocab_size, (2, 5))
     model(input_ids=ids)
-    assert len(counted_products) == 7 * layers  # outside a pass, each product packs as it runs
+    assert len(counted_products) == 7 * layers  # outside a pass, each product on oneDNN as it runs
     counted_products.clear()
     with torch.no_grad(), packed_for_pass(model, rows=2):
         model(input_ids=ids)

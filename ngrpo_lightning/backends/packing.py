@@ -1,9 +1,10 @@
-"""The speed-up ``packed_products``, whole: products on oneDNN-packed weights where this machine runs them faster.
+"""The speed-up ``packed_products``, whole: products on oneDNN where this machine runs them faster.
 
-On some CPUs and shapes oneDNN multiplies faster by a weight reordered into its blocked layout, the same values to
-float rounding. Whether it pays depends on the CPU and the shape, so the CPU backend times every distinct linear
-shape both ways when a run is built (:func:`choose`), at three kinds of product, and keeps the answers per machine
-(:mod:`.probe`). The linear layer the backend swaps in, :class:`BackendLinear`, then multiplies:
+On some CPUs and shapes oneDNN multiplies faster than ``torch.matmul`` (MKL, which on the AMD EPYC measured ran its AVX2
+kernels), and faster still by a weight reordered once into its blocked layout; the same values to float rounding.
+Whether it pays depends on the CPU and the shape, so the CPU backend times every distinct linear shape both ways
+when a run is built (:func:`choose`), at three kinds of product, and keeps the answers per machine (:mod:`.probe`).
+The linear layer the backend swaps in, :class:`BackendLinear`, then multiplies:
 
 - **packed once for a pass**: inside :func:`~.passes.packed_for_pass` (a rollout, the frozen reference's pass), where
   weights do not change and nothing needs a backward, by one packed copy made when the pass starts and dropped when it
@@ -93,8 +94,8 @@ class PackedLinearFunction(torch.autograd.Function):
 class BackendLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose products the backend chose when it swapped the layer in. ``pack_once``: in a rollout
     (:func:`~.passes.packed_for_pass` decoding) multiply by one packed copy of the weight; ``pack_frozen``: the same in
-    a frozen pass (the reference's log-probs); ``pack_per_product``: elsewhere, pack each product's operands as it
-    runs. Otherwise ``F.linear``. ``why`` says why, in words."""
+    a frozen pass (the reference's log-probs); ``pack_per_product``: elsewhere, every product on oneDNN, forward and
+    backward (:class:`PackedLinearFunction`). Otherwise ``F.linear``. ``why`` says why, in words."""
 
     prefix = "Backend"
     pack_once: bool = False

@@ -151,17 +151,17 @@ for _speedup in (
     # CPU (backends/cpu.py)
     SpeedUp(
         "packed_products",
-        "products on oneDNN-packed weights, per shape where this machine measures them faster",
+        "products on oneDNN (weights packed for a rollout), per shape where this machine measures it faster",
         "ngrpo_lightning.backends.packing",
         ("cpu",),
-        {"cpu": "speedup-packed_products-cpu-2026-11-26.json"},
+        {"cpu": "speedup-packed_products-cpu-2026-12-06.json"},
     ),
     SpeedUp(
         "packed_logits",
         "the log-probs' LM head on oneDNN, logits and gradients, where this machine measures it faster",
         "ngrpo_lightning.backends.packing",
         ("cpu",),
-        {"cpu": "speedup-packed_logits-cpu-2026-12-06.json"},
+        {"cpu": "speedup-packed_logits-cpu-2026-12-06-3.json"},
     ),
     SpeedUp(
         "grouped_attention",

@@ -158,7 +158,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
 # Rows of the head's weight gradient [V, d] at a time: one [slice, chunk] copy of ``dz^T`` and one [slice, d]
 # product are alive beside the sum, never a second [V, d] buffer
-WEIGHT_GRAD_SLICE = 8192
+WEIGHT_GRAD_SLICE = 4096
 
 
 def _add_weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
