@@ -156,14 +156,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-# Rows of the head's weight gradient [V, d] at a time: one [slice, chunk] copy of ``dz^T`` and one [slice, d]
-# product are alive beside the sum, never a second [V, d] buffer
-WEIGHT_GRAD_SLICE = 4096
+WEIGHT_GRAD_SLICE = 4096  # rows of the head's weight gradient at a time: never a second [V, d] buffer
 
 
 def _add_weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
-    """``total + dz^T @ h`` ([V, d] in ``acc``; ``total`` ``None``: this chunk's alone) on oneDNN, ``V`` a slice of
-    rows at a time."""
+    """``total + dz^T @ h`` ([V, d] in ``acc``; ``None``: this chunk's alone) on oneDNN, a slice of V at a time."""
     first = total is None
     if first:
         total = torch.empty(dz.shape[1], h.shape[1], dtype=acc, device=dz.device)
