@@ -1,6 +1,6 @@
-"""The CPU backend: products on oneDNN-packed weights where this machine runs them faster.
+"""The CPU backend: products on oneDNN (packed weights in a rollout) where this machine runs them faster.
 
-Whether packing pays depends on the CPU (vector units, oneDNN kernels) and the shape, so when a run is built every
+Whether oneDNN pays depends on the CPU (vector units, oneDNN kernels) and the shape, so when a run is built every
 distinct linear shape is timed both ways at a decoding step's rows, a frozen pass's and a training forward and
 backward, and the LM head at its log-prob chunks (``packed_logits``) (:func:`~.packing.choose`), the answers kept per
 machine (:mod:`.probe`). Also chosen here, same values:
@@ -132,12 +132,12 @@ class CPUBackend(Backend):
             once, frozen, per = (sum(c[i] for c in self._chosen.values()) for i in range(3))
             total = len(self._chosen)
             notes.append(
-                f"packed products ({torch.backends.cpu.get_cpu_capability()}, measured): decoding {once}/{total} "
-                f"shapes, frozen passes {frozen}/{total}, training {per}/{total}"
+                f"oneDNN products ({torch.backends.cpu.get_cpu_capability()}, measured): decoding {once}/{total} "
+                f"shapes packed, frozen passes {frozen}/{total} packed, training {per}/{total}"
                 + (
                     ""
                     if self._head_logits is None
-                    else f"; the LM head's log-prob chunks {'packed' if self._head_logits else 'plain'}"
+                    else f"; the LM head's log-prob products {'on oneDNN' if self._head_logits else 'plain'}"
                 )
             )
         return notes
