@@ -179,13 +179,13 @@ def test_the_head_s_packed_log_prob_chunks_give_the_full_path_s_values_and_gradi
     products on oneDNN, the weight's gradient summed a slice of V's rows at a time (``grad_slice``: a
     few rows, the last slice short); the same values, entropies and gradients as the full path to
     float32's rounding."""
+    from ngrpo_lightning.backends import packing
     from ngrpo_lightning.backends.packing import BackendLinear, packing_available
-    from ngrpo_lightning.training import forward
 
     if not packing_available(torch.float32):
         pytest.skip("this CPU build has no oneDNN packing")
     if grad_slice is not None:
-        monkeypatch.setattr(forward, "WEIGHT_GRAD_SLICE", grad_slice)
+        monkeypatch.setattr(packing, "WEIGHT_GRAD_SLICE", grad_slice)
     model = small_llama(tied=tied, bias=bias)
     batch = make_batch(model.config.vocab_size)
     ref_logp, ref_entropy, ref_grads = run(model, batch, None, 0.7)

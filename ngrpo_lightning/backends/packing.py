@@ -195,16 +195,32 @@ class Choice(NamedTuple):
     logits: bool = False
 
 
+WEIGHT_GRAD_SLICE = 4096  # rows of the head's weight gradient at a time: never a second [V, d] buffer
+
+
+def add_head_weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
+    """``total + dz^T @ h`` ([V, d] in ``acc``; ``None``: this chunk's alone) on oneDNN, a slice of V at a time: the
+    LM head's weight gradient as the chunked log-probs sum it (``training.forward``)."""
+    first = total is None
+    if first:
+        total = torch.empty(dz.shape[1], h.shape[1], dtype=acc, device=dz.device)
+    for start in range(0, dz.shape[1], WEIGHT_GRAD_SLICE):
+        rows = slice(start, start + WEIGHT_GRAD_SLICE)
+        part = linear_pointwise(dz[:, rows].t(), h.t(), None)
+        total[rows].copy_(part) if first else total[rows].add_(part)
+    return total
+
+
 def measure_logits(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> dict:
-    """The LM head's products for a chunk of ``rows`` tokens (``h @ W^T``, ``dz @ W``, ``dz^T @ h``): plain against
-    oneDNN, which reads the head's weight as it lies (no copy of it either way)."""
+    """The LM head's products for a chunk of ``rows`` tokens, the logits and both gradients: plain against oneDNN."""
     weight, x, dz = operands(out_features, in_features, dtype, rows, grad=True)
 
     def plain():
         return torch.nn.functional.linear(x, weight), dz @ weight, dz.t() @ x
 
-    def onednn():  # the weight's gradient as the run sums it: dz^T's rows times h
-        return [linear_pointwise(a, b, None) for a, b in ((x, weight), (dz, weight.t()), (dz.t(), x.t()))]
+    def onednn():  # as the run computes them, the head's weight read as it lies
+        add_head_weight_grad(None, dz, x, dtype)
+        return linear_pointwise(x, weight, None), linear_pointwise(dz, weight.t(), None)
 
     with torch.inference_mode():
         t = faster(plain, onednn)

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ngrpo_lightning.backends.base import Backend
-from ngrpo_lightning.backends.packing import BackendLinear
+from ngrpo_lightning.backends.packing import BackendLinear, add_head_weight_grad
 from ngrpo_lightning.backends.recompute import rows_then_new
 from ngrpo_lightning.compat.torch import linear_pointwise
 from ngrpo_lightning.rollout.batch import RolloutBatch
@@ -142,7 +142,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if need_weight:
                 h = hidden[part].to(weight.dtype)
                 if ctx.packed:
-                    grad_weight = _add_weight_grad(grad_weight, dz, h, acc)
+                    grad_weight = add_head_weight_grad(grad_weight, dz, h, acc)
                 elif grad_weight is None:  # no zeroed [V, d] buffer to add the first product to
                     grad_weight = (dz.t() @ h).to(acc)
                 elif weight.dtype == acc:
@@ -154,21 +154,6 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
-
-
-WEIGHT_GRAD_SLICE = 4096  # rows of the head's weight gradient at a time: never a second [V, d] buffer
-
-
-def _add_weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc: torch.dtype):
-    """``total + dz^T @ h`` ([V, d] in ``acc``; ``None``: this chunk's alone) on oneDNN, a slice of V at a time."""
-    first = total is None
-    if first:
-        total = torch.empty(dz.shape[1], h.shape[1], dtype=acc, device=dz.device)
-    for start in range(0, dz.shape[1], WEIGHT_GRAD_SLICE):
-        rows = slice(start, start + WEIGHT_GRAD_SLICE)
-        part = linear_pointwise(dz[:, rows].t(), h.t(), None)
-        total[rows].copy_(part) if first else total[rows].add_(part)
-    return total
 
 
 def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
