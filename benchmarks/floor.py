@@ -12,6 +12,9 @@ rate this machine multiplies that few rows (``decode_products_ms``: the model's 
 at those rows, the faster way, weights warm in the caches) or its weights' read, whichever is
 longer, plus its keys' and values' read; the prefill at the dense rate. ``gen_x_roofline`` is
 generation over it, ``x_roofline`` the step over the roofline with the passes at their floor.
+``gen_x_streamed`` is generation over the same sum with each step's products as a step runs them
+(``decode_products_streamed_ms``: every product on a weight of its own, in order, each weight read
+from memory): how much of generation is its products, and how much everything else.
 The first step of every run is its warm-up: left out of the medians, its excess over the
 median step is ``warmup_s``, split by phase (``warmup_gen_s``, ...); ``startup_s`` is the
 process's time outside its steps; ``steal_pct`` the share of the machine's CPU time a shared
@@ -32,6 +35,7 @@ from common import GIB, print_table, write_record
 from compute_floor import (
     decode_floor_s,
     decode_products_s,
+    decode_products_streamed_s,
     decode_roofline_s,
     matmul_rates,
     model_shape,
@@ -44,8 +48,8 @@ from step_profile import phase_rows
 from workloads import LORA_RANK, describe
 
 COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "logprobs_x_floor",
-           "update_x_floor", "gen_x_floor", "gen_x_roofline", "decode_ms", "warmup_s", "loop_rss_gib", "tree_rss_gib",
-           "cuda_gib", "steal_pct", "error"]  # fmt: skip
+           "update_x_floor", "gen_x_floor", "gen_x_roofline", "gen_x_streamed", "decode_ms", "warmup_s",
+           "loop_rss_gib", "tree_rss_gib", "cuda_gib", "steal_pct", "error"]  # fmt: skip
 WARMUP = ["mode", "warmup_s", "warmup_gen_s", "warmup_logprobs_s", "warmup_update_s", "warmup_other_s",
           "graph_record_s", "startup_s"]  # fmt: skip
 
@@ -63,16 +67,20 @@ def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
     bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else read_bandwidth() if device == "cpu" else None
     rates = matmul_rates(shape, workload.dtype, device=device)
     rows = workload.prompts * workload.group
-    products = decode_products_s(shape, workload.dtype, rows) if device == "cpu" and shape.kv_width else None
-    return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth, "products": products}
+    cpu = device == "cpu" and shape.kv_width
+    products = decode_products_s(shape, workload.dtype, rows) if cpu else None
+    streamed = decode_products_streamed_s(shape, workload.dtype, rows) if cpu else None
+    return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth, "products": products,
+            "streamed": streamed}  # fmt: skip
 
 
 def better_floor(floor: dict, again: dict) -> dict:
     """The faster of two measurements of the same device (a quiet moment of a shared machine)."""
     best = lambda key: max(v for v in (floor[key], again[key]) if v) if floor[key] or again[key] else None
     rates = {way: max(rate, again["rates"].get(way, 0.0)) for way, rate in floor["rates"].items()}
-    products = min((v for v in (floor.get("products"), again.get("products")) if v), default=None)
-    return {**floor, "rate": best("rate"), "rates": rates, "bandwidth": best("bandwidth"), "products": products}
+    least = lambda key: min((v for v in (floor.get(key), again.get(key)) if v), default=None)
+    bests = {"rate": best("rate"), "bandwidth": best("bandwidth")}
+    return {**floor, **bests, "rates": rates, "products": least("products"), "streamed": least("streamed")}
 
 
 def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
@@ -125,6 +133,9 @@ def add_floors(row: dict, steps: list[dict], workload, floor: dict) -> None:
         row["gen_x_roofline"] = med(s["gen_s"] / r for s, r in zip(steps, roof))
         passes = [(step_flops(s, shape, frozen=frozen) - phase_flops(s, shape)["rollout"]) / rate for s in steps]
         row["x_roofline"] = med(s["step_s"] / (r + p) for s, r, p in zip(steps, roof, passes))
+    if floor.get("streamed") and None not in reads:  # the products as a step reads their weights: from memory
+        roof = [decode_roofline_s(s, shape, rate, floor["streamed"], bandwidth, value_bytes) for s in steps]
+        row["gen_x_streamed"] = med(s["gen_s"] / r for s, r in zip(steps, roof))
 
 
 def add_warmup(row: dict, runs: list[dict]) -> None:
@@ -159,6 +170,7 @@ def run(args, workload) -> None:
     figures["matmul_gflops_by_way"] = {way: rate / 1e9 for way, rate in floor["rates"].items()}
     figures["read_gbps"] = floor["bandwidth"] / 1e9 if floor["bandwidth"] else None
     figures["decode_products_ms"] = floor["products"] * 1e3 if floor.get("products") else None
+    figures["decode_products_streamed_ms"] = floor["streamed"] * 1e3 if floor.get("streamed") else None
     write_record(
         "floor",
         device_of(workload),
@@ -208,8 +220,8 @@ def report(rows: list[dict]) -> None:
 
 def brief_rows(rows: list[dict], key: str) -> dict:
     """Each row's main figures, by its ``key`` (numbered where it repeats), for a record's summary."""
-    keep = ("step_s", "x_floor", "x_roofline", "gen_x_floor", "gen_x_roofline", "warmup_s", "cmd_rss_gib", "cuda_gib")
-    keep += ("vs_ours", "steal_pct", "error")
+    keep = ("step_s", "x_floor", "x_roofline", "gen_x_floor", "gen_x_roofline", "gen_x_streamed", "warmup_s")
+    keep += ("cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
     repeats = len({r[key] for r in rows}) < len(rows)
     return {(f"{i + 1}. " if repeats else "") + r[key]: {k: r[k] for k in keep if k in r} for i, r in enumerate(rows)}
 

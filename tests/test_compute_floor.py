@@ -133,6 +133,13 @@ def test_a_decoding_steps_products_are_timed_at_its_rows(tiny):
     assert 0 < compute_floor.decode_products_s(shape, "float32", rows=4) < 1.0
 
 
+def test_a_decoding_steps_products_streamed_are_timed_on_a_weight_each_within_the_memory_allowed(tiny):
+    _, shape = tiny
+    assert 0 < compute_floor.decode_products_streamed_s(shape, "float32", rows=4) < 1.0
+    # a copy of the weights that would take more than the share of memory allowed: not measured
+    assert compute_floor.decode_products_streamed_s(shape, "float32", rows=4, memory_share=1e-12) is None
+
+
 def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_their_flops():
     import floor
     import workloads
@@ -160,6 +167,12 @@ def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_t
     assert row["gen_x_roofline"] == pytest.approx(0.75 / roof)
     passes = (flops - compute_floor.phase_flops(fixed_step(), SHAPE)["rollout"]) / rate
     assert row["x_roofline"] == pytest.approx(3.0 / (roof + passes))
+    assert "gen_x_streamed" not in row  # no products measured as a step streams their weights
+    slow = 1e6  # a step's products longer than its weights' read at that bandwidth
+    row = floor.summary({"mode": "full"}, [run], workloads.side_by_side(), floor_ | {"streamed": slow})
+    streamed = compute_floor.decode_roofline_s(fixed_step(), SHAPE, rate, slow, 10.0, 4)
+    assert streamed > roof and row["gen_x_streamed"] == pytest.approx(0.75 / streamed)
+    assert row["gen_x_roofline"] == pytest.approx(0.75 / roof)  # the roofline itself unchanged
 
 
 def test_the_floor_is_counted_at_the_faster_way_the_machine_multiplies():
@@ -177,6 +190,10 @@ def test_the_floor_is_counted_at_the_faster_way_the_machine_multiplies():
     again = {**first, "rates": {way: 2 * r for way, r in rates.items()}, "rate": 2 * first["rate"]}
     best = floor.better_floor(first, again)
     assert best["rate"] == 2 * first["rate"] and best["rates"] == again["rates"] and best["bandwidth"] is None
+    # decoding products: the shorter of the two times, and none where neither measured them
+    assert best["products"] is None and best["streamed"] is None
+    best = floor.better_floor(first | {"products": 2.0, "streamed": 3.0}, again | {"products": 1.0})
+    assert best["products"] == 1.0 and best["streamed"] == 3.0
     # a host that gave a quarter of the interval's CPU time to other machines
     before = {"user": 100, "system": 0, "idle": 0, "steal": 0}
     assert stolen_pct(before, {"user": 130, "system": 0, "idle": 60, "steal": 30}) == pytest.approx(25.0)
