@@ -115,6 +115,29 @@ def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
     assert choices == [(m.pack_once, m.pack_per_product) for m in b.modules() if isinstance(m, BackendLinear)]
 
 
+def test_the_run_header_counts_the_shapes_as_the_swapped_layers_compute_them(tmp_path):
+    """The header's line on oneDNN products agrees with the layers the backend swapped in: per distinct
+    shape, how many pack for decoding and for frozen passes and run training on oneDNN, and whether
+    the LM head's log-prob products do; the head is not counted among the shapes."""
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN packing here: nothing measured, no line")
+    model, _ = load_policy("tiny")
+    backend = CPUBackend(torch.float32, measurements=Measurements(tmp_path))
+    backend.prepare(model, trains=True)
+    head = model.get_output_embeddings()
+    shapes = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, BackendLinear) and m is not head}
+    count = lambda flag: sum(getattr(m, flag) for m in shapes.values())
+    total = len(shapes)
+    (line,) = [n for n in backend.startup_notes() if n.startswith("oneDNN products")]
+    expected = (
+        f"decoding {count('pack_once')}/{total} shapes packed, frozen passes {count('pack_frozen')}/{total} "
+        f"packed, training {count('pack_per_product')}/{total}; the LM head's log-prob products "
+        + ("on oneDNN" if head.pack_logits else "plain")
+    )
+    assert line.endswith(expected), (line, expected)
+    assert CPUBackend(torch.float32, packing="off").startup_notes() == backend.startup_notes()[:-1]
+
+
 def test_each_kind_of_product_packs_only_where_its_own_answer_says_packed_is_faster():
     """``packing.choose`` on given answers: each of decoding, a frozen pass and training follows its
     own measurement, at the margin; rows are bucketed to powers of two (training at most 1,024);
