@@ -225,29 +225,32 @@ def decode_products_s(shape: ModelShape, dtype: str, rows: int) -> float:
 
 def decode_products_streamed_s(shape: ModelShape, dtype: str, rows: int, memory_share: float = 0.25) -> float | None:
     """A CPU decoding step's products at ``rows`` rows as a step runs them: every product of the model on a weight
-    of its own, in order, so each weight comes from memory rather than the caches; on packed weights where this
-    build packs (the CPU backend's choice at decoding rows wherever it was measured). Beside
-    :func:`decode_products_s` it says what reading the weights from memory costs at those rows. ``None`` where a
-    copy of the weights would take more than ``memory_share`` of the memory available."""
+    of its own, in order, so each weight comes from memory rather than the caches; each shape the faster way
+    :func:`decode_products_s` times it (packed or plain, as the CPU backend chooses). Beside that figure it says
+    what reading the weights from memory costs at those rows. ``None`` where a copy of the weights would take more
+    than ``memory_share`` of the memory available."""
     import psutil
 
-    from ngrpo_lightning.backends.packing import operands, pack, packed_linear, packing_available
+    from ngrpo_lightning.backends.packing import measure_decode, operands, pack, packed_linear, packing_available
     from ngrpo_lightning.backends.probe import median_seconds
 
     kind = getattr(torch, dtype)
     size = torch.empty(0, dtype=kind).element_size()
     if (shape.body_params + shape.head_params) * size > memory_share * psutil.virtual_memory().available:
         return None
-    packs = packing_available(kind)
     order = [(n, k) for n, k, count in linear_shapes(shape)[:-1] for _ in range(count // shape.layers)]
     products = [(n, k) for _ in range(shape.layers) for n, k in order] + [linear_shapes(shape)[-1][:2]]
     inputs = {k: operands(1, k, kind, rows)[1] for _, k in products}
-    weights = [pack(operands(n, k, kind, 1)[0], rows) if packs else operands(n, k, kind, 1)[0] for n, k in products]
-    multiply = packed_linear if packs else torch.nn.functional.linear
+    packed = {}  # shape -> whether its product is faster on a packed weight
+    for n, k in set(products):
+        timed = measure_decode(n, k, kind, rows) if packing_available(kind) else None
+        packed[n, k] = timed is not None and timed["packed_s"] < timed["plain_s"]
+    weights = [pack(operands(n, k, kind, 1)[0], rows) if packed[n, k] else operands(n, k, kind, 1)[0]
+               for n, k in products]  # fmt: skip
 
     def step() -> None:
-        for (_, k), weight in zip(products, weights, strict=True):
-            multiply(inputs[k], weight)
+        for (n, k), weight in zip(products, weights, strict=True):
+            (packed_linear if packed[n, k] else torch.nn.functional.linear)(inputs[k], weight)
 
     with torch.inference_mode():
         return median_seconds(step, 1.0, least=5)
