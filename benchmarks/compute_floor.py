@@ -203,48 +203,56 @@ def linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     return [(n, k, count * shape.layers) for n, k, count in layer] + [head]
 
 
-def decode_products_s(shape: ModelShape, dtype: str, rows: int) -> float:
-    """A CPU decoding step's products at ``rows`` rows: each of the model's linear shapes timed plain and on a
-    packed weight (the faster kept, as the CPU backend chooses), with the weight warm in the caches, so their
-    arithmetic alone at the rate this machine multiplies that few rows."""
+def decode_ways(shape: ModelShape, dtype: str, rows: int) -> dict[tuple[int, int], tuple[float, bool]]:
+    """``(out, in) -> (seconds, packed)`` for each of the model's linear shapes at a decoding step's ``rows`` rows:
+    timed plain and on a packed weight where this build packs, with the weight warm in the caches, the faster way
+    kept (as the CPU backend chooses)."""
     from ngrpo_lightning.backends.packing import measure_decode, operands, packing_available
     from ngrpo_lightning.backends.probe import median_seconds
 
     kind = getattr(torch, dtype)
-    total = 0.0
+    ways = {}
     with torch.inference_mode():
-        for n, k, count in linear_shapes(shape):
+        for n, k, _ in linear_shapes(shape):
             if packing_available(kind):
-                seconds = min(measure_decode(n, k, kind, rows).values())
+                timed = measure_decode(n, k, kind, rows)
+                ways[n, k] = (min(timed.values()), timed["packed_s"] < timed["plain_s"])
             else:
                 weight, x = operands(n, k, kind, rows)
-                seconds = median_seconds(lambda: torch.nn.functional.linear(x, weight), 0.04)  # noqa: B023
-            total += count * seconds
-    return total
+                ways[n, k] = (median_seconds(lambda: torch.nn.functional.linear(x, weight), 0.04), False)  # noqa: B023
+    return ways
 
 
-def decode_products_streamed_s(shape: ModelShape, dtype: str, rows: int, memory_share: float = 0.25) -> float | None:
+def decode_products_s(shape: ModelShape, dtype: str, rows: int, ways: dict | None = None) -> float:
+    """A CPU decoding step's products at ``rows`` rows, each shape the faster way with its weight warm in the caches
+    (:func:`decode_ways`, or ``ways`` it gave): their arithmetic alone at the rate this machine multiplies that few
+    rows."""
+    ways = ways or decode_ways(shape, dtype, rows)
+    return sum(count * ways[n, k][0] for n, k, count in linear_shapes(shape))
+
+
+def decode_products_streamed_s(
+    shape: ModelShape, dtype: str, rows: int, ways: dict | None = None, memory_share: float = 0.25
+) -> float | None:
     """A CPU decoding step's products at ``rows`` rows as a step runs them: every product of the model on a weight
     of its own, in order, so each weight comes from memory rather than the caches; each shape the faster way
-    :func:`decode_products_s` times it (packed or plain, as the CPU backend chooses). Beside that figure it says
-    what reading the weights from memory costs at those rows. ``None`` where a copy of the weights would take more
-    than ``memory_share`` of the memory available."""
+    (:func:`decode_ways`, or ``ways`` it gave). Beside :func:`decode_products_s` it says what reading the weights
+    from memory costs at those rows. ``None`` where a copy of the weights would take more than ``memory_share`` of
+    the memory available."""
     import psutil
 
-    from ngrpo_lightning.backends.packing import measure_decode, operands, pack, packed_linear, packing_available
+    from ngrpo_lightning.backends.packing import operands, pack, packed_linear
     from ngrpo_lightning.backends.probe import median_seconds
 
     kind = getattr(torch, dtype)
     size = torch.empty(0, dtype=kind).element_size()
     if (shape.body_params + shape.head_params) * size > memory_share * psutil.virtual_memory().available:
         return None
+    ways = ways or decode_ways(shape, dtype, rows)
     order = [(n, k) for n, k, count in linear_shapes(shape)[:-1] for _ in range(count // shape.layers)]
     products = [(n, k) for _ in range(shape.layers) for n, k in order] + [linear_shapes(shape)[-1][:2]]
     inputs = {k: operands(1, k, kind, rows)[1] for _, k in products}
-    packed = {}  # shape -> whether its product is faster on a packed weight
-    for n, k in set(products):
-        timed = measure_decode(n, k, kind, rows) if packing_available(kind) else None
-        packed[n, k] = timed is not None and timed["packed_s"] < timed["plain_s"]
+    packed = {nk: ways[nk][1] for nk in ways}
     weights = [pack(operands(n, k, kind, 1)[0], rows) if packed[n, k] else operands(n, k, kind, 1)[0]
                for n, k in products]  # fmt: skip
 

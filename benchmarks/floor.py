@@ -37,6 +37,7 @@ from compute_floor import (
     decode_products_s,
     decode_products_streamed_s,
     decode_roofline_s,
+    decode_ways,
     matmul_rates,
     model_shape,
     phase_flops,
@@ -67,9 +68,9 @@ def device_floor(workload, bandwidth_gbs: float | None = None) -> dict:
     bandwidth = bandwidth_gbs * 1e9 if bandwidth_gbs else read_bandwidth() if device == "cpu" else None
     rates = matmul_rates(shape, workload.dtype, device=device)
     rows = workload.prompts * workload.group
-    cpu = device == "cpu" and shape.kv_width
-    products = decode_products_s(shape, workload.dtype, rows) if cpu else None
-    streamed = decode_products_streamed_s(shape, workload.dtype, rows) if cpu else None
+    ways = decode_ways(shape, workload.dtype, rows) if device == "cpu" and shape.kv_width else None
+    products = decode_products_s(shape, workload.dtype, rows, ways) if ways else None
+    streamed = decode_products_streamed_s(shape, workload.dtype, rows, ways) if ways else None
     return {"shape": shape, "rate": max(rates.values()), "rates": rates, "bandwidth": bandwidth, "products": products,
             "streamed": streamed}  # fmt: skip
 

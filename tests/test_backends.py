@@ -115,15 +115,22 @@ def test_the_cpu_backend_measures_once_per_machine_and_shape(tmp_path):
     assert choices == [(m.pack_once, m.pack_per_product) for m in b.modules() if isinstance(m, BackendLinear)]
 
 
-def test_the_run_header_counts_the_shapes_as_the_swapped_layers_compute_them(tmp_path):
-    """The header's line on oneDNN products agrees with the layers the backend swapped in: per distinct
-    shape, how many pack for decoding and for frozen passes and run training on oneDNN, and whether
-    the LM head's log-prob products do; the head is not counted among the shapes."""
+@pytest.fixture
+def measured_tiny(tmp_path):
+    """The tiny policy prepared by a CPU backend that measured this machine into ``tmp_path``: (model, backend)."""
     if not packing_available(torch.float32):
-        pytest.skip("no oneDNN packing here: nothing measured, no line")
+        pytest.skip("no oneDNN packing here: nothing to measure")
     model, _ = load_policy("tiny")
     backend = CPUBackend(torch.float32, measurements=Measurements(tmp_path))
     backend.prepare(model, trains=True)
+    return model, backend
+
+
+def test_the_run_header_counts_the_shapes_as_the_swapped_layers_compute_them(measured_tiny):
+    """The header's line on oneDNN products agrees with the layers the backend swapped in: per distinct
+    shape, how many pack for decoding and for frozen passes and run training on oneDNN, and whether
+    the LM head's log-prob products do; the head is not counted among the shapes."""
+    model, backend = measured_tiny
     head = model.get_output_embeddings()
     shapes = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, BackendLinear) and m is not head}
     count = lambda flag: sum(getattr(m, flag) for m in shapes.values())
@@ -181,14 +188,10 @@ def test_the_cpu_backend_packs_the_head_s_log_prob_chunks_only_where_packed_logi
         assert all(not m.pack_logits for m in model.modules() if isinstance(m, BackendLinear) and m is not head)
 
 
-def test_a_run_records_its_choices_and_a_resumed_run_makes_the_same_ones_without_measuring(tmp_path):
+def test_a_run_records_its_choices_and_a_resumed_run_makes_the_same_ones_without_measuring(measured_tiny, tmp_path):
     """What the backend measured is recorded as data (checkpoints and MLflow keep it); a backend
     given that record decides from it, measuring nothing, whatever this machine would measure now."""
-    if not packing_available(torch.float32):
-        pytest.skip("no oneDNN packing here: nothing to measure")
-    a, _ = load_policy("tiny")
-    first = CPUBackend(torch.float32, measurements=Measurements(tmp_path))
-    first.prepare(a, trains=True)
+    _, first = measured_tiny
     record = first.recorded_choices()
     assert record["packing"] == "auto" and record["measured"]
     # another machine's record: every product faster packed, whatever this one measures
