@@ -102,3 +102,16 @@ def test_a_training_forward_hands_freed_memory_back_between_the_decoder_and_the_
         frozen, _ = module._logprobs(module.policy, batch, 1.0)
     assert events == ["decoder", "head"]
     assert torch.equal(trained.detach(), frozen)
+
+
+def test_a_step_hands_freed_memory_back_before_its_update_not_before_the_frozen_passes(tiny, monkeypatch):
+    """Within a step the backend's ``between_phases`` runs twice: before the update (the step's peak) and in the
+    update's forward before the LM head; not before the reward or the log-prob passes, which reuse the rollout's
+    freed pages (handing them back would only fault them in again)."""
+    module, dm = tiny_rl(tiny, ScriptedReward([1, 0]))
+    events = []
+    monkeypatch.setattr(module.backend, "between_phases", lambda: events.append("release"))
+    phase = module._phase
+    monkeypatch.setattr(module, "_phase", lambda name: events.append(name) or phase(name))
+    tiny_trainer(1).fit(module, datamodule=dm)
+    assert events == ["reward", "logprobs", "release", "update", "release"]

@@ -189,7 +189,7 @@ class Backend:
         return False
 
     def between_phases(self) -> None:
-        """Between a step's phases, and between a training forward's decoder and its LM head: freed C-library pages
+        """Before a step's update, and between a training forward's decoder and its LM head: freed C-library pages
         back to the system, where ``release_freed_memory`` is on (:mod:`.freed_memory`)."""
         if self.uses("release_freed_memory"):
             release_freed_memory()

@@ -1,10 +1,10 @@
-"""Freed memory handed back to the system between a training step's phases and, in a training forward, between the
-decoder and the LM head (``release_freed_memory``).
+"""Freed memory handed back to the system before a training step's update and, in a training forward, between the
+decoder and the LM head (``release_freed_memory``): the update makes the step's peak.
 
-glibc's malloc keeps freed pages resident, so one phase's short-lived tensors push the next phase's peak above what is
-alive; ``malloc_trim(0)`` hands every whole free page back. The decoder's freed temporaries in a training forward are
-such pages too: the LM head's [chunk, V] buffers and the backward's gradients do not fit in them. Under another
-allocator (``make train`` preloads mimalloc) it is cheap and changes little.
+glibc's malloc keeps freed pages resident, so earlier short-lived tensors push the update's peak above what is alive;
+``malloc_trim(0)`` hands every whole free page back. The decoder's freed temporaries are such pages too: the LM head's
+[chunk, V] buffers and the backward's gradients do not fit in them. Not before the frozen passes: they reuse the
+rollout's pages, which would be faulted in again. Under mimalloc (``make train``) it is cheap and changes little.
 """
 
 from __future__ import annotations

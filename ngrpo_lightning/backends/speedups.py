@@ -196,7 +196,7 @@ for _speedup in (
     ),
     SpeedUp(
         "release_freed_memory",
-        "the C library's freed pages handed back between a step's phases and before a training forward's LM head",
+        "the C library's freed pages handed back before a step's update and before a training forward's LM head",
         "ngrpo_lightning.backends.freed_memory",
         ("cpu",),
         {"cpu": "speedup-release_freed_memory-cpu-2026-12-06-2.json"},

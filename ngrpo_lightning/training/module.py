@@ -241,6 +241,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
             step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
             for hook in self.step_hooks:
                 step = hook.weigh(step)
+        self.backend.between_phases()  # before the update, the step's peak (backends/freed_memory.py)
         with self._phase("update") as update:
             metrics, old_logp = self.optimize(self.plan.updates(step))
         if step.old_logp is None:  # the update's forward gave them: the step carries them on (metrics, replay)
@@ -253,7 +254,6 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
     def _phase(self, name: str):
         """A timed phase of the step (:mod:`~ngrpo_lightning.phases`), reported to the profiler."""
         trainer = self._attached_trainer()
-        self.backend.between_phases()  # e.g. the C library's freed pages handed back (backends/freed_memory.py)
         return phase(name, self.device, trainer.profiler if trainer is not None else None)
 
     def mix_in(self, batch: RolloutBatch, rewards: torch.Tensor) -> StepRollouts:
