@@ -199,7 +199,7 @@ for _speedup in (
         "the C library's freed pages handed back before a step's update and before a training forward's LM head",
         "ngrpo_lightning.backends.freed_memory",
         ("cpu",),
-        {"cpu": "speedup-release_freed_memory-cpu-2026-12-06-2.json"},
+        {"cpu": "speedup-release_freed_memory-cpu-2026-12-06-3.json"},
         saves="memory",
     ),
     # CUDA (backends/cuda.py)
