@@ -249,16 +249,20 @@ def decode_products_streamed_s(
     if (shape.body_params + shape.head_params) * size > memory_share * psutil.virtual_memory().available:
         return None
     ways = ways or decode_ways(shape, dtype, rows)
-    order = [(n, k) for n, k, count in linear_shapes(shape)[:-1] for _ in range(count // shape.layers)]
-    products = [(n, k) for _ in range(shape.layers) for n, k in order] + [linear_shapes(shape)[-1][:2]]
+    *layer, head = linear_shapes(shape)  # a layer's shapes, each `count` times over the model's layers
+    products = [(n, k) for _ in range(shape.layers) for n, k, count in layer for _ in range(count // shape.layers)]
+    products.append(head[:2])
     inputs = {k: operands(1, k, kind, rows)[1] for _, k in products}
-    packed = {nk: ways[nk][1] for nk in ways}
-    weights = [pack(operands(n, k, kind, 1)[0], rows) if packed[n, k] else operands(n, k, kind, 1)[0]
-               for n, k in products]  # fmt: skip
+    calls = []  # (product, input, a weight of its own), in a step's order
+    linear = torch.nn.functional.linear
+    for n, k in products:
+        weight = operands(n, k, kind, 1)[0]
+        packed = ways[n, k][1]
+        calls.append((packed_linear, inputs[k], pack(weight, rows)) if packed else (linear, inputs[k], weight))
 
     def step() -> None:
-        for (n, k), weight in zip(products, weights, strict=True):
-            (packed_linear if packed[n, k] else torch.nn.functional.linear)(inputs[k], weight)
+        for product, x, weight in calls:
+            product(x, weight)
 
     with torch.inference_mode():
         return median_seconds(step, 1.0, least=5)
