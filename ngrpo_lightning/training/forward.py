@@ -105,9 +105,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 e.div_(total[:, None])
             else:
                 total = z.sub_(top).exp_().sum(-1)  # z now holds exp(z - max)
-                if with_entropy:
-                    probs = z.div_(total[:, None])
-                    entropy[part] = torch.special.entr(probs, out=probs).sum(-1)  # -p log p, 0 at p = 0
+                if with_entropy:  # in place, no second name for z: the next chunk's logits reuse its memory
+                    entropy[part] = torch.special.entr(z.div_(total[:, None]), out=z).sum(-1)  # -p log p, 0 at p = 0
             lse[part] = top.squeeze(-1) + total.log()
             logp[part] = target_logit - lse[part]
             del z
