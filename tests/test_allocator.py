@@ -14,7 +14,7 @@ from ngrpo_lightning.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRPO = Path(sys.executable).parent / "ngrpo"
-MI_OPTION_PURGE_DELAY = 15  # mimalloc's mi_option_t number (mimalloc.h)
+MI_OPTION_PURGE_DELAY, MI_OPTION_ALLOW_THP = 15, 43  # mimalloc's mi_option_t numbers (mimalloc.h, 3.4)
 
 
 def launcher_env() -> dict[str, str]:
@@ -29,7 +29,9 @@ def launcher_env() -> dict[str, str]:
 
 
 def in_process(code: str, env: dict) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP")
+    }
     proc = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip()
@@ -38,7 +40,8 @@ def in_process(code: str, env: dict) -> str:
 PROBE = (
     "import ctypes; p = ctypes.CDLL(None); "
     "print('mimalloc' if hasattr(p, 'mi_version') else 'system', "
-    f"p.mi_option_get({MI_OPTION_PURGE_DELAY}) if hasattr(p, 'mi_option_get') else '-')"
+    f"*((p.mi_option_get({MI_OPTION_PURGE_DELAY}), p.mi_option_get({MI_OPTION_ALLOW_THP})) "
+    "if hasattr(p, 'mi_option_get') else '-'))"
 )
 
 
@@ -46,8 +49,8 @@ PROBE = (
 def test_the_launcher_preloads_mimalloc_with_freed_memory_kept():
     env = launcher_env()
     assert Path(env["LD_PRELOAD"]).name.startswith("libmimalloc.so."), env
-    assert env["MALLOC_MMAP_MAX_"] == "0" and env["MIMALLOC_PURGE_DELAY"] == "-1"
-    assert in_process(PROBE, env) == "mimalloc -1"  # loaded, and the purge delay taken from the environment
+    assert env["MALLOC_MMAP_MAX_"] == "0" and env["MIMALLOC_PURGE_DELAY"] == "-1" and env["MIMALLOC_ALLOW_THP"] == "0"
+    assert in_process(PROBE, env) == "mimalloc -1 0"  # loaded; purge delay and huge pages taken from the environment
     assert in_process(PROBE, {}) == "system -"  # a plain process is left alone
 
 
