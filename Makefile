@@ -33,7 +33,8 @@ VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command
 # Linux) is preloaded where installed: a smaller peak than glibc's malloc at the same speed. Freed memory
 # stays in the process for the next step, read by the allocators when the process starts: mimalloc's purge
 # delay off, and under glibc no fresh mmap per large tensor and no trimming of the heap's free top.
-# mimalloc's transparent huge pages off: the same speed, a lower peak (records main_job-cpu-2026-12-06-10, -07).
+# mimalloc's transparent huge pages off: fresh pages fault in faster where the kernel's setting is madvise;
+# the same speed, a lower peak (records main_job-cpu-2026-12-06-10 and main_job-cpu-2026-12-07).
 MIMALLOC_LIB = $$($(BIN)/python -c "import importlib.metadata as m; print(next((str(f.locate()) for f in (m.files('cmeel-mimalloc') or []) if f.name.startswith('libmimalloc.so.')), ''))" 2>/dev/null)
 RUN_ENV = LD_PRELOAD="$(MIMALLOC_LIB)" MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ALLOW_THP=0 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
 
