@@ -40,8 +40,8 @@ def in_process(code: str, env: dict) -> str:
 PROBE = (
     "import ctypes; p = ctypes.CDLL(None); "
     "print('mimalloc' if hasattr(p, 'mi_version') else 'system', "
-    f"*((p.mi_option_get({MI_OPTION_PURGE_DELAY}), p.mi_option_get({MI_OPTION_ALLOW_THP})) "
-    "if hasattr(p, 'mi_option_get') else '-'))"
+    f"*([p.mi_option_get(o) for o in ({MI_OPTION_PURGE_DELAY}, {MI_OPTION_ALLOW_THP})] "
+    "if hasattr(p, 'mi_option_get') else ['-']))"
 )
 
 
