@@ -77,14 +77,14 @@ def test_ngrpo_train_checks_its_update(tmp_path):
 
 
 def test_a_training_forward_hands_freed_memory_back_between_the_decoder_and_the_head(tiny, monkeypatch):
-    """The backend's ``between_phases`` (``release_freed_memory`` on the CPU) runs once in a training forward, after
+    """The backend's ``release_memory`` (``release_freed_memory`` on the CPU) runs once in a training forward, after
     the decoder and before the chunked LM head; a frozen pass (no gradients) goes straight on; the values agree."""
     from ngrpo_lightning.training import forward
 
     module, _ = tiny_rl(tiny, ScriptedReward([1, 0]))
     events = []
     module.policy.model.norm.register_forward_hook(lambda *_: events.append("decoder"))
-    monkeypatch.setattr(module.backend, "between_phases", lambda: events.append("release"))
+    monkeypatch.setattr(module.backend, "release_memory", lambda: events.append("release"))
     head = forward.chunked_token_logprobs
     monkeypatch.setattr(forward, "chunked_token_logprobs", lambda *a, **k: events.append("head") or head(*a, **k))
     ids = torch.randint(3, 1000, (2, 10))
@@ -105,12 +105,12 @@ def test_a_training_forward_hands_freed_memory_back_between_the_decoder_and_the_
 
 
 def test_a_step_hands_freed_memory_back_before_its_update_not_before_the_frozen_passes(tiny, monkeypatch):
-    """Within a step the backend's ``between_phases`` runs twice: before the update (the step's peak) and in the
+    """Within a step the backend's ``release_memory`` runs twice: before the update (the step's peak) and in the
     update's forward before the LM head; not before the reward or the log-prob passes, which reuse the rollout's
     freed pages (handing them back would only fault them in again)."""
     module, dm = tiny_rl(tiny, ScriptedReward([1, 0]))
     events = []
-    monkeypatch.setattr(module.backend, "between_phases", lambda: events.append("release"))
+    monkeypatch.setattr(module.backend, "release_memory", lambda: events.append("release"))
     phase = module._phase
     monkeypatch.setattr(module, "_phase", lambda name: events.append(name) or phase(name))
     tiny_trainer(1).fit(module, datamodule=dm)

@@ -188,7 +188,7 @@ class Backend:
         """Whether the frozen KL reference lives in a file between its passes (same values)."""
         return False
 
-    def between_phases(self) -> None:
+    def release_memory(self) -> None:
         """Before a step's update, and between a training forward's decoder and its LM head: freed C-library pages
         back to the system, where ``release_freed_memory`` is on (:mod:`.freed_memory`)."""
         if self.uses("release_freed_memory"):

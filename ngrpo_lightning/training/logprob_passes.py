@@ -64,7 +64,7 @@ class LogprobPasses:
             share = self._agreed_sharing(share)
         kwargs["share_prompts"] = share
         if torch.is_grad_enabled():  # a training forward: the decoder's freed temporaries handed back before the head
-            kwargs.setdefault("before_head", self.backend.between_phases)
+            kwargs.setdefault("before_head", self.backend.release_memory)
         if forward is not None:  # FSDP's root forward: one pass of the sharded decoder
             logp, entropy = forward(trimmed, temperature, **kwargs)
         else:

@@ -241,7 +241,7 @@ class RLModule(CheckpointHooks, StepReports, LogprobPasses, L.LightningModule):
             step = self.prepare(step, reuse_forward=self.plan.single and not bool(step.replayed.any()))
             for hook in self.step_hooks:
                 step = hook.weigh(step)
-        self.backend.between_phases()  # before the update, the step's peak (backends/freed_memory.py)
+        self.backend.release_memory()  # before the update, the step's peak (backends/freed_memory.py)
         with self._phase("update") as update:
             metrics, old_logp = self.optimize(self.plan.updates(step))
         if step.old_logp is None:  # the update's forward gave them: the step carries them on (metrics, replay)
