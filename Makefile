@@ -31,12 +31,13 @@ VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command
 # How the main job's process uses its machine: nothing in the library restarts itself or tunes the C
 # allocator, the launcher does (docs/performance.md, "The allocator"). mimalloc (the cmeel-mimalloc wheel,
 # Linux) is preloaded where installed: a smaller peak than glibc's malloc at the same speed. Freed memory
-# stays in the process for the next step, read by the allocators when the process starts: mimalloc's purge
-# delay off, and under glibc no fresh mmap per large tensor and no trimming of the heap's free top.
+# stays in the process for the next step (mimalloc's purge delay off, read when the process starts).
 # mimalloc's transparent huge pages off: fresh pages fault in faster where the kernel's setting is madvise;
 # the same speed, a lower peak (records main_job-cpu-2026-12-06-10 and main_job-cpu-2026-12-07).
+# glibc's malloc, where mimalloc is absent, keeps its defaults: told to keep large blocks in its heap, it
+# peaked 0.15-0.19 GiB higher and was not faster (record main_job-cpu-2026-12-07-3).
 MIMALLOC_LIB = $$($(BIN)/python -c "import importlib.metadata as m; print(next((str(f.locate()) for f in (m.files('cmeel-mimalloc') or []) if f.name.startswith('libmimalloc.so.')), ''))" 2>/dev/null)
-RUN_ENV = LD_PRELOAD="$(MIMALLOC_LIB)" MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ALLOW_THP=0 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
+RUN_ENV = LD_PRELOAD="$(MIMALLOC_LIB)" MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ALLOW_THP=0
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
