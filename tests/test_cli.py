@@ -216,8 +216,12 @@ def test_the_program_exits_with_the_commands_status_after_its_exit_handlers(tmp_
     import tomllib
     from pathlib import Path
 
-    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["ngrpo"] == "ngrpo_lightning.commands.launch:program"
+    root = Path(__file__).parents[1]  # the installed ngrpo command is the launcher script, which runs launch:program
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["script-files"] == ["ngrpo_lightning/commands/bin/ngrpo"]
+    assert "ngrpo" not in project["project"].get("scripts", {})
+    launcher = (root / "ngrpo_lightning/commands/bin/ngrpo").read_text()
+    assert 'exec "$python" -m ngrpo_lightning.commands.launch "$@"' in launcher
 
 
 def test_a_class_path_may_name_a_module_in_the_current_directory_without_shadowing_packages(tmp_path, capsys):

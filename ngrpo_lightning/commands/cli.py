@@ -8,6 +8,7 @@
                                     semantic-drift pilot / explorers side by side (docs/diagnostics.md)
     ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir>
                                     a trained policy as a Hugging Face model (docs/checkpoints.md)
+    ngrpo env                       the allocator environment the command runs in, one NAME=value a line
 
 Hydra composes the config from ``conf/``; a config error prints one line naming the key and exits with status 2."""
 
@@ -36,6 +37,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+ALLOCATOR_ENV = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP")  # what `ngrpo env` prints
 # Each command's config file in conf/: what its --help describes.
 CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
 
@@ -93,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "source", help="a checkpoint (.ckpt file or distributed folder), a run's output_dir or an MLflow run id"
     )
     p.add_argument("out_dir", help="the Hugging Face model directory to write")
-    p.add_argument(
-        "--which", choices=("last", "best"), default="last", help="which checkpoint of a run (default: last)"
-    )
+    p.add_argument("--which", choices=("last", "best"), default="last", help="a run's checkpoint (default: last)")
     p.add_argument(
         "--tracking-uri",
         help="MLflow store of the run: where a run id is found (default: ./mlruns/mlflow.db) and the export is "
@@ -104,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", help="weights' dtype (default: the run's model.dtype)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
     p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace the model in a non-empty out_dir (other files are kept)"
-    )
+    p.add_argument("--overwrite", action="store_true", help="replace the model in a non-empty out_dir (keeps others)")
+    sub.add_parser("env", help="the allocator environment the command runs in (for `env $(ngrpo env) python ...`)")
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
@@ -118,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "env":  # what the launcher (commands/bin/ngrpo) set for the C allocator
+        sys.stdout.write("".join(f"{k}={os.environ[k]}\n" for k in ALLOCATOR_ENV if k in os.environ))
+        return 0
     if args.help or (args.command == "diagnose" and args.mode is None):
         mode = " {drift,rollouts}" if args.command == "diagnose" else ""
         print(f"usage: ngrpo {args.command}{mode} [group=option ...] [key=value ...]\n")

@@ -1,6 +1,6 @@
-"""The ``ngrpo`` command's entry point: OpenMP's spin setting, then the command, then an exit without the garbage
-collector's last walk (:func:`program`). It imports nothing heavy, so OpenMP's environment is set before torch loads
-it; the allocator is the launcher's business (docs/performance.md, "The allocator")."""
+"""The ``ngrpo`` command's Python entry point, run by its launcher (``commands/bin/ngrpo``: it chose the allocator):
+OpenMP's spin setting, then the command, then an exit without the garbage collector's last walk (:func:`program`).
+It imports nothing heavy, so OpenMP's environment is set before torch loads it."""
 
 from __future__ import annotations
 
