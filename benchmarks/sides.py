@@ -87,8 +87,8 @@ def child_env(workload: Workload, side: str, allocator: str = "launcher") -> dic
 
 
 def launcher_env() -> dict[str, str]:
-    """The allocator environment the ``ngrpo`` command gives its process (``ngrpo env``), for this
-    virtual environment; empty where that command is missing."""
+    """The environment the ``ngrpo`` command gives its process (``ngrpo env``: the allocator, OpenMP's
+    spin), for this virtual environment; empty where that command is missing."""
     try:
         out = subprocess.run([str(Path(sys.executable).parent / "ngrpo"), "env"], capture_output=True, text=True,
                              check=True).stdout  # fmt: skip

@@ -11,13 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from ngrpo_lightning.commands.launch import GOMP_SPINCOUNT
 from ngrpo_lightning.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRPO = Path(sys.executable).parent / "ngrpo"
 MI_OPTION_PURGE_DELAY, MI_OPTION_ALLOW_THP = 15, 43  # mimalloc's mi_option_t numbers (mimalloc.h, 3.4)
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux only")
-SET = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP", "NGRPO_ALLOCATOR")
+SET = (
+    "LD_PRELOAD",
+    "MIMALLOC_PURGE_DELAY",
+    "MIMALLOC_ALLOW_THP",
+    "NGRPO_ALLOCATOR",
+    "GOMP_SPINCOUNT",
+    "OMP_WAIT_POLICY",
+)
+SPIN = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}  # OpenMP's spin, set by launch.py before torch loads
 
 
 def clean(**env) -> dict:
@@ -66,9 +75,11 @@ def test_the_command_preloads_mimalloc_with_freed_memory_kept():
 
 @LINUX
 def test_the_users_choices_win():
-    assert printed_env(NGRPO_ALLOCATOR="system") == {}
+    assert printed_env(NGRPO_ALLOCATOR="system") == SPIN
     mine = ctypes.util.find_library("m") or "libm.so.6"  # any preload of the user's own
-    assert printed_env(LD_PRELOAD=mine) == {"LD_PRELOAD": mine}
+    assert printed_env(LD_PRELOAD=mine) == {"LD_PRELOAD": mine, **SPIN}
+    assert printed_env(NGRPO_ALLOCATOR="system", GOMP_SPINCOUNT="1000") == {"GOMP_SPINCOUNT": "1000"}
+    assert printed_env(NGRPO_ALLOCATOR="system", OMP_WAIT_POLICY="PASSIVE") == {}  # OpenMP's own policy: no spin set
     assert printed_env(MIMALLOC_PURGE_DELAY="10")["MIMALLOC_PURGE_DELAY"] == "10"
     proc = command("env", env=clean(NGRPO_ALLOCATOR="jemalloc"))
     assert proc.returncode == 2 and "NGRPO_ALLOCATOR=jemalloc" in proc.stderr and "mimalloc" in proc.stderr

@@ -8,7 +8,7 @@
                                     semantic-drift pilot / explorers side by side (docs/diagnostics.md)
     ngrpo export <checkpoint | run output_dir | MLflow run id> <out_dir>
                                     a trained policy as a Hugging Face model (docs/checkpoints.md)
-    ngrpo env                       the allocator environment the command runs in, one NAME=value a line
+    ngrpo env                       the allocator and OpenMP environment the command runs in, NAME=value lines
 
 Hydra composes the config from ``conf/``; a config error prints one line naming the key and exits with status 2."""
 
@@ -37,7 +37,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-ALLOCATOR_ENV = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP")  # what `ngrpo env` prints
+# What `ngrpo env` prints: the allocator the launcher chose, and OpenMP's spin (commands/launch.py)
+COMMAND_ENV = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP", "GOMP_SPINCOUNT")
 # Each command's config file in conf/: what its --help describes.
 CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mlflow", action="store_true", help="do not log the directory to the run's MLflow artifacts")
     p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into a full model")
     p.add_argument("--overwrite", action="store_true", help="replace the model in a non-empty out_dir (keeps others)")
-    sub.add_parser("env", help="the allocator environment the command runs in (for `env $(ngrpo env) python ...`)")
+    sub.add_parser("env", help="the allocator and OpenMP settings the command runs with (env $(ngrpo env) python ...)")
     p = sub.add_parser("diagnose", help="semantic-drift pilot, or explorers side by side", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("mode", nargs="?", choices=("drift", "rollouts"))
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(args)
-    if args.command == "env":  # what the launcher (commands/bin/ngrpo) set for the C allocator
-        sys.stdout.write("".join(f"{k}={os.environ[k]}\n" for k in ALLOCATOR_ENV if k in os.environ))
+    if args.command == "env":  # what the launcher (commands/bin/ngrpo) and launch.py set
+        sys.stdout.write("".join(f"{k}={os.environ[k]}\n" for k in COMMAND_ENV if k in os.environ))
         return 0
     if args.help or (args.command == "diagnose" and args.mode is None):
         mode = " {drift,rollouts}" if args.command == "diagnose" else ""

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import sys
 
-# How long an idle OpenMP thread spins before it sleeps. libgomp's default (300,000 spins) keeps a waiting thread on
-# its core between kernels, taking other processes' time slices on a busy machine; 1,000 (libgomp's own value once its
-# threads outnumber the cores) costs nothing on a quiet machine and wins most of that back on a busy one
-# (docs/performance.md, "A busy machine"). A value the user exported (or OMP_WAIT_POLICY) wins.
-GOMP_SPINCOUNT = "1000"
+# How long an idle OpenMP thread spins before it sleeps. Too short, and a thread woken for each of a step's many small
+# parallel regions pays the wake-up (14-15% of the step on an Intel Xeon with AMX, record floor-cpu-2026-12-07-5);
+# too long, and a waiting thread takes other processes' time slices on a busy machine (libgomp's default 300,000:
+# 1.4x 30,000's step beside two CPU-bound processes, floor-cpu-2026-12-07-6). 30,000 is as fast as the default on a
+# quiet machine (docs/performance.md, "A busy machine"). A value the user exported (or OMP_WAIT_POLICY) wins.
+GOMP_SPINCOUNT = "30000"
 
 
 def main(argv: list[str] | None = None) -> int:
