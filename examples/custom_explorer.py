@@ -4,7 +4,7 @@ then Pass@4 of the trained policy on the validation problems.
 
     python examples/custom_explorer.py                       # 15 steps (minutes on a laptop CPU)
     NGRPO_EXAMPLE_STEPS=2 python examples/custom_explorer.py # a short run
-    env $(ngrpo env) python examples/custom_explorer.py      # on the C allocator `ngrpo train` runs on
+    env $(ngrpo env) python examples/custom_explorer.py      # on the allocator and spin `ngrpo train` sets
 """
 
 import os
