@@ -37,8 +37,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# What `ngrpo env` prints: the allocator the launcher chose, and OpenMP's spin (commands/launch.py)
-COMMAND_ENV = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP", "GOMP_SPINCOUNT")
+COMMAND_ENV = ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY", "MIMALLOC_ALLOW_THP", "GOMP_SPINCOUNT")  # `ngrpo env` prints
 # Each command's config file in conf/: what its --help describes.
 CONFIG_FILES = {"train": "config", "config": "config", "eval": "eval", "compare": "compare", "diagnose": "diagnose"}
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
-# How long an idle OpenMP thread spins before it sleeps. Too short, and a thread woken for each of a step's many small
-# parallel regions pays the wake-up (14-15% of the step on an Intel Xeon with AMX, record floor-cpu-2026-12-07-5);
-# too long, and a waiting thread takes other processes' time slices on a busy machine (libgomp's default 300,000:
-# 1.4x 30,000's step beside two CPU-bound processes, floor-cpu-2026-12-07-6). 30,000 is as fast as the default on a
-# quiet machine (docs/performance.md, "A busy machine"). A value the user exported (or OMP_WAIT_POLICY) wins.
+# How long an idle OpenMP thread spins before it sleeps. Too short, and waking threads for a step's many small parallel
+# regions costs 14-15% of it on an Intel Xeon with AMX (record floor-cpu-2026-12-07-5); too long, and a waiting thread
+# takes other processes' time on a busy machine (libgomp's default, 300,000: 1.25x 30,000's step there, -6); 30,000 is
+# as fast as the default when quiet (docs/performance.md, "OpenMP's spin"). An exported value or OMP_WAIT_POLICY wins.
 GOMP_SPINCOUNT = "30000"
 
 
