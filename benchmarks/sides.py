@@ -70,28 +70,25 @@ def child_main(run) -> None:
 
 
 def child_env(workload: Workload, side: str, allocator: str = "launcher") -> dict:
-    """A side's environment. Ours gets what the ``ngrpo`` command gives its process: OpenMP's short
-    spin and, with ``allocator="launcher"``, the command's allocator environment (``ngrpo env``);
-    ``"system"``: the C library's malloc (``NGRPO_ALLOCATOR=system``)."""
-    from ngrpo_lightning.commands import launch
-
+    """A side's environment. Ours gets what the ``ngrpo`` command gives its process (:func:`command_env`):
+    OpenMP's spin and the allocator, mimalloc with ``allocator="launcher"``, the C library's malloc with
+    ``"system"`` (``NGRPO_ALLOCATOR=system``)."""
     environ = dict(os.environ)
     if side == "ours":
-        if "OMP_WAIT_POLICY" not in environ:
-            environ.setdefault("GOMP_SPINCOUNT", launch.GOMP_SPINCOUNT)
-        environ.update(launcher_env() if allocator == "launcher" else {})
+        environ.update(command_env(allocator))
     if workload.threads:
         environ |= {"OMP_NUM_THREADS": str(workload.threads), "MKL_NUM_THREADS": str(workload.threads)}
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # both sides load a local directory
     return {**environ, **offline, "TOKENIZERS_PARALLELISM": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
 
 
-def launcher_env() -> dict[str, str]:
-    """The environment the ``ngrpo`` command gives its process (``ngrpo env``: the allocator, OpenMP's
-    spin), for this virtual environment; empty where that command is missing."""
+def command_env(allocator: str = "launcher") -> dict[str, str]:
+    """What the ``ngrpo`` command of this virtual environment sets for its process (``ngrpo env``: the allocator,
+    OpenMP's spin; a value exported here wins, as it does for the command); empty where that command is missing."""
+    environ = {**os.environ, **({"NGRPO_ALLOCATOR": "system"} if allocator == "system" else {})}
     try:
         out = subprocess.run([str(Path(sys.executable).parent / "ngrpo"), "env"], capture_output=True, text=True,
-                             check=True).stdout  # fmt: skip
+                             check=True, env=environ).stdout  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return {}
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
