@@ -45,7 +45,7 @@ from compute_floor import (
     step_flops,
 )
 from sides import PHASES, run_side
-from step_profile import phase_rows
+from step_profile import PROFILE_COLUMNS, phase_rows
 from workloads import LORA_RANK, describe
 
 COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "logprobs_x_floor",
@@ -101,7 +101,8 @@ def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
     add_floors(row, steps, workload, floor)
     add_warmup(row, runs)
     row |= {
-        "loop_rss_gib": max(s["rss_bytes"] for r in runs for s in r["steps"]) / GIB,  # the steps, no exit
+        # the steps, no exit, nor a profiled step's (the profiler's own records)
+        "loop_rss_gib": max(s["rss_bytes"] for r in runs for i, s in enumerate(r["steps"]) if i != profiled(r)) / GIB,
         "cmd_rss_gib": max(r["peak_rss_bytes"] for r in runs) / GIB,  # the whole process, its exit included
         "tree_rss_gib": max(r["tree_peak_rss_bytes"] for r in runs) / GIB,  # with child processes
         "steal_pct": max((r["steal_pct"] for r in runs if r.get("steal_pct") is not None), default=None),
@@ -215,8 +216,8 @@ def report(rows: list[dict]) -> None:
     print_table([r for r in rows if "error" not in r], WARMUP)
     phases = [p for r in rows if "profile" in r for p in phase_rows({"mode": r["mode"]}, r["profile"]["phases"])]
     if phases:
-        print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host)")
-        print_table(phases, ["mode", "phase", "host_s", "device_s", "busy", "kernels", "graphs", "longest"])
+        print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host; products: a CPU's)")
+        print_table(phases, ["mode", "phase", *PROFILE_COLUMNS])
 
 
 def brief_rows(rows: list[dict], key: str) -> dict:

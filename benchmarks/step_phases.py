@@ -1,11 +1,11 @@
 """``harness.py profile``: where a step's time and memory go, per phase, in one run of the workload.
 
 The run (``side_ours.py``) profiles its last step (``step_profile.py``: each phase's host time,
-its kernels' time on the device, their count and the longest) and reads each phase's peak RSS in
-every step (``memory_phases.py``; ``--trim``: freed heap memory handed back before each phase).
-The steps' own phase times (``gen_s``, ...) are medians over the steps after the first and before
-the profiled one, as are the memory peaks; a step's first use of memory is reported apart
-(``first_step_peak_gib``).
+its kernels' time on the device, their count and the longest; on a CPU its matrix products' time
+and rate) and reads each phase's peak RSS in every step (``memory_phases.py``; ``--trim``: freed
+heap memory handed back before each phase). The steps' own phase times (``gen_s``, ...) are
+medians over the steps after the first and before the profiled one, as are the memory peaks; a
+step's first use of memory is reported apart (``first_step_peak_gib``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common import GIB, print_table, write_record
 from floor import brief, device_of
 from memory_phases import PHASES as MEMORY_PHASES
 from sides import PHASES, run_side
-from step_profile import phase_rows
+from step_profile import PROFILE_COLUMNS, phase_rows
 from workloads import describe
 
 
@@ -55,7 +55,7 @@ def run(args, workload) -> None:
     memory = memory_row(result["memory"], profiled)
     print("\nsteps' phases, s:", ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
     print(f"\nthe profiled step ({profiled}), by phase (device: its kernels' time; busy: device / host)")
-    print_table(phases, ["phase", "host_s", "device_s", "busy", "kernels", "graphs", "longest"])
+    print_table(phases, ["phase", *PROFILE_COLUMNS])
     print("\nresident memory, GiB (phases: their own peaks)")
     print_table([{k: v for k, v in memory.items() if k != "tensors_gib"}])
     print("tensors of the run, GiB:", ", ".join(f"{k} {v:.2f}" for k, v in memory["tensors_gib"].items()))

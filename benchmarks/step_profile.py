@@ -14,6 +14,13 @@ GPU, included (a CPU run has no kernels, and its device columns stay empty).
 or memory); far below, the host is (Python and kernel launches, or waits on the host such as
 the reward's answer checking), and fewer, larger kernels are the lever. Profiling slows the host
 by a few microseconds per operation, so the profiled step is left out of a benchmark's medians.
+
+On a CPU, where the host's operations are the work, ``products_s`` is the time a phase spent in
+matrix products (their own time, from the operands' shapes the profiler records) and
+``products_gflops`` the rate they ran at there: weights and activations as the step leaves them in
+memory, not warm in the caches as a product timed alone. Set against the floor's dense rate it
+says how much of a phase's excess over its floor is the products' own rate and how much is
+everything else.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import gzip
 import shutil
 from collections import Counter
+from math import prod
 from pathlib import Path
 
 import lightning as L
@@ -30,6 +38,9 @@ from torch.autograd import DeviceType
 from ngrpo_lightning.phases import PREFIX
 
 TOP = 6  # kernels and host operations listed per phase
+# matrix products on a CPU: aten's and oneDNN's (the backend's packed and as-they-lie products)
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                      "mkldnn::_linear_pointwise"})  # fmt: skip
 
 
 class StepProfile(L.Callback):
@@ -50,7 +61,7 @@ class StepProfile(L.Callback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)  # products' FLOPs
             self._profiler.__enter__()
         elif ended == self.step and self._profiler is not None:
             self._finish()
@@ -67,11 +78,26 @@ class StepProfile(L.Callback):
             write_trace(profiler, Path(self.trace))
 
 
+def product_flops(name: str, shapes: list) -> int:
+    """2 x M x K x N of a matrix product from its operands' shapes: ``[M, K] x [K, N]`` (``mm``; ``addmm`` after
+    the added term; batched: ``[B, M, K] x [B, K, N]``) or oneDNN's ``x [..., K]`` times ``weight [N, K]``;
+    0 where the shapes were not recorded."""
+    if name in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
+        shapes = shapes[1:]
+    if len(shapes) < 2 or not shapes[0] or not shapes[1]:
+        return 0
+    a, b = shapes[0], shapes[1]
+    return 2 * prod(a) * (b[0] if name == "mkldnn::_linear_pointwise" else b[-1])
+
+
 def phase_report(events) -> dict[str, dict]:
-    """``phase -> {host_s, device_s, busy, kernels, graph_launches, calls, top_kernels, top_host_ops}``
+    """``phase -> {host_s, device_s, busy, kernels, graph_launches, calls, top_kernels, top_host_ops,
+    products_s, products_gflops}``
     for every ``ngrpo/`` range among a profiler's ``events`` (ranges of one name summed). Times in
     seconds; the top lists are ``[name, seconds, count]``, longest first (a host operation's time is
-    its own, its callees' left out).
+    its own, its callees' left out). ``products_s`` / ``products_gflops``: the host's matrix products
+    (:data:`PRODUCTS`) and their rate, ``None`` in a phase that ran kernels on a device (there the host
+    only launches them).
 
     Every other event belongs to the innermost phase whose time range holds its start, whatever
     thread it ran on: the kernels a CUDA graph's replay runs (no host operation launches them, so
@@ -88,7 +114,7 @@ def phase_report(events) -> dict[str, dict]:
     )
     report: dict[str, dict] = {}
     for _, _, name in ranges:
-        report.setdefault(name, {"host_s": 0.0, "calls": 0, "_sums": tuple(Counter() for _ in range(4))})
+        report.setdefault(name, {"host_s": 0.0, "calls": 0, "_sums": tuple(Counter() for _ in range(4)), "_flops": 0})
     for start, end, name in ranges:
         report[name]["host_s"] += (end - start) / 1e6
         report[name]["calls"] += 1
@@ -102,6 +128,8 @@ def phase_report(events) -> dict[str, dict]:
         if event.device_type == DeviceType.CPU:
             host_us[event.name] += event.self_cpu_time_total
             host_n[event.name] += 1
+            if event.name in PRODUCTS:
+                report[name]["_flops"] += product_flops(event.name, event.input_shapes or [])
         else:  # a kernel, copy or fill on the device
             kernel_us[event.name] += event.time_range.elapsed_us()
             kernel_n[event.name] += 1
@@ -113,6 +141,10 @@ def phase_report(events) -> dict[str, dict]:
         entry["graph_launches"] = calls["cudaGraphLaunch"]
         entry["top_kernels"] = [[k[:90], us / 1e6, counts[k]] for k, us in kernels.most_common(TOP)]
         entry["top_host_ops"] = [[k[:90], us / 1e6, calls[k]] for k, us in host.most_common(TOP)]
+        flops, products_s = entry.pop("_flops"), sum(host[k] for k in PRODUCTS) / 1e6
+        on_host = entry["kernels"] == 0 and products_s > 0
+        entry["products_s"] = products_s if on_host else None
+        entry["products_gflops"] = flops / products_s / 1e9 if on_host and flops else None
     return report
 
 
@@ -139,6 +171,9 @@ def write_trace(profiler, path: Path) -> None:
         plain.unlink()
 
 
+PROFILE_COLUMNS = ["host_s", "device_s", "busy", "kernels", "graphs", "longest", "products_s", "products_gflops"]
+
+
 def phase_rows(label: dict, report: dict[str, dict]) -> list[dict]:
     """Table rows (one per phase, ``label``'s columns first) of a :func:`phase_report`."""
     rows = []
@@ -155,6 +190,12 @@ def phase_rows(label: dict, report: dict[str, dict]) -> list[dict]:
                 "kernels": entry["kernels"],
                 "graphs": entry["graph_launches"],
                 "longest": f"{top[0][:48]} {top[1]:.4f} s" if top else "",
+                "products_s": _round(entry.get("products_s"), 3),
+                "products_gflops": _round(entry.get("products_gflops"), 1),
             }
         )
     return rows
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)

@@ -31,6 +31,32 @@ def test_a_phase_times_its_block_and_names_it_for_both_profilers():
     assert report["update"]["kernels"] == 0 and report["update"]["device_s"] == 0  # a CPU has no kernels
 
 
+def test_a_phase_report_on_a_cpu_gives_its_products_time_and_rate():
+    a, b, c = torch.randn(64, 96), torch.randn(96, 128), torch.randn(8, 64, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        with phase("update", torch.device("cpu")):
+            a @ b  # 2 x 64 x 96 x 128 FLOPs
+            torch.bmm(c, c.transpose(1, 2))  # 2 x 8 x 64 x 32 x 64
+            torch.randn(64, 128).addmm_(a, b)  # as many as the first
+            torch.relu(a)  # not a product
+    update = step_profile.phase_report(prof.events())["update"]
+    mm = [e for e in prof.events() if e.name in step_profile.PRODUCTS]
+    assert len(mm) == 3 and update["products_s"] == pytest.approx(sum(e.self_cpu_time_total for e in mm) / 1e6)
+    flops = 2 * (2 * 64 * 96 * 128) + 2 * 8 * 64 * 32 * 64
+    assert update["products_gflops"] == pytest.approx(flops / update["products_s"] / 1e9)
+    row = step_profile.phase_rows({}, {"update": update})[0]
+    assert row["products_s"] == round(update["products_s"], 3) and row["products_gflops"] is not None
+
+
+def test_product_flops_reads_each_products_operands():
+    assert step_profile.product_flops("aten::mm", [[4, 5], [5, 6]]) == 2 * 4 * 5 * 6
+    assert step_profile.product_flops("aten::addmm_", [[4, 6], [4, 5], [5, 6], [], []]) == 2 * 4 * 5 * 6
+    assert step_profile.product_flops("aten::bmm", [[3, 4, 5], [3, 5, 6]]) == 2 * 3 * 4 * 5 * 6
+    linear = step_profile.product_flops("mkldnn::_linear_pointwise", [[32, 1, 576], [1536, 576], []])
+    assert linear == 2 * 32 * 576 * 1536  # oneDNN's: x [..., K] times weight [N, K]
+    assert step_profile.product_flops("aten::mm", []) == 0  # shapes not recorded
+
+
 def test_a_phase_report_owns_the_device_work_that_starts_inside_it():
     """What a GPU trace holds and no operation of the range launched: a CUDA graph's replayed
     kernels (linked to no operation) and the backward's, launched from autograd's own thread.
@@ -61,6 +87,7 @@ def test_a_phase_report_owns_the_device_work_that_starts_inside_it():
     assert report["update"]["kernels"] == 1 and [op for op, _, _ in report["update"]["top_host_ops"]] == ["aten::mm"]
     assert report["logprobs"]["kernels"] == 1 and report["logprobs"]["host_s"] == pytest.approx(30e-6)
     assert report["update"]["host_s"] == pytest.approx(100e-6)  # a phase's time is its range's, nested ones included
+    assert report["update"]["products_s"] is None  # on a device the host's products are launches, not the work
 
 
 def test_a_failing_block_is_not_timed_and_its_error_goes_through():
@@ -80,6 +107,7 @@ def test_a_profiled_training_step_reports_its_four_phases(tiny, tmp_path):
         assert report[name]["calls"] == 1 and report[name]["host_s"] > 0, name
     for name in ("rollout", "update"):  # the model's products run inside these (no KL term: no reference pass)
         assert any(op in ("aten::mm", "aten::addmm", "aten::linear") for op, _, _ in report[name]["top_host_ops"])
+        assert report[name]["products_s"] > 0 and report[name]["products_gflops"] > 0, name  # shapes recorded
     assert (tmp_path / "step.trace.json.gz").stat().st_size > 1000
     rows = step_profile.phase_rows({"run": "tiny"}, report)
     assert [r["phase"] for r in rows] == list(report) and all(r["run"] == "tiny" for r in rows)
