@@ -16,11 +16,11 @@ the reward's answer checking), and fewer, larger kernels are the lever. Profilin
 by a few microseconds per operation, so the profiled step is left out of a benchmark's medians.
 
 On a CPU, where the host's operations are the work, ``products_s`` is the time a phase spent in
-matrix products (their own time, from the operands' shapes the profiler records) and
-``products_gflops`` the rate they ran at there: weights and activations as the step leaves them in
-memory, not warm in the caches as a product timed alone. Set against the floor's dense rate it
-says how much of a phase's excess over its floor is the products' own rate and how much is
-everything else.
+its linear layers' matrix products (their own time; attention's are left out) and
+``products_gflops`` the rate they ran at there (FLOPs from the operands' shapes the profiler
+records): weights and activations as the step leaves them in memory, not warm in the caches as a
+product timed alone. Set against the floor's dense rate it says how much of a phase's excess over
+its floor is the products' own rate and how much is everything else.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from torch.autograd import DeviceType
 from ngrpo_lightning.phases import PREFIX
 
 TOP = 6  # kernels and host operations listed per phase
-# matrix products on a CPU: aten's and oneDNN's (the backend's packed and as-they-lie products)
-PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
-                      "mkldnn::_linear_pointwise"})  # fmt: skip
+# a linear layer's products on a CPU, aten's and oneDNN's (the backend's packed and as-they-lie ones); attention's
+# batched products are left out: their time is reading the cache, not multiplying
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "mkldnn::_linear_pointwise"})
 
 
 class StepProfile(L.Callback):
@@ -80,9 +80,8 @@ class StepProfile(L.Callback):
 
 def product_flops(name: str, shapes: list) -> int:
     """2 x M x K x N of a matrix product from its operands' shapes: ``[M, K] x [K, N]`` (``mm``; ``addmm`` after
-    the added term; batched: ``[B, M, K] x [B, K, N]``) or oneDNN's ``x [..., K]`` times ``weight [N, K]``;
-    0 where the shapes were not recorded."""
-    if name in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
+    the added term) or oneDNN's ``x [..., K]`` times ``weight [N, K]``; 0 where the shapes were not recorded."""
+    if name in ("aten::addmm", "aten::addmm_"):
         shapes = shapes[1:]
     if len(shapes) < 2 or not shapes[0] or not shapes[1]:
         return 0
@@ -95,7 +94,7 @@ def phase_report(events) -> dict[str, dict]:
     products_s, products_gflops}``
     for every ``ngrpo/`` range among a profiler's ``events`` (ranges of one name summed). Times in
     seconds; the top lists are ``[name, seconds, count]``, longest first (a host operation's time is
-    its own, its callees' left out). ``products_s`` / ``products_gflops``: the host's matrix products
+    its own, its callees' left out). ``products_s`` / ``products_gflops``: the host's linear products
     (:data:`PRODUCTS`) and their rate, ``None`` in a phase that ran kernels on a device (there the host
     only launches them).
 
