@@ -15,6 +15,9 @@ generation over it, ``x_roofline`` the step over the roofline with the passes at
 ``gen_x_streamed`` is generation over the same sum with each step's products as a step runs them
 (``decode_products_streamed_ms``: every product on a weight of its own, in order, each weight read
 from memory): how much of generation is its products, and how much everything else.
+``products_x_floor`` (``--profile``, on a CPU): the profiled step's linear products alone, their own
+time as they ran in place (``step_profile.py``), over the step's floor: how far the products'
+rates keep the step from its floor were everything else free.
 The first step of every run is its warm-up: left out of the medians, its excess over the
 median step is ``warmup_s``, split by phase (``warmup_gen_s``, ...); ``startup_s`` is the
 process's time outside its steps; ``steal_pct`` the share of the machine's CPU time a shared
@@ -48,9 +51,9 @@ from sides import PHASES, run_side
 from step_profile import PROFILE_COLUMNS, phase_rows
 from workloads import LORA_RANK, describe
 
-COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "logprobs_x_floor",
-           "update_x_floor", "gen_x_floor", "gen_x_roofline", "gen_x_streamed", "decode_ms", "warmup_s",
-           "loop_rss_gib", "tree_rss_gib", "cuda_gib", "steal_pct", "error"]  # fmt: skip
+COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "products_x_floor",
+           "logprobs_x_floor", "update_x_floor", "gen_x_floor", "gen_x_roofline", "gen_x_streamed", "decode_ms",
+           "warmup_s", "loop_rss_gib", "tree_rss_gib", "cuda_gib", "steal_pct", "error"]  # fmt: skip
 WARMUP = ["mode", "warmup_s", "warmup_gen_s", "warmup_logprobs_s", "warmup_update_s", "warmup_other_s",
           "graph_record_s", "startup_s"]  # fmt: skip
 
@@ -113,6 +116,9 @@ def summary(label: dict, runs: list[dict], workload, floor: dict) -> dict:
     }
     if any("profile" in r for r in runs):
         row["profile"] = next(r["profile"] for r in runs if "profile" in r)
+        products = [p["products_s"] for p in row["profile"]["phases"].values() if p.get("products_s")]
+        if products:  # a CPU's: the profiled step's linear products alone, against the step's floor
+            row["products_x_floor"] = sum(products) / row["floor_s"]
     return row
 
 
@@ -222,7 +228,8 @@ def report(rows: list[dict]) -> None:
 
 def brief_rows(rows: list[dict], key: str) -> dict:
     """Each row's main figures, by its ``key`` (numbered where it repeats), for a record's summary."""
-    keep = ("step_s", "x_floor", "x_roofline", "gen_x_floor", "gen_x_roofline", "gen_x_streamed", "warmup_s")
+    keep = ("step_s", "x_floor", "x_roofline", "products_x_floor", "gen_x_floor", "gen_x_roofline", "gen_x_streamed")
+    keep += ("warmup_s",)
     keep += ("cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
     repeats = len({r[key] for r in rows}) < len(rows)
     return {(f"{i + 1}. " if repeats else "") + r[key]: {k: r[k] for k in keep if k in r} for i, r in enumerate(rows)}

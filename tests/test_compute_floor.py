@@ -148,7 +148,9 @@ def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_t
         "step_s": t, "gen_s": t / 4, "reward_s": 0.0, "logprobs_s": t / 4, "update_s": t / 2,
         "rss_bytes": 2**30, "graph_record_s": extra, "logprob_diff_max": 0.0,
     }  # fmt: skip
-    run = {"steps": [step(9.0, 1.0), step(2.0), step(4.0), step(50.0)], "profile": {"step": 3, "phases": {}}}
+    profiled = step(50.0) | {"rss_bytes": 2**32}  # the profiler's own records: not the loop's peak
+    phases = {"rollout": {"products_s": 0.5}, "reward": {"products_s": None}, "update": {"products_s": 1.5}}
+    run = {"steps": [step(9.0, 1.0), step(2.0), step(4.0), profiled], "profile": {"step": 3, "phases": phases}}
     run |= {"peak_rss_bytes": 2**30, "tree_peak_rss_bytes": 2**31, "wall_s": 70.0}
     rate = 1e3
     row = floor.summary(
@@ -160,6 +162,8 @@ def test_a_floor_row_leaves_out_the_first_and_the_profiled_step_and_divides_by_t
     assert row["warmup_s"] == 6.0 and row["graph_record_s"] == 1.0 and row["startup_s"] == 5.0
     assert row["gen_x_floor"] == pytest.approx(0.75 / compute_floor.decode_floor_s(fixed_step(), SHAPE, 10.0, 4))
     assert row["steal_pct"] is None  # the run said nothing of stolen time
+    assert row["loop_rss_gib"] == 1.0 and row["cmd_rss_gib"] == 1.0
+    assert row["products_x_floor"] == pytest.approx(2.0 / row["floor_s"])  # the profiled step's products alone
     assert "gen_x_roofline" not in row  # no decoding products measured (a GPU's floor)
     floor_ = {"shape": SHAPE, "rate": rate, "bandwidth": 10.0, "products": 0.5}
     row = floor.summary({"mode": "full"}, [run], workloads.side_by_side(), floor_)
