@@ -229,8 +229,7 @@ def report(rows: list[dict]) -> None:
 def brief_rows(rows: list[dict], key: str) -> dict:
     """Each row's main figures, by its ``key`` (numbered where it repeats), for a record's summary."""
     keep = ("step_s", "x_floor", "x_roofline", "products_x_floor", "gen_x_floor", "gen_x_roofline", "gen_x_streamed")
-    keep += ("warmup_s",)
-    keep += ("cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
+    keep += ("warmup_s", "cmd_rss_gib", "cuda_gib", "vs_ours", "steal_pct", "error")
     repeats = len({r[key] for r in rows}) < len(rows)
     return {(f"{i + 1}. " if repeats else "") + r[key]: {k: r[k] for k in keep if k in r} for i, r in enumerate(rows)}
 

@@ -1,7 +1,7 @@
 """``harness.py profile``: where a step's time and memory go, per phase, in one run of the workload.
 
 The run (``side_ours.py``) profiles its last step (``step_profile.py``: each phase's host time,
-its kernels' time on the device, their count and the longest; on a CPU its matrix products' time
+its kernels' time on the device, their count and the longest; on a CPU its linear products' time
 and rate) and reads each phase's peak RSS in every step (``memory_phases.py``; ``--trim``: freed
 heap memory handed back before each phase). The steps' own phase times (``gen_s``, ...) are
 medians over the steps after the first and before the profiled one, as are the memory peaks; a
