@@ -48,7 +48,7 @@ from compute_floor import (
     step_flops,
 )
 from sides import PHASES, run_side
-from step_profile import PROFILE_COLUMNS, phase_rows
+from step_profile import PROFILE_COLUMNS, PROFILE_LEGEND, phase_rows
 from workloads import LORA_RANK, describe
 
 COLUMNS = ["mode", "graphs", "tokens", "step_s", *PHASES, "other_s", "x_floor", "x_roofline", "products_x_floor",
@@ -222,7 +222,7 @@ def report(rows: list[dict]) -> None:
     print_table([r for r in rows if "error" not in r], WARMUP)
     phases = [p for r in rows if "profile" in r for p in phase_rows({"mode": r["mode"]}, r["profile"]["phases"])]
     if phases:
-        print("\nthe profiled step, by phase (device: its kernels' time; busy: device / host; products: a CPU's)")
+        print(f"\nthe profiled step, by phase ({PROFILE_LEGEND})")
         print_table(phases, ["mode", "phase", *PROFILE_COLUMNS])
 
 

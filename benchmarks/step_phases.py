@@ -19,7 +19,7 @@ from common import GIB, print_table, write_record
 from floor import brief, device_of
 from memory_phases import PHASES as MEMORY_PHASES
 from sides import PHASES, run_side
-from step_profile import PROFILE_COLUMNS, phase_rows
+from step_profile import PROFILE_COLUMNS, PROFILE_LEGEND, phase_rows
 from workloads import describe
 
 
@@ -54,7 +54,7 @@ def run(args, workload) -> None:
     phases = phase_rows({}, result["profile"]["phases"])
     memory = memory_row(result["memory"], profiled)
     print("\nsteps' phases, s:", ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
-    print(f"\nthe profiled step ({profiled}), by phase (device: its kernels' time; busy: device / host)")
+    print(f"\nthe profiled step ({profiled}), by phase ({PROFILE_LEGEND})")
     print_table(phases, ["phase", *PROFILE_COLUMNS])
     print("\nresident memory, GiB (phases: their own peaks)")
     print_table([{k: v for k, v in memory.items() if k != "tensors_gib"}])

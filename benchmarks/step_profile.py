@@ -171,6 +171,7 @@ def write_trace(profiler, path: Path) -> None:
 
 
 PROFILE_COLUMNS = ["host_s", "device_s", "busy", "kernels", "graphs", "longest", "products_s", "products_gflops"]
+PROFILE_LEGEND = "device: its kernels' time; busy: device / host; products: a CPU's linear ones"  # the columns
 
 
 def phase_rows(label: dict, report: dict[str, dict]) -> list[dict]:

@@ -8,9 +8,9 @@ import os
 import sys
 
 # How long an idle OpenMP thread spins before it sleeps. Too short, and waking threads for a step's many small parallel
-# regions costs 14-15% of it on an Intel Xeon with AMX (record floor-cpu-2026-12-07-5); too long, and a waiting thread
-# takes other processes' time on a busy machine (libgomp's default, 300,000: 1.25x 30,000's step there, -6); 30,000 is
-# as fast as the default when quiet (docs/performance.md, "OpenMP's spin"). An exported value or OMP_WAIT_POLICY wins.
+# regions slows it on some machines (record floor-cpu-2026-12-07-5); too long, and a waiting thread takes other
+# processes' time on a busy machine (-6). 30,000 is as fast as libgomp's 300,000 when quiet and faster when busy
+# (docs/performance.md, "OpenMP's spin"). An exported value or OMP_WAIT_POLICY wins.
 GOMP_SPINCOUNT = "30000"
 
 
